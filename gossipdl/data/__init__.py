@@ -1,0 +1,32 @@
+"""Datasets that need no download, partitioners among peers, and a batch sampler.
+
+Example:
+    >>> from gossipdl.data import load_dataset, partition, BatchSampler
+    >>> ds = load_dataset("digits")
+    >>> parts = partition(ds.y_train, n=4, spec="dirichlet:0.5", seed=0)
+    >>> sampler = BatchSampler(ds.x_train[parts[0]], ds.y_train[parts[0]], 32, seed=0)
+    >>> xb, yb = sampler.next()
+    >>> tuple(xb.shape)
+    (32, 8, 8)
+"""
+
+from gossipdl.data.datasets import (
+    DataError,
+    Dataset,
+    available_datasets,
+    cache_dir,
+    load_dataset,
+)
+from gossipdl.data.loader import BatchSampler, to_tensors
+from gossipdl.data.partition import partition
+
+__all__ = [
+    "BatchSampler",
+    "DataError",
+    "Dataset",
+    "available_datasets",
+    "cache_dir",
+    "load_dataset",
+    "partition",
+    "to_tensors",
+]
