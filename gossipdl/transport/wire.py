@@ -1,0 +1,214 @@
+"""Wire format: one msgpack header frame followed by raw buffer frames.
+
+Every message is a ZeroMQ multipart message. Frame 0 is a msgpack map (the
+header) that describes everything after it: protocol version, kind, sender,
+sequence number, round, codec, the dtype and shape of each array, and the byte
+length of each following frame. Arrays travel as raw bytes, split into frames
+of at most ``MAX_FRAME_BYTES`` so large models move at loopback speed and no
+single allocation is unbounded. The decoder checks every field against the
+header and the limits before any array is built, so nothing malformed ever
+reaches a model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 * 2**20
+MAX_HEADER_BYTES = 4 * 2**20
+MAX_ARRAYS = 4096
+MAX_NDIM = 8
+
+KINDS = frozenset(
+    {
+        "params",  # a model (or compressed update) for one gossip round
+        "ready",  # "I know the swarm and will train": carries the sender's member list
+        "join",  # a newcomer asks a member to be let in
+        "welcome",  # the member's answer: assigned id, member list, config
+        "members",  # membership announcement after a join
+        "info_request",  # a would-be joiner asks for the swarm's config before joining
+        "info",  # the answer: config and member list
+        "model_request",  # a (re)joining peer asks a neighbour for its current model
+        "model",  # the answer: the neighbour's model and round
+        "leave",  # the sender has stopped training
+    }
+)
+
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name)
+    for name in ("float32", "float16", "float64", "int8", "uint8", "int32", "int64")
+}
+
+
+class WireError(ValueError):
+    """A message that fails validation; ``reason`` is the short code counted in metrics."""
+
+    def __init__(self, reason: str, detail: str, sender: int | None = None) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.sender = sender
+
+
+@dataclass(frozen=True)
+class Message:
+    """A validated message: header fields, arrays (read-only views), and small metadata."""
+
+    kind: str
+    sender: int
+    seq: int
+    round: int
+    codec: str = "dense"
+    arrays: list[np.ndarray] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+def encode(
+    kind: str,
+    sender: int,
+    seq: int,
+    round: int,
+    arrays: Sequence[np.ndarray] = (),
+    meta: dict[str, Any] | None = None,
+    codec: str = "dense",
+) -> list[Any]:
+    """Build the frames of one message; array memory is referenced, not copied.
+
+    The caller must not modify the arrays until the message has been sent.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown message kind {kind!r}; known kinds: {sorted(KINDS)}")
+    specs = []
+    frames: list[Any] = []
+    for array in arrays:
+        array = np.asarray(array)
+        if not array.flags.c_contiguous:
+            array = array.copy()
+        if array.dtype.name not in DTYPES:
+            raise ValueError(f"dtype {array.dtype} cannot be sent; allowed: {sorted(DTYPES)}")
+        specs.append([array.dtype.name, list(array.shape)])
+        raw = array.reshape(-1).view(np.uint8).data
+        frames.extend(raw[i : i + MAX_FRAME_BYTES] for i in range(0, len(raw), MAX_FRAME_BYTES))
+    header = {
+        "v": PROTOCOL_VERSION,
+        "kind": kind,
+        "sender": sender,
+        "seq": seq,
+        "round": round,
+        "codec": codec,
+        "arrays": specs,
+        "frames": [len(f) for f in frames],
+        "meta": meta or {},
+    }
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def _field(header: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = header.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise WireError("malformed_header", f"field {name!r} is {value!r}, expected {kind}")
+    return value
+
+
+def decode(frames: Sequence[Any], max_message_bytes: int) -> Message:
+    """Validate and decode the frames of one message (header first).
+
+    Raises WireError with a reason code; builds arrays only after every size,
+    dtype and shape in the header has been checked against the frames.
+    """
+    buffers = [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
+    total = sum(b.nbytes for b in buffers)
+    if not buffers:
+        raise WireError("malformed_header", "empty message")
+    if total > max_message_bytes:
+        raise WireError("oversize", f"{total} bytes exceeds the limit of {max_message_bytes}")
+    if buffers[0].nbytes > MAX_HEADER_BYTES:
+        raise WireError("malformed_header", f"header of {buffers[0].nbytes} bytes is too large")
+    try:
+        header = msgpack.unpackb(
+            buffers[0], raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0
+        )
+    except Exception as exc:  # msgpack raises many types for garbage
+        raise WireError("malformed_header", f"not msgpack ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise WireError("malformed_header", f"header is a {type(header).__name__}, not a map")
+    sender = header.get("sender")
+    sender = sender if isinstance(sender, int) and not isinstance(sender, bool) else None
+    try:
+        return _decode_checked(header, buffers[1:], total)
+    except WireError as exc:
+        exc.sender = sender
+        raise
+
+
+def _decode_checked(header: dict[str, Any], payload: list[memoryview], total: int) -> Message:
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise WireError("bad_version", f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    kind = _field(header, "kind", str)
+    if kind not in KINDS:
+        raise WireError("bad_kind", f"unknown kind {kind!r}")
+    sender = _field(header, "sender", int)
+    seq = _field(header, "seq", int)
+    round_ = _field(header, "round", int)
+    codec = _field(header, "codec", str)
+    meta = _field(header, "meta", dict)
+    specs = _field(header, "arrays", list)
+    lengths = _field(header, "frames", list)
+    if len(specs) > MAX_ARRAYS:
+        raise WireError("malformed_header", f"{len(specs)} arrays exceed the limit of {MAX_ARRAYS}")
+    if len(lengths) != len(payload):
+        raise WireError(
+            "frame_mismatch", f"header lists {len(lengths)} frames, message has {len(payload)}"
+        )
+    for i, (declared, buf) in enumerate(zip(lengths, payload, strict=True)):
+        if not isinstance(declared, int) or declared != buf.nbytes:
+            raise WireError(
+                "frame_mismatch", f"frame {i} has {buf.nbytes} bytes, header says {declared!r}"
+            )
+    arrays = []
+    frame = 0
+    for i, spec in enumerate(specs):
+        dtype, shape = _array_spec(i, spec)
+        need = dtype.itemsize * math.prod(shape)
+        parts = []
+        while need > 0:
+            if frame >= len(payload):
+                raise WireError("frame_mismatch", f"array {i} needs {need} more bytes than sent")
+            buf = payload[frame]
+            if buf.nbytes > need:
+                raise WireError("frame_mismatch", f"frame {frame} crosses the end of array {i}")
+            parts.append(buf)
+            need -= buf.nbytes
+            frame += 1
+        raw = parts[0] if len(parts) == 1 else bytearray().join(parts)
+        array = np.frombuffer(raw, dtype=dtype).reshape(shape)
+        if dtype.kind == "f" and not np.isfinite(array).all():
+            raise WireError("non_finite", f"array {i} contains NaN or Inf")
+        arrays.append(array)
+    if frame != len(payload):
+        raise WireError("frame_mismatch", f"{len(payload) - frame} frames left over after arrays")
+    return Message(kind, sender, seq, round_, codec, arrays, meta, total)
+
+
+def _array_spec(index: int, spec: Any) -> tuple[np.dtype, tuple[int, ...]]:
+    if not (isinstance(spec, list) and len(spec) == 2):
+        raise WireError("malformed_header", f"array {index} spec {spec!r} is not [dtype, shape]")
+    name, shape = spec
+    if name not in DTYPES:
+        raise WireError("bad_dtype", f"array {index} dtype {name!r}; allowed: {sorted(DTYPES)}")
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= MAX_NDIM
+        and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)
+    ):
+        raise WireError("bad_shape", f"array {index} shape {shape!r} is not a list of sizes")
+    return DTYPES[name], tuple(shape)
