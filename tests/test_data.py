@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import random
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,15 +24,6 @@ from gossipdl.data import (
 )
 from gossipdl.data import datasets as datasets_module
 from gossipdl.data.loader import to_tensors
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One MNIST-1D cache for the whole session, never the user's ~/.cache."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GOSSIPDL_CACHE", str(tmp_path_factory.getbasetemp() / "gossipdl-cache"))
-        yield
-
 
 # --------------------------------------------------------------------------- datasets
 

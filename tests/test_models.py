@@ -6,22 +6,13 @@ import logging
 import math
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
 from torch import nn
 
 from gossipdl.models import ModelError, available_models, build_model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One MNIST-1D cache for the whole session, never the user's ~/.cache."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GOSSIPDL_CACHE", str(tmp_path_factory.getbasetemp() / "gossipdl-cache"))
-        yield
-
 
 MNIST1D, DIGITS, SYNTHETIC = (40,), (8, 8), (32,)
 

@@ -196,10 +196,13 @@ class Transport:
         with self.stats.lock:
             self.stats.bytes_received += size
             self.stats.messages_received += 1
+        message = None
         try:
             message = decode(frames, self._max_message_bytes)
             self._on_message(message)
         except WireError as exc:
+            if exc.sender is None and message is not None:
+                exc.sender = message.sender
             self.stats.drop(exc.reason)
             who = f"peer {exc.sender}" if exc.sender is not None else "an unidentified sender"
             log.warning("%s: dropped a message from %s: %s", self._name, who, exc)

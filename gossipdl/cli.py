@@ -1,0 +1,262 @@
+"""The ``gossipdl`` command line: parses flags, builds a Config, calls the library."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.markup import escape
+
+from gossipdl.config import DEFAULTS, FIELDS, Config, ConfigError, from_dict, load_config
+from gossipdl.rundir import RunDir, default_run_dir
+
+app = typer.Typer(
+    help="Decentralized (gossip) deep learning over ZeroMQ: no central server.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+topology_app = typer.Typer(help="Inspect communication topologies.", no_args_is_help=True)
+app.add_typer(topology_app, name="topology")
+console = Console(stderr=True)
+
+
+def _opt(name: str, *flags: str) -> Any:
+    """A flag for config field ``name``: unset (None) unless given, its default in the help."""
+    default = getattr(DEFAULTS, name)
+    shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+    return typer.Option(
+        None,
+        *flags,
+        help=escape(
+            f"{FIELDS[name].metadata['help']} [default: {shown if shown != '' else 'none'}]"
+        ),
+        show_default=False,
+    )
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+def _setup_logging(rich: bool, level: int = logging.INFO) -> None:
+    handler: logging.Handler = (
+        RichHandler(console=console, show_path=False) if rich else logging.StreamHandler(sys.stderr)
+    )
+    if not rich:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+@app.command()
+def run(
+    config_file: Path | None = typer.Argument(
+        None, help="TOML experiment file; flags override it."
+    ),
+    mode: str | None = _opt("mode"),
+    peers: int | None = _opt("peers"),
+    topology: str | None = _opt("topology"),
+    algorithm: str | None = _opt("algorithm"),
+    dataset: str | None = _opt("dataset"),
+    model: str | None = _opt("model"),
+    hidden: str | None = _opt("hidden"),
+    partition: str | None = _opt("partition"),
+    steps: int | None = _opt("steps"),
+    batch_size: int | None = _opt("batch_size", "--batch-size"),
+    optimizer: str | None = _opt("optimizer"),
+    lr: float | None = _opt("lr"),
+    momentum: float | None = _opt("momentum"),
+    weight_decay: float | None = _opt("weight_decay", "--weight-decay"),
+    seed: int | None = _opt("seed"),
+    eval_every: int | None = _opt("eval_every", "--eval-every"),
+    log_every: int | None = _opt("log_every", "--log-every"),
+    round_timeout: float | None = _opt("round_timeout", "--round-timeout"),
+    startup_timeout: float | None = _opt("startup_timeout", "--startup-timeout"),
+    device: str | None = _opt("device"),
+    threads: int | None = _opt("threads"),
+    max_message_mb: float | None = _opt("max_message_mb", "--max-message-mb"),
+    host: str | None = _opt("host"),
+    out: str | None = _opt("out"),
+    progress: bool = typer.Option(True, help="Show the live per-peer progress display."),
+) -> None:
+    """Train a local swarm (default: 4 peers, 1-D CNN on MNIST-1D, ring, dense gossip)."""
+    from gossipdl.experiments.display import summary_table
+    from gossipdl.experiments.launcher import LaunchError, launch
+
+    overrides = {k: v for k, v in locals().items() if k in FIELDS}
+    _setup_logging(rich=True, level=logging.WARNING)
+    try:
+        config = load_config(config_file, **overrides)
+        if not config.out:
+            config = config.replace(out=str(default_run_dir()))
+        console.print(
+            f"[bold]gossipdl[/] {config.mode}: {config.processes} peer(s), {config.topology}, "
+            f"{config.algorithm}, {config.model} on {config.dataset} ({config.partition}), "
+            f"{config.steps} steps → {config.out}"
+        )
+        summary = launch(config, progress=progress, console=console)
+    except ConfigError as exc:
+        _fail(str(exc))
+        return
+    except LaunchError as exc:
+        _fail(str(exc))
+        return
+    Console().print(summary_table(summary, title=f"gossipdl run · {config.out}"))
+
+
+def _stop_on_signals(training: threading.Event, stop: threading.Event) -> None:
+    """First SIGINT/SIGTERM while training: finish the step, save, report. Before: abort."""
+
+    def handler(signum: int, frame: object) -> None:
+        if training.is_set():
+            stop.set()
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _train(
+    config: Config,
+    *,
+    rank: int | None,
+    listen: str,
+    bootstrap: str | None,
+    out: str | None,
+    local_index: int,
+    threads: int | None,
+    summary: bool,
+) -> None:
+    import torch
+
+    from gossipdl.experiments.summary import summarize
+    from gossipdl.peers.peer import PeerError
+    from gossipdl.peers.runner import train_peer
+    from gossipdl.transport import TransportError
+
+    if threads:
+        torch.set_num_threads(threads)
+    run = RunDir(out or config.out or default_run_dir()).create()
+    if not run.config.exists():
+        from gossipdl.config import to_toml
+
+        run.config.write_text(to_toml(config.replace(out=str(run.root))))
+    training, stop = threading.Event(), threading.Event()
+    _stop_on_signals(training, stop)
+
+    def announce(address: str) -> None:
+        print(f"listening on {address}", flush=True)
+        training.set()
+
+    try:
+        train_peer(
+            config,
+            run,
+            rank=rank,
+            listen=listen,
+            bootstrap=bootstrap,
+            local_index=local_index,
+            stop=stop,
+            on_listening=announce,
+        )
+    except (TransportError, PeerError, ConfigError) as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        _fail("interrupted before training started")
+    if summary:
+        summarize(run)
+
+
+@app.command()
+def peer(
+    config_file: Path | None = typer.Option(None, "--config", help="TOML experiment file."),
+    listen: str = typer.Option("tcp://127.0.0.1:0", help="Address to bind (port 0: any free)."),
+    bootstrap: str | None = typer.Option(None, help="Address of any member of the swarm to join."),
+    rank: int | None = typer.Option(
+        None, help="Peer id to ask for (default: founder 0 / next free)."
+    ),
+    out: str | None = typer.Option(None, help="Run directory [default: runs/<timestamp>]."),
+    threads: int | None = typer.Option(None, help="torch threads [default: torch's choice]."),
+    local_index: int = typer.Option(0, help="Index among peers on this host (picks cuda:i)."),
+    summary: bool = typer.Option(True, help="Write summary.json when done."),
+) -> None:
+    """Run one peer by hand: found a swarm, or join one with --bootstrap."""
+    _setup_logging(rich=False)
+    try:
+        config = load_config(config_file)
+    except ConfigError as exc:
+        _fail(str(exc))
+        return
+    _train(
+        config,
+        rank=rank,
+        listen=listen,
+        bootstrap=bootstrap,
+        out=out,
+        local_index=local_index,
+        threads=threads,
+        summary=summary,
+    )
+
+
+@app.command()
+def join(
+    address: str = typer.Argument(..., help="Address of any member, e.g. tcp://10.0.0.5:5555."),
+    listen: str = typer.Option("tcp://127.0.0.1:0", help="Address to bind (port 0: any free)."),
+    rank: int | None = typer.Option(None, help="Peer id to ask for [default: next free]."),
+    out: str | None = typer.Option(None, help="Run directory [default: runs/<timestamp>]."),
+    threads: int | None = typer.Option(None, help="torch threads [default: torch's choice]."),
+    timeout: float = typer.Option(30.0, help="Seconds to wait for the member to answer."),
+) -> None:
+    """Join a running swarm: fetch its config, take a neighbour's model, train."""
+    from gossipdl.peers.bootstrap import fetch_swarm_info
+    from gossipdl.peers.peer import PeerError
+
+    _setup_logging(rich=False)
+    try:
+        info = fetch_swarm_info(address, listen=listen, timeout=timeout)
+        config = from_dict({**info["config"], "out": ""})
+    except (PeerError, ConfigError) as exc:
+        _fail(str(exc))
+        return
+    _train(
+        config,
+        rank=rank,
+        listen=listen,
+        bootstrap=address,
+        out=out,
+        local_index=0,
+        threads=threads,
+        summary=True,
+    )
+
+
+@topology_app.command("show")
+def topology_show(
+    name: str = typer.Argument(..., help="Topology spec, e.g. ring, torus:4x4, random-regular:3."),
+    n: int = typer.Option(8, "-n", "--peers", help="Number of peers."),
+    seed: int = typer.Option(0, help="Seed for random topologies."),
+) -> None:
+    """Print neighbour lists, the mixing matrix and its spectral gap."""
+    from gossipdl.topologies import TopologyError, build_topology, format_topology
+
+    try:
+        topology = build_topology(name, n, seed)
+    except TopologyError as exc:
+        _fail(str(exc))
+        return
+    print(format_topology(topology))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,212 @@
+"""Typed experiment config: read from TOML, overridden by CLI flags, validated once.
+
+Everything downstream receives a ``Config`` and trusts it; nothing else reads
+files or environment variables for settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MODES = ("gossip", "single")
+OPTIMIZERS = ("sgd", "adam")
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be used; the message names it and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One experiment. Field docs double as the CLI help and the README reference."""
+
+    mode: str = field(
+        default="gossip", metadata={"help": "gossip | single (one process, all data)"}
+    )
+    peers: int = field(default=4, metadata={"help": "number of peer processes"})
+    topology: str = field(default="ring", metadata={"help": "ring, torus, exponential, ..."})
+    algorithm: str = field(default="dense", metadata={"help": "averaging algorithm"})
+    dataset: str = field(
+        default="mnist1d", metadata={"help": "mnist1d | digits | synthetic | module:function"}
+    )
+    model: str = field(
+        default="cnn1d", metadata={"help": "logistic | mlp | cnn1d | cnn2d | module:function"}
+    )
+    hidden: tuple[int, ...] = field(
+        default=(),
+        metadata={"help": "layer widths / channels, e.g. 1024,512 (empty: model default)"},
+    )
+    partition: str = field(default="iid", metadata={"help": "iid | dirichlet:ALPHA | shards:K"})
+    steps: int = field(default=1500, metadata={"help": "training steps (= gossip rounds) per peer"})
+    batch_size: int = field(
+        default=32, metadata={"help": "mini-batch per peer (single mode: × peers)"}
+    )
+    optimizer: str = field(default="sgd", metadata={"help": "sgd | adam"})
+    lr: float = field(default=0.05, metadata={"help": "learning rate"})
+    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
+    weight_decay: float = field(default=0.0, metadata={"help": "L2 weight decay"})
+    seed: int = field(default=0, metadata={"help": "seed for data split, model init and sampling"})
+    eval_every: int = field(
+        default=250, metadata={"help": "evaluate test accuracy every N steps (0: only at the end)"}
+    )
+    log_every: int = field(default=10, metadata={"help": "write a metrics line every N steps"})
+    round_timeout: float = field(
+        default=10.0, metadata={"help": "seconds a round waits for a neighbour"}
+    )
+    startup_timeout: float = field(
+        default=120.0, metadata={"help": "seconds to wait for the swarm to form"}
+    )
+    device: str = field(
+        default="auto", metadata={"help": "auto (cuda:i mod GPUs, else cpu) | cpu | cuda[:N]"}
+    )
+    threads: int = field(
+        default=0, metadata={"help": "torch threads per peer (0: cores / local peers)"}
+    )
+    max_message_mb: float = field(
+        default=1024.0, metadata={"help": "largest message a peer accepts, MiB"}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "address launched peers listen on"})
+    out: str = field(default="", metadata={"help": "run directory (default runs/<timestamp>)"})
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def processes(self) -> int:
+        """Peer processes this config starts: one in single mode."""
+        return 1 if self.mode == "single" else self.peers
+
+    def replace(self, **changes: Any) -> Config:
+        """A validated copy with ``changes`` applied (values coerced like file values)."""
+        return from_dict({**to_dict(self), **changes})
+
+
+FIELDS = {f.name: f for f in fields(Config)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind = FIELDS[name].type
+    try:
+        if kind == "tuple[int, ...]":
+            if isinstance(value, str):
+                value = [v for v in value.replace(" ", "").split(",") if v]
+            return tuple(int(v) for v in value)
+        if kind == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError
+        return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} = {value!r} is not a valid {kind}") from None
+
+
+def from_dict(values: dict[str, Any]) -> Config:
+    """Build a Config from plain values; unknown keys and bad values raise ConfigError."""
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(FIELDS)}")
+    return Config(**{k: _coerce(k, v) for k, v in values.items() if v is not None})
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> Config:
+    """Read ``path`` (TOML) if given, then apply ``overrides`` whose value is not None."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            values = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return from_dict(values)
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """The config as plain values (tuples become lists)."""
+    return {
+        k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()
+    }
+
+
+def to_toml(config: Config) -> str:
+    """The fully resolved config as a TOML document (flat keys, one per line)."""
+    lines = ["# gossipdl experiment config (fully resolved)"]
+    for key, value in to_dict(config).items():
+        text = str(value).lower() if isinstance(value, bool) else json.dumps(value)
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _validate(c: Config) -> None:
+    """Every static check; anything that needs the data (partition feasibility) runs at launch."""
+    from gossipdl.averaging import available_algorithms
+    from gossipdl.data import available_datasets
+    from gossipdl.models import available_models
+    from gossipdl.topologies import TopologyError, build_topology
+
+    _check(c.mode in MODES, f"mode = {c.mode!r}; choose one of {', '.join(MODES)}")
+    minimum = 1 if c.mode == "single" else 2
+    _check(c.peers >= minimum, f"peers = {c.peers}; the {c.mode} mode needs at least {minimum}")
+    if c.mode == "gossip":
+        try:
+            build_topology(c.topology, c.peers, c.seed)
+        except TopologyError as exc:
+            raise ConfigError(f"topology = {c.topology!r}: {exc}") from None
+    _check(
+        c.algorithm in available_algorithms(),
+        f"algorithm = {c.algorithm!r}; choose one of {', '.join(available_algorithms())}",
+    )
+    _check(
+        c.dataset in available_datasets() or ":" in c.dataset,
+        f"dataset = {c.dataset!r}; choose one of {', '.join(available_datasets())} "
+        "or module:function",
+    )
+    _check(
+        c.model in available_models() or ":" in c.model,
+        f"model = {c.model!r}; choose one of {', '.join(available_models())} or module:function",
+    )
+    _check(
+        re.fullmatch(r"iid|dirichlet:[0-9.eE+-]+|shards:\d+", c.partition) is not None,
+        f"partition = {c.partition!r}; use iid, dirichlet:ALPHA or shards:K",
+    )
+    _check(c.optimizer in OPTIMIZERS, f"optimizer = {c.optimizer!r}; choose sgd or adam")
+    for name in ("steps", "batch_size", "log_every"):
+        _check(getattr(c, name) >= 1, f"{name} = {getattr(c, name)}; must be at least 1")
+    for name in ("eval_every", "threads", "weight_decay"):
+        _check(getattr(c, name) >= 0, f"{name} = {getattr(c, name)}; must not be negative")
+    for name in ("lr", "round_timeout", "startup_timeout", "max_message_mb"):
+        _check(getattr(c, name) > 0, f"{name} = {getattr(c, name)}; must be positive")
+    _check(0 <= c.momentum < 1, f"momentum = {c.momentum}; must be in [0, 1)")
+    _check(all(h >= 1 for h in c.hidden), f"hidden = {list(c.hidden)}; widths must be >= 1")
+    _check(
+        _DEVICE.match(c.device) is not None,
+        f"device = {c.device!r}; use auto, cpu, mps, cuda or cuda:N",
+    )
+
+
+DEFAULTS = Config()

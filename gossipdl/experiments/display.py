@@ -1,0 +1,109 @@
+"""What a person sees: a live per-peer progress display and the final results table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gossipdl.rundir import RunDir
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KB' (decimal units, as network rates are quoted)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+class LiveProgress:
+    """Tails ``peers/<id>.jsonl`` and shows each peer's step, loss and bytes sent."""
+
+    def __init__(self, run: RunDir, steps: int, console: Console | None = None) -> None:
+        self._run = run
+        self._steps = steps
+        self._offsets: dict[int, int] = {}
+        self._tasks: dict[int, Any] = {}
+        self.progress = Progress(
+            TextColumn("[bold]peer {task.fields[peer]:>3}"),
+            BarColumn(bar_width=30),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("acc {task.fields[acc]}"),
+            TextColumn("sent {task.fields[sent]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
+
+    def __enter__(self) -> LiveProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.refresh()
+        self.progress.stop()
+
+    def refresh(self) -> None:
+        """Read new metrics lines and update the bars."""
+        import json
+
+        for peer_id in self._run.peer_ids():
+            path = self._run.metrics(peer_id)
+            offset = self._offsets.get(peer_id, 0)
+            with path.open("rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            self._offsets[peer_id] = offset + len(complete)
+            for line in complete.splitlines():
+                try:
+                    self._update(peer_id, json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+
+    def _update(self, peer_id: int, record: dict[str, Any]) -> None:
+        task = self._tasks.get(peer_id)
+        if task is None:
+            task = self._tasks[peer_id] = self.progress.add_task(
+                "", total=self._steps, peer=peer_id, loss="-", acc="-", sent="-"
+            )
+        fields: dict[str, Any] = {"sent": human_bytes(record.get("bytes_sent", 0))}
+        if record.get("loss") is not None:
+            fields["loss"] = f"{record['loss']:.3f}"
+        if record.get("accuracy") is not None:
+            fields["acc"] = f"{record['accuracy']:.3f}"
+        self.progress.update(task, completed=record.get("step", 0), **fields)
+
+
+def summary_table(summary: dict[str, Any], title: str = "gossipdl run") -> Table:
+    """Per-peer accuracy, bytes and messages, with the swarm totals in the caption."""
+    table = Table(title=title)
+    for name in ("peer", "test acc", "steps", "sent", "received", "msgs sent", "dropped", "idle s"):
+        table.add_column(name, justify="right")
+    for p in summary["peers"]:
+        acc = "-" if p["accuracy"] is None else f"{p['accuracy']:.4f}"
+        table.add_row(
+            str(p["id"]),
+            acc,
+            str(p["steps"]),
+            human_bytes(p["bytes_sent"]),
+            human_bytes(p["bytes_received"]),
+            str(p["messages_sent"]),
+            str(p["messages_dropped"]),
+            f"{p['idle_s']:.1f}",
+        )
+    mean = summary["mean_accuracy"]
+    cd = summary["consensus_distance"]
+    table.caption = (
+        f"mean test accuracy {'-' if mean is None else f'{mean:.4f}'} · "
+        f"consensus distance {'-' if cd is None else f'{cd:.3g}'} · "
+        f"sent {human_bytes(summary['total_bytes_sent'])} · "
+        f"wall time {summary['wall_time_s']:.1f} s · "
+        f"{summary['peers_finished']}/{len(summary['peers'])} peers finished"
+    )
+    return table

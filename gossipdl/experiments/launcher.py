@@ -1,0 +1,218 @@
+"""Start a local swarm: one ``gossipdl peer`` process per peer, watched until they finish.
+
+The launcher is a spawner and observer, not a coordinator: peer 0 founds the
+swarm, the others join it through its address like any remote peer would, and
+all training traffic flows between peers. Progress is read from the metrics
+files the peers write, so what the display shows is what the run directory holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+
+from gossipdl.config import Config, ConfigError, to_toml
+from gossipdl.data import DataError, load_dataset, partition
+from gossipdl.experiments.display import LiveProgress
+from gossipdl.experiments.summary import summarize
+from gossipdl.models import build_model
+from gossipdl.rundir import RunDir, default_run_dir
+
+log = logging.getLogger(__name__)
+
+LISTENING = "listening on "
+_STOP_GRACE_S = 30.0
+
+
+class LaunchError(RuntimeError):
+    """A peer process could not start or died; the message names it and its log."""
+
+
+def preflight(config: Config) -> int:
+    """Load the data, partition it and build the model once here, before any process starts.
+
+    A partition that cannot be drawn or a factory that fails is reported now,
+    and the dataset cache is warm for the peers. Returns the parameter count.
+    """
+    dataset = load_dataset(config.dataset)
+    if config.mode == "gossip":
+        try:
+            partition(dataset.y_train, config.peers, config.partition, config.seed)
+        except DataError as exc:
+            raise ConfigError(f"partition = {config.partition!r}: {exc}") from None
+    model = build_model(
+        config.model, dataset.input_shape, dataset.num_classes, list(config.hidden) or None
+    )
+    return sum(p.numel() for p in model.parameters())
+
+
+def peer_command(
+    config_path: Path, out: Path, rank: int, listen: str, threads: int, bootstrap: str | None
+) -> list[str]:
+    """The command line of one launched peer."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "gossipdl",
+        "peer",
+        "--config",
+        str(config_path),
+        "--rank",
+        str(rank),
+        "--listen",
+        listen,
+        "--out",
+        str(out),
+        "--threads",
+        str(threads),
+        "--local-index",
+        str(rank),
+        "--no-summary",
+    ]
+    return cmd + (["--bootstrap", bootstrap] if bootstrap else [])
+
+
+def _log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _read_address(proc: subprocess.Popen[str], log_path: Path, timeout: float) -> str:
+    """Wait for the founder's 'listening on ADDRESS' line."""
+    assert proc.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if selector.select(0.2):
+            line = proc.stdout.readline()
+            if line.startswith(LISTENING):
+                return line[len(LISTENING) :].strip()
+            if not line:
+                break
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise LaunchError(f"peer 0 did not start listening; its log {log_path}:\n{_log_tail(log_path)}")
+
+
+class Swarm:
+    """The peer processes of one local run."""
+
+    def __init__(self, config: Config, run: RunDir) -> None:
+        self.config = config
+        self.run = run
+        self.procs: dict[int, subprocess.Popen[str]] = {}
+        self._logs: list[IO[str]] = []
+
+    def start(self) -> None:
+        """Spawn peer 0, learn its address, then spawn the others pointing at it."""
+        n = self.config.processes
+        threads = self.config.threads or max(1, (os.cpu_count() or 1) // n)
+        listen = f"tcp://{self.config.host}:0"
+        address = None
+        for rank in range(n):
+            cmd = peer_command(self.run.config, self.run.root, rank, listen, threads, address)
+            log_file = self.run.log(rank).open("w")
+            self._logs.append(log_file)
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+            self.procs[rank] = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env
+            )
+            if address is None:
+                address = _read_address(self.procs[0], self.run.log(0), self.config.startup_timeout)
+
+    def failed(self) -> dict[int, int]:
+        """Peers that exited with an error: id -> exit code."""
+        return {i: p.returncode for i, p in self.procs.items() if p.poll() not in (None, 0)}
+
+    def running(self) -> bool:
+        """Whether any peer process is still alive."""
+        return any(p.poll() is None for p in self.procs.values())
+
+    def stop(self, grace: float = _STOP_GRACE_S) -> None:
+        """Ask every live peer to stop (SIGINT: finish the step, save, report), then kill."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def close(self) -> None:
+        """Kill anything left and close the log files."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for f in self._logs:
+            f.close()
+
+
+def launch(
+    config: Config, *, progress: bool = True, console: Console | None = None
+) -> dict[str, Any]:
+    """Run ``config`` as a local swarm; returns the summary (also in ``summary.json``).
+
+    Ctrl-C stops every peer cleanly and still writes what was measured. A peer
+    that dies stops the swarm and raises LaunchError naming it, after the summary is written.
+    """
+    run = RunDir(config.out or default_run_dir()).create()
+    config = config.replace(out=str(run.root))
+    preflight(config)
+    run.config.write_text(to_toml(config))
+    swarm = Swarm(config, run)
+    started = time.monotonic()
+    interrupted = False
+    failed: dict[int, int] = {}
+    display = LiveProgress(run, config.steps, console=console) if progress else None
+    try:
+        swarm.start()
+        if display:
+            display.__enter__()
+        while swarm.running():
+            time.sleep(0.25)
+            if display:
+                display.refresh()
+            failed = swarm.failed()
+            if failed:
+                log.error("peer(s) %s died; stopping the swarm", sorted(failed))
+                swarm.stop()
+                break
+    except KeyboardInterrupt:
+        interrupted = True
+        swarm.stop()
+    finally:
+        if display:
+            display.__exit__()
+        swarm.close()
+    summary = summarize(run, time.monotonic() - started)
+    summary_failed = failed or swarm.failed()
+    if interrupted:
+        log.warning(
+            "interrupted: the swarm was stopped early; %s holds what was measured", run.root
+        )
+    elif summary_failed:
+        details = "\n".join(
+            f"peer {i} exited with code {code}; its log {run.log(i)} ends:\n{_log_tail(run.log(i))}"
+            for i, code in sorted(summary_failed.items())
+        )
+        raise LaunchError(details)
+    return summary

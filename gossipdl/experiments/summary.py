@@ -1,0 +1,75 @@
+"""Turn a run directory's per-peer metrics and final models into ``summary.json``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gossipdl.rundir import RunDir, write_json_atomic
+
+
+def consensus_distance(run: RunDir, peer_ids: list[int]) -> float | None:
+    """Mean squared distance of the final models to their average, (1/n) Σ ||x_i − x̄||².
+
+    None when fewer than two final models were saved.
+    """
+    vectors = []
+    for peer_id in peer_ids:
+        path = run.model(peer_id)
+        if path.is_file():
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            vectors.append(torch.cat([t.reshape(-1).double() for t in state.values()]))
+    if len(vectors) < 2:
+        return None
+    stacked = torch.stack(vectors)
+    return float(((stacked - stacked.mean(0)) ** 2).sum(1).mean())
+
+
+def _last(records: list[dict[str, Any]], key: str) -> Any:
+    return next((r[key] for r in reversed(records) if r.get(key) is not None), None)
+
+
+def summarize(run: RunDir, wall_time_s: float | None = None) -> dict[str, Any]:
+    """Compute and write ``summary.json`` from whatever the peers wrote."""
+    peers = []
+    for peer_id in run.peer_ids():
+        records = list(run.records(peer_id))
+        if not records:
+            continue
+        last = records[-1]
+        peers.append(
+            {
+                "id": peer_id,
+                "accuracy": _last(records, "accuracy"),
+                "bytes_sent": last.get("bytes_sent", 0),
+                "bytes_received": last.get("bytes_received", 0),
+                "messages_sent": last.get("messages_sent", 0),
+                "messages_dropped": last.get("messages_dropped", 0),
+                "dropped_reasons": last.get("dropped_reasons", {}),
+                "steps": last.get("step", 0),
+                "finished": bool(last.get("final")) and not last.get("stopped_early", False),
+                "loss": _last(records, "loss"),
+                "idle_s": last.get("idle_s", 0.0),
+                "neighbour_misses": last.get("neighbour_misses", 0),
+                "time_s": last.get("time", 0.0),
+            }
+        )
+    accuracies = [p["accuracy"] for p in peers if p["accuracy"] is not None]
+    summary = {
+        "mean_accuracy": sum(accuracies) / len(accuracies) if accuracies else None,
+        "min_accuracy": min(accuracies, default=None),
+        "max_accuracy": max(accuracies, default=None),
+        "consensus_distance": consensus_distance(run, [p["id"] for p in peers]),
+        "total_bytes_sent": sum(p["bytes_sent"] for p in peers),
+        "total_bytes_received": sum(p["bytes_received"] for p in peers),
+        "total_messages_sent": sum(p["messages_sent"] for p in peers),
+        "total_messages_dropped": sum(p["messages_dropped"] for p in peers),
+        "wall_time_s": wall_time_s
+        if wall_time_s is not None
+        else max((p["time_s"] for p in peers), default=0.0),
+        "peers_finished": sum(p["finished"] for p in peers),
+        "peers": peers,
+    }
+    write_json_atomic(run.summary, summary)
+    return summary

@@ -1,0 +1,466 @@
+"""``gossipdl.Peer``: wraps a model and optimizer; ``step()`` = local step + one gossip round.
+
+The peer owns the sockets, the member table and the round counter; it wires
+the transport, topology and averaging strategy together and holds none of
+their logic. Control messages (join, membership, model requests) are answered
+on the receive thread, so a peer busy training or waiting still lets others in.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from gossipdl.averaging import Arrival, build_averager
+from gossipdl.peers.inbox import Inbox
+from gossipdl.peers.membership import Member, Membership, parse_members
+from gossipdl.topologies import Topology, build_topology
+from gossipdl.transport import Message, Transport, WireError, encode
+
+log = logging.getLogger(__name__)
+
+_RETRY_S = 1.0
+
+
+class PeerError(RuntimeError):
+    """The peer cannot take part in the swarm (no answer, id taken, neighbours missing)."""
+
+
+def _address(value: Any, what: str) -> str:
+    if not (isinstance(value, str) and value.startswith("tcp://") and len(value) < 300):
+        raise WireError("bad_meta", f"{what} {value!r} is not a tcp:// address")
+    return value
+
+
+class Peer:
+    """One member of a gossip swarm around a local model.
+
+    Call ``step()`` where you would call ``optimizer.step()``: it applies the
+    local update, sends the model to this round's neighbours, waits for theirs
+    (at most ``round_timeout`` seconds) and replaces the parameters by the
+    weighted average. Peers find each other either from a fixed address list
+    (``peers`` + ``rank``) or by joining through any member (``bootstrap``);
+    a peer with neither founds a swarm that others join. Training starts once
+    ``min_peers`` members are known and every neighbour has said it is ready.
+
+    Example (run once per rank, e.g. ``python train.py 0`` .. ``python train.py 3``)::
+
+        addresses = [f"tcp://127.0.0.1:{5550 + i}" for i in range(4)]
+        torch.manual_seed(0)  # same initial model on every peer
+        model = torch.nn.Linear(40, 10)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with gossipdl.Peer(model, opt, rank=rank, peers=addresses, topology="ring") as peer:
+            for x, y in batches:
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                peer.step()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        rank: int | None = None,
+        peers: Sequence[str] | None = None,
+        listen: str | None = None,
+        bootstrap: str | None = None,
+        topology: str = "ring",
+        algorithm: str = "dense",
+        min_peers: int | None = None,
+        seed: int = 0,
+        round_timeout: float = 10.0,
+        startup_timeout: float = 120.0,
+        max_message_bytes: int = 1 << 30,
+        join_margin_rounds: int = 20,
+        swarm_config: dict[str, Any] | None = None,
+        on_members: Callable[[list[Member]], None] | None = None,
+        on_listening: Callable[[str], None] | None = None,
+    ) -> None:
+        if peers is not None and (rank is None or not 0 <= rank < len(peers)):
+            raise ValueError(f"rank must be in 0..{len(peers) - 1} when peers is given, got {rank}")
+        if peers is not None and bootstrap is not None:
+            raise ValueError("give either peers (a fixed address list) or bootstrap, not both")
+        self.model = model
+        self.optimizer = optimizer
+        self.params = [p for p in model.parameters()]
+        if not self.params:
+            raise ValueError("the model has no parameters to average")
+        self.numel = sum(p.numel() for p in self.params)
+        self.device = self.params[0].device
+        self.averager = build_averager(algorithm)
+        self.topology_spec = topology
+        self.seed = seed
+        self.round_timeout = round_timeout
+        self.startup_timeout = startup_timeout
+        self.join_margin_rounds = join_margin_rounds
+        self.swarm_config = swarm_config or {}
+        self.membership = Membership()
+        self.id = -1
+        self.round = 0
+        self.started = False
+        self.neighbour_misses = 0
+        self.idle_s = 0.0
+        self._on_members = on_members
+        self._inbox = Inbox()
+        self._ready_from: set[int] = set()
+        self._replies: dict[str, Message] = {}
+        self._changed = threading.Condition()
+        self._seq: Counter[int] = Counter()
+        self._seq_lock = threading.Lock()
+        self._topologies: dict[tuple[int, ...], Topology] = {}
+        self._latest = self._flat()
+        self._round_times: deque[float] = deque(maxlen=32)
+        self._first_wait = 0.0
+        self._closed = False
+        if listen is None:
+            listen = peers[rank] if peers is not None and rank is not None else "tcp://127.0.0.1:0"
+        self.transport = Transport(
+            listen, self._on_message, max_message_bytes=max_message_bytes, name="peer"
+        )
+        self.address = self.transport.address
+        try:
+            if on_listening is not None:
+                on_listening(self.address)
+            self._form(rank, peers, bootstrap, min_peers)
+        except BaseException:
+            self.transport.close(flush_timeout=0.5)
+            raise
+
+    # ----------------------------------------------------------------- public API
+    def step(self) -> None:
+        """Local optimizer step (if an optimizer was given), then one gossip round."""
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self.gossip()
+
+    @torch.no_grad()
+    def gossip(self) -> None:
+        """One synchronous gossip round with this round's neighbours."""
+        t = self.round
+        weights, self_weight = self._mixing(t)
+        x = self._flat()
+        arrays = [a.detach().cpu().numpy() for a in self.averager.outgoing(x)]
+        expected = set(weights)
+        for j in weights:
+            if not self.membership.has_left(j):
+                self._send(j, "params", round=t, arrays=arrays)
+        started = time.monotonic()
+        timeout, self._first_wait = self._first_wait or self.round_timeout, 0.0
+        got = self._inbox.wait(
+            t, lambda: {j for j in expected if not self.membership.has_left(j)}, timeout
+        )
+        self.idle_s += time.monotonic() - started
+        arrived = {j: Arrival(w, got[j]) for j, w in weights.items() if j in got}
+        missing = [j for j in weights if j not in got]
+        late = [j for j in missing if not self.membership.has_left(j)]
+        if late:
+            self.neighbour_misses += len(late)
+            log.info(
+                "peer %d round %d: no model from %s within %.1fs; averaged without them",
+                self.id,
+                t,
+                late,
+                self.round_timeout,
+            )
+        new = self.averager.incoming(x, self_weight, arrived, missing)
+        vector_to_parameters(new, self.params)
+        self._latest = new
+        self.round = t + 1
+        self._inbox.advance(self.round)
+        self._round_times.append(time.monotonic())
+
+    def neighbours(self, round: int | None = None) -> list[int]:
+        """Ids of the neighbours in ``round`` (default: the next round)."""
+        return sorted(self._mixing(self.round if round is None else round)[0])
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics: bytes and messages from the sockets, misses, idle time."""
+        return {
+            **self.transport.stats.snapshot(),
+            "round": self.round,
+            "neighbour_misses": self.neighbour_misses,
+            "idle_s": round(self.idle_s, 4),
+        }
+
+    def close(self) -> None:
+        """Tell the swarm this peer stopped, flush queued messages and close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        for member in self.membership.members():
+            if member.id != self.id and not self.membership.has_left(member.id):
+                self._send(member.id, "leave", round=self.round)
+        self.transport.close()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- forming the swarm
+    def _form(
+        self,
+        rank: int | None,
+        peers: Sequence[str] | None,
+        bootstrap: str | None,
+        min_peers: int | None,
+    ) -> None:
+        if peers is not None:
+            assert rank is not None
+            self.id = rank
+            self._merge([Member(i, a, 0) for i, a in enumerate(peers)])
+            min_peers = len(peers)
+        elif bootstrap is None:
+            self.id = rank or 0
+            self._merge([Member(self.id, self.address, 0)])
+        else:
+            welcome = self._request(
+                bootstrap, "join", {"address": self.address, "want_id": rank}, "welcome"
+            )
+            if "error" in welcome.meta:
+                raise PeerError(f"{bootstrap} refused to let us join: {welcome.meta['error']}")
+            self.id = int(welcome.meta["id"])
+            me = self.membership.get(self.id)
+            if me is not None and me.since > 0:
+                self._start_late(me.since)
+                return
+        self._await_formation(min_peers or 2)
+
+    def _await_formation(self, min_peers: int) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        with self._changed:
+            while len(self.membership.active(0)) < min_peers:
+                if not self._changed.wait(max(0.0, deadline - time.monotonic())):
+                    raise PeerError(
+                        f"only {len(self.membership.active(0))} of {min_peers} peers joined within "
+                        f"{self.startup_timeout:.0f}s; start the others with "
+                        f"--bootstrap {self.address}"
+                    )
+            self.started = True
+        neighbours = set(self._mixing(0)[0])
+        for j in neighbours:
+            self._send(j, "ready", meta={"members": self.membership.wire()})
+        with self._changed:
+            while not neighbours <= self._ready_from:
+                if not self._changed.wait(max(0.0, deadline - time.monotonic())):
+                    absent = sorted(neighbours - self._ready_from)
+                    where = ", ".join(f"{j} at {self.membership.get(j)}" for j in absent)
+                    raise PeerError(
+                        f"peer {self.id}: neighbours never reported ready within "
+                        f"{self.startup_timeout:.0f}s: {where}"
+                    )
+        log.info(
+            "peer %d: swarm of %d formed; neighbours %s", self.id, min_peers, sorted(neighbours)
+        )
+
+    def _start_late(self, since: int) -> None:
+        """Join a running swarm: take a neighbour's current model, start at round ``since``."""
+        for j in sorted(self._mixing(since)[0]):
+            member = self.membership.get(j)
+            assert member is not None
+            try:
+                reply = self._request(member.address, "model_request", {}, "model", timeout=10.0)
+            except PeerError as exc:
+                log.warning("peer %d: neighbour %d did not send its model: %s", self.id, j, exc)
+                continue
+            self.averager.check(reply.arrays, self.numel)
+            with torch.no_grad():
+                vector_to_parameters(torch.from_numpy(reply.arrays[0]).to(self.device), self.params)
+            self._latest = self._flat()
+            self.round = max(since, reply.round)
+            self._inbox.advance(self.round)
+            self.started = True
+            # The swarm reaches our first round only after ``since - reply.round`` more rounds.
+            self._first_wait = self.startup_timeout
+            log.info(
+                "peer %d: joined at round %d with the model of peer %d (round %d)",
+                self.id,
+                self.round,
+                j,
+                reply.round,
+            )
+            return
+        raise PeerError(f"peer {self.id}: no neighbour answered with its model")
+
+    def _request(
+        self,
+        address: str,
+        kind: str,
+        meta: dict[str, Any],
+        reply: str,
+        timeout: float | None = None,
+    ) -> Message:
+        """Send ``kind`` to ``address`` every second until a ``reply`` arrives."""
+        deadline = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
+        with self._changed:
+            self._replies.pop(reply, None)
+        while time.monotonic() < deadline:
+            frames = encode(kind, self.id, 0, self.round, meta=meta)
+            self.transport.send(address, frames)
+            with self._changed:
+                self._changed.wait_for(
+                    lambda: reply in self._replies, min(_RETRY_S, deadline - time.monotonic())
+                )
+                if reply in self._replies:
+                    return self._replies.pop(reply)
+        raise PeerError(
+            f"no {reply!r} from {address} within the timeout; is a gossipdl peer listening there?"
+        )
+
+    # ----------------------------------------------------------------- helpers
+    def _flat(self) -> torch.Tensor:
+        with torch.no_grad():
+            return parameters_to_vector(self.params)
+
+    def _mixing(self, round: int) -> tuple[dict[int, float], float]:
+        """Neighbour id -> weight, and the self weight, for ``round``."""
+        ids = self.membership.active(round)
+        if self.id not in ids or len(ids) == 1:
+            return {}, 1.0
+        key = tuple(ids)
+        topology = self._topologies.get(key)
+        if topology is None:
+            topology = self._topologies[key] = build_topology(
+                self.topology_spec, len(ids), self.seed
+            )
+        row = topology.weights(ids.index(self.id), round)
+        me = ids.index(self.id)
+        return {ids[p]: w for p, w in row.items() if p != me}, row.get(me, 0.0)
+
+    def _send(
+        self,
+        peer_id: int,
+        kind: str,
+        round: int | None = None,
+        arrays: Sequence[np.ndarray] = (),
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        member = self.membership.get(peer_id)
+        if member is None:
+            return
+        with self._seq_lock:
+            self._seq[peer_id] += 1
+            seq = self._seq[peer_id]
+        frames = encode(kind, self.id, seq, self.round if round is None else round, arrays, meta)
+        self.transport.send(member.address, frames)
+
+    def _merge(self, members: list[Member]) -> None:
+        added = self.membership.merge(members)
+        if added:
+            with self._changed:
+                self._changed.notify_all()
+            if self._on_members is not None:
+                self._on_members(self.membership.members())
+
+    def _join_margin(self) -> int:
+        """Rounds of notice a newcomer gets: ``join_margin_rounds`` or 0.5 s of rounds, if more.
+
+        The announcement must reach every member before they get there; the
+        rate is measured over the last rounds, so fast swarms get more rounds.
+        """
+        times = list(self._round_times)
+        if len(times) < 2 or times[-1] <= times[0]:
+            return self.join_margin_rounds
+        rate = (len(times) - 1) / (times[-1] - times[0])
+        return max(self.join_margin_rounds, math.ceil(0.5 * rate))
+
+    # ----------------------------------------------------------------- receive thread
+    def _on_message(self, msg: Message) -> None:
+        """Validate ``msg`` against the swarm state and act on it; WireError drops it."""
+        if msg.kind == "join":
+            self._on_join(msg)
+            return
+        if msg.kind == "info_request":
+            address = _address(msg.meta.get("address"), "reply address")
+            self.transport.send(
+                address,
+                encode(
+                    "info",
+                    self.id,
+                    0,
+                    self.round,
+                    meta={"members": self.membership.wire(), "config": self.swarm_config},
+                ),
+            )
+            return
+        if msg.kind in ("ready", "members", "welcome"):
+            self._merge(parse_members(msg.meta.get("members")))
+        if self.membership.get(msg.sender) is None:
+            raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
+        if msg.kind == "params":
+            self.averager.check(msg.arrays, self.numel)
+            tensors = [torch.from_numpy(a).to(self.device) for a in msg.arrays]
+            self._inbox.put(msg.sender, msg.round, tensors)
+        elif msg.kind == "ready":
+            with self._changed:
+                self._ready_from.add(msg.sender)
+                self._changed.notify_all()
+        elif msg.kind in ("welcome", "model"):
+            with self._changed:
+                self._replies[msg.kind] = msg
+                self._changed.notify_all()
+        elif msg.kind == "model_request":
+            latest = self._latest.detach().cpu().numpy()
+            self._send(msg.sender, "model", round=self.round, arrays=[latest])
+        elif msg.kind == "leave":
+            self.membership.mark_left(msg.sender)
+            self._inbox.notify()
+            log.info("peer %d: peer %d left at round %d", self.id, msg.sender, msg.round)
+
+    def _on_join(self, msg: Message) -> None:
+        address = _address(msg.meta.get("address"), "joiner address")
+        want = msg.meta.get("want_id")
+        member = self.membership.by_address(address)
+        if member is None:
+            taken = isinstance(want, int) and self.membership.get(want) is not None
+            if want is not None and (not isinstance(want, int) or want < 0 or taken):
+                why = f"id {want!r} is {'taken' if taken else 'not a non-negative integer'}"
+                self.transport.send(
+                    address,
+                    encode(
+                        "welcome",
+                        self.id,
+                        0,
+                        self.round,
+                        meta={
+                            "error": f"{why}; choose another rank or leave it out",
+                            "members": self.membership.wire(),
+                        },
+                    ),
+                )
+                return
+            peer_id = want if isinstance(want, int) else self.membership.next_id()
+            since = self.round + self._join_margin() if self.started else 0
+            member = Member(peer_id, address, since)
+            self._merge([member])
+            for other in self.membership.members():
+                if other.id not in (self.id, peer_id):
+                    self._send(other.id, "members", meta={"members": self.membership.wire()})
+            log.info(
+                "peer %d: %s joined as peer %d from round %d", self.id, address, peer_id, since
+            )
+        self.transport.send(
+            address,
+            encode(
+                "welcome",
+                self.id,
+                0,
+                self.round,
+                meta={
+                    "id": member.id,
+                    "members": self.membership.wire(),
+                    "config": self.swarm_config,
+                },
+            ),
+        )

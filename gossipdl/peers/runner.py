@@ -1,0 +1,189 @@
+"""The built-in training loop behind ``gossipdl peer``: data, model, Peer, metrics, checkpoint.
+
+Users with their own loop use ``Peer`` directly; this module is that same loop
+for the datasets and models gossipdl ships, writing the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gossipdl.config import Config, to_dict
+from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
+from gossipdl.models import build_model
+from gossipdl.peers.device import pick_device
+from gossipdl.peers.membership import Member
+from gossipdl.peers.peer import Peer
+from gossipdl.rundir import RunDir, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Test accuracy and mean cross-entropy over the whole held-out set."""
+    model.eval()
+    correct, loss = 0, 0.0
+    for i in range(0, len(y), 1024):
+        logits = model(x[i : i + 1024])
+        loss += F.cross_entropy(logits, y[i : i + 1024], reduction="sum").item()
+        correct += int((logits.argmax(1) == y[i : i + 1024]).sum())
+    model.train()
+    return correct / len(y), loss / len(y)
+
+
+def make_optimizer(config: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer the config names."""
+    if config.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.SGD(
+        model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+
+
+def shard_for(config: Config, dataset: Dataset, peer_id: int) -> np.ndarray:
+    """Training indices of ``peer_id``: its partition (ids beyond ``peers`` wrap around)."""
+    if config.mode == "single":
+        return np.arange(len(dataset.y_train))
+    parts = partition(dataset.y_train, config.peers, config.partition, config.seed)
+    return parts[peer_id % config.peers]
+
+
+def train_peer(
+    config: Config,
+    run: RunDir,
+    *,
+    rank: int | None,
+    listen: str,
+    bootstrap: str | None = None,
+    local_index: int = 0,
+    stop: threading.Event | None = None,
+    on_listening: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Train one peer until ``config.steps`` rounds or ``stop``; returns its final record."""
+    stop = stop or threading.Event()
+    device = pick_device(config.device, local_index)
+    dataset = load_dataset(config.dataset)
+    torch.manual_seed(config.seed)  # every peer starts from the same model
+    model = build_model(
+        config.model, dataset.input_shape, dataset.num_classes, list(config.hidden) or None
+    ).to(device)
+    optimizer = make_optimizer(config, model)
+    single = config.mode == "single"
+
+    def write_members(members: list[Member]) -> None:
+        write_json_atomic(run.peers_json, [{"id": m.id, "address": m.address} for m in members])
+
+    peer = Peer(
+        model,
+        optimizer,
+        rank=rank,
+        listen=listen,
+        bootstrap=bootstrap,
+        topology=config.topology,
+        algorithm=config.algorithm,
+        min_peers=1 if single else config.peers,
+        seed=config.seed,
+        round_timeout=config.round_timeout,
+        startup_timeout=config.startup_timeout,
+        max_message_bytes=int(config.max_message_mb * 2**20),
+        swarm_config=to_dict(config),
+        on_members=write_members,
+        on_listening=on_listening,
+    )
+    try:
+        return _loop(config, run, peer, dataset, device, stop)
+    finally:
+        peer.close()
+
+
+def _loop(
+    config: Config,
+    run: RunDir,
+    peer: Peer,
+    dataset: Dataset,
+    device: torch.device,
+    stop: threading.Event,
+) -> dict[str, Any]:
+    model = peer.model
+    assert peer.optimizer is not None
+    optimizer = peer.optimizer
+    shard = shard_for(config, dataset, peer.id)
+    batch = config.batch_size * (config.peers if config.mode == "single" else 1)
+    sampler = BatchSampler(
+        dataset.x_train[shard], dataset.y_train[shard], batch, config.seed + 1000 + peer.id, device
+    )
+    x_test = torch.as_tensor(dataset.x_test, device=device)
+    y_test = torch.as_tensor(dataset.y_test, device=device)
+    metrics = run.metrics(peer.id).open("a", buffering=1)
+    start = time.monotonic()
+    losses: list[float] = []
+    log.info(
+        "peer %d: training on %d samples, %s, from round %d",
+        peer.id,
+        len(shard),
+        device,
+        peer.round,
+    )
+
+    def record(**extra: Any) -> dict[str, Any]:
+        stats = peer.stats()
+        dropped = stats.pop("messages_dropped")
+        line = {
+            "peer": peer.id,
+            "step": peer.round,
+            "time": round(time.monotonic() - start, 4),
+            "unix_time": round(time.time(), 3),
+            "loss": round(float(np.mean(losses)), 6) if losses else None,
+            **{k: v for k, v in stats.items() if k != "round"},
+            "messages_dropped": sum(dropped.values()),
+            "dropped_reasons": dropped,
+            **extra,
+        }
+        metrics.write(json_line(line))
+        losses.clear()
+        return line
+
+    try:
+        accuracy, test_loss = evaluate(model, x_test, y_test)
+        record(accuracy=round(accuracy, 6), test_loss=round(test_loss, 6), start=True)
+        while peer.round < config.steps and not stop.is_set():
+            x, y = sampler.next()
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            peer.step()
+            losses.append(loss.item())
+            due = config.eval_every and peer.round % config.eval_every == 0
+            if due and peer.round < config.steps:
+                accuracy, test_loss = evaluate(model, x_test, y_test)
+                record(accuracy=round(accuracy, 6), test_loss=round(test_loss, 6))
+            elif peer.round % config.log_every == 0:
+                record()
+        accuracy, test_loss = evaluate(model, x_test, y_test)
+        torch.save(model.state_dict(), run.model(peer.id))
+        final = record(
+            accuracy=round(accuracy, 6),
+            test_loss=round(test_loss, 6),
+            final=True,
+            stopped_early=peer.round < config.steps,
+            device=str(device),
+        )
+    finally:
+        metrics.close()
+    log.info("peer %d: done at round %d, test accuracy %.4f", peer.id, peer.round, accuracy)
+    return final
+
+
+def json_line(value: dict[str, Any]) -> str:
+    """One compact JSON line."""
+    return json.dumps(value, separators=(",", ":")) + "\n"

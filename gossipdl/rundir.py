@@ -1,0 +1,81 @@
+"""The run directory, a public contract read by benchmarks, reports and external checks.
+
+Layout (keys are only ever added, never renamed)::
+
+    config.toml        the fully resolved config
+    peers.json         [{"id", "address"}, ...] once the swarm is up (rewritten on joins)
+    peers/<id>.jsonl   one metrics object per line
+    peers/<id>.log     the peer's log
+    models/<id>.pt     the peer's final model (state_dict)
+    summary.json       totals and per-peer results, written at the end
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def default_run_dir() -> Path:
+    """``runs/<timestamp>`` under the current directory."""
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Write JSON so readers never see a half-written file (tmp + rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """Paths of one run directory; creating it makes the sub-folders."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def create(self) -> RunDir:
+        """Make the directory tree (idempotent)."""
+        (self.root / "peers").mkdir(parents=True, exist_ok=True)
+        (self.root / "models").mkdir(exist_ok=True)
+        return self
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.toml"
+
+    @property
+    def peers_json(self) -> Path:
+        return self.root / "peers.json"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    def metrics(self, peer_id: int) -> Path:
+        return self.root / "peers" / f"{peer_id}.jsonl"
+
+    def log(self, peer_id: int | str) -> Path:
+        return self.root / "peers" / f"{peer_id}.log"
+
+    def model(self, peer_id: int) -> Path:
+        return self.root / "models" / f"{peer_id}.pt"
+
+    def peer_ids(self) -> list[int]:
+        """Ids of the peers that wrote metrics, sorted."""
+        return sorted(
+            int(p.stem) for p in (self.root / "peers").glob("*.jsonl") if p.stem.isdigit()
+        )
+
+    def records(self, peer_id: int) -> Iterator[dict[str, Any]]:
+        """The metrics lines of one peer (a torn last line is skipped)."""
+        with self.metrics(peer_id).open() as f:
+            for line in f:
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue

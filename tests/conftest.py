@@ -1,0 +1,91 @@
+"""Shared test fixtures: one dataset cache per session and helpers to run real peers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gossipdl.config import Config, to_toml
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One MNIST-1D cache for the whole session (peer subprocesses inherit it), never ~/.cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GOSSIPDL_CACHE", str(tmp_path_factory.getbasetemp() / "gossipdl-cache"))
+        yield
+
+
+def small_config(tmp_path: Path, **changes: Any) -> Config:
+    """A fast swarm: logistic regression on the synthetic blobs."""
+    values: dict[str, Any] = {
+        "peers": 3,
+        "dataset": "synthetic",
+        "model": "logistic",
+        "steps": 60,
+        "eval_every": 0,
+        "log_every": 5,
+        "lr": 0.1,
+        "round_timeout": 10.0,
+        "startup_timeout": 60.0,
+        "threads": 1,
+        "out": str(tmp_path / "run"),
+        **changes,
+    }
+    return Config(**values)
+
+
+def write_config(path: Path, config: Config) -> Path:
+    """Write ``config`` as TOML and return the path."""
+    path.write_text(to_toml(config))
+    return path
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``condition`` until truthy; fail loudly naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def gossipdl_cmd(*args: str) -> list[str]:
+    """The CLI run exactly as a user would, through the installed interpreter."""
+    return [sys.executable, "-m", "gossipdl", *args]
+
+
+def start_peer(*args: str, log: Path) -> tuple[subprocess.Popen[str], str]:
+    """Start ``gossipdl peer ARGS`` and return the process and its listening address."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        gossipdl_cmd("peer", *args),
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("listening on "):
+        proc.kill()
+        pytest.fail(f"peer did not start: {line!r}\n{log.read_text()}")
+    return proc, line.split()[-1]
+
+
+def last_record(path: Path) -> dict[str, Any] | None:
+    """The last complete metrics line of a peer, or None."""
+    if not path.is_file():
+        return None
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    return json.loads(lines[-1]) if lines else None

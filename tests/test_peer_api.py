@@ -1,0 +1,182 @@
+"""The Peer API in-process: exact D-PSGD mixing over real sockets, partial rounds, joining."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gossipdl import Peer
+from gossipdl.topologies import build_topology
+
+
+def make_swarm(n: int, topology: str, values: list[float], **kwargs: Any) -> list[Peer]:
+    """``n`` Peers in this process, formed through peer 0; peer i's weights all equal values[i]."""
+    models = []
+    for value in values:
+        model = torch.nn.Linear(3, 2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(value)
+        models.append(model)
+    peers: list[Peer | None] = [None] * n
+    founder_address: list[str] = []
+    listening = threading.Event()
+    errors: list[BaseException] = []
+
+    def on_listening(address: str) -> None:
+        founder_address.append(address)
+        listening.set()
+
+    def start(i: int) -> None:
+        try:
+            if i == 0:
+                peers[0] = Peer(
+                    models[0], topology=topology, min_peers=n, on_listening=on_listening, **kwargs
+                )
+            else:
+                listening.wait(30)
+                peers[i] = Peer(
+                    models[i],
+                    rank=i,
+                    bootstrap=founder_address[0],
+                    topology=topology,
+                    min_peers=n,
+                    **kwargs,
+                )
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return [p for p in peers if p is not None]
+
+
+def run_rounds(
+    peers: list[Peer], rounds: int, before: Callable[[Peer], None] | None = None
+) -> None:
+    def work(peer: Peer) -> None:
+        for _ in range(rounds):
+            if before:
+                before(peer)
+            peer.gossip()
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+def value_of(peer: Peer) -> float:
+    flat = torch.cat([p.detach().reshape(-1) for p in peer.model.parameters()])
+    assert torch.allclose(flat, flat[0].expand_as(flat))
+    return float(flat[0])
+
+
+@pytest.mark.parametrize("topology", ["ring", "complete", "star"])
+def test_one_round_is_exactly_w_times_x(topology: str) -> None:
+    n = 5
+    values = [float(i * i) for i in range(n)]
+    peers = make_swarm(n, topology, values, startup_timeout=30)
+    try:
+        assert all(len(p.membership.active(0)) == n for p in peers)
+        run_rounds(peers, 1)
+        w = build_topology(topology, n).mixing_matrix()
+        expected = w @ np.array(values)
+        got = [value_of(p) for p in sorted(peers, key=lambda p: p.id)]
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+        for p in peers:
+            assert p.stats()["messages_dropped"] == {}
+            assert p.neighbour_misses == 0
+    finally:
+        for p in peers:
+            p.close()
+
+
+def test_a_silent_neighbour_is_left_out_and_the_weights_renormalised() -> None:
+    peers = make_swarm(3, "complete", [0.0, 3.0, 30.0], round_timeout=0.5)
+    try:
+        run_rounds(peers[:2], 1)  # peer 2 never sends round 0
+        assert value_of(peers[0]) == pytest.approx(1.5) == value_of(peers[1])
+        assert peers[0].neighbour_misses == 1 and peers[1].neighbour_misses == 1
+    finally:
+        for p in peers:
+            p.close()
+
+
+def test_a_peer_that_left_is_not_waited_for() -> None:
+    peers = make_swarm(3, "complete", [0.0, 3.0, 30.0], round_timeout=60)
+    try:
+        peers[2].close()  # announces that it stopped
+        finished = threading.Event()
+
+        def two_rounds() -> None:
+            run_rounds(peers[:2], 2)
+            finished.set()
+
+        threading.Thread(target=two_rounds, daemon=True).start()
+        assert finished.wait(10), "peers waited for a neighbour that had left"
+        assert peers[0].neighbour_misses == 0
+    finally:
+        for p in peers:
+            p.close()
+
+
+def test_a_newcomer_joins_a_running_swarm_with_a_neighbours_model() -> None:
+    peers = make_swarm(3, "complete", [0.0, 10.0, 20.0], round_timeout=2)
+    stop = threading.Event()
+
+    def train(peer: Peer) -> None:
+        while not stop.is_set():
+            peer.gossip()
+
+    threads = [threading.Thread(target=train, args=(p,)) for p in peers]
+    for t in threads:
+        t.start()
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(999.0)
+    joiner = None
+    try:
+        joiner = Peer(model, bootstrap=peers[1].address, topology="complete", round_timeout=2)
+        assert value_of(joiner) == pytest.approx(10.0)  # the neighbour's model, not its own
+        since = joiner.membership.get(joiner.id).since  # type: ignore[union-attr]
+        assert joiner.id == 3 and since > 0 and joiner.round >= since
+        for _ in range(30):
+            joiner.gossip()
+        assert joiner.neighbour_misses == 0
+        assert sorted(joiner.neighbours()) == [0, 1, 2]
+        assert all(3 in p.neighbours(joiner.round) for p in peers)
+        assert value_of(joiner) == pytest.approx(10.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        for p in [*peers, joiner]:
+            if p is not None:
+                p.close()
+
+
+def test_asking_for_a_taken_id_is_refused_with_the_reason() -> None:
+    peers = make_swarm(2, "ring", [0.0, 1.0])
+    try:
+        with pytest.raises(Exception, match="id 0 is taken"):
+            Peer(torch.nn.Linear(3, 2), rank=0, bootstrap=peers[0].address, startup_timeout=10)
+    finally:
+        for p in peers:
+            p.close()
+
+
+def test_joining_an_address_where_nobody_listens_fails_clearly() -> None:
+    with pytest.raises(Exception, match="is a gossipdl peer listening there"):
+        Peer(torch.nn.Linear(3, 2), bootstrap="tcp://127.0.0.1:9", startup_timeout=1.5)

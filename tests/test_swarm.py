@@ -1,0 +1,200 @@
+"""Real swarms: peer processes over real ZeroMQ sockets on 127.0.0.1, and the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import tomllib
+from conftest import gossipdl_cmd, last_record, small_config, wait_for
+
+from gossipdl.config import from_dict, to_dict
+from gossipdl.experiments.launcher import launch
+from gossipdl.rundir import RunDir
+
+RECORD_KEYS = {
+    "peer", "step", "time", "loss", "bytes_sent", "bytes_received",
+    "messages_sent", "messages_dropped", "dropped_reasons",
+}  # fmt: skip
+SUMMARY_KEYS = {
+    "mean_accuracy", "min_accuracy", "max_accuracy", "consensus_distance",
+    "total_bytes_sent", "total_messages_sent", "wall_time_s", "peers",
+}  # fmt: skip
+SUMMARY_PEER_KEYS = {
+    "id", "accuracy", "bytes_sent", "bytes_received", "messages_sent", "messages_dropped",
+}  # fmt: skip
+
+
+def test_swarm_trains_and_writes_the_run_directory(tmp_path: Path) -> None:
+    config = small_config(tmp_path, peers=4, topology="ring", steps=80, eval_every=40)
+    summary = launch(config, progress=False)
+    run = RunDir(config.out)
+
+    assert from_dict(tomllib.loads(run.config.read_text())) == config
+    peers = json.loads(run.peers_json.read_text())
+    assert sorted(p["id"] for p in peers) == [0, 1, 2, 3]
+    assert all(p["address"].startswith("tcp://127.0.0.1:") for p in peers)
+    assert len({p["address"] for p in peers}) == 4
+
+    numel = 32 * 10 + 10  # logistic regression on the 32-feature, 10-class blobs
+    message_bytes = numel * 4
+    for peer_id in range(4):
+        records = list(run.records(peer_id))
+        assert all(r.keys() >= RECORD_KEYS for r in records)
+        assert [r["step"] for r in records if r.get("accuracy") is not None] == [0, 40, 80]
+        final = records[-1]
+        assert final["final"] and final["step"] == 80 and not final["stopped_early"]
+        # Two ring neighbours per round, each sent a full model plus its header.
+        assert final["messages_sent"] >= 2 * 80
+        assert final["bytes_sent"] > 2 * 80 * message_bytes
+        assert final["bytes_received"] > 2 * 80 * message_bytes
+        assert final["messages_dropped"] == 0
+        assert run.model(peer_id).is_file()
+
+    assert summary.keys() >= SUMMARY_KEYS
+    assert json.loads(run.summary.read_text()) == summary
+    assert all(p.keys() >= SUMMARY_PEER_KEYS for p in summary["peers"])
+    assert summary["peers_finished"] == 4
+    assert summary["total_bytes_sent"] == sum(p["bytes_sent"] for p in summary["peers"])
+    assert summary["mean_accuracy"] > 0.7  # chance is 0.1
+    import torch
+
+    norm = sum(float((t**2).sum()) for t in torch.load(run.model(0)).values())
+    assert summary["consensus_distance"] < 1e-3 * norm  # peers agree up to the last local steps
+
+
+def test_single_mode_trains_one_process_on_all_data(tmp_path: Path) -> None:
+    config = small_config(tmp_path, mode="single", peers=4, steps=60)
+    summary = launch(config, progress=False)
+    assert [p["id"] for p in summary["peers"]] == [0]
+    assert summary["total_bytes_sent"] == 0 and summary["consensus_distance"] is None
+    assert summary["mean_accuracy"] > 0.7
+
+
+def test_cli_run_prints_a_table_from_a_toml_file_with_overrides(tmp_path: Path) -> None:
+    exp = tmp_path / "exp.toml"
+    exp.write_text(
+        'peers = 2\ndataset = "synthetic"\nmodel = "logistic"\nsteps = 500\n'
+        "eval_every = 0\nthreads = 1\n"
+    )
+    out = tmp_path / "cli-run"
+    done = subprocess.run(
+        gossipdl_cmd("run", str(exp), "--steps", "30", "--topology", "complete", "--out", str(out)),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "mean test accuracy" in done.stdout and "peer" in done.stdout
+    resolved = tomllib.loads((out / "config.toml").read_text())
+    assert (resolved["peers"], resolved["steps"], resolved["topology"]) == (2, 30, "complete")
+    assert json.loads((out / "summary.json").read_text())["peers_finished"] == 2
+
+
+def test_help_lists_every_option_with_its_default() -> None:
+    done = subprocess.run(
+        gossipdl_cmd("run", "--help"), capture_output=True, text=True, timeout=60,
+        env={**os.environ, "COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0
+    for key in to_dict(small_config(Path("."))):
+        flag = "--" + key.replace("_", "-")
+        assert flag in done.stdout, f"{flag} missing from --help"
+    assert "[default: 4]" in done.stdout and "[default: ring]" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--topology", "torus", "--peers", "7"], ["torus", "7"]),
+        (["--topology", "moebius"], ["moebius", "ring"]),
+        (["--dataset", "imagenet"], ["imagenet", "mnist1d"]),
+        (["--model", "resnet"], ["resnet", "cnn1d"]),
+        (["--peers", "1"], ["peers = 1", "at least 2"]),
+        (["--partition", "zipf:2"], ["zipf:2", "dirichlet:ALPHA"]),
+        (["--lr", "-1"], ["lr = -1"]),
+        (["--peers", "40", "--partition", "dirichlet:0.001"], ["dirichlet:0.001"]),
+        (["--steps", "ten"], ["--steps", "integer"]),
+    ],
+)
+def test_bad_config_fails_before_any_peer_starts(
+    tmp_path: Path, args: list[str], needles: list[str]
+) -> None:
+    out = tmp_path / "never"
+    done = subprocess.run(
+        gossipdl_cmd("run", "--out", str(out), "--dataset", "synthetic", *args),
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    text = " ".join((done.stdout + done.stderr).split())
+    for needle in needles:
+        assert needle in text
+    assert not (out / "peers").exists() or not any((out / "peers").iterdir())
+
+
+def test_missing_config_file_is_named(tmp_path: Path) -> None:
+    done = subprocess.run(
+        gossipdl_cmd("run", str(tmp_path / "nope.toml")), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "nope.toml does not exist" in " ".join(done.stderr.split())
+
+
+def _peer_pids(run_dir: Path) -> dict[int, int]:
+    """Peer processes of a launched run, found by their command lines: rank -> pid."""
+    pids = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"peer" in args and str(run_dir).encode() in args and b"--rank" in args:
+            pids[int(args[args.index(b"--rank") + 1])] = int(proc.name)
+    return pids
+
+
+def _start_cli_run(tmp_path: Path, steps: int) -> tuple[subprocess.Popen[str], Path]:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        gossipdl_cmd(
+            "run", "--peers", "3", "--dataset", "synthetic", "--model", "logistic",
+            "--steps", str(steps), "--eval-every", "0", "--threads", "1", "--out", str(out),
+            "--round-timeout", "5",
+        ),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    wait_for(lambda: (last_record(out / "peers" / "2.jsonl") or {}).get("step", 0) >= 20,
+             60, "the swarm to train")  # fmt: skip
+    return proc, out
+
+
+def test_a_peer_killed_mid_run_stops_the_swarm_with_an_error_naming_it(tmp_path: Path) -> None:
+    proc, out = _start_cli_run(tmp_path, steps=100_000)
+    pids = _peer_pids(out)
+    assert sorted(pids) == [0, 1, 2]
+    os.kill(pids[1], signal.SIGKILL)
+    _stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "peer 1 exited with code -9" in " ".join(stderr.split())
+    summary = json.loads((out / "summary.json").read_text())
+    survivors = {p["id"]: p for p in summary["peers"]}
+    assert survivors[0]["steps"] >= 20 and survivors[2]["steps"] >= 20
+    assert not survivors[1]["finished"]
+
+
+def test_ctrl_c_stops_the_whole_swarm_and_keeps_the_measurements(tmp_path: Path) -> None:
+    proc, out = _start_cli_run(tmp_path, steps=100_000)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    _stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert "interrupted" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["peers"]) == 3
+    for peer in summary["peers"]:
+        final = last_record(out / "peers" / f"{peer['id']}.jsonl")
+        assert final is not None and final["final"] and final["stopped_early"]
+        assert final["accuracy"] is not None and (out / "models" / f"{peer['id']}.pt").is_file()
+    assert not _peer_pids(out), "peer processes left running"
