@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from gossipdl.config import Config, to_toml
@@ -89,3 +90,9 @@ def last_record(path: Path) -> dict[str, Any] | None:
         return None
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
     return json.loads(lines[-1]) if lines else None
+
+
+def with_header(message: list[Any], **changes: Any) -> list[Any]:
+    """``message`` with header fields replaced: a hand-made malformed message."""
+    header = {**msgpack.unpackb(bytes(message[0])), **changes}
+    return [msgpack.packb(header), *message[1:]]

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import wait_for
 
 from gossipdl import Peer
 from gossipdl.topologies import build_topology
@@ -142,6 +143,7 @@ def test_a_newcomer_joins_a_running_swarm_with_a_neighbours_model() -> None:
     threads = [threading.Thread(target=train, args=(p,)) for p in peers]
     for t in threads:
         t.start()
+    wait_for(lambda: all(p.round >= 5 for p in peers), 30, "the swarm to run a few rounds")
     model = torch.nn.Linear(3, 2)
     with torch.no_grad():
         for p in model.parameters():

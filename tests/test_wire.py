@@ -7,21 +7,13 @@ import contextlib
 import msgpack
 import numpy as np
 import pytest
+from conftest import with_header
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossipdl.transport.wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, decode, encode
 
 LIMIT = 1 << 30
-
-
-def header_of(frames: list) -> dict:
-    return msgpack.unpackb(bytes(frames[0]))
-
-
-def with_header(message: list, **changes: object) -> list:
-    header = {**header_of(message), **changes}
-    return [msgpack.packb(header), *message[1:]]
 
 
 @given(

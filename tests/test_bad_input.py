@@ -1,0 +1,172 @@
+"""Every kind of bad message against a live peer process: dropped, counted, logged, survived."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from conftest import (
+    gossipdl_cmd,
+    last_record,
+    small_config,
+    start_peer,
+    wait_for,
+    with_header,
+    write_config,
+)
+
+from gossipdl import Peer
+from gossipdl.models import build_model
+from gossipdl.transport import encode
+
+NUMEL = 32 * 10 + 10  # logistic regression on the synthetic blobs
+STEPS = 30
+
+
+def bad_messages() -> dict[str, list]:
+    """One malformed message per reason code the peer must count."""
+    good = np.zeros(NUMEL, np.float32)
+    nan = good.copy()
+    nan[7] = np.nan
+    return {
+        "malformed_header": [b"\xc1 not msgpack"],
+        "bad_version": with_header(encode("params", 1, 1, 0, [good]), v=99),
+        "bad_kind": with_header(encode("params", 1, 1, 0, [good]), kind="explode"),
+        "frame_mismatch": with_header(encode("params", 1, 1, 0, [good]), frames=[NUMEL * 4 + 8]),
+        "bad_dtype": encode("params", 1, 1, 0, [good.astype(np.float64)]),
+        "bad_shape": encode("params", 1, 1, 0, [np.zeros(NUMEL + 1, np.float32)]),
+        "non_finite": encode("params", 1, 1, 0, [nan]),
+        "unknown_sender": encode("params", 77, 1, 0, [good]),
+        "oversize": encode("params", 1, 1, 0, [np.zeros(200_000, np.float32)]),
+    }
+
+
+def test_a_live_peer_drops_and_counts_every_bad_message_and_keeps_training(
+    tmp_path: Path,
+) -> None:
+    config = small_config(
+        tmp_path, peers=2, steps=STEPS, log_every=1, round_timeout=30, max_message_mb=0.5
+    )
+    cfg = write_config(tmp_path / "exp.toml", config)
+    out = tmp_path / "run"
+    proc, address = start_peer(
+        "--config", str(cfg), "--rank", "0", "--out", str(out), "--no-summary",
+        log=tmp_path / "peer0.log",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    me = Peer(build_model("logistic", (32,), 10), rank=1, bootstrap=address, min_peers=2,
+              round_timeout=30)  # fmt: skip
+    ctx = zmq.Context()
+    attacker = ctx.socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(address)
+    try:
+        for _ in range(5):
+            me.gossip()
+        expected = {}
+        for reason, frames in bad_messages().items():
+            for _ in range(3):
+                attacker.send_multipart(frames)
+            expected[reason] = 3
+
+        def counted() -> bool:
+            record = last_record(out / "peers" / "0.jsonl") or {}
+            return record.get("dropped_reasons") == expected
+
+        while me.round < STEPS and not counted():
+            me.gossip()
+        assert counted(), (out / "peers" / "0.jsonl").read_text()
+        while me.round < STEPS:
+            me.gossip()
+        assert proc.wait(30) == 0
+    finally:
+        me.close()
+        attacker.close()
+        ctx.term()
+        if proc.poll() is None:
+            proc.kill()
+    final = last_record(out / "peers" / "0.jsonl")
+    assert final is not None
+    assert final["final"] and final["step"] == STEPS and not final["stopped_early"]
+    assert final["dropped_reasons"] == expected
+    assert final["messages_dropped"] == 27
+    assert final["neighbour_misses"] == 0
+    log = (tmp_path / "peer0.log").read_text()
+    assert log.count("dropped a message") == 27
+    assert "from peer 77: unknown_sender" in log
+    assert "from an unidentified sender: malformed_header" in log
+    assert "from peer 1: non_finite" in log
+
+
+def test_a_peer_that_cannot_bind_says_which_port_and_why(tmp_path: Path) -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    cfg = write_config(tmp_path / "exp.toml", small_config(tmp_path))
+    try:
+        done = subprocess.run(
+            gossipdl_cmd("peer", "--config", str(cfg), "--listen", f"tcp://127.0.0.1:{port}",
+                         "--out", str(tmp_path / "x")),
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        holder.close()
+    text = " ".join(done.stderr.split())
+    assert done.returncode == 2
+    assert f"cannot listen on tcp://127.0.0.1:{port}: Address already in use" in text
+
+
+def test_join_from_the_cli_takes_a_neighbours_model_and_trains(tmp_path: Path) -> None:
+    out = tmp_path / "swarm"
+    steps = 4000
+    swarm = subprocess.Popen(
+        gossipdl_cmd(
+            "run", "--peers", "3", "--dataset", "synthetic", "--model", "logistic",
+            "--steps", str(steps), "--eval-every", "1000", "--threads", "1", "--lr", "0.1",
+            "--out", str(out), "--no-progress",
+        ),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    joined = tmp_path / "joined"
+    try:
+        wait_for(lambda: (last_record(out / "peers" / "0.jsonl") or {}).get("step", 0) >= 100,
+                 60, "the swarm to train")  # fmt: skip
+        address = json.loads((out / "peers.json").read_text())[1]["address"]
+        done = subprocess.run(
+            gossipdl_cmd("join", address, "--out", str(joined), "--threads", "1"),
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert swarm.wait(120) == 0
+    finally:
+        if swarm.poll() is None:
+            swarm.kill()
+    records = [json.loads(line) for line in (joined / "peers" / "3.jsonl").read_text().splitlines()]
+    first, final = records[0], records[-1]
+    assert first["start"] and 100 <= first["step"] < steps
+    assert first["accuracy"] > 0.6  # a trained neighbour's model; a fresh one is near 0.1
+    assert final["final"] and final["step"] == steps and final["accuracy"] > 0.7
+    assert final["neighbour_misses"] == 0
+    assert "joined at round" in done.stderr
+    members = json.loads((out / "peers.json").read_text())
+    assert [m["id"] for m in members] == [0, 1, 2, 3]
+    assert json.loads((joined / "summary.json").read_text())["peers"][0]["id"] == 3
+    resolved = (joined / "config.toml").read_text()
+    assert 'dataset = "synthetic"' in resolved and "peers = 3" in resolved
+
+
+@pytest.mark.parametrize("bad", ["tcp://127.0.0.1:9"])
+def test_join_with_nobody_there_fails_clearly(tmp_path: Path, bad: str) -> None:
+    done = subprocess.run(
+        gossipdl_cmd("join", bad, "--timeout", "2", "--out", str(tmp_path / "j")),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "no answer from tcp://127.0.0.1:9" in " ".join(done.stderr.split())
