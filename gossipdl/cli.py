@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -258,5 +259,7 @@ def topology_show(
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point; ``module:function`` specs resolve from the current directory."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     app()

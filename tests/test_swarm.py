@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,31 @@ def test_ctrl_c_stops_the_whole_swarm_and_keeps_the_measurements(tmp_path: Path)
         assert final is not None and final["final"] and final["stopped_early"]
         assert final["accuracy"] is not None and (out / "models" / f"{peer['id']}.pt").is_file()
     assert not _peer_pids(out), "peer processes left running"
+
+
+def test_config_names_model_and_dataset_factories_by_module_function(tmp_path: Path) -> None:
+    (tmp_path / "myexp.py").write_text(
+        "import numpy as np, torch\n"
+        "from gossipdl.data import Dataset\n"
+        "def data():\n"
+        "    rng = np.random.default_rng(0)\n"
+        "    x = rng.standard_normal((400, 6)).astype(np.float32)\n"
+        "    y = (x[:, 0] > 0).astype(np.int64)\n"
+        "    return Dataset('halfspace', x[:300], y[:300], x[300:], y[300:], 2, (6,))\n"
+        "def tiny(input_shape, num_classes, hidden):\n"
+        "    return torch.nn.Linear(input_shape[0], num_classes)\n"
+    )
+    exp = tmp_path / "exp.toml"
+    exp.write_text(
+        'peers = 2\ndataset = "myexp:data"\nmodel = "myexp:tiny"\nsteps = 40\n'
+        "eval_every = 0\nthreads = 1\nlr = 0.5\n"
+    )
+    console_script = Path(sys.executable).with_name("gossipdl")  # no cwd on sys.path, unlike -m
+    command = [str(console_script)] if console_script.exists() else gossipdl_cmd()
+    done = subprocess.run(
+        [*command, "run", str(exp), "--out", "run", "--no-progress"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["peers_finished"] == 2 and summary["mean_accuracy"] > 0.9
