@@ -43,7 +43,17 @@ KINDS = frozenset(
 
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name)
-    for name in ("float32", "float16", "float64", "int8", "uint8", "int32", "int64")
+    for name in (
+        "float32",
+        "float16",
+        "float64",
+        "int8",
+        "uint8",
+        "int16",
+        "uint16",
+        "int32",
+        "int64",
+    )
 }
 
 
