@@ -13,7 +13,7 @@ import pytest
 import tomllib
 from conftest import gossipdl_cmd, last_record, small_config, wait_for
 
-from gossipdl.config import from_dict, to_dict
+from gossipdl.config import ConfigError, from_dict, to_dict
 from gossipdl.experiments.launcher import launch
 from gossipdl.rundir import RunDir
 
@@ -227,3 +227,12 @@ def test_config_names_model_and_dataset_factories_by_module_function(tmp_path: P
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["peers_finished"] == 2 and summary["mean_accuracy"] > 0.9
+
+
+def test_a_run_directory_is_never_reused(tmp_path: Path) -> None:
+    config = small_config(tmp_path, peers=2, steps=10)
+    launch(config, progress=False)
+    before = (Path(config.out) / "summary.json").read_text()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        launch(config, progress=False)
+    assert (Path(config.out) / "summary.json").read_text() == before

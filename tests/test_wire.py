@@ -11,7 +11,7 @@ from conftest import with_header
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipdl.transport.wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, decode, encode
+from gossipdl.transport.wire import PROTOCOL_VERSION, WireError, all_finite, decode, encode
 
 LIMIT = 1 << 30
 
@@ -46,11 +46,29 @@ def test_round_trip_keeps_arrays_and_fields(specs, sender, round_) -> None:
         np.testing.assert_array_equal(got, sent)
 
 
-def test_large_array_is_split_into_bounded_frames() -> None:
-    x = np.arange(MAX_FRAME_BYTES // 4 * 2 + 5, dtype=np.float32)
+def test_large_array_is_one_frame_decoded_without_copy() -> None:
+    x = np.arange(10_000_005, dtype=np.float32)
     frames = encode("params", 0, 0, 0, [x])
-    assert len(frames) == 4 and all(len(f) <= MAX_FRAME_BYTES for f in frames[1:])
+    assert len(frames) == 2 and len(frames[1]) == x.nbytes
+    got = decode(frames, LIMIT).arrays[0]
+    assert np.shares_memory(got, x)
+    np.testing.assert_array_equal(got, x)
+
+
+def test_array_split_over_frames_is_joined() -> None:
+    x = np.arange(1001, dtype=np.float32)
+    raw = x.view(np.uint8).data
+    header = msgpack.unpackb(encode("params", 0, 0, 0, [x])[0])
+    header["frames"] = [1000, 3004]
+    frames = [msgpack.packb(header), raw[:1000], raw[1000:]]
     np.testing.assert_array_equal(decode(frames, LIMIT).arrays[0], x)
+
+
+def test_empty_array_sends_no_frame() -> None:
+    frames = encode("params", 0, 0, 0, [np.zeros(0, np.float32), np.ones(2, np.float32)])
+    assert len(frames) == 2
+    arrays = decode(frames, LIMIT).arrays
+    assert arrays[0].shape == (0,) and arrays[1].tolist() == [1.0, 1.0]
 
 
 def good() -> list:
@@ -105,3 +123,14 @@ def test_error_names_the_sender_when_the_header_parses() -> None:
 def test_random_bytes_never_crash_the_decoder(head: bytes, rest: list[bytes]) -> None:
     with contextlib.suppress(WireError):
         decode([head, *rest], LIMIT)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_finiteness_check_is_exact_even_where_squares_overflow(dtype: type) -> None:
+    huge = np.full(1000, np.finfo(dtype).max / 2, dtype)  # x·x overflows, every x is finite
+    assert all_finite(huge)
+    for bad in (np.nan, np.inf, -np.inf):
+        x = huge.copy()
+        x[500] = bad
+        assert not all_finite(x)
+    assert all_finite(np.zeros(0, dtype))

@@ -174,7 +174,13 @@ def launch(
     Ctrl-C stops every peer cleanly and still writes what was measured. A peer
     that dies stops the swarm and raises LaunchError naming it, after the summary is written.
     """
-    run = RunDir(config.out or default_run_dir()).create()
+    run = RunDir(config.out or default_run_dir())
+    if run.peer_ids() or run.summary.exists():
+        raise ConfigError(
+            f"{run.root} already holds a run (its metrics would be mixed with the new ones); "
+            "choose another --out or delete it"
+        )
+    run.create()
     config = config.replace(out=str(run.root))
     preflight(config)
     run.config.write_text(to_toml(config))

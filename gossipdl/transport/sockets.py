@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from gossipdl.transport.wire import MAX_FRAME_BYTES, MAX_HEADER_BYTES, Message, WireError, decode
+from gossipdl.transport.wire import MAX_HEADER_BYTES, Message, WireError, decode
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +102,10 @@ class Transport:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.RCVHWM, 10000)
-        # A frame larger than any legitimate one (header or data chunk) cuts the connection
-        # before it is buffered; whole-message size is checked in ``decode``.
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + MAX_HEADER_BYTES)
+        # A frame larger than any legitimate one (a header, or an array of a message
+        # within the limit) cuts the connection before it is buffered; a message
+        # over the limit but with smaller frames is counted as oversize in ``decode``.
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + MAX_HEADER_BYTES)
         try:
             self._router.bind(_bind_spec(listen))
         except zmq.ZMQError as exc:

@@ -1,0 +1,107 @@
+"""Shared output for the benchmark scripts: one rich table on the console, the same rows as JSON.
+
+Every script describes its table as a list of :class:`Column` and hands rows
+(plain dicts of raw numbers, keyed by ``Column.key``) plus a ``meta`` dict to
+:func:`report`. With ``--json FILE`` the file holds::
+
+    {
+      "benchmark": "transport",        # the script's name
+      "rows": [{...}, ...],             # one object per table row, raw (unformatted) values
+      "meta": {...},                    # settings, environment, derived results (ratios, targets)
+    }
+
+Numbers in the JSON are the unrounded values; the table only formats them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: the row key it shows, its header, and how to format a value."""
+
+    key: str
+    header: str
+    fmt: str | Callable[[Any], str] = "{}"
+
+    def render(self, value: Any) -> str:
+        if value is None:
+            return "-"
+        if callable(self.fmt):
+            return self.fmt(value)
+        return self.fmt.format(value)
+
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``--json FILE`` to a script's parser."""
+    parser.add_argument(
+        "--json",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help='also write {"benchmark", "rows", "meta"} as JSON to FILE',
+    )
+
+
+def environment() -> dict[str, Any]:
+    """Where the numbers were taken: enough to tell two machines apart."""
+    import numpy
+    import torch
+    import zmq
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "numpy": numpy.__version__,
+        "torch": torch.__version__,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+    }
+
+
+def report(
+    benchmark: str,
+    title: str,
+    columns: Sequence[Column],
+    rows: list[dict[str, Any]],
+    meta: dict[str, Any],
+    json_path: Path | None = None,
+    *,
+    notes: Sequence[str] = (),
+    console: Console | None = None,
+) -> None:
+    """Print ``rows`` as a table (plus ``notes`` under it) and write them to ``json_path``."""
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped or captured: do not squeeze the table to 80 columns
+            console = Console(width=160)
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col.header, justify="left" if col is columns[0] else "right")
+    for row in rows:
+        table.add_row(*(col.render(row.get(col.key)) for col in columns))
+    console.print(table)
+    for note in notes:
+        console.print(note)
+    if json_path is not None:
+        document = {"benchmark": benchmark, "rows": rows, "meta": {**meta, "env": environment()}}
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(document, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
