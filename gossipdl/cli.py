@@ -15,7 +15,15 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 
-from gossipdl.config import DEFAULTS, FIELDS, Config, ConfigError, from_dict, load_config
+from gossipdl.config import (
+    DEFAULTS,
+    FIELDS,
+    Config,
+    ConfigError,
+    from_dict,
+    load_config,
+    to_toml,
+)
 from gossipdl.rundir import RunDir, default_run_dir
 
 app = typer.Typer(
@@ -148,8 +156,6 @@ def _train(
         torch.set_num_threads(threads)
     run = RunDir(out or config.out or default_run_dir()).create()
     if not run.config.exists():
-        from gossipdl.config import to_toml
-
         run.config.write_text(to_toml(config.replace(out=str(run.root))))
     training, stop = threading.Event(), threading.Event()
     _stop_on_signals(training, stop)

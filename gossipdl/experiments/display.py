@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rich.console import Console
@@ -23,8 +24,11 @@ def human_bytes(n: float) -> str:
 class LiveProgress:
     """Tails ``peers/<id>.jsonl`` and shows each peer's step, loss and bytes sent."""
 
-    def __init__(self, run: RunDir, steps: int, console: Console | None = None) -> None:
+    def __init__(
+        self, run: RunDir, steps: int, console: Console | None = None, enabled: bool = True
+    ) -> None:
         self._run = run
+        self._enabled = enabled
         self._steps = steps
         self._offsets: dict[int, int] = {}
         self._tasks: dict[int, Any] = {}
@@ -41,17 +45,19 @@ class LiveProgress:
         )
 
     def __enter__(self) -> LiveProgress:
-        self.progress.start()
+        if self._enabled:
+            self.progress.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.refresh()
-        self.progress.stop()
+        if self._enabled:
+            self.refresh()
+            self.progress.stop()
 
     def refresh(self) -> None:
-        """Read new metrics lines and update the bars."""
-        import json
-
+        """Read new metrics lines and update the bars (nothing when disabled)."""
+        if not self._enabled:
+            return
         for peer_id in self._run.peer_ids():
             path = self._run.metrics(peer_id)
             offset = self._offsets.get(peer_id, 0)

@@ -188,27 +188,22 @@ def launch(
     started = time.monotonic()
     interrupted = False
     failed: dict[int, int] = {}
-    display = LiveProgress(run, config.steps, console=console) if progress else None
-    try:
-        swarm.start()
-        if display:
-            display.__enter__()
-        while swarm.running():
-            time.sleep(0.25)
-            if display:
+    with LiveProgress(run, config.steps, console=console, enabled=progress) as display:
+        try:
+            swarm.start()
+            while swarm.running():
+                time.sleep(0.25)
                 display.refresh()
-            failed = swarm.failed()
-            if failed:
-                log.error("peer(s) %s died; stopping the swarm", sorted(failed))
-                swarm.stop()
-                break
-    except KeyboardInterrupt:
-        interrupted = True
-        swarm.stop()
-    finally:
-        if display:
-            display.__exit__()
-        swarm.close()
+                failed = swarm.failed()
+                if failed:
+                    log.error("peer(s) %s died; stopping the swarm", sorted(failed))
+                    swarm.stop()
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+            swarm.stop()
+        finally:
+            swarm.close()
     summary = summarize(run, time.monotonic() - started)
     summary_failed = failed or swarm.failed()
     if interrupted:
