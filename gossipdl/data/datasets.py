@@ -14,7 +14,6 @@ written atomically, so a concurrent reader sees either no file or a whole one.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.metadata
 import json
 import logging
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from gossipdl.plugins import load_callable
 
 logger = logging.getLogger(__name__)
 
@@ -368,22 +369,8 @@ def load_dataset(name: str) -> Dataset:
 
 
 def _load_custom(spec: str) -> Dataset:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise DataError(f"custom dataset {spec!r} must be of the form 'module.path:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise DataError(
-            f"custom dataset {spec!r}: cannot import module {module_name!r} ({exc})"
-        ) from exc
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise DataError(
-            f"custom dataset {spec!r}: module {module_name!r} has no attribute {attr!r}"
-        )
-    if not callable(fn):
-        raise DataError(f"custom dataset {spec!r}: {attr!r} is not callable")
+    fn = load_callable(spec, "custom dataset", DataError)
+    attr = spec.partition(":")[2]
     result = fn()
     if not isinstance(result, Dataset):
         raise DataError(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Sequence
 
@@ -11,6 +10,7 @@ from torch import nn
 
 from gossipdl.models.cnn import CNN1d, CNN2d
 from gossipdl.models.mlp import MLP
+from gossipdl.plugins import load_callable
 
 logger = logging.getLogger(__name__)
 
@@ -143,20 +143,8 @@ def _check_hidden(name: str, hidden: Sequence[int]) -> list[int]:
 def _build_custom(
     spec: str, input_shape: tuple[int, ...], num_classes: int, hidden: list[int] | None
 ) -> nn.Module:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ModelError(f"custom model {spec!r} must be of the form 'module.path:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ModelError(
-            f"custom model {spec!r}: cannot import module {module_name!r} ({exc})"
-        ) from exc
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ModelError(f"custom model {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise ModelError(f"custom model {spec!r}: {attr!r} is not callable")
+    fn = load_callable(spec, "custom model", ModelError)
+    attr = spec.partition(":")[2]
     model = fn(input_shape=input_shape, num_classes=num_classes, hidden=hidden)
     if not isinstance(model, nn.Module):
         raise ModelError(
