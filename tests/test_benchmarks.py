@@ -38,3 +38,14 @@ def test_parity_benchmark_runs_both_modes(tmp_path: Path) -> None:
     assert modes == ["single", "gossip"]
     assert all(row["mean_accuracy"] is not None for row in result["rows"])
     assert "gap_points" in result["meta"] and "within_target" in result["meta"]
+
+
+def test_codec_benchmark_reports_every_codec_with_its_keys(tmp_path: Path) -> None:
+    result = run_benchmark("codecs", tmp_path, "--quick")
+    rows = {row["codec"]: row for row in result["rows"]}
+    assert "torch.topk 1% (reference)" in rows and "sign" in rows
+    for name, row in rows.items():
+        if "reference" in name:
+            continue
+        assert {"bytes", "ratio", "encode_ms", "decode_ms", "rel_error"} <= row.keys()
+        assert row["bytes"] > 0 and row["ratio"] > 0

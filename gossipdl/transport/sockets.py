@@ -98,7 +98,7 @@ class Transport:
         self._max_message_bytes = max_message_bytes
         self._name = name
         self._send_hwm = send_hwm
-        self._ctx = zmq.Context()
+        self._ctx: zmq.Context = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.RCVHWM, 10000)

@@ -1,0 +1,216 @@
+"""Codecs on one large tensor: payload bytes, encode/decode time and error, per codec.
+
+What it measures
+    One seeded standard-normal float32 vector (default 10M elements, 40 MB)
+    goes through every codec in ``CODECS``. Per codec: payload bytes
+    (``Payload.nbytes``: every array byte plus the packed meta), the ratio to
+    plain float32 (``4n / bytes``), the median ``encode`` and ``decode`` times
+    over the timed runs (``encode`` includes the sender's estimate, which
+    CHOCO-SGD and error feedback need), their sum (round trip), and the
+    relative L2 error ``‖x − decode(encode(x))‖ / ‖x‖`` of the first message
+    (for ``+ef`` rows: before any residual has built up). Two reference rows
+    time one plain ``torch.topk(x.abs(), k)`` at 1% and one ``x.half()`` cast
+    on the same tensor. Runs are interleaved (every codec once per round,
+    rounds repeated), so machine noise hits all rows alike; each codec is
+    warmed up by one untimed round first.
+
+Targets
+    * ``topk:0.01+ef`` (top-1%, indices coded with the default delta-golomb,
+      error feedback) round-trips (encode + decode) faster than the one
+      ``torch.topk`` call;
+    * ``sign`` round-trips in under 3x the time of the fp16 cast.
+
+Run
+    python benchmarks/codecs.py                      # 10M floats, 1 warm-up + 7 timed rounds
+    python benchmarks/codecs.py --quick              # 200k floats, 1 + 3 rounds: a smoke test
+    python benchmarks/codecs.py --json runs/bench-codecs.json
+
+JSON (``--json FILE``): ``{"benchmark": "codecs", "rows": [...], "meta": {...}}``;
+each row has ``codec``, ``bytes``, ``ratio``, ``encode_ms``, ``decode_ms``,
+``roundtrip_ms``, ``rel_error`` (reference rows: ``encode_ms`` is the timed
+call, the rest null); ``meta`` holds the settings, each target's numbers and
+whether it is met, and the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from _common import Column, add_json_option, report
+
+from gossipdl.compression import build_codec
+
+CODECS = (
+    "none",
+    "fp16",
+    "bf16",
+    "sign",
+    "sign+ef",
+    "sign:4096",
+    "ternary",
+    "uniform:4",
+    "uniform:8:1024",
+    "qsgd:16",
+    "topk:0.01",
+    "topk:0.01+ef",
+    "topk:0.01+fp16",
+    "topk:0.01+qsgd:16+delta-golomb",
+    "topk:0.01+raw",
+    "topk:0.01+delta-varint",
+    "topk:0.01+delta-zlib",
+    "threshold:auto",
+    "threshold:auto+sign",
+    "randomk:0.01",
+    "powersgd:2",
+    "powersgd:2+ef",
+)
+TOPK_REFERENCE = "torch.topk 1% (reference)"
+FP16_REFERENCE = "fp16 cast (reference)"
+TOPK_TARGET = "topk:0.01+delta-golomb+ef"
+SIGN_TARGET = "sign"
+SIGN_FACTOR = 3.0
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - start) * 1e3, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=10_000_000, help="float32 elements")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds (median of these)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="200k elements, 3 rounds")
+    add_json_option(parser)
+    args = parser.parse_args()
+    if args.quick:
+        args.numel, args.rounds = 200_000, 3
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.seed))
+    k = max(1, args.numel // 100)
+    codecs = {spec: build_codec(spec, seed=args.seed) for spec in CODECS}
+    names = {spec: codec.spec for spec, codec in codecs.items()}
+    rows: dict[str, dict[str, Any]] = {}
+    for spec, codec in codecs.items():
+        payload, sent = codec.encode(x)
+        decoded = codec.decode(payload, x.numel(), x.device)
+        assert torch.equal(decoded, sent), f"{spec}: decode differs from the sender's estimate"
+        rows[spec] = {
+            "codec": names[spec],
+            "bytes": payload.nbytes,
+            "ratio": 4 * x.numel() / payload.nbytes,
+            "rel_error": float((x - decoded).norm() / x.norm()),
+        }
+    times: dict[str, dict[str, list[float]]] = {
+        name: {"encode": [], "decode": []} for name in [*CODECS, TOPK_REFERENCE, FP16_REFERENCE]
+    }
+    for round_ in range(args.rounds + 1):  # round 0 warms up
+        for spec, codec in codecs.items():
+            encode_ms, (payload, _) = _timed(partial(codec.encode, x))
+            decode_ms, _ = _timed(partial(codec.decode, payload, x.numel(), x.device))
+            if round_:
+                times[spec]["encode"].append(encode_ms)
+                times[spec]["decode"].append(decode_ms)
+        for name, fn in (
+            (TOPK_REFERENCE, lambda: torch.topk(x.abs(), k)),
+            (FP16_REFERENCE, lambda: x.half()),
+        ):
+            elapsed, _ = _timed(fn)
+            if round_:
+                times[name]["encode"].append(elapsed)
+
+    table = []
+    for spec in CODECS:
+        row = rows[spec]
+        row["encode_ms"] = statistics.median(times[spec]["encode"])
+        row["decode_ms"] = statistics.median(times[spec]["decode"])
+        row["roundtrip_ms"] = row["encode_ms"] + row["decode_ms"]
+        table.append(row)
+    references = {}
+    for name in (TOPK_REFERENCE, FP16_REFERENCE):
+        references[name] = statistics.median(times[name]["encode"])
+        table.append(
+            {
+                "codec": name,
+                "bytes": None,
+                "ratio": None,
+                "encode_ms": references[name],
+                "decode_ms": None,
+                "roundtrip_ms": None,
+                "rel_error": None,
+            }
+        )
+
+    by_name = {row["codec"]: row for row in table}
+    topk_ms = by_name[TOPK_TARGET]["roundtrip_ms"]
+    sign_ms = by_name[SIGN_TARGET]["roundtrip_ms"]
+    targets = {
+        "topk_ef_faster_than_torch_topk": {
+            "codec": TOPK_TARGET,
+            "roundtrip_ms": topk_ms,
+            "reference_ms": references[TOPK_REFERENCE],
+            "met": topk_ms < references[TOPK_REFERENCE],
+        },
+        "sign_under_3x_fp16_cast": {
+            "codec": SIGN_TARGET,
+            "roundtrip_ms": sign_ms,
+            "reference_ms": references[FP16_REFERENCE],
+            "limit_ms": SIGN_FACTOR * references[FP16_REFERENCE],
+            "met": sign_ms < SIGN_FACTOR * references[FP16_REFERENCE],
+        },
+    }
+    meta = {
+        "numel": args.numel,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "seed": args.seed,
+        "method": "median of interleaved rounds after one warm-up round; encode includes "
+        "the sender's estimate; rel_error of the first message",
+        "targets": targets,
+    }
+
+    def verdict(met: bool) -> str:
+        return "[green]met[/]" if met else "[red]missed[/]"
+
+    top, sign = targets.values()
+    notes = [
+        f"target 1: {TOPK_TARGET} round trip {top['roundtrip_ms']:.1f} ms vs one torch.topk "
+        f"{top['reference_ms']:.1f} ms — {verdict(top['met'])}",
+        f"target 2: sign round trip {sign['roundtrip_ms']:.1f} ms vs {SIGN_FACTOR:g} x fp16 cast "
+        f"= {sign['limit_ms']:.1f} ms — {verdict(sign['met'])}",
+        f"{args.numel:,} float32, torch threads {torch.get_num_threads()}, "
+        f"median of {args.rounds} interleaved rounds",
+    ]
+    columns = [
+        Column("codec", "codec"),
+        Column("bytes", "bytes", "{:,}"),
+        Column("ratio", "ratio vs fp32", "{:.1f}x"),
+        Column("encode_ms", "encode ms", "{:.1f}"),
+        Column("decode_ms", "decode ms", "{:.1f}"),
+        Column("roundtrip_ms", "round trip ms", "{:.1f}"),
+        Column("rel_error", "rel. L2 error", "{:.4f}"),
+    ]
+    report(
+        "codecs",
+        f"Codecs on {args.numel:,} float32 values ({4 * args.numel / 1e6:.0f} MB)",
+        columns,
+        table,
+        meta,
+        args.json,
+        notes=notes,
+    )
+
+
+if __name__ == "__main__":
+    main()

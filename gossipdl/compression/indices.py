@@ -1,0 +1,343 @@
+"""Index coders: how a sparsifier's sorted indices go on the wire.
+
+All coders but ``raw`` send the gaps ``g_0 = i_0``, ``g_j = i_j − i_{j−1} − 1``
+of the strictly increasing indices (so every gap is >= 0 and any decoded gap
+sequence gives strictly increasing indices: no duplicates to check). The
+coders run in numpy on the host: indices are small (k values) and already the
+payload.
+
+Measured on the indices of the top 1% / 0.1% / 10% of 10M seeded normal
+values (bytes per index; the entropy of the gaps, modelled as geometric, is
+the bound):
+
+=================  ======  =======  ======  ============================
+coder              1%      0.1%     10%     encode / decode ms, 1%
+=================  ======  =======  ======  ============================
+``raw`` (int32)    4.000   4.000    4.000   0.0 / 0.1
+``delta-varint``   1.278   1.884    1.000   4.1 / 2.2
+``delta-zlib``     1.066   1.658    0.656   5.3 / 1.7 (zlib 6, byte planes)
+``delta-golomb``   1.013   1.437    0.595   2.3 / 3.3
+entropy bound      1.010   1.426    0.586
+=================  ======  =======  ======  ============================
+
+(Times: 100k indices on a 2-core CPU, numpy.) ``delta-golomb``
+(Golomb–Rice with the best power-of-two parameter) is the default: the
+smallest at every density, within 0.3–1.5% of the entropy bound, and about
+as fast as the others (a few ms against the ~190 ms of ``torch.topk`` that
+selected the indices), because the gaps of a random-looking support are close
+to geometric, for which Golomb codes are optimal (Gallager & van Voorhis
+1975). ``delta-zlib`` without byte-plane regrouping was 1.56 B/index at 1%;
+zstd (``delta-zstd``, when the ``zstandard`` package is installed) uses the same
+byte planes.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from gossipdl.compression.base import CodecError, check_meta, meta_int
+
+__all__ = [
+    "DeltaGolomb",
+    "DeltaVarint",
+    "DeltaZlib",
+    "DeltaZstd",
+    "IndexCoder",
+    "RawIndices",
+]
+
+
+class IndexCoder(ABC):
+    """Encodes sorted unique int64 indices below ``numel`` into ``n_arrays`` arrays plus meta."""
+
+    name: str = ""
+    n_arrays: int = 1
+    meta_keys: dict[str, type] = {}  # noqa: RUF012 (read-only class default)
+
+    @abstractmethod
+    def encode(
+        self, indices: np.ndarray, numel: int
+    ) -> tuple[tuple[np.ndarray, ...], dict[str, Any]]:
+        """Arrays and meta for strictly increasing ``indices`` in ``[0, numel)``."""
+
+    @abstractmethod
+    def decode(
+        self, arrays: tuple[np.ndarray, ...], meta: dict[str, Any], count: int, numel: int
+    ) -> np.ndarray:
+        """``count`` strictly increasing int64 indices in ``[0, numel)``, or CodecError.
+
+        ``arrays`` have the right count and are 1-D; dtypes and lengths are
+        checked here. ``count <= numel`` is checked by the caller.
+        """
+
+
+def _gaps(indices: np.ndarray) -> np.ndarray:
+    """``g_0 = i_0``, ``g_j = i_j − i_{j−1} − 1`` as int64."""
+    return np.diff(indices, prepend=-1) - 1
+
+
+def _from_gaps(gaps: np.ndarray, numel: int, what: str) -> np.ndarray:
+    """Indices from gaps, after checking they stay inside ``[0, numel)``."""
+    if gaps.size == 0:
+        return np.zeros(0, np.int64)
+    # Gaps are >= 0 by construction; bound them before summing so nothing overflows.
+    if int(gaps.max()) >= numel or float(gaps.sum(dtype=np.float64)) + gaps.size > numel + 0.5:
+        raise CodecError(f"{what}: indices run past numel={numel}")
+    indices = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    if int(indices[-1]) >= numel:
+        raise CodecError(f"{what}: index {int(indices[-1])} out of range for numel={numel}")
+    return indices
+
+
+def _one_array(arrays: tuple[np.ndarray, ...], dtype: str, what: str) -> np.ndarray:
+    (array,) = arrays
+    if array.dtype.name != dtype:
+        raise CodecError(f"{what}: index array has dtype {array.dtype}, expected {dtype}")
+    return array
+
+
+class RawIndices(IndexCoder):
+    """``raw``: the indices as int32 (int64 when ``numel > 2^31``); 4 bytes each.
+
+    The receiver checks they are strictly increasing and inside ``[0, numel)``.
+    """
+
+    name = "raw"
+
+    @staticmethod
+    def _dtype(numel: int) -> str:
+        return "int32" if numel <= 2**31 else "int64"
+
+    def encode(
+        self, indices: np.ndarray, numel: int
+    ) -> tuple[tuple[np.ndarray, ...], dict[str, Any]]:
+        return (indices.astype(self._dtype(numel)),), {}
+
+    def decode(
+        self, arrays: tuple[np.ndarray, ...], meta: dict[str, Any], count: int, numel: int
+    ) -> np.ndarray:
+        array = _one_array(arrays, self._dtype(numel), "raw indices")
+        if array.size != count:
+            raise CodecError(f"raw indices: {array.size} indices, expected {count}")
+        indices = array.astype(np.int64)
+        if count and (
+            int(indices[0]) < 0 or int(indices[-1]) >= numel or not (np.diff(indices) > 0).all()
+        ):
+            raise CodecError(
+                f"raw indices: not strictly increasing inside [0, {numel}) "
+                "(out of range, unsorted or duplicated)"
+            )
+        return indices
+
+
+class DeltaVarint(IndexCoder):
+    """``delta-varint``: gaps in LEB128 (7 bits per byte, high bit = more bytes follow).
+
+    Vectorized in numpy: byte ``j`` of every gap is written in one pass per
+    ``j``; decoding finds the terminating bytes (high bit clear) and sums the
+    7-bit groups per gap with ``np.add.reduceat``.
+    """
+
+    name = "delta-varint"
+
+    def encode(
+        self, indices: np.ndarray, numel: int
+    ) -> tuple[tuple[np.ndarray, ...], dict[str, Any]]:
+        gaps = _gaps(indices).astype(np.uint64)
+        lengths = np.ones(gaps.size, np.int64)
+        for j in range(1, 10):
+            lengths += gaps >= np.uint64(1) << np.uint64(7 * j)
+        starts = np.cumsum(lengths) - lengths
+        out = np.empty(int(lengths.sum()), np.uint8)
+        for j in range(int(lengths.max()) if gaps.size else 0):
+            sel = lengths > j
+            group = (gaps[sel] >> np.uint64(7 * j)) & np.uint64(0x7F)
+            more = (lengths[sel] > j + 1).astype(np.uint64) << np.uint64(7)
+            out[starts[sel] + j] = (group | more).astype(np.uint8)
+        return (out,), {}
+
+    def decode(
+        self, arrays: tuple[np.ndarray, ...], meta: dict[str, Any], count: int, numel: int
+    ) -> np.ndarray:
+        data = _one_array(arrays, "uint8", "delta-varint")
+        max_len = max(1, -(-max(numel, 1).bit_length() // 7))
+        if data.size > count * max_len:
+            raise CodecError(f"delta-varint: {data.size} bytes for {count} numbers is too long")
+        ends = np.flatnonzero(data < 0x80)
+        if ends.size != count or (count and ends[-1] != data.size - 1) or (not count and data.size):
+            raise CodecError(f"delta-varint: stream holds {ends.size} numbers, expected {count}")
+        if count == 0:
+            return np.zeros(0, np.int64)
+        starts = np.concatenate(([0], ends[:-1] + 1))
+        if int((ends - starts).max()) + 1 > max_len:
+            raise CodecError(f"delta-varint: a number longer than {max_len} bytes")
+        position = np.arange(data.size) - np.repeat(starts, ends - starts + 1)
+        groups = (data & 0x7F).astype(np.uint64) << (np.uint64(7) * position.astype(np.uint64))
+        gaps = np.add.reduceat(groups, starts)
+        return _from_gaps(gaps, numel, "delta-varint")
+
+
+class DeltaGolomb(IndexCoder):
+    """``delta-golomb``: Golomb–Rice code of the gaps, parameter ``2^b``; the default.
+
+    Golomb 1966; Rice's power-of-two special case: gap ``g`` is sent as the
+    quotient ``g >> b`` in unary and the remainder's ``b`` low bits. Optimal
+    among prefix codes for geometric gaps (Gallager & van Voorhis 1975), which
+    is what a random-looking support produces. ``b`` is chosen per message as
+    the size-minimizing value near ``log2(mean gap)`` (exact sizes compared).
+
+    Quotients and remainders travel as two separate bit streams so both
+    directions vectorize: the unary stream is ``q_j`` zeros then a one per gap
+    (decode: positions of the ones), the remainders are fixed ``b``-bit fields.
+    Both streams are LSB first. Payload: uint8 ``[ceil(Σ(q_j + 1)/8)]`` and
+    uint8 ``[ceil(k·b/8)]``, meta ``{"b": b}``; ``k(b + 1) + Σ q_j`` bits in all.
+    """
+
+    name = "delta-golomb"
+    n_arrays = 2
+    meta_keys = {"b": int}  # noqa: RUF012
+
+    def encode(
+        self, indices: np.ndarray, numel: int
+    ) -> tuple[tuple[np.ndarray, ...], dict[str, Any]]:
+        gaps = _gaps(indices)
+        count = gaps.size
+        b = 0
+        if count:
+            guess = int(np.log2(max(float(gaps.mean()), 1.0)))
+            candidates = range(max(0, guess - 1), guess + 2)
+            b = min(candidates, key=lambda c: count * c + int((gaps >> c).sum()))
+        quotients = gaps >> b
+        unary = np.zeros(int(quotients.sum()) + count, np.uint8)
+        unary[np.cumsum(quotients + 1) - 1] = 1
+        remainders = (gaps[:, None] >> np.arange(b)) & 1 if b else np.zeros((count, 0), np.int64)
+        return (
+            np.packbits(unary, bitorder="little"),
+            np.packbits(remainders.astype(np.uint8).reshape(-1), bitorder="little"),
+        ), {"b": b}
+
+    def decode(
+        self, arrays: tuple[np.ndarray, ...], meta: dict[str, Any], count: int, numel: int
+    ) -> np.ndarray:
+        unary, rest = arrays
+        for array in arrays:
+            if array.dtype != np.uint8:
+                raise CodecError(f"delta-golomb: stream has dtype {array.dtype}, expected uint8")
+        check_meta(meta, "delta-golomb", self.meta_keys)
+        b = meta_int(meta, "b", "delta-golomb", 0, max(numel, 1).bit_length())
+        if rest.size != (count * b + 7) // 8:
+            raise CodecError(
+                f"delta-golomb: remainder stream has {rest.size} bytes, "
+                f"expected {(count * b + 7) // 8} for {count} gaps of b={b}"
+            )
+        # Σ q_j <= Σ g_j / 2^b <= numel / 2^b: bound the stream before unpacking it.
+        if unary.size > ((numel >> b) + count) // 8 + 1:
+            raise CodecError(f"delta-golomb: unary stream of {unary.size} bytes is too long")
+        ones = np.flatnonzero(np.unpackbits(unary, bitorder="little"))
+        used = (int(ones[-1]) + 8) // 8 if ones.size else 0  # bytes up to the last one bit
+        if ones.size != count or unary.size != used:
+            raise CodecError(
+                f"delta-golomb: unary stream of {unary.size} bytes holds {ones.size} "
+                f"quotients, expected {count}"
+            )
+        if count == 0:
+            return np.zeros(0, np.int64)
+        quotients = np.diff(ones, prepend=-1) - 1
+        if int(quotients.max()) > numel >> b:
+            raise CodecError(f"delta-golomb: a gap runs past numel={numel}")
+        gaps = quotients << b
+        if b:
+            bits = np.unpackbits(rest, count=count * b, bitorder="little").reshape(count, b)
+            low = np.zeros((count, 8), np.uint8)  # each remainder as 8 little-endian bytes
+            low[:, : (b + 7) // 8] = np.packbits(bits, axis=1, bitorder="little")
+            gaps |= low.view("<u8").reshape(count).astype(np.int64)
+        return _from_gaps(gaps, numel, "delta-golomb")
+
+
+def _planes(indices: np.ndarray, numel: int) -> bytes:
+    """Gaps as little-endian uint32 (uint64 past 2^32), regrouped byte plane by byte plane."""
+    width = "<u4" if numel <= 2**32 else "<u8"
+    gaps = _gaps(indices).astype(width)
+    return gaps.view(np.uint8).reshape(-1, gaps.itemsize).T.tobytes()
+
+
+def _from_planes(raw: bytes, count: int, numel: int, what: str) -> np.ndarray:
+    width = 4 if numel <= 2**32 else 8
+    planes = np.frombuffer(raw, np.uint8).reshape(width, count)
+    gaps = np.ascontiguousarray(planes.T).view(f"<u{width}").reshape(count)
+    return _from_gaps(gaps.astype(np.int64), numel, what)
+
+
+class DeltaZlib(IndexCoder):
+    """``delta-zlib``: gaps as uint32 byte planes (all low bytes, then the next...), zlib level 6.
+
+    Regrouping puts the mostly-zero high bytes together, which is worth 1.5x
+    over zlib on plain uint32 gaps (measured above). Decompression is bounded
+    to the expected ``4k`` bytes, so a crafted stream cannot inflate memory.
+    """
+
+    name = "delta-zlib"
+
+    def encode(
+        self, indices: np.ndarray, numel: int
+    ) -> tuple[tuple[np.ndarray, ...], dict[str, Any]]:
+        return (np.frombuffer(zlib.compress(_planes(indices, numel), 6), np.uint8),), {}
+
+    def decode(
+        self, arrays: tuple[np.ndarray, ...], meta: dict[str, Any], count: int, numel: int
+    ) -> np.ndarray:
+        data = _one_array(arrays, "uint8", "delta-zlib")
+        expected = count * (4 if numel <= 2**32 else 8)
+        inflater = zlib.decompressobj()
+        try:
+            raw = inflater.decompress(data.tobytes(), expected)
+        except zlib.error as exc:
+            raise CodecError(f"delta-zlib: corrupt stream ({exc})") from None
+        if len(raw) != expected or not inflater.eof or inflater.unconsumed_tail:
+            raise CodecError(f"delta-zlib: stream does not hold exactly {count} gaps")
+        return _from_planes(raw, count, numel, "delta-zlib")
+
+
+class DeltaZstd(IndexCoder):
+    """``delta-zstd``: the byte planes of ``delta-zlib`` under zstd level 3.
+
+    Needs the optional ``zstandard`` package (not a gossipdl dependency);
+    building this coder without it raises :class:`CodecError`.
+    """
+
+    name = "delta-zstd"
+
+    def __init__(self) -> None:
+        try:
+            import zstandard
+        except ImportError:
+            raise CodecError(
+                "delta-zstd needs the 'zstandard' package (pip install zstandard); "
+                "delta-golomb is smaller and needs nothing"
+            ) from None
+        self._zstd = zstandard
+
+    def encode(
+        self, indices: np.ndarray, numel: int
+    ) -> tuple[tuple[np.ndarray, ...], dict[str, Any]]:
+        packed = self._zstd.ZstdCompressor(level=3).compress(_planes(indices, numel))
+        return (np.frombuffer(packed, np.uint8),), {}
+
+    def decode(
+        self, arrays: tuple[np.ndarray, ...], meta: dict[str, Any], count: int, numel: int
+    ) -> np.ndarray:
+        data = _one_array(arrays, "uint8", "delta-zstd")
+        expected = count * (4 if numel <= 2**32 else 8)
+        try:  # read at most one byte more than expected: a crafted frame cannot inflate memory
+            with self._zstd.ZstdDecompressor().stream_reader(io.BytesIO(data.tobytes())) as reader:
+                raw = reader.read(expected + 1)
+        except self._zstd.ZstdError as exc:
+            raise CodecError(f"delta-zstd: corrupt stream ({exc})") from None
+        if len(raw) != expected:
+            raise CodecError(f"delta-zstd: stream does not hold exactly {count} gaps")
+        return _from_planes(raw, count, numel, "delta-zstd")

@@ -1,0 +1,419 @@
+"""Low-bit value quantizers: ``sign``, ``ternary``, ``qsgd:LEVELS``, ``uniform:BITS``.
+
+Each maps a float32 vector to a few bits per value plus float32 scales (one
+per tensor, or one per block of ``BLOCK`` consecutive values), packed densely:
+a stream of ``BITS``-bit codes, least significant bit first, ``ceil(n*BITS/8)``
+bytes. Each also encodes the kept values of a sparsifier
+(``topk:0.01+qsgd:16``). The receiver's value is computed by one function
+shared by ``encode`` and ``decode``, so the sender's estimate is the decoded
+tensor bit for bit.
+
+Unbiased (``E[decode(encode(x))] = x``): ``qsgd`` and ``ternary``. Biased but
+contractive: ``sign`` and ``uniform``. CHOCO-SGD (Koloskova et al. 2019)
+needs a contractive compressor, ``E‖Q(x) − x‖² ≤ (1 − δ)‖x‖²``; an unbiased
+one with variance ``ω‖x‖²`` qualifies after scaling by ``1/(1 + ω)``, which
+is the averaging layer's business, not the codec's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from gossipdl.compression._kernels import (
+    Rng,
+    from_host,
+    pack_bits,
+    packed_size,
+    to_host,
+    unpack_bits,
+    use_numpy,
+)
+from gossipdl.compression.base import (
+    CodecError,
+    Payload,
+    ValueCodec,
+    check_arrays,
+    check_meta,
+    check_numel,
+    check_scales,
+    check_vector,
+)
+
+__all__ = ["QSGD", "Sign", "Ternary", "Uniform"]
+
+# Row b of a table holds the 8 values whose bits are b, least significant first.
+_BIT_ROWS = (np.arange(256, dtype=np.uint16)[:, None] >> np.arange(8)) & 1
+_SIGN_TABLE = np.where(_BIT_ROWS == 1, np.float32(-1.0), np.float32(1.0)).astype(np.float32)
+# Row b holds the 5 base-3 digits of byte b (b < 243) as values -1, 0, 1.
+_TRIT_ROWS = (np.arange(243)[:, None] // 3 ** np.arange(5)) % 3
+_TRIT_TABLE = (_TRIT_ROWS - 1).astype(np.float32)
+
+
+# --- blocks: one scale per tensor (block == 0) or per BLOCK consecutive values -----------------
+
+
+def _num_blocks(count: int, block: int) -> int:
+    return 1 if block == 0 else -(-count // block)
+
+
+def _check_block(name: str, block: int) -> int:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 0:
+        raise CodecError(f"{name}: BLOCK must be a non-negative integer (0 = whole tensor)")
+    return block
+
+
+def _reduce(
+    t: torch.Tensor, block: int, op: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``op`` (a row reduction of a 2-D tensor) over each block; float32, one value per block."""
+    count = t.numel()
+    if count == 0:
+        return torch.zeros(_num_blocks(0, block), dtype=torch.float32, device=t.device)
+    size = count if block == 0 else block
+    full = count // size
+    parts = []
+    if full:
+        parts.append(op(t[: full * size].view(full, size)))
+    if count > full * size:
+        parts.append(op(t[full * size :].view(1, -1)))
+    return torch.cat(parts).float()
+
+
+def _expand(scales: torch.Tensor, block: int, count: int) -> torch.Tensor:
+    """Per-block ``scales`` repeated to one value per element (a broadcastable view if block 0)."""
+    if block == 0:
+        return scales
+    return scales.repeat_interleave(block)[:count]
+
+
+def _scale_blocks(values: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
+    """``values`` (numpy, modified in place) times the scale of each block; returns ``values``."""
+    full = values.size // block * block
+    if full:
+        values[:full].reshape(-1, block)[...] *= scales[: full // block, None]
+    if full < values.size:
+        values[full:] *= scales[-1]
+    return values
+
+
+def _block_lengths(count: int, block: int) -> torch.Tensor:
+    size = count if block == 0 else block
+    lengths = torch.full((_num_blocks(count, block),), float(max(size, 1)))
+    if block and count % block:
+        lengths[-1] = float(count % block)
+    return lengths
+
+
+class Sign(ValueCodec):
+    """``sign`` or ``sign:BLOCK``: one bit per value and one scale per tensor or block.
+
+    The scaled sign compressor of EF-SignSGD (Karimireddy, Rebjock, Stich,
+    Jaggi 2019, "Error Feedback Fixes SignSGD and other Gradient Compression
+    Schemes", Algorithm 1 line 4): ``C(p) = (‖p‖₁ / d) · sign(p)``, with ``d``
+    the tensor's (or the block's) length. Biased and contractive with
+    ``δ = ‖p‖₁² / (d‖p‖₂²)``; meant to run under error feedback (``sign+ef``).
+
+    Steps, in the paper's order:
+
+    1. ``scale = ‖p‖₁ / d`` per tensor or block (float32);
+    2. ``sign(p)``: the float's sign bit (``-0.0`` counts as negative, so
+       every value is ``±scale``), packed 8 per byte;
+    3. the receiver's value ``±scale``.
+
+    Payload: uint8 sign bits ``[ceil(n/8)]`` and float32 scales ``[blocks]``
+    (1 for the whole tensor, ``ceil(n/BLOCK)`` with a block), empty meta:
+    ``ceil(n/8) + 4·blocks + 1`` bytes.
+
+    On CPU the whole-tensor case runs in numpy: ``np.packbits(np.signbit(x))``
+    for the bits, a 256-row table of ±1 expanded from the bits, ``np.dot`` of
+    that with ``x`` for ``‖p‖₁`` (one BLAS pass, no ``|x|`` temporary), and
+    the table scaled in place. Measured on a 2-core CPU for 10M values: 16–22 ms
+    to encode (payload and estimate) and 6–10 ms to decode (one table lookup),
+    much of it page faults of the two fresh 40 MB outputs; an fp16 cast of the
+    same tensor takes ~3 ms.
+    """
+
+    n_arrays = 2
+
+    def __init__(self, block: int = 0) -> None:
+        self.block = _check_block("sign", block)
+        self.spec = "sign" if self.block == 0 else f"sign:{self.block}"
+
+    def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
+        p = check_vector(x)
+        count = p.numel()
+        if use_numpy(p):
+            return self._encode_numpy(p.numpy())
+        negative = torch.signbit(p)
+        ones = 1.0 - 2.0 * negative.float()
+        # 1. scale = ‖p‖₁ / d per tensor or block.
+        l1 = _reduce(p.abs(), self.block, lambda rows: rows.double().sum(dim=1))
+        scales = (l1.double() / _block_lengths(count, self.block).to(p.device).double()).float()
+        # 2. sign(p) as packed bits.
+        bits = pack_bits(negative.to(torch.uint8), 1)
+        # 3. the receiver's value: ±scale.
+        estimate = ones * _expand(scales, self.block, count)
+        return Payload((bits, to_host(scales).copy()), {}), estimate
+
+    def _encode_numpy(self, p: np.ndarray) -> tuple[Payload, torch.Tensor]:
+        count = p.size
+        bits = np.packbits(np.signbit(p), bitorder="little")
+        ones = np.take(_SIGN_TABLE, bits, axis=0).reshape(-1)[:count]  # ±1.0, fresh buffer
+        if self.block == 0:
+            l1 = float(np.dot(p, ones)) if count else 0.0  # Σ p_i · sign(p_i) = ‖p‖₁
+            scales = np.array([l1 / max(count, 1)], np.float32)
+            np.multiply(ones, scales[0], out=ones)
+            estimate = ones
+        else:
+            magnitude = np.multiply(p, ones)  # |p|
+            full = count // self.block * self.block
+            sums = np.add.reduce(magnitude[:full].reshape(-1, self.block), axis=1)
+            if full < count:
+                sums = np.append(sums, magnitude[full:].sum(dtype=np.float32))
+            scales = (sums / _block_lengths(count, self.block).numpy()).astype(np.float32)
+            estimate = _scale_blocks(ones, scales, self.block)
+        return Payload((bits, scales), {}), torch.from_numpy(estimate)
+
+    def decode(
+        self, payload: Payload, numel: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        count = check_numel(numel)
+        blocks = _num_blocks(count, self.block)
+        bits, scales = check_arrays(
+            payload, self.spec, ["uint8", "float32"], [packed_size(count, 1), blocks]
+        )
+        check_meta(payload.meta, self.spec, {})
+        check_scales(scales, self.spec)
+        device = torch.device(device)
+        if use_numpy(device):
+            if self.block == 0:
+                table = _SIGN_TABLE * scales[0]
+                return torch.from_numpy(np.take(table, bits, axis=0).reshape(-1)[:count])
+            ones = np.take(_SIGN_TABLE, bits, axis=0).reshape(-1)[:count]
+            return torch.from_numpy(_scale_blocks(ones, scales, self.block))
+        signs = 1.0 - 2.0 * unpack_bits(bits, 1, count, device).float()
+        return signs * _expand(from_host(scales, device), self.block, count)
+
+
+class Ternary(ValueCodec):
+    """``ternary`` or ``ternary:BLOCK``: TernGrad, values in ``{-s, 0, s}``; unbiased.
+
+    Wen, Xu, Yan, Wu, Wang, Chen, Li 2017, "TernGrad: Ternary Gradients to
+    Reduce Communication in Distributed Deep Learning", eq. (5):
+    ``g̃ = s · sign(g) ∘ b`` with ``s = ‖g‖∞`` and ``b_k ~ Bernoulli(|g_k| / s)``,
+    so ``E[g̃] = g``. (The paper's optional gradient clipping is left to the
+    caller.) Steps, in the paper's order:
+
+    1. ``s = max |g|`` per tensor or block (float32);
+    2. ``b_k = [u_k < |g_k| / s]`` with ``u_k`` uniform on [0, 1);
+    3. ``t_k = sign(g_k) · b_k`` in {-1, 0, 1}, packed 5 per byte in base 3
+       (``3^5 = 243 <= 256``: 1.6 bits per value);
+    4. the receiver's value ``s · t_k``.
+
+    Payload: uint8 ``[ceil(n/5)]`` (every byte < 243) and float32 scales
+    ``[blocks]``, empty meta: ``ceil(n/5) + 4·blocks + 1`` bytes.
+    """
+
+    n_arrays = 2
+
+    def __init__(self, block: int = 0, seed: int = 0) -> None:
+        self.block = _check_block("ternary", block)
+        self.spec = "ternary" if self.block == 0 else f"ternary:{self.block}"
+        self._rng = Rng(seed, salt=3)
+
+    def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
+        g = check_vector(x)
+        count = g.numel()
+        magnitude = g.abs()
+        # 1. s = ‖g‖∞ per tensor or block.
+        scales = _reduce(magnitude, self.block, lambda rows: rows.amax(dim=1))
+        s = _expand(scales, self.block, count)
+        # 2. b ~ Bernoulli(|g| / s); where s == 0, |g| / s is NaN and b is 0.
+        u = torch.rand(count, generator=self._rng.torch(g.device), device=g.device)
+        keep = u < magnitude / s
+        # 3. t = sign(g) · b in {-1, 0, 1}, packed in base 3.
+        trits = torch.sign(g).to(torch.int8) * keep.to(torch.int8)
+        groups = -(-count // 5)
+        digits = torch.ones(groups * 5, dtype=torch.uint8, device=g.device)
+        digits[:count] = (trits + 1).view(torch.uint8)
+        columns = digits.view(groups, 5)
+        packed = columns[:, 4] * 3 + columns[:, 3]  # Horner: d0 + 3(d1 + 3(d2 + 3(d3 + 3 d4)))
+        for j in (2, 1, 0):
+            packed = packed * 3 + columns[:, j]
+        # 4. the receiver's value s · t.
+        estimate = trits.float() * s
+        return Payload((to_host(packed).copy(), to_host(scales).copy()), {}), estimate
+
+    def decode(
+        self, payload: Payload, numel: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        count = check_numel(numel)
+        packed, scales = check_arrays(
+            payload,
+            self.spec,
+            ["uint8", "float32"],
+            [-(-count // 5), _num_blocks(count, self.block)],
+        )
+        check_meta(payload.meta, self.spec, {})
+        check_scales(scales, self.spec)
+        if packed.size and int(packed.max()) > 242:
+            raise CodecError(f"{self.spec}: a packed byte exceeds 242 (not 5 base-3 digits)")
+        device = torch.device(device)
+        if use_numpy(device) and self.block == 0:
+            table = _TRIT_TABLE * scales[0]  # s·t exactly, as in encode
+            return torch.from_numpy(np.take(table, packed, axis=0).reshape(-1)[:count])
+        trits = np.take(_TRIT_TABLE, packed, axis=0).reshape(-1)[:count]
+        if use_numpy(device):
+            return torch.from_numpy(trits * np.repeat(scales, self.block)[:count])
+        t = torch.from_numpy(trits).to(device)
+        return t * _expand(from_host(scales, device), self.block, count)
+
+
+class QSGD(ValueCodec):
+    """``qsgd:LEVELS`` or ``qsgd:LEVELS:BUCKET``: stochastic rounding to ``s`` levels; unbiased.
+
+    Alistarh, Grubic, Li, Tomioka, Vojnovic 2017, "QSGD: Communication-Efficient
+    SGD via Gradient Quantization and Encoding", eq. (4):
+    ``Q_s(v_i) = ‖v‖₂ · sgn(v_i) · ξ_i(v, s)``, where with
+    ``ℓ = floor(|v_i| s / ‖v‖₂)``, ``ξ_i = (ℓ + 1)/s`` with probability
+    ``|v_i| s / ‖v‖₂ − ℓ`` and ``ℓ/s`` otherwise, so ``E[Q_s(v)] = v`` (Lemma 3.1).
+    The norm is taken per bucket of ``BUCKET`` values, as in the paper's
+    experiments (default 512; 0 = the whole tensor, whose variance bound
+    ``min(n/s², √n/s)`` is large for big tensors). Steps, in the paper's order:
+
+    1. ``‖v‖₂`` per bucket (float32);
+    2. ``ℓ`` and the random rounding up with probability ``|v_i| s/‖v‖ − ℓ``;
+    3. the signed level ``sgn(v_i)·ξ_i·s`` in ``[-s, s]``, sent as ``code = level + s``
+       with ``ceil(log2(2s + 1))`` bits (fixed width, not the paper's Elias
+       code: vectorizable and within a bit of it at s >= 4);
+    4. the receiver's value ``(code − s) · (‖v‖₂ / s)``.
+
+    ``LEVELS`` is 1..127 (codes fit 8 bits). Payload: uint8 codes
+    ``[ceil(n·bits/8)]`` and float32 norms ``[buckets]``, empty meta.
+    """
+
+    n_arrays = 2
+
+    def __init__(self, levels: int, bucket: int = 512, seed: int = 0) -> None:
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
+            raise CodecError(f"qsgd:LEVELS needs an integer 1..127, got {levels!r}")
+        self.levels = levels
+        self.block = _check_block("qsgd", bucket)
+        self.bits = (2 * levels).bit_length()
+        self.spec = f"qsgd:{levels}" if bucket == 512 else f"qsgd:{levels}:{bucket}"
+        self._rng = Rng(seed, salt=4)
+
+    def _values(self, codes: torch.Tensor, norms: torch.Tensor, count: int) -> torch.Tensor:
+        """Step 4, shared by encode and decode: ``(code − s) · (‖v‖₂ / s)``."""
+        unit = _expand(norms / self.levels, self.block, count)
+        return (codes.float() - self.levels) * unit
+
+    def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
+        v = check_vector(x)
+        count, s = v.numel(), self.levels
+        # 1. ‖v‖₂ per bucket.
+        norms = _reduce(v, self.block, lambda rows: torch.linalg.vector_norm(rows, dim=1))
+        scale = _expand(
+            torch.where(norms > 0, s / norms, torch.zeros_like(norms)), self.block, count
+        )
+        # 2. ℓ = floor(|v_i| s/‖v‖), rounded up with probability |v_i| s/‖v‖ − ℓ.
+        r = v.abs() * scale
+        low = r.floor()
+        u = torch.rand(count, generator=self._rng.torch(v.device), device=v.device)
+        level = (low + (u < r - low).float()).clamp_(0, s)
+        # 3. signed level + s in [0, 2s], packed with ``bits`` bits.
+        codes = (torch.sign(v) * level + s).to(torch.uint8)
+        # 4. the receiver's value.
+        estimate = self._values(codes, norms, count)
+        payload = Payload((pack_bits(codes, self.bits), to_host(norms).copy()), {})
+        return payload, estimate
+
+    def decode(
+        self, payload: Payload, numel: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        count = check_numel(numel)
+        packed, norms = check_arrays(
+            payload,
+            self.spec,
+            ["uint8", "float32"],
+            [packed_size(count, self.bits), _num_blocks(count, self.block)],
+        )
+        check_meta(payload.meta, self.spec, {})
+        check_scales(norms, self.spec)
+        device = torch.device(device)
+        codes = unpack_bits(packed, self.bits, count, device)
+        if count and int(codes.max()) > 2 * self.levels:
+            raise CodecError(f"{self.spec}: a code exceeds 2·LEVELS = {2 * self.levels}")
+        return self._values(codes, from_host(norms, device), count)
+
+
+class Uniform(ValueCodec):
+    """``uniform:BITS`` or ``uniform:BITS:BLOCK``: min/max scaling to ``2^BITS`` levels; biased.
+
+    Deterministic round-to-nearest on the grid ``lo + q·step``,
+    ``step = (hi − lo)/(2^BITS − 1)``, with ``lo, hi`` the minimum and maximum of
+    the tensor or block (the "min-max" quantizer of e.g. hivemind's
+    ``Uint8Quantization`` and of QSGD's deterministic baseline). Error per
+    value at most ``step/2``. Steps:
+
+    1. ``lo``, ``hi`` per tensor or block; ``step = (hi − lo)/(2^BITS − 1)`` (float32);
+    2. ``q = round((x − lo)/step)`` clamped to ``[0, 2^BITS − 1]``, packed ``BITS`` bits each;
+    3. the receiver's value ``q·step + lo``.
+
+    ``BITS`` is 1..8. Payload: uint8 codes ``[ceil(n·BITS/8)]``, float32 ``lo``
+    and ``step`` ``[blocks]``, empty meta: ``ceil(n·BITS/8) + 8·blocks + 1`` bytes.
+    """
+
+    n_arrays = 3
+
+    def __init__(self, bits: int, block: int = 0) -> None:
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise CodecError(f"uniform:BITS needs an integer 1..8, got {bits!r}")
+        self.bits = bits
+        self.block = _check_block("uniform", block)
+        self.spec = f"uniform:{bits}" if self.block == 0 else f"uniform:{bits}:{self.block}"
+
+    def _values(
+        self, codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, count: int
+    ) -> torch.Tensor:
+        """Step 3, shared by encode and decode: ``q·step + lo`` (two roundings, no FMA)."""
+        out = codes.float() * _expand(step, self.block, count)
+        return out.add_(_expand(lo, self.block, count))
+
+    def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
+        v = check_vector(x)
+        count, top = v.numel(), (1 << self.bits) - 1
+        # 1. lo, hi and step per tensor or block.
+        lo = _reduce(v, self.block, lambda rows: rows.amin(dim=1))
+        hi = _reduce(v, self.block, lambda rows: rows.amax(dim=1))
+        step = (hi - lo) / top
+        inverse = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+        # 2. q = round((x − lo)/step), clamped.
+        q = (v - _expand(lo, self.block, count)) * _expand(inverse, self.block, count)
+        codes = q.add_(0.5).floor_().clamp_(0, top).to(torch.uint8)
+        # 3. the receiver's value.
+        estimate = self._values(codes, lo, step, count)
+        arrays = (pack_bits(codes, self.bits), to_host(lo).copy(), to_host(step).copy())
+        return Payload(arrays, {}), estimate
+
+    def decode(
+        self, payload: Payload, numel: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        count = check_numel(numel)
+        blocks = _num_blocks(count, self.block)
+        packed, lo, step = check_arrays(
+            payload,
+            self.spec,
+            ["uint8", "float32", "float32"],
+            [packed_size(count, self.bits), blocks, blocks],
+        )
+        check_meta(payload.meta, self.spec, {})
+        check_scales(step, self.spec)
+        if lo.size and not np.isfinite(lo).all():
+            raise CodecError(f"{self.spec}: lo must be finite")
+        device = torch.device(device)
+        codes = unpack_bits(packed, self.bits, count, device)
+        return self._values(codes, from_host(lo, device), from_host(step, device), count)

@@ -1,0 +1,793 @@
+"""Tests for gossipdl.compression: round trips, bias, error feedback, bytes, bad payloads."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from gossipdl.compression import (
+    Codec,
+    CodecError,
+    ErrorFeedback,
+    Payload,
+    available_codecs,
+    build_codec,
+    register_codec,
+)
+from gossipdl.compression import _kernels as kernels
+from gossipdl.compression import sparse as sparse_module
+from gossipdl.compression.floating import Float16
+from gossipdl.compression.powersgd import matrix_shape
+from gossipdl.compression.sparse import random_subset
+
+EXAMPLES = [
+    "topk:0.01",
+    "topk:0.01+fp16",
+    "topk:0.01+qsgd:16+delta-golomb",
+    "threshold:auto+sign",
+    "randomk:0.01",
+    "powersgd:2",
+    "fp16",
+    "sign",
+    "uniform:4",
+    "ternary",
+    "none",
+]
+COMBOS = [
+    "dense",
+    "bf16",
+    "sign:5",
+    "uniform:1",
+    "uniform:3:7",
+    "uniform:8:16",
+    "ternary:6",
+    "qsgd:16",
+    "qsgd:4:0",
+    "qsgd:1:8",
+    "topk:0.2+raw",
+    "topk:0.3+delta-varint",
+    "topk:0.05+delta-zlib",
+    "topk:0.5+bf16+raw",
+    "threshold:0.5+bf16+delta-varint",
+    "threshold:auto:0.2+uniform:2:4",
+    "randomk:0.25:noscale+ternary",
+    "randomk:0.6+fp16",
+    "powersgd:1+ef",
+    "topk:0.01+ef",
+    "sign+ef",
+    "topk:0.1+qsgd:4+raw+ef",
+]
+SPECS = EXAMPLES + COMBOS
+FAST = settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+    database=None,
+)
+
+finite32 = st.floats(-1e4, 1e4, width=32, allow_subnormal=True)
+
+
+def vectors(max_size: int = 300) -> st.SearchStrategy[torch.Tensor]:
+    """1-D float32 tensors with zeros, -0.0, ties and subnormals among the values."""
+    special = st.sampled_from([0.0, -0.0, 1.0, -1.0, 1e-40, 3.5])
+    return hnp.arrays(
+        np.float32, st.integers(0, max_size), elements=st.one_of(finite32, special)
+    ).map(lambda a: torch.from_numpy(a.copy()))
+
+
+def bits_of(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().numpy().view(np.int32)
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype == torch.float32
+    assert a.shape == b.shape
+    np.testing.assert_array_equal(bits_of(a), bits_of(b))
+
+
+def wire_copy(payload: Payload) -> Payload:
+    """The payload as a receiver sees it: read-only arrays from bytes, meta through msgpack."""
+    arrays = tuple(np.frombuffer(a.tobytes(), dtype=a.dtype) for a in payload.arrays)
+    return Payload(arrays, msgpack.unpackb(msgpack.packb(payload.meta)))
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test with the numpy CPU kernels (default) and with the torch kernels forced."""
+    if request.param == "torch":
+        with kernels.torch_kernels():
+            yield "torch"
+    else:
+        yield "numpy"
+
+
+# --- round trips ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@FAST
+@given(x=vectors())
+def test_round_trip_matches_sender_estimate(spec: str, x: torch.Tensor) -> None:
+    """decode(payload) on another instance equals the sender's estimate bit for bit."""
+    original = x.clone()
+    sender, receiver = build_codec(spec, seed=1), build_codec(spec, seed=999)
+    payload, sent = sender.encode(x)
+    assert_bitwise(x, original)  # encode does not modify its input
+    assert sent.shape == x.shape and sent.device == x.device
+    received = receiver.decode(wire_copy(payload), x.numel(), "cpu")
+    assert_bitwise(received, sent)
+    assert_bitwise(sender.decode(payload, x.numel(), torch.device("cpu")), sent)
+    for array in payload.arrays:
+        assert array.ndim == 1 and array.flags.c_contiguous
+        assert not np.shares_memory(array, sent.numpy())
+        assert not np.shares_memory(array, x.numpy())
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if "ef" not in s.split("+")])
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(x=vectors(200))
+def test_torch_kernels_round_trip(spec: str, x: torch.Tensor) -> None:
+    """The torch kernels (what runs on a GPU) decode what the numpy kernels encode, and back."""
+    payload, sent = build_codec(spec, seed=1).encode(x)
+    with kernels.torch_kernels():
+        assert_bitwise(build_codec(spec).decode(wire_copy(payload), x.numel(), "cpu"), sent)
+        payload_t, sent_t = build_codec(spec, seed=1).encode(x)
+    assert_bitwise(build_codec(spec).decode(wire_copy(payload_t), x.numel(), "cpu"), sent_t)
+    if spec.split("+")[0].split(":")[0] not in ("sign", "threshold"):
+        # Deterministic given the seed: same payload from both kernels. (The sign scale is
+        # a float sum whose order differs between np.dot and torch; auto thresholds sample.)
+        assert len(payload.arrays) == len(payload_t.arrays)
+        for a, b in zip(payload.arrays, payload_t.arrays, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert payload.meta == payload_t.meta
+
+
+@FAST
+@given(
+    values=hnp.arrays(np.uint8, st.integers(0, 70), elements=st.integers(0, 255)),
+    bits=st.integers(1, 8),
+)
+def test_bit_packing_kernels_agree(values: np.ndarray, bits: int) -> None:
+    q = torch.from_numpy(values & ((1 << bits) - 1))
+    packed = kernels.pack_bits(q, bits)
+    assert packed.size == kernels.packed_size(q.numel(), bits)
+    with kernels.torch_kernels():
+        np.testing.assert_array_equal(kernels.pack_bits(q, bits), packed)
+        unpacked_t = kernels.unpack_bits(packed, bits, q.numel(), torch.device("cpu"))
+    unpacked = kernels.unpack_bits(packed, bits, q.numel(), torch.device("cpu"))
+    assert torch.equal(unpacked, q) and torch.equal(unpacked_t, q)
+    if bits == 1:  # the stream is np.packbits(bitorder="little")
+        np.testing.assert_array_equal(packed, np.packbits(q.numpy(), bitorder="little"))
+
+
+def test_none_is_lossless_for_every_bit_pattern() -> None:
+    raw = np.random.default_rng(0).integers(0, 2**32, 5000, dtype=np.uint64).astype(np.uint32)
+    x = torch.from_numpy(raw.view(np.float32).copy())  # includes NaNs, infinities, subnormals
+    codec = build_codec("none")
+    assert not codec.lossy and build_codec("dense").spec == "none"
+    payload, sent = codec.encode(x)
+    np.testing.assert_array_equal(
+        bits_of(codec.decode(wire_copy(payload), 5000)), raw.view(np.int32)
+    )
+    np.testing.assert_array_equal(bits_of(sent), raw.view(np.int32))
+
+
+def test_fp16_clamps_instead_of_overflowing() -> None:
+    x = torch.tensor([1e6, -1e6, float("inf"), 1.5, 70000.0])
+    _, sent = build_codec("fp16").encode(x)
+    assert sent.tolist() == [65504.0, -65504.0, 65504.0, 1.5, 65504.0]
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "uniform:8", "qsgd:127:0"])
+def test_fine_quantizers_are_close(spec: str) -> None:
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(0))
+    _, sent = build_codec(spec).encode(x)
+    bound = {"fp16": 1e-3, "bf16": 4e-3, "uniform:8": 1e-2, "qsgd:127:0": 0.6}[spec]
+    assert float((sent - x).norm() / x.norm()) < bound
+
+
+def test_sign_sends_mean_magnitude() -> None:
+    x = torch.tensor([3.0, -1.0, 0.0, -0.0, 2.0])
+    payload, sent = build_codec("sign").encode(x)
+    assert sent.tolist() == pytest.approx([1.2, -1.2, 1.2, -1.2, 1.2])  # ‖x‖₁/d = 6/5
+    assert torch.signbit(sent).tolist() == [False, True, False, True, False]  # -0.0: sign bit
+    assert payload.arrays[1].tolist() == pytest.approx([1.2])
+    _, blocked = build_codec("sign:2").encode(x)
+    assert blocked.tolist() == pytest.approx([2.0, -2.0, 0.0, -0.0, 2.0])
+
+
+# --- sparsifiers -------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["exact", "sampled"])
+def topk_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Exercise both torch.topk and the sample-threshold-refine path on small vectors."""
+    if request.param == "sampled":
+        monkeypatch.setattr(sparse_module, "_EXACT_BELOW", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.1, 0.5])
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(x=vectors(400))
+def test_topk_keeps_the_largest_magnitudes(
+    topk_path: str, backend: str, ratio: float, x: torch.Tensor
+) -> None:
+    codec = build_codec(f"topk:{ratio}")
+    payload, sent = codec.encode(x)
+    n = x.numel()
+    kept = np.flatnonzero(sent.numpy() != 0)
+    assert payload.meta["k"] == (min(n, max(1, math.ceil(ratio * n))) if n else 0)
+    indices = codec.indices.decode(  # type: ignore[attr-defined]
+        payload.arrays[:2], {"b": payload.meta["i.b"]}, payload.meta["k"], n
+    )
+    assert (np.diff(indices) > 0).all() and set(kept) <= set(indices)
+    np.testing.assert_array_equal(sent.numpy()[indices], x.numpy()[indices])
+    dropped = np.setdiff1d(np.arange(n), indices)
+    if indices.size and dropped.size:
+        assert np.abs(x.numpy()[indices]).min() >= np.abs(x.numpy()[dropped]).max()
+
+
+def test_topk_fast_path_on_a_large_vector() -> None:
+    x = torch.randn(700_000, generator=torch.Generator().manual_seed(3))
+    x[:1000] = 0.0  # some ties at zero
+    codec = build_codec("topk:0.01")
+    payload, sent = codec.encode(x)
+    k = 7000
+    assert payload.meta["k"] == k and int((sent != 0).sum()) == k
+    magnitude = x.abs()
+    assert float(magnitude[sent != 0].min()) >= float(magnitude[sent == 0].max())
+    assert torch.equal(sent[sent != 0], x[sent != 0])
+
+
+def test_topk_fast_path_falls_back_on_ties() -> None:
+    x = torch.ones(600_000)
+    x[::2] = -1.0
+    x[5] = 7.0
+    payload, sent = build_codec("topk:0.3").encode(x)
+    assert payload.meta["k"] == 180_000 and int((sent != 0).sum()) == 180_000
+    assert float(sent[5]) == 7.0
+
+
+def test_threshold_keeps_exactly_above_tau_and_auto_hits_density() -> None:
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(1))
+    _, sent = build_codec("threshold:2.0").encode(x)
+    assert torch.equal(sent != 0, x.abs() > 2.0)
+    for spec, density in [("threshold:auto", 0.01), ("threshold:auto:0.001", 0.001)]:
+        payload, _ = build_codec(spec).encode(x)
+        # 131,072 samples: relative std of the count is 2.7% (0.01) and 8.7% (0.001).
+        assert abs(int(payload.meta["k"]) / (density * x.numel()) - 1) < 0.3
+
+
+def test_random_subset_is_deterministic_sorted_and_uniform() -> None:
+    a = random_subset(123, 1000, 100)
+    assert np.array_equal(a, random_subset(123, 1000, 100))
+    assert a.size == 100 and (np.diff(a) > 0).all() and a[0] >= 0 and a[-1] < 1000
+    assert random_subset(5, 10, 7).size == 7  # the complement branch
+    counts = np.zeros(20)
+    for seed in range(2000):
+        counts[random_subset(seed, 20, 5)] += 1
+    expected = 2000 * 5 / 20
+    assert np.abs(counts - expected).max() < 5 * math.sqrt(expected)
+
+
+# --- unbiasedness ---------------------------------------------------------------------------------
+
+UNBIASED = {"qsgd:4:8": 3000, "qsgd:16": 3000, "ternary": 3000, "randomk:0.25": 4000,
+            "ternary:8": 3000, "randomk:0.5+qsgd:2:0": 4000}  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", list(UNBIASED))
+def test_unbiased_codecs_average_to_the_input(spec: str) -> None:
+    """Every coordinate of the mean of N decodes is within 4 standard errors of x.
+
+    The standard error is the sample standard deviation over sqrt(N). With 40
+    coordinates, a correct codec fails this with probability ~2.5e-3; the
+    seeds are fixed, so the test is deterministic.
+    """
+    x = torch.linspace(0.5, 3, 40) * torch.tensor([1.0, -1.0]).repeat(20)  # no rare events
+    x[7] = 0.0
+    draws = UNBIASED[spec]
+    codec = build_codec(spec, seed=7)
+    samples = torch.stack([codec.encode(x)[1] for _ in range(draws)]).double()
+    mean, std = samples.mean(0), samples.std(0)
+    error = (mean - x.double()).abs()
+    assert (error <= 4 * std / math.sqrt(draws) + 1e-9).all(), error / (std / math.sqrt(draws))
+    assert float(std.max()) > 0  # the codec is random at all
+
+
+# --- error feedback -------------------------------------------------------------------------------
+
+EXACT_EF = ["topk:0.2+ef", "threshold:0.5+ef", "fp16+ef", "bf16+ef", "randomk:0.3:noscale+ef",
+            "none+ef", "topk:0.1+raw+ef"]  # fmt: skip
+ROUNDED_EF = ["sign+ef", "uniform:3+ef", "qsgd:8+ef", "ternary+ef", "powersgd:2+ef",
+              "randomk:0.3+ef", "threshold:auto+sign+ef"]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", EXACT_EF + ROUNDED_EF)
+@FAST
+@given(data=st.data())
+def test_error_feedback_keeps_what_was_not_sent(spec: str, data: st.DataObject) -> None:
+    """new residual == (x + old residual) − sent, rounded once in float32; exact where it can be."""
+    n = data.draw(st.integers(0, 200))
+    ef = build_codec(spec, seed=2)
+    assert isinstance(ef, ErrorFeedback)
+    old = torch.zeros(n)
+    for _ in range(3):
+        x = data.draw(
+            hnp.arrays(np.float32, n, elements=st.floats(-100, 100, width=32)).map(torch.from_numpy)
+        )
+        payload, sent = ef.encode(x)
+        assert ef.residual is not None
+        new = ef.residual.clone()
+        p = x + old
+        assert_bitwise(new, p - sent)
+        assert_bitwise(ef.decode(wire_copy(payload), n, "cpu"), sent)
+        if spec in EXACT_EF:
+            assert torch.equal(sent + new, p)  # == as IEEE numbers (-0.0 == 0.0)
+        else:  # one rounding of p − sent: at most half an ulp of |p − sent|
+            gap = (sent.double() + new.double() - p.double()).abs().numpy()
+            assert (gap <= 0.5 * np.spacing(np.abs(new.numpy())).astype(np.float64)).all()
+        old = new
+
+
+def test_error_feedback_state_resets_and_follows_shape() -> None:
+    ef = ErrorFeedback(build_codec("topk:0.5"))
+    ef.encode(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert ef.residual is not None and ef.residual.tolist() == [1.0, 2.0, 0.0, 0.0]
+    _, sent = ef.encode(torch.tensor([0.0, 0.0, 0.0, 0.0]))
+    assert sent.tolist() == [1.0, 2.0, 0.0, 0.0]  # the residual went out next time
+    ef.encode(torch.ones(3))  # a new length starts from zero
+    assert ef.residual is not None and ef.residual.numel() == 3
+    ef.reset()
+    assert ef.residual is None and ef.spec == "topk:0.5+delta-golomb+ef"
+
+
+# --- bytes on the wire ----------------------------------------------------------------------------
+
+
+def meta_bytes(meta: dict) -> int:
+    return len(msgpack.packb(meta))
+
+
+def expected_nbytes(spec: str, n: int, meta: dict) -> int | None:
+    """The closed-form size of fixed-rate codecs (None for data-dependent ones)."""
+    rows, cols = matrix_shape(n)
+    base, *args = spec.split(":")
+    m = meta_bytes(meta)
+    blocks = lambda size: -(-n // size) if size else 1  # noqa: E731
+    if base in ("topk", "threshold"):
+        return None
+    if spec.startswith("randomk:") and "+" not in spec:
+        k = min(n, max(1, math.ceil(float(args[0]) * n))) if n else 0
+        return 4 * k + m
+    if "+" in spec:
+        return None
+    if base in ("none", "dense"):
+        return 4 * n + m
+    if base in ("fp16", "bf16"):
+        return 2 * n + m
+    if base == "sign":
+        return math.ceil(n / 8) + 4 * blocks(int(args[0]) if args else 0) + m
+    if base == "ternary":
+        return math.ceil(n / 5) + 4 * blocks(int(args[0]) if args else 0) + m
+    if base == "uniform":
+        bits = int(args[0])
+        return math.ceil(n * bits / 8) + 8 * blocks(int(args[1]) if len(args) > 1 else 0) + m
+    if base == "qsgd":
+        bits = (2 * int(args[0])).bit_length()
+        bucket = int(args[1]) if len(args) > 1 else 512
+        return math.ceil(n * bits / 8) + 4 * blocks(bucket) + m
+    if base == "powersgd":
+        rank = min(int(args[0]), rows, cols)
+        return 4 * rank * (rows + cols) + m
+    raise AssertionError(spec)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(x=vectors(300))
+def test_nbytes_is_the_bytes_on_the_wire(spec: str, x: torch.Tensor) -> None:
+    from gossipdl.transport import wire
+
+    payload, _ = build_codec(spec.removesuffix("+ef")).encode(x)
+    on_wire = sum(len(a.tobytes()) for a in payload.arrays) + meta_bytes(payload.meta)
+    assert payload.nbytes == on_wire
+    frames = wire.encode("params", 0, 0, 0, payload.arrays, payload.meta, codec=spec)
+    empty = wire.encode("params", 0, 0, 0, payload.arrays, {}, codec=spec)
+    assert sum(len(f) for f in frames[1:]) == sum(a.nbytes for a in payload.arrays)
+    assert len(frames[0]) - len(empty[0]) == meta_bytes(payload.meta) - meta_bytes({})
+    formula = expected_nbytes(spec.removesuffix("+ef"), x.numel(), payload.meta)
+    if formula is not None:
+        assert payload.nbytes == formula
+
+
+def test_sparse_payload_sizes() -> None:
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
+    raw, _ = build_codec("topk:0.01+raw").encode(x)
+    assert raw.nbytes == 1000 * 4 + 1000 * 4 + meta_bytes(raw.meta)
+    golomb, _ = build_codec("topk:0.01").encode(x)
+    assert golomb.nbytes < raw.nbytes * 0.65  # ~1 byte per index instead of 4
+    sign, _ = build_codec("topk:0.01+sign").encode(x)
+    assert sign.nbytes < golomb.nbytes * 0.35
+
+
+# --- bad payloads ---------------------------------------------------------------------------------
+
+
+def decode_or_codec_error(codec: Codec, payload: Payload, n: int) -> None:
+    """Decoding a damaged payload gives a CodecError or a well-formed tensor; nothing else."""
+    try:
+        out = codec.decode(payload, n, "cpu")
+    except CodecError:
+        return
+    assert out.dtype == torch.float32 and out.shape == (n,)
+
+
+def damaged(
+    payload: Payload,
+    arrays: Sequence[np.ndarray] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> Payload:
+    """A copy of ``payload`` with its arrays or meta replaced."""
+    return Payload(
+        tuple(payload.arrays if arrays is None else arrays),
+        dict(payload.meta if meta is None else meta),
+    )
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_structural_damage_raises_codec_error(spec: str) -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    codec = build_codec(spec)
+    payload, _ = codec.encode(x)
+    bad: list[Payload] = [
+        damaged(payload, arrays=payload.arrays[:-1]),  # an array dropped
+        damaged(payload, arrays=(*payload.arrays, np.zeros(3, np.uint8))),  # one too many
+        damaged(payload, meta={**payload.meta, "extra": 1}),  # unknown meta
+    ]
+    for i, array in enumerate(payload.arrays):
+        arrays = list(payload.arrays)
+        if array.size:
+            arrays[i] = array[:-1]  # cut short
+            bad.append(damaged(payload, arrays=arrays))
+        arrays = list(payload.arrays)
+        arrays[i] = array.view(np.uint8) if array.dtype != np.uint8 else array.view(np.int8)
+        bad.append(damaged(payload, arrays=arrays))  # wrong dtype
+        arrays = list(payload.arrays)
+        arrays[i] = array.reshape(1, -1)
+        bad.append(damaged(payload, arrays=arrays))  # not 1-D
+    for key in payload.meta:
+        meta = dict(payload.meta)
+        del meta[key]
+        bad.append(damaged(payload, meta=meta))  # a meta entry missing
+        bad.append(damaged(payload, meta={**payload.meta, key: "x"}))  # wrong type
+    for candidate in bad:
+        with pytest.raises(CodecError):
+            codec.decode(candidate, 1000, "cpu")
+    with pytest.raises(CodecError):
+        codec.decode(payload, -1, "cpu")
+    if "k" in payload.meta:
+        for k in (-1, 1001, int(payload.meta["k"]) + 1):
+            with pytest.raises(CodecError):
+                codec.decode(damaged(payload, meta={**payload.meta, "k": k}), 1000, "cpu")
+
+
+def test_out_of_range_and_unsorted_indices_raise() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    codec = build_codec("topk:0.01+raw")
+    payload, _ = codec.encode(x)
+    indices, values = payload.arrays
+    for broken in (
+        np.concatenate((indices[:-1], [1000])),  # out of range
+        np.concatenate((indices[:-1], [-1])),  # negative
+        indices[::-1].copy(),  # unsorted
+        np.concatenate((indices[:-1], indices[-2:-1])),  # duplicated
+    ):
+        with pytest.raises(CodecError, match="raw indices"):
+            codec.decode(damaged(payload, arrays=(broken.astype(np.int32), values)), 1000)
+    golomb = build_codec("topk:0.01")
+    payload, _ = golomb.encode(x)
+    unary, rest, values = payload.arrays
+    for bad in (
+        damaged(payload, meta={**payload.meta, "i.b": 70}),  # absurd Rice parameter
+        damaged(payload, arrays=(np.concatenate((unary, [255])), rest, values)),  # extra gaps
+        damaged(payload, arrays=(np.zeros_like(unary), rest, values)),  # no gaps at all
+        damaged(payload, arrays=(np.full(600, 0, np.uint8), rest, values)),  # huge gap
+    ):
+        with pytest.raises(CodecError, match="delta-golomb"):
+            golomb.decode(bad, 1000)
+    with pytest.raises(CodecError, match="delta-golomb"):  # indices run past numel
+        golomb.decode(payload, 500)
+
+
+@pytest.mark.parametrize(
+    ("spec", "index", "value", "match"),
+    [
+        ("ternary", 0, 255, "242"),
+        ("qsgd:4:0", 0, 255, "2·LEVELS"),
+        ("sign", 1, -1.0, "scales"),
+        ("sign", 1, float("nan"), "scales"),
+        ("uniform:4", 2, float("inf"), "scales"),
+        ("uniform:4", 1, float("nan"), "lo"),
+    ],
+)
+def test_impossible_values_raise(spec: str, index: int, value: float, match: str) -> None:
+    codec = build_codec(spec)
+    payload, _ = codec.encode(torch.randn(100, generator=torch.Generator().manual_seed(0)))
+    arrays = [a.copy() for a in payload.arrays]
+    arrays[index][0] = value
+    with pytest.raises(CodecError, match=match):
+        codec.decode(damaged(payload, arrays=arrays), 100)
+
+
+def test_overlong_varint_raises() -> None:
+    codec = build_codec("topk:0.5+delta-varint")
+    payload, _ = codec.encode(torch.randn(300))  # numel 300: at most 2 bytes per gap
+    stream = np.array([0x80, 0x80, 0x00] + [0x00] * 149, np.uint8)  # gap 0 padded to 3 bytes
+    with pytest.raises(CodecError, match="longer than"):
+        codec.decode(damaged(payload, arrays=(stream, payload.arrays[1])), 300)
+    with pytest.raises(CodecError, match="too long"):
+        codec.decode(damaged(payload, arrays=(np.zeros(301, np.uint8), payload.arrays[1])), 300)
+
+
+def test_corrupt_compressed_streams_raise() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    for spec in ("topk:0.05+delta-zlib", "topk:0.05+delta-varint"):
+        codec = build_codec(spec)
+        payload, _ = codec.encode(x)
+        stream, values = payload.arrays
+        for bad_stream in (
+            stream[: len(stream) // 2],
+            stream[::-1].copy(),
+            np.full(9, 0xFF, np.uint8),
+        ):
+            with pytest.raises(CodecError):
+                codec.decode(damaged(payload, arrays=(bad_stream, values)), 1000)
+
+
+def test_payload_rejects_what_cannot_go_on_the_wire() -> None:
+    with pytest.raises(CodecError, match="dtype"):
+        Payload((np.zeros(2, bool),), {})
+    with pytest.raises(CodecError, match="ndarray"):
+        Payload(([1, 2],), {})  # type: ignore[arg-type]
+    with pytest.raises(CodecError, match="meta"):
+        Payload((), {"k": [1]})  # type: ignore[dict-item]
+    with pytest.raises(CodecError, match="meta"):
+        Payload((), {"k": True})
+    assert Payload([np.zeros(2, np.float32)], {"k": 1}).arrays[0].shape == (2,)  # type: ignore[arg-type]
+
+
+meta_values = st.one_of(st.integers(-(2**64), 2**64), st.floats(), st.text(max_size=3))
+mutation = st.one_of(
+    st.tuples(st.just("cut"), st.integers(0, 9), st.integers(1, 8)),
+    st.tuples(st.just("grow"), st.integers(0, 9), st.integers(1, 8)),
+    st.tuples(st.just("byte"), st.integers(0, 9), st.integers(0, 10**6), st.integers(0, 255)),
+    st.tuples(st.just("dtype"), st.integers(0, 9), st.sampled_from(["uint8", "int32", "float16"])),
+    st.tuples(st.just("drop"), st.integers(0, 9)),
+    st.tuples(st.just("swap"), st.integers(0, 9), st.integers(0, 9)),
+    st.tuples(st.just("meta"), st.integers(0, 9), meta_values),
+    st.tuples(st.just("unmeta"), st.integers(0, 9)),
+)  # fmt: skip
+
+
+def mutate(payload: Payload, op: tuple) -> Payload:
+    arrays, meta = list(payload.arrays), dict(payload.meta)
+    kind, where, *rest = op
+    if kind in ("meta", "unmeta"):
+        if not meta:
+            return payload
+        key = sorted(meta)[where % len(meta)]
+        if kind == "unmeta":
+            del meta[key]
+        else:
+            meta[key] = rest[0]
+        return Payload(tuple(arrays), meta)
+    if not arrays:
+        return payload
+    i = where % len(arrays)
+    raw = bytearray(arrays[i].tobytes())
+    dtype = arrays[i].dtype
+    if kind == "cut":
+        raw = raw[: max(0, len(raw) - rest[0] * dtype.itemsize)]
+    elif kind == "grow":
+        raw += bytes(range(rest[0] * dtype.itemsize))
+    elif kind == "byte" and raw:
+        raw[rest[0] % len(raw)] = rest[1]
+    elif kind == "dtype":
+        dtype = np.dtype(rest[0])
+        raw = raw[: len(raw) // dtype.itemsize * dtype.itemsize]
+    elif kind == "drop":
+        del arrays[i]
+        return Payload(tuple(arrays), meta)
+    elif kind == "swap":
+        j = rest[0] % len(arrays)
+        arrays[i], arrays[j] = arrays[j], arrays[i]
+        return Payload(tuple(arrays), meta)
+    arrays[i] = np.frombuffer(bytes(raw), dtype=dtype)
+    return Payload(tuple(arrays), meta)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(x=vectors(120), ops=st.lists(mutation, min_size=1, max_size=3))
+def test_random_damage_gives_codec_error_or_a_tensor(
+    spec: str, x: torch.Tensor, ops: list[tuple]
+) -> None:
+    codec = build_codec(spec)
+    payload, _ = codec.encode(x)
+    for op in ops:
+        payload = mutate(payload, op)
+    decode_or_codec_error(codec, payload, x.numel())
+
+
+# --- specs and the registry -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_normalized_spec_rebuilds_the_same_codec(spec: str) -> None:
+    codec = build_codec(spec)
+    assert build_codec(codec.spec).spec == codec.spec
+    assert build_codec(spec.upper() if ":" not in spec else spec).spec == codec.spec
+
+
+def test_spec_normalization() -> None:
+    assert build_codec("topk:1e-2").spec == "topk:0.01+delta-golomb"
+    assert build_codec("topk:0.01+qsgd:16+delta-golomb").spec == "topk:0.01+qsgd:16+delta-golomb"
+    assert build_codec("threshold:auto:0.01+sign").spec == "threshold:auto+sign+delta-golomb"
+    assert build_codec("qsgd:4:512").spec == "qsgd:4"
+    assert build_codec("randomk:0.01").spec == "randomk:0.01"
+    assert build_codec(" Sign + EF ").spec == "sign+ef"
+    assert build_codec("powersgd:2").lossy and not build_codec("none+ef").lossy
+
+
+@pytest.mark.parametrize(
+    ("spec", "part"),
+    [
+        ("", "non-empty"),
+        ("nope", "'nope'"),
+        ("topk", "topk:RATIO"),
+        ("topk:0", "RATIO"),
+        ("topk:1.5", "RATIO"),
+        ("topk:abc", "'abc'"),
+        ("topk:0.1:2", "topk:RATIO"),
+        ("fp16+topk:0.01", "out of order"),
+        ("topk:0.1+fp16+sign", "two value codecs"),
+        ("topk:0.1+raw+delta-golomb", "two index coders"),
+        ("qsgd:0", "1..127"),
+        ("qsgd:200", "1..127"),
+        ("uniform:9", "1..8"),
+        ("uniform", "uniform:BITS"),
+        ("sign:x", "'x'"),
+        ("sign:-3", "BLOCK"),
+        ("delta-golomb", "needs a sparsifier"),
+        ("randomk:0.1+raw", "sends none"),
+        ("randomk:0.1:maybe", "noscale"),
+        ("ef", "needs a codec"),
+        ("sign+ef+ef", "last"),
+        ("ef+sign", "last"),
+        ("powersgd:2+fp16", "whole-vector"),
+        ("none+topk:0.1", "whole-vector"),
+        ("powersgd:0", "RANK"),
+        ("threshold:auto:2", "RATIO"),
+        ("threshold:-1", "TAU"),
+        ("threshold:0.1:0.2", "auto"),
+        ("topk:0.1++fp16", "empty stage"),
+        ("no_such_module_xyz:Codec", "cannot import"),
+    ],
+)
+def test_bad_specs_name_the_bad_part(spec: str, part: str) -> None:
+    with pytest.raises(CodecError) as info:
+        build_codec(spec)
+    assert part in str(info.value)
+    if part not in ("non-empty", "empty stage"):
+        assert "topk:RATIO" in str(info.value) or spec in str(info.value)
+
+
+def test_unknown_stage_lists_the_allowed_forms() -> None:
+    with pytest.raises(CodecError) as info:
+        build_codec("topk:0.1+zstd")
+    for form in ("topk:RATIO", "qsgd:LEVELS[:BUCKET]", "delta-golomb", "powersgd:RANK", "+ef"):
+        assert form in str(info.value)
+    assert "topk:RATIO" in available_codecs() and "ef" in available_codecs()
+
+
+def test_delta_zstd_needs_zstandard() -> None:
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        with pytest.raises(CodecError, match="zstandard"):
+            build_codec("topk:0.01+delta-zstd")
+    else:
+        codec = build_codec("topk:0.01+delta-zstd")
+        x = torch.randn(5000)
+        payload, sent = codec.encode(x)
+        assert torch.equal(codec.decode(wire_copy(payload), 5000), sent)
+
+
+class Halves(Codec):
+    """A user codec: fp16 under another name."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.inner = Float16()
+        self.seed = seed
+
+    def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
+        return self.inner.encode(x)
+
+    def decode(
+        self, payload: Payload, numel: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        return self.inner.decode(payload, numel, device)
+
+
+def test_user_codecs_register_and_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    register_codec("halves", lambda arg, seed: Halves(seed), usage="halves", replace=True)
+    codec = build_codec("halves+ef", seed=4)
+    assert isinstance(codec, ErrorFeedback) and codec.spec == "halves+ef"
+    assert isinstance(codec.codec, Halves) and codec.codec.seed == 4
+    assert "halves" in available_codecs()
+    with pytest.raises(CodecError, match="already registered"):
+        register_codec("halves", lambda arg, seed: Halves(seed))
+    with pytest.raises(CodecError, match="built-in"):
+        register_codec("topk", lambda arg, seed: Halves(seed), replace=True)
+    with pytest.raises(CodecError, match="lowercase"):
+        register_codec("bad:name", lambda arg, seed: Halves(seed))
+    plugin = types.ModuleType("gossipdl_codec_plugin")
+    plugin.Halves = Halves  # type: ignore[attr-defined]
+    plugin.NotACodec = dict  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "gossipdl_codec_plugin", plugin)
+    codec = build_codec("gossipdl_codec_plugin:Halves", seed=3)
+    assert isinstance(codec, Halves) and codec.spec == "gossipdl_codec_plugin:Halves"
+    x = torch.randn(10)
+    payload, sent = codec.encode(x)
+    assert torch.equal(build_codec(codec.spec).decode(payload, 10), sent)
+    with pytest.raises(CodecError, match="not a Codec"):
+        build_codec("gossipdl_codec_plugin:NotACodec")
+    with pytest.raises(CodecError, match="has no"):
+        build_codec("gossipdl_codec_plugin:Missing")
+
+
+def test_encode_rejects_what_is_not_a_flat_float32_tensor() -> None:
+    codec = build_codec("sign")
+    with pytest.raises(TypeError):
+        codec.encode(np.zeros(3, np.float32))  # type: ignore[arg-type]
+    for bad in (torch.zeros(2, 2), torch.zeros(3, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="1-D float32"):
+            codec.encode(bad)
+
+
+def test_powersgd_warm_start_lives_on_the_sender() -> None:
+    torch.manual_seed(0)
+    low_rank = (torch.randn(300, 2) @ torch.randn(2, 300)).reshape(-1)
+    sender = build_codec("powersgd:2", seed=5)
+    errors = []
+    for _ in range(4):
+        payload, sent = sender.encode(low_rank)
+        errors.append(float((sent - low_rank).norm() / low_rank.norm()))
+        assert torch.equal(
+            build_codec("powersgd:2", seed=6).decode(payload, low_rank.numel()), sent
+        )
+    assert errors[-1] < 1e-4 < errors[0] or errors[0] < 1e-4  # the iteration converges
+    _, zeros = sender.encode(torch.zeros(90_000))
+    assert not zeros.any()
+    _, again = sender.encode(low_rank)
+    assert float((again - low_rank).norm() / low_rank.norm()) < 0.5  # not stuck at zero
