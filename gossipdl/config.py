@@ -37,7 +37,24 @@ class Config:
     )
     peers: int = field(default=4, metadata={"help": "number of peer processes"})
     topology: str = field(default="ring", metadata={"help": "ring, torus, exponential, ..."})
-    algorithm: str = field(default="dense", metadata={"help": "averaging algorithm"})
+    algorithm: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (choco if the codec is lossy, else dense) | dense | choco | broadcast"
+        },
+    )
+    codec: str = field(
+        default="none",
+        metadata={
+            "help": "what peers send, e.g. none, fp16, topk:0.01+qsgd:16, threshold:auto+sign"
+        },
+    )
+    gamma: float = field(
+        default=0.0, metadata={"help": "CHOCO consensus step (0: the codec's default)"}
+    )
+    loss: float = field(
+        default=0.0, metadata={"help": "fraction of model messages dropped on purpose (testing)"}
+    )
     dataset: str = field(
         default="mnist1d", metadata={"help": "mnist1d | digits | synthetic | module:function"}
     )
@@ -165,6 +182,7 @@ def _check(ok: bool, message: str) -> None:
 def _validate(c: Config) -> None:
     """Every static check; anything that needs the data (partition feasibility) runs at launch."""
     from gossipdl.averaging import available_algorithms
+    from gossipdl.compression import CodecError, build_codec
     from gossipdl.data import available_datasets
     from gossipdl.models import available_models
     from gossipdl.topologies import TopologyError, build_topology
@@ -177,6 +195,17 @@ def _validate(c: Config) -> None:
             build_topology(c.topology, c.peers, c.seed)
         except TopologyError as exc:
             raise ConfigError(f"topology = {c.topology!r}: {exc}") from None
+    try:
+        build_codec(c.codec)
+    except CodecError as exc:
+        raise ConfigError(f"codec = {c.codec!r}: {exc}") from None
+    _check(0 <= c.gamma <= 1, f"gamma = {c.gamma}; must be in [0, 1] (0: the codec's default)")
+    _check(0 <= c.loss < 1, f"loss = {c.loss}; must be in [0, 1)")
+    _check(
+        c.algorithm != "broadcast" or c.mode == "single" or c.topology == "complete",
+        f"algorithm = 'broadcast' sends every update to every peer; use topology = 'complete' "
+        f"(got {c.topology!r})",
+    )
     _check(
         c.algorithm in available_algorithms(),
         f"algorithm = {c.algorithm!r}; choose one of {', '.join(available_algorithms())}",

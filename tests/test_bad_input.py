@@ -39,8 +39,12 @@ def bad_messages() -> dict[str, list]:
         "bad_version": with_header(encode("params", 1, 1, 0, [good]), v=99),
         "bad_kind": with_header(encode("params", 1, 1, 0, [good]), kind="explode"),
         "frame_mismatch": with_header(encode("params", 1, 1, 0, [good]), frames=[NUMEL * 4 + 8]),
-        "bad_dtype": encode("params", 1, 1, 0, [good.astype(np.float64)]),
-        "bad_shape": encode("params", 1, 1, 0, [np.zeros(NUMEL + 1, np.float32)]),
+        "bad_dtype": with_header(
+            encode("params", 1, 1, 0, [good]), arrays=[["complex64", [NUMEL]]]
+        ),
+        "bad_shape": with_header(encode("params", 1, 1, 0, [good]), arrays=[["float32", [-1]]]),
+        "bad_codec": encode("params", 1, 1, 0, [good], codec="topk:0.5"),
+        "bad_payload": encode("params", 1, 1, 0, [np.zeros(NUMEL + 1, np.float32)]),
         "non_finite": encode("params", 1, 1, 0, [nan]),
         "unknown_sender": encode("params", 77, 1, 0, [good]),
         "oversize": encode("params", 1, 1, 0, [np.zeros(200_000, np.float32)]),
@@ -95,10 +99,10 @@ def test_a_live_peer_drops_and_counts_every_bad_message_and_keeps_training(
     assert final is not None
     assert final["final"] and final["step"] == STEPS and not final["stopped_early"]
     assert final["dropped_reasons"] == expected
-    assert final["messages_dropped"] == 27
+    assert final["messages_dropped"] == 33
     assert final["neighbour_misses"] == 0
     log = (tmp_path / "peer0.log").read_text()
-    assert log.count("dropped a message") == 27
+    assert log.count("dropped a message") == 33
     assert "from peer 77: unknown_sender" in log
     assert "from an unidentified sender: malformed_header" in log
     assert "from peer 1: non_finite" in log

@@ -15,11 +15,13 @@ from gossipdl import Peer
 from gossipdl.topologies import build_topology
 
 
-def make_swarm(n: int, topology: str, values: list[float], **kwargs: Any) -> list[Peer]:
+def make_swarm(
+    n: int, topology: str, values: list[float], width: int = 3, **kwargs: Any
+) -> list[Peer]:
     """``n`` Peers in this process, formed through peer 0; peer i's weights all equal values[i]."""
     models = []
     for value in values:
-        model = torch.nn.Linear(3, 2)
+        model = torch.nn.Linear(width, 2)
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(value)

@@ -118,6 +118,9 @@ def test_help_lists_every_option_with_its_default() -> None:
         (["--lr", "-1"], ["lr = -1"]),
         (["--peers", "40", "--partition", "dirichlet:0.001"], ["dirichlet:0.001"]),
         (["--steps", "ten"], ["--steps", "integer"]),
+        (["--codec", "zip:9"], ["codec = 'zip:9'"]),
+        (["--gamma", "2"], ["gamma = 2.0"]),
+        (["--algorithm", "magic"], ["magic", "choco"]),
     ],
 )
 def test_bad_config_fails_before_any_peer_starts(
@@ -236,3 +239,17 @@ def test_a_run_directory_is_never_reused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="already holds a run"):
         launch(config, progress=False)
     assert (Path(config.out) / "summary.json").read_text() == before
+
+
+def test_choco_swarm_trains_on_a_fraction_of_the_bytes(tmp_path: Path) -> None:
+    common = {"peers": 3, "steps": 150, "topology": "ring"}
+    dense = launch(small_config(tmp_path / "dense", **common), progress=False)
+    choco = launch(
+        small_config(tmp_path / "choco", **common, codec="topk:0.1+fp16", gamma=0.3),
+        progress=False,
+    )
+    resolved = tomllib.loads((tmp_path / "choco" / "run" / "config.toml").read_text())
+    assert resolved["codec"] == "topk:0.1+fp16" and resolved["algorithm"] == "auto"
+    assert choco["peers_finished"] == 3 and choco["total_messages_dropped"] == 0
+    assert choco["mean_accuracy"] > 0.7
+    assert choco["total_bytes_sent"] * 3 < dense["total_bytes_sent"]

@@ -1,8 +1,8 @@
 """The averaging strategy seam: what a peer sends each round and how it merges what arrived.
 
 The peer loop is fixed; an Averager decides the payload and the merge rule. It
-receives what arrived and which neighbours did not make it, so a partial round
-is a designed case rather than an exception path.
+receives what arrived, what arrived late, and which neighbours did not make it,
+so a partial round is a designed case rather than an exception path.
 """
 
 from __future__ import annotations
@@ -10,51 +10,80 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 
-from gossipdl.transport.wire import WireError
+from gossipdl.compression import Codec, Payload, build_codec
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round as a peer sees it: its number and its row of the mixing matrix.
+
+    ``resync`` marks a round in which this peer rebuilds its view of every
+    neighbour from their dense public copies (the first round, and the round a
+    topology changes or a lost message was detected).
+    """
+
+    index: int
+    weights: Mapping[int, float]
+    self_weight: float
+    resync: bool = False
 
 
 @dataclass(frozen=True)
 class Arrival:
-    """One neighbour's contribution to a round: its mixing weight and its payload tensors."""
+    """One neighbour's decoded contribution: its weight, the round it was for, dense or not."""
 
     weight: float
-    tensors: list[torch.Tensor]
+    value: torch.Tensor
+    round: int
+    dense: bool = False
 
 
 class Averager(ABC):
-    """Strategy for one gossip round over a flat parameter vector ``x``."""
+    """Strategy for one gossip round over a flat parameter vector ``x``.
+
+    ``codec`` compresses what is sent; ``decode`` runs on the receive thread
+    and must raise ``CodecError`` for anything it cannot use.
+    """
 
     name: str = "averager"
+    # True when neighbours keep a view of this peer's public copy that a lost
+    # message or a topology change breaks, so the peer loop must run resyncs.
+    uses_public_copies: bool = False
+    # Set by ``incoming`` when the peer's view of its neighbours is broken.
+    needs_resync: bool = False
+
+    def __init__(self, codec: Codec | str = "none", seed: int = 0) -> None:
+        self.codec = build_codec(codec, seed) if isinstance(codec, str) else codec
 
     @abstractmethod
-    def outgoing(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The tensors to send to every neighbour this round (on ``x``'s device)."""
+    def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
+        """The payload every neighbour gets this round."""
 
-    @abstractmethod
-    def check(self, arrays: Sequence[np.ndarray], numel: int) -> None:
-        """Validate a received payload for a model of ``numel`` parameters; raise WireError."""
+    def public_copy(self) -> Payload:
+        """The dense payload a neighbour that is resyncing gets instead (default: the last x)."""
+        raise NotImplementedError
+
+    def decode(self, payload: Payload, dense: bool, numel: int, device: torch.device) -> Any:
+        """Decode a received payload (codec-compressed, or a dense fp32 vector)."""
+        codec = build_codec("none") if dense else self.codec
+        return codec.decode(payload, numel, device)
 
     @abstractmethod
     def incoming(
         self,
         x: torch.Tensor,
-        self_weight: float,
+        rnd: Round,
         arrived: Mapping[int, Arrival],
         missing: Sequence[int],
+        late: Sequence[tuple[int, Arrival]] = (),
     ) -> torch.Tensor:
-        """The new parameter vector from ``x`` and the neighbours' payloads."""
+        """The new parameter vector from ``x`` and what the neighbours sent."""
 
-
-def check_flat_vector(arrays: Sequence[np.ndarray], numel: int, dtype: str = "float32") -> None:
-    """Require exactly one 1-D array of ``numel`` values of ``dtype``."""
-    if len(arrays) != 1:
-        raise WireError("bad_shape", f"expected 1 array, got {len(arrays)}")
-    array = arrays[0]
-    if array.dtype.name != dtype:
-        raise WireError("bad_dtype", f"expected {dtype}, got {array.dtype.name}")
-    if array.shape != (numel,):
-        raise WireError("bad_shape", f"expected shape ({numel},), got {array.shape}")
+    @property
+    def accepts_late(self) -> bool:
+        """Whether a message that arrives after its round still counts (CHOCO: yes)."""
+        return False

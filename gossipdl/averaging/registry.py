@@ -5,26 +5,46 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gossipdl.averaging.base import Averager
+from gossipdl.averaging.broadcast import Broadcast
+from gossipdl.averaging.choco import Choco
 from gossipdl.averaging.dense import DenseGossip
+from gossipdl.compression import build_codec
 
-_ALGORITHMS: dict[str, Callable[[], Averager]] = {"dense": DenseGossip}
+AveragerFactory = Callable[[str, int, "float | None"], Averager]
+
+_ALGORITHMS: dict[str, AveragerFactory] = {
+    "dense": lambda codec, seed, gamma: DenseGossip(codec, seed),
+    "choco": lambda codec, seed, gamma: Choco(codec, seed, gamma),
+    "broadcast": lambda codec, seed, gamma: Broadcast(codec, seed),
+}
 
 
 def available_algorithms() -> list[str]:
-    """Names accepted by ``build_averager``."""
-    return sorted(_ALGORITHMS)
+    """Names accepted by ``build_averager`` (plus ``auto``)."""
+    return ["auto", *sorted(_ALGORITHMS)]
 
 
-def register_algorithm(name: str, factory: Callable[[], Averager]) -> None:
-    """Make ``name`` buildable by ``build_averager``."""
+def register_algorithm(name: str, factory: AveragerFactory) -> None:
+    """Make ``name`` buildable: ``factory(codec_spec, seed, gamma) -> Averager``."""
     _ALGORITHMS[name] = factory
 
 
-def build_averager(name: str) -> Averager:
-    """The averaging strategy called ``name``."""
+def resolve_algorithm(name: str, codec: str) -> str:
+    """``auto`` means dense gossip for a lossless codec and CHOCO for a lossy one."""
+    if name != "auto":
+        return name
+    return "choco" if build_codec(codec).lossy else "dense"
+
+
+def build_averager(
+    name: str = "auto", codec: str = "none", seed: int = 0, gamma: float | None = None
+) -> Averager:
+    """The averaging strategy ``name`` with codec ``codec``."""
+    name = resolve_algorithm(name, codec)
     try:
-        return _ALGORITHMS[name]()
+        factory = _ALGORITHMS[name]
     except KeyError:
         raise ValueError(
             f"unknown algorithm {name!r}; choose one of {', '.join(available_algorithms())}"
         ) from None
+    return factory(codec, seed, gamma)

@@ -20,17 +20,22 @@ from gossipdl.transport.wire import WireError
 class Inbox:
     """Holds ``{round: {sender: payload}}`` for the current and future rounds."""
 
-    def __init__(self, max_pending: int = 8) -> None:
+    def __init__(self, max_pending: int = 8, keep_late: bool = False) -> None:
         self._cond = threading.Condition()
         self._rounds: dict[int, dict[int, Any]] = {}
         self._pending: Counter[int] = Counter()
         self._floor = 0
         self._max_pending = max_pending
+        self._keep_late = keep_late
+        self._late: list[tuple[int, int, Any]] = []
 
     def put(self, sender: int, round: int, payload: Any) -> None:
         """Store a payload; raises WireError('late' / 'too_many_pending' / 'duplicate')."""
         with self._cond:
             if round < self._floor:
+                if self._keep_late and len(self._late) < 64 * self._max_pending:
+                    self._late.append((sender, round, payload))
+                    return
                 raise WireError("late", f"round {round} arrived after round {self._floor} began")
             slot = self._rounds.setdefault(round, {})
             if sender in slot:
@@ -49,16 +54,22 @@ class Inbox:
         """Block until every id in ``expected()`` has sent ``round`` or ``timeout`` passes.
 
         ``expected`` is re-evaluated on every wake-up so that peers which leave
-        meanwhile are no longer waited for. Returns what arrived.
+        meanwhile are no longer waited for, and a sender already heard from for
+        a later round is not waited for either. Returns what arrived.
         """
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
                 slot = self._rounds.get(round, {})
                 remaining = deadline - time.monotonic()
-                if expected() <= slot.keys() or remaining <= 0:
+                if expected() <= slot.keys() | self._ahead(round) or remaining <= 0:
                     return dict(slot)
                 self._cond.wait(min(remaining, 0.5))
+
+    def _ahead(self, round: int) -> set[int]:
+        """Senders already heard from for a later round: their message for ``round`` was lost
+        (one connection delivers in order), so waiting longer for them is pointless."""
+        return {sender for r, slot in self._rounds.items() if r > round for sender in slot}
 
     def advance(self, round: int) -> None:
         """Forget every round below ``round``; later arrivals for them are late."""
@@ -67,6 +78,12 @@ class Inbox:
             for r in [r for r in self._rounds if r < self._floor]:
                 for sender in self._rounds.pop(r):
                     self._pending[sender] -= 1
+
+    def drain_late(self) -> list[tuple[int, int, Any]]:
+        """``(sender, round, payload)`` of messages kept after their round had passed."""
+        with self._cond:
+            late, self._late = self._late, []
+        return late
 
     def notify(self) -> None:
         """Wake waiters so they re-check who they are waiting for."""

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from gossipdl.averaging import Arrival, build_averager
+from gossipdl.averaging import Arrival, Round, build_averager
+from gossipdl.compression import CodecError, Payload
 from gossipdl.peers.inbox import Inbox
 from gossipdl.peers.membership import Member, Membership, parse_members
 from gossipdl.topologies import Topology, build_topology
@@ -52,6 +53,12 @@ class Peer:
     a peer with neither founds a swarm that others join. Training starts once
     ``min_peers`` members are known and every neighbour has said it is ready.
 
+    ``codec`` (e.g. ``"topk:0.01+fp16"``) compresses what is sent; with a lossy
+    codec ``algorithm="auto"`` is CHOCO-SGD with the codec's default ``gamma``.
+    A lost message (a gap in a neighbour's sequence numbers) triggers a dense
+    resync of the public copies two rounds later. ``loss`` drops that fraction
+    of this peer's model messages on purpose, to test exactly that.
+
     Example (run once per rank, e.g. ``python train.py 0`` .. ``python train.py 3``)::
 
         addresses = [f"tcp://127.0.0.1:{5550 + i}" for i in range(4)]
@@ -75,7 +82,10 @@ class Peer:
         listen: str | None = None,
         bootstrap: str | None = None,
         topology: str = "ring",
-        algorithm: str = "dense",
+        algorithm: str = "auto",
+        codec: str = "none",
+        gamma: float | None = None,
+        loss: float = 0.0,
         min_peers: int | None = None,
         seed: int = 0,
         round_timeout: float = 10.0,
@@ -97,7 +107,8 @@ class Peer:
             raise ValueError("the model has no parameters to average")
         self.numel = sum(p.numel() for p in self.params)
         self.device = self.params[0].device
-        self.averager = build_averager(algorithm)
+        self.averager = build_averager(algorithm, codec, seed, gamma)
+        self.codec = self.averager.codec.spec
         self.topology_spec = topology
         self.seed = seed
         self.round_timeout = round_timeout
@@ -111,7 +122,17 @@ class Peer:
         self.neighbour_misses = 0
         self.idle_s = 0.0
         self._on_members = on_members
-        self._inbox = Inbox()
+        self._inbox = Inbox(keep_late=self.averager.accepts_late)
+        self._loss = loss
+        self._loss_rng = random.Random(seed * 7919 + (rank or 0))
+        self.resyncs = 0
+        self._first_round = 0
+        self._resync_at: set[int] = set()
+        self._dense_for: dict[int, set[int]] = {}
+        self._dense_lock = threading.Lock()
+        self._last_seq: dict[int, int] = {}
+        self._gap = False
+        self._last_ids: tuple[int, ...] | None = None
         self._ready_from: set[int] = set()
         self._replies: dict[str, Message] = {}
         self._changed = threading.Condition()
@@ -147,37 +168,51 @@ class Peer:
     def gossip(self) -> None:
         """One synchronous gossip round with this round's neighbours."""
         t = self.round
-        weights, self_weight = self._mixing(t)
+        rnd = self._round(t)
         x = self._flat()
-        arrays = [a.detach().cpu().numpy() for a in self.averager.outgoing(x)]
-        expected = set(weights)
-        for j in weights:
-            if not self.membership.has_left(j):
-                self._send(j, "params", round=t, arrays=arrays)
+        payload = self.averager.outgoing(x, rnd)
+        dense_to = self._dense_destinations(rnd)
+        public = self.averager.public_copy() if dense_to else None
+        for j in rnd.weights:
+            if self.membership.has_left(j):
+                continue
+            if public is not None and j in dense_to:
+                self._send(j, "public", round=t, payload=public)
+            else:
+                self._send(j, "params", round=t, payload=payload)
         started = time.monotonic()
         timeout, self._first_wait = self._first_wait or self.round_timeout, 0.0
+        expected = set(rnd.weights)
         got = self._inbox.wait(
             t, lambda: {j for j in expected if not self.membership.has_left(j)}, timeout
         )
         self.idle_s += time.monotonic() - started
-        arrived = {j: Arrival(w, got[j]) for j, w in weights.items() if j in got}
-        missing = [j for j in weights if j not in got]
-        late = [j for j in missing if not self.membership.has_left(j)]
-        if late:
-            self.neighbour_misses += len(late)
+        arrived = {
+            j: Arrival(w, got[j][0], t, got[j][1]) for j, w in rnd.weights.items() if j in got
+        }
+        missing = [j for j in rnd.weights if j not in got]
+        late_ones = [j for j in missing if not self.membership.has_left(j)]
+        if late_ones:
+            self.neighbour_misses += len(late_ones)
             log.info(
                 "peer %d round %d: no model from %s within %.1fs; averaged without them",
                 self.id,
                 t,
-                late,
-                self.round_timeout,
+                late_ones,
+                timeout,
             )
-        new = self.averager.incoming(x, self_weight, arrived, missing)
+        late = [
+            (j, Arrival(self._mixing(r)[0].get(j, 0.0), value, r, dense))
+            for j, r, (value, dense) in self._inbox.drain_late()
+        ]
+        new = self.averager.incoming(x, rnd, arrived, missing, late)
         vector_to_parameters(new, self.params)
         self._latest = new
         self.round = t + 1
         self._inbox.advance(self.round)
         self._round_times.append(time.monotonic())
+        if self.averager.uses_public_copies and (self._gap or self.averager.needs_resync):
+            self._request_resync()
 
     def neighbours(self, round: int | None = None) -> list[int]:
         """Ids of the neighbours in ``round`` (default: the next round)."""
@@ -189,6 +224,7 @@ class Peer:
             **self.transport.stats.snapshot(),
             "round": self.round,
             "neighbour_misses": self.neighbour_misses,
+            "resyncs": self.resyncs,
             "idle_s": round(self.idle_s, 4),
         }
 
@@ -274,11 +310,11 @@ class Peer:
             except PeerError as exc:
                 log.warning("peer %d: neighbour %d did not send its model: %s", self.id, j, exc)
                 continue
-            self.averager.check(reply.arrays, self.numel)
+            model = self._decode(reply, dense=True)
             with torch.no_grad():
-                vector_to_parameters(torch.from_numpy(reply.arrays[0]).to(self.device), self.params)
+                vector_to_parameters(model, self.params)
             self._latest = self._flat()
-            self.round = max(since, reply.round)
+            self.round = self._first_round = max(since, reply.round)
             self._inbox.advance(self.round)
             self.started = True
             # The swarm reaches our first round only after ``since - reply.round`` more rounds.
@@ -343,17 +379,92 @@ class Peer:
         peer_id: int,
         kind: str,
         round: int | None = None,
-        arrays: Sequence[np.ndarray] = (),
+        payload: Payload | None = None,
         meta: dict[str, Any] | None = None,
     ) -> None:
+        """Send one message; model messages may be dropped on purpose (``loss``)."""
         member = self.membership.get(peer_id)
         if member is None:
             return
         with self._seq_lock:
             self._seq[peer_id] += 1
             seq = self._seq[peer_id]
-        frames = encode(kind, self.id, seq, self.round if round is None else round, arrays, meta)
+        if kind in ("params", "public") and self._loss and self._loss_rng.random() < self._loss:
+            self.transport.stats.drop("injected_loss")  # the receiver sees a gap in ``seq``
+            return
+        codec = self.codec if kind == "params" else "none"
+        arrays = payload.arrays if payload is not None else ()
+        meta = payload.meta if payload is not None else meta
+        frames = encode(
+            kind, self.id, seq, self.round if round is None else round, arrays, meta, codec
+        )
         self.transport.send(member.address, frames)
+
+    def _decode(self, msg: Message, dense: bool) -> torch.Tensor:
+        """A received model payload as a tensor on this peer's device; WireError if unusable."""
+        expected = "none" if dense else self.codec
+        if msg.codec != expected:
+            raise WireError("bad_codec", f"codec {msg.codec!r}, this swarm uses {expected!r}")
+        try:
+            return self.averager.decode(
+                Payload(tuple(msg.arrays), dict(msg.meta)), dense, self.numel, self.device
+            )
+        except CodecError as exc:
+            raise WireError("bad_payload", str(exc)) from None
+
+    def _track_seq(self, msg: Message) -> None:
+        """Per-sender sequence numbers have no gaps unless a message was lost on the way."""
+        if msg.seq <= 0:
+            return
+        last = self._last_seq.get(msg.sender)
+        if last is not None and msg.seq > last + 1:
+            self._gap = True
+            log.warning(
+                "peer %d: %d message(s) from peer %d were lost",
+                self.id,
+                msg.seq - last - 1,
+                msg.sender,
+            )
+        self._last_seq[msg.sender] = max(msg.seq, last or 0)
+
+    def _round(self, t: int) -> Round:
+        """This peer's view of round ``t``: mixing weights, and whether it resyncs."""
+        weights, self_weight = self._mixing(t)
+        resync = False
+        if self.averager.uses_public_copies:
+            ids = tuple(self.membership.active(t))
+            changes = self._topology_changes()
+            if self._last_ids not in (None, ids) and t not in changes:
+                self._request_resync()  # the topology changed and we learnt it too late
+            self._last_ids = ids
+            resync = t == self._first_round or t in changes or t in self._resync_at
+        return Round(t, weights, self_weight, resync)
+
+    def _topology_changes(self) -> set[int]:
+        """Rounds at which a newcomer joins: everyone resyncs there."""
+        return {m.since for m in self.membership.members() if m.since > self._first_round}
+
+    def _dense_destinations(self, rnd: Round) -> set[int]:
+        """Neighbours that get the dense public copy this round instead of the update."""
+        if not self.averager.uses_public_copies:
+            return set()
+        with self._dense_lock:
+            due = [r for r in self._dense_for if r <= rnd.index]
+            asked = set().union(*(self._dense_for.pop(r) for r in due))
+        if rnd.index == self._first_round or rnd.index in self._topology_changes():
+            return set(rnd.weights)
+        return asked & set(rnd.weights)
+
+    def _request_resync(self) -> None:
+        """Ask every neighbour for its dense public copy two rounds from now."""
+        target = self.round + 2
+        self._gap = False
+        self.averager.needs_resync = False
+        self._resync_at.add(target)
+        self.resyncs += 1
+        for j in self._mixing(target)[0]:
+            self._send(j, "resync_request", meta={"round": target})
+        log.info("peer %d: resync with its neighbours at round %d", self.id, target)
 
     def _merge(self, members: list[Member]) -> None:
         added = self.membership.merge(members)
@@ -398,10 +509,16 @@ class Peer:
             self._merge(parse_members(msg.meta.get("members")))
         if self.membership.get(msg.sender) is None:
             raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
-        if msg.kind == "params":
-            self.averager.check(msg.arrays, self.numel)
-            tensors = [torch.from_numpy(a).to(self.device) for a in msg.arrays]
-            self._inbox.put(msg.sender, msg.round, tensors)
+        self._track_seq(msg)
+        if msg.kind in ("params", "public"):
+            dense = msg.kind == "public"
+            self._inbox.put(msg.sender, msg.round, (self._decode(msg, dense), dense))
+        elif msg.kind == "resync_request":
+            wanted = msg.meta.get("round")
+            if not isinstance(wanted, int) or isinstance(wanted, bool):
+                raise WireError("bad_meta", f"resync round {wanted!r} is not an integer")
+            with self._dense_lock:
+                self._dense_for.setdefault(max(wanted, self.round + 1), set()).add(msg.sender)
         elif msg.kind == "ready":
             with self._changed:
                 self._ready_from.add(msg.sender)
@@ -412,7 +529,7 @@ class Peer:
                 self._changed.notify_all()
         elif msg.kind == "model_request":
             latest = self._latest.detach().cpu().numpy()
-            self._send(msg.sender, "model", round=self.round, arrays=[latest])
+            self._send(msg.sender, "model", round=self.round, payload=Payload((latest,), {}))
         elif msg.kind == "leave":
             self.membership.mark_left(msg.sender)
             self._inbox.notify()

@@ -38,6 +38,8 @@ KINDS = frozenset(
         "model_request",  # a (re)joining peer asks a neighbour for its current model
         "model",  # the answer: the neighbour's model and round
         "leave",  # the sender has stopped training
+        "public",  # a dense public copy (CHOCO resync) instead of this round's update
+        "resync_request",  # "send me your dense public copy at round meta.round"
     }
 )
 
@@ -75,7 +77,7 @@ class Message:
     sender: int
     seq: int
     round: int
-    codec: str = "dense"
+    codec: str = "none"
     arrays: list[np.ndarray] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     nbytes: int = 0
@@ -88,7 +90,7 @@ def encode(
     round: int,
     arrays: Sequence[np.ndarray] = (),
     meta: dict[str, Any] | None = None,
-    codec: str = "dense",
+    codec: str = "none",
 ) -> list[Any]:
     """Build the frames of one message; array memory is referenced, not copied.
 

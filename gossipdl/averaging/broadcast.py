@@ -1,0 +1,84 @@
+"""Compressed broadcast with residuals (Strom, Interspeech 2015): every peer applies every update.
+
+Each peer keeps the agreed model x̄ and a residual r (what it has not yet sent).
+Per round, after the local step x_i = x̄ + u_i:
+
+1. v = u_i + r                 the local update plus everything held back before
+2. q = Q(v),  r ← v − q        send the compressed part (Strom: ±τ where |v| > τ), keep the rest
+3. send q to every peer; x̄ ← x̄ + (1/n) Σ_j q_j over all peers, the own q included
+4. continue from x_i = x̄
+
+All peers apply the same updates, so their models agree; the residual makes
+sure no update is lost, only delayed. Peers start by averaging their models
+once (a dense first round), and a lost update is repaired the same way: a
+dense average of the neighbours' x̄. Use the complete topology; meant for
+small swarms, as every update reaches every peer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from gossipdl.averaging.base import Arrival, Averager, Round
+from gossipdl.compression import Payload
+
+
+class Broadcast(Averager):
+    """Strom-style compressed broadcast; a natural codec is ``threshold:auto+sign``."""
+
+    name = "broadcast"
+    uses_public_copies = True
+
+    def __init__(self, codec: str = "threshold:auto+sign", seed: int = 0) -> None:
+        super().__init__(codec, seed)
+        self.shared: torch.Tensor | None = None
+        self.residual: torch.Tensor | None = None
+        self._own: torch.Tensor | None = None
+
+    @property
+    def accepts_late(self) -> bool:
+        """An update that arrives late is still applied: the sum does not care about order."""
+        return True
+
+    def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
+        """Steps 1–2: compress the update plus the residual, keep what was not sent."""
+        if self.shared is None:  # first round: the dense average below sets x̄
+            self.shared = x.clone()
+            self.residual = torch.zeros_like(x)
+            self._own = torch.zeros_like(x)
+            return self.codec.encode(self._own)[0]
+        assert self.residual is not None
+        v = (x - self.shared).add_(self.residual)
+        payload, self._own = self.codec.encode(v)
+        self.residual = v.sub_(self._own)
+        return payload
+
+    def public_copy(self) -> Payload:
+        """The dense agreed model x̄, for a peer that is resyncing."""
+        assert self.shared is not None, "public_copy before the first outgoing"
+        return Payload((self.shared.detach().cpu().numpy().copy(),), {})
+
+    def incoming(
+        self,
+        x: torch.Tensor,
+        rnd: Round,
+        arrived: Mapping[int, Arrival],
+        missing: Sequence[int],
+        late: Sequence[tuple[int, Arrival]] = (),
+    ) -> torch.Tensor:
+        """Step 3, or in a resync round the renormalised average of the dense x̄."""
+        assert self.shared is not None and self._own is not None
+        self.shared.add_(self._own, alpha=rnd.self_weight)
+        dense = {j: a for j, a in arrived.items() if a.dense}
+        if rnd.resync:
+            self.needs_resync = set(dense) != set(rnd.weights)
+            total = rnd.self_weight + sum(a.weight for a in dense.values())
+            self.shared.mul_(rnd.self_weight / total)
+            for arrival in dense.values():
+                self.shared.add_(arrival.value, alpha=arrival.weight / total)
+        updates = [a for a in arrived.values() if not a.dense] + [a for _, a in late if not a.dense]
+        for arrival in updates:
+            self.shared.add_(arrival.value, alpha=arrival.weight)
+        return self.shared.clone()

@@ -1,0 +1,138 @@
+"""CHOCO-SGD over real sockets: exact mixing when lossless, consensus under heavy
+compression with the average preserved, and a resync after a message is lost."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_peer_api import make_swarm, run_rounds
+
+from gossipdl import Peer
+from gossipdl.averaging import Choco, default_gamma
+from gossipdl.topologies import build_topology
+
+
+def vectors(peers: list[Peer]) -> np.ndarray:
+    ordered = sorted(peers, key=lambda p: p.id)
+    return np.stack(
+        [torch.cat([q.detach().reshape(-1) for q in p.model.parameters()]).numpy() for p in ordered]
+    ).astype(np.float64)
+
+
+def randomize(peers: list[Peer]) -> None:
+    for peer in peers:
+        gen = torch.Generator().manual_seed(peer.id)
+        with torch.no_grad():
+            for q in peer.model.parameters():
+                q.copy_(torch.randn(q.shape, generator=gen) * 10)
+
+
+def close_all(peers: list[Peer]) -> None:
+    for p in peers:
+        p.close()
+
+
+def test_lossless_choco_with_gamma_one_is_exactly_dense_gossip() -> None:
+    n = 5
+    peers = make_swarm(n, "ring", [0.0] * n, algorithm="choco", codec="none", gamma=1.0)
+    try:
+        randomize(peers)
+        start = vectors(peers)
+        run_rounds(peers, 3)
+        w = build_topology("ring", n).mixing_matrix()
+        np.testing.assert_allclose(vectors(peers), np.linalg.matrix_power(w, 3) @ start, atol=1e-4)
+        assert all(isinstance(p.averager, Choco) for p in peers)
+    finally:
+        close_all(peers)
+
+
+def test_top1_percent_reaches_consensus_and_keeps_the_average() -> None:
+    peers = make_swarm(4, "ring", [0.0] * 4, width=500, codec="topk:0.1", gamma=0.2)
+    try:
+        assert isinstance(peers[0].averager, Choco)  # auto picks CHOCO for a lossy codec
+        randomize(peers)
+        start = vectors(peers)
+        spread = ((start - start.mean(0)) ** 2).sum()
+        run_rounds(peers, 300)
+        end = vectors(peers)
+        np.testing.assert_allclose(end.mean(0), start.mean(0), atol=1e-3)
+        assert ((end - end.mean(0)) ** 2).sum() < 1e-3 * spread
+        assert all(p.stats()["messages_dropped"] == {} and p.resyncs == 0 for p in peers)
+        dense_bytes = 300 * 2 * 4 * peers[0].numel  # what dense gossip would have sent
+        assert peers[0].stats()["bytes_sent"] < dense_bytes / 3
+    finally:
+        close_all(peers)
+
+
+def consistent(peers: list[Peer], topology: str) -> bool:
+    """Every s_i equals Σ_j W_ij x̂_j: the invariant a lost message breaks."""
+    w = build_topology(topology, len(peers)).mixing_matrix()
+    ordered = sorted(peers, key=lambda p: p.id)
+    x_hat = torch.stack([p.averager.x_hat for p in ordered])  # type: ignore[attr-defined]
+    expected = torch.tensor(w, dtype=torch.float32) @ x_hat
+    s = torch.stack([p.averager.s for p in ordered])  # type: ignore[attr-defined]
+    return bool(torch.allclose(s, expected, atol=1e-4))
+
+
+def test_a_lost_message_is_detected_and_repaired_by_a_dense_resync() -> None:
+    peers = make_swarm(3, "complete", [0.0] * 3, width=50, codec="topk:0.2", round_timeout=5)
+    try:
+        randomize(peers)
+        run_rounds(peers, 5)
+        assert consistent(peers, "complete")
+        lossy = next(p for p in peers if p.id == 0)
+        lossy._loss = 1.0  # drop everything peer 0 sends for one round, on purpose
+
+        def restore(peer: Peer) -> None:
+            if peer is lossy and peer.round == 6:
+                peer._loss = 0.0
+
+        run_rounds(peers, 2, before=restore)
+        assert lossy.stats()["messages_dropped"]["injected_loss"] == 2
+        assert not consistent(peers, "complete")
+        run_rounds(peers, 5)
+        assert consistent(peers, "complete")
+        assert all(p.resyncs >= 1 for p in peers if p is not lossy)
+        assert all(p.neighbour_misses <= 1 for p in peers)
+    finally:
+        close_all(peers)
+
+
+@pytest.mark.parametrize(
+    ("spec", "gamma"),
+    [("none", 1.0), ("fp16", 1.0), ("topk:0.01", 0.03), ("threshold:auto+sign", 0.03),
+     ("sign", 0.1), ("powersgd:2", 0.1)],
+)  # fmt: skip
+def test_default_gamma_per_codec(spec: str, gamma: float) -> None:
+    assert default_gamma(spec) == gamma
+
+
+def test_compressed_broadcast_keeps_every_peer_on_one_model_and_loses_no_update() -> None:
+    n, width = 3, 200
+    peers = make_swarm(n, "complete", [0.0] * n, width=width, algorithm="broadcast",
+                       codec="threshold:auto:0.05+sign")  # fmt: skip
+    try:
+        randomize(peers)
+        updates = {p.id: torch.randn(p.numel, generator=torch.Generator().manual_seed(p.id))
+                   for p in peers}  # fmt: skip
+
+        def local_step(peer: Peer) -> None:  # the same "gradient step" every round
+            with torch.no_grad():
+                flat = torch.cat([q.reshape(-1) for q in peer.model.parameters()])
+                torch.nn.utils.vector_to_parameters(flat + 0.01 * updates[peer.id], peer.params)
+
+        run_rounds(peers, 1, before=local_step)
+        agreed = vectors(peers)
+        np.testing.assert_allclose(agreed, agreed[[0, 0, 0]], atol=1e-5)
+        rounds = 200
+        run_rounds(peers, rounds, before=local_step)
+        models = vectors(peers)
+        np.testing.assert_allclose(models, models[[0, 0, 0]], atol=1e-4)  # one model everywhere
+        # Every update arrives, only delayed: x̄ = start + mean of all updates − mean residual.
+        mean_update = 0.01 * rounds * torch.stack(list(updates.values())).mean(0).double().numpy()
+        held_back = torch.stack([p.averager.residual for p in peers]).mean(0).double().numpy()  # type: ignore[attr-defined]
+        np.testing.assert_allclose(models[0], agreed[0] + mean_update - held_back, atol=1e-3)
+        assert peers[0].stats()["bytes_sent"] < rounds * 2 * 4 * peers[0].numel / 5
+    finally:
+        close_all(peers)
