@@ -174,3 +174,62 @@ def test_join_with_nobody_there_fails_clearly(tmp_path: Path, bad: str) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "no answer from tcp://127.0.0.1:9" in " ".join(done.stderr.split())
+
+
+def test_a_choco_peer_drops_truncated_and_corrupted_compressed_payloads(tmp_path: Path) -> None:
+    from gossipdl.compression import build_codec
+
+    codec = build_codec("topk:0.1")
+    config = small_config(tmp_path, peers=2, steps=STEPS, log_every=1, round_timeout=30,
+                          codec=codec.spec)  # fmt: skip
+    cfg = write_config(tmp_path / "exp.toml", config)
+    out = tmp_path / "run"
+    proc, address = start_peer(
+        "--config", str(cfg), "--rank", "0", "--out", str(out), "--no-summary",
+        log=tmp_path / "peer0.log",
+    )  # fmt: skip
+    payload, _ = codec.encode(torch.randn(NUMEL))
+    arrays = list(payload.arrays)
+    out_of_range = dict(payload.meta, k=NUMEL + 5)
+    flipped = [a.copy() for a in arrays]
+    flipped[0][:] = 255  # gap codes that run past the end of the vector
+    bad = {
+        "truncated": encode("params", 1, 1, 0, arrays[:-1], payload.meta, codec=codec.spec),
+        "cut_values": encode("params", 1, 1, 0, [*arrays[:-1], arrays[-1][:-3]], payload.meta,
+                             codec=codec.spec),
+        "bad_k": encode("params", 1, 1, 0, arrays, out_of_range, codec=codec.spec),
+        "flipped": encode("params", 1, 1, 0, flipped, payload.meta, codec=codec.spec),
+    }  # fmt: skip
+    torch.manual_seed(0)
+    me = Peer(build_model("logistic", (32,), 10), rank=1, bootstrap=address, min_peers=2,
+              round_timeout=30, codec=codec.spec)  # fmt: skip
+    ctx = zmq.Context()
+    attacker = ctx.socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(address)
+    try:
+        for _ in range(5):
+            me.gossip()
+        for frames in bad.values():
+            attacker.send_multipart(frames)
+
+        def counted() -> bool:
+            record = last_record(out / "peers" / "0.jsonl") or {}
+            return record.get("dropped_reasons") == {"bad_payload": len(bad)}
+
+        while me.round < STEPS and not counted():
+            me.gossip()
+        assert counted(), (out / "peers" / "0.jsonl").read_text()
+        while me.round < STEPS:
+            me.gossip()
+        assert proc.wait(30) == 0
+    finally:
+        me.close()
+        attacker.close()
+        ctx.term()
+        if proc.poll() is None:
+            proc.kill()
+    final = last_record(out / "peers" / "0.jsonl")
+    assert final is not None and final["final"] and final["step"] == STEPS
+    assert final["dropped_reasons"] == {"bad_payload": len(bad)}
+    assert final["resyncs"] == 0 and final["neighbour_misses"] == 0

@@ -413,7 +413,7 @@ class Peer:
             raise WireError("bad_payload", str(exc)) from None
 
     def _track_seq(self, msg: Message) -> None:
-        """Per-sender sequence numbers have no gaps unless a message was lost on the way."""
+        """Per-sender sequence numbers have no gaps unless a message was lost or refused."""
         if msg.seq <= 0:
             return
         last = self._last_seq.get(msg.sender)
@@ -509,7 +509,6 @@ class Peer:
             self._merge(parse_members(msg.meta.get("members")))
         if self.membership.get(msg.sender) is None:
             raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
-        self._track_seq(msg)
         if msg.kind in ("params", "public"):
             dense = msg.kind == "public"
             self._inbox.put(msg.sender, msg.round, (self._decode(msg, dense), dense))
@@ -534,6 +533,7 @@ class Peer:
             self.membership.mark_left(msg.sender)
             self._inbox.notify()
             log.info("peer %d: peer %d left at round %d", self.id, msg.sender, msg.round)
+        self._track_seq(msg)  # only messages that were accepted: a dropped one leaves a gap
 
     def _on_join(self, msg: Message) -> None:
         address = _address(msg.meta.get("address"), "joiner address")
