@@ -494,16 +494,7 @@ class Peer:
             return
         if msg.kind == "info_request":
             address = _address(msg.meta.get("address"), "reply address")
-            self.transport.send(
-                address,
-                encode(
-                    "info",
-                    self.id,
-                    0,
-                    self.round,
-                    meta={"members": self.membership.wire(), "config": self.swarm_config},
-                ),
-            )
+            self._reply(address, "info", members=self.membership.wire(), config=self.swarm_config)
             return
         if msg.kind in ("ready", "members", "welcome"):
             self._merge(parse_members(msg.meta.get("members")))
@@ -535,6 +526,10 @@ class Peer:
             log.info("peer %d: peer %d left at round %d", self.id, msg.sender, msg.round)
         self._track_seq(msg)  # only messages that were accepted: a dropped one leaves a gap
 
+    def _reply(self, address: str, kind: str, **meta: Any) -> None:
+        """Answer someone who is not a member yet: straight to its address, no sequence number."""
+        self.transport.send(address, encode(kind, self.id, 0, self.round, meta=meta))
+
     def _on_join(self, msg: Message) -> None:
         address = _address(msg.meta.get("address"), "joiner address")
         want = msg.meta.get("want_id")
@@ -543,19 +538,8 @@ class Peer:
             taken = isinstance(want, int) and self.membership.get(want) is not None
             if want is not None and (not isinstance(want, int) or want < 0 or taken):
                 why = f"id {want!r} is {'taken' if taken else 'not a non-negative integer'}"
-                self.transport.send(
-                    address,
-                    encode(
-                        "welcome",
-                        self.id,
-                        0,
-                        self.round,
-                        meta={
-                            "error": f"{why}; choose another rank or leave it out",
-                            "members": self.membership.wire(),
-                        },
-                    ),
-                )
+                error = f"{why}; choose another rank or leave it out"
+                self._reply(address, "welcome", error=error, members=self.membership.wire())
                 return
             peer_id = want if isinstance(want, int) else self.membership.next_id()
             since = self.round + self._join_margin() if self.started else 0
@@ -567,17 +551,10 @@ class Peer:
             log.info(
                 "peer %d: %s joined as peer %d from round %d", self.id, address, peer_id, since
             )
-        self.transport.send(
+        self._reply(
             address,
-            encode(
-                "welcome",
-                self.id,
-                0,
-                self.round,
-                meta={
-                    "id": member.id,
-                    "members": self.membership.wire(),
-                    "config": self.swarm_config,
-                },
-            ),
+            "welcome",
+            id=member.id,
+            members=self.membership.wire(),
+            config=self.swarm_config,
         )
