@@ -55,6 +55,8 @@ class Averager(ABC):
     uses_public_copies: bool = False
     # Set by ``incoming`` when the peer's view of its neighbours is broken.
     needs_resync: bool = False
+    # True when a message that arrives after its round still counts (a sum of updates).
+    accepts_late: bool = False
 
     def __init__(self, codec: Codec | str = "none", seed: int = 0) -> None:
         self.codec = build_codec(codec, seed) if isinstance(codec, str) else codec
@@ -64,7 +66,7 @@ class Averager(ABC):
         """The payload every neighbour gets this round."""
 
     def public_copy(self) -> Payload:
-        """The dense payload a neighbour that is resyncing gets instead (default: the last x)."""
+        """The dense payload a resyncing neighbour gets instead (averagers with public copies)."""
         raise NotImplementedError
 
     def decode(self, payload: Payload, dense: bool, numel: int, device: torch.device) -> Any:
@@ -83,7 +85,7 @@ class Averager(ABC):
     ) -> torch.Tensor:
         """The new parameter vector from ``x`` and what the neighbours sent."""
 
-    @property
-    def accepts_late(self) -> bool:
-        """Whether a message that arrives after its round still counts (CHOCO: yes)."""
-        return False
+
+def dense_payload(t: torch.Tensor) -> Payload:
+    """A dense float32 copy of ``t`` on the host, as sent for a resync."""
+    return Payload((t.detach().cpu().numpy().copy(),), {})

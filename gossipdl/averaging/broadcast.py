@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from gossipdl.averaging.base import Arrival, Averager, Round
+from gossipdl.averaging.base import Arrival, Averager, Round, dense_payload
 from gossipdl.compression import Payload
 
 
@@ -37,10 +37,7 @@ class Broadcast(Averager):
         self.residual: torch.Tensor | None = None
         self._own: torch.Tensor | None = None
 
-    @property
-    def accepts_late(self) -> bool:
-        """An update that arrives late is still applied: the sum does not care about order."""
-        return True
+    accepts_late = True  # a late update is still added: a sum does not care about order
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """Steps 1–2: compress the update plus the residual, keep what was not sent."""
@@ -58,7 +55,7 @@ class Broadcast(Averager):
     def public_copy(self) -> Payload:
         """The dense agreed model x̄, for a peer that is resyncing."""
         assert self.shared is not None, "public_copy before the first outgoing"
-        return Payload((self.shared.detach().cpu().numpy().copy(),), {})
+        return dense_payload(self.shared)
 
     def incoming(
         self,

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from gossipdl.averaging.base import Arrival, Averager, Round
+from gossipdl.averaging.base import Arrival, Averager, Round, dense_payload
 from gossipdl.compression import Codec, Payload
 
 _SPARSIFIERS = ("topk", "randomk", "threshold")
@@ -61,10 +61,7 @@ class Choco(Averager):
         self.s: torch.Tensor | None = None
         self._synced_at: dict[int, int] = {}
 
-    @property
-    def accepts_late(self) -> bool:
-        """A late q_j is still added to s_i: the sum does not care about order."""
-        return True
+    accepts_late = True  # a late update is still added: a sum does not care about order
 
     uses_public_copies = True
 
@@ -84,7 +81,7 @@ class Choco(Averager):
     def public_copy(self) -> Payload:
         """The dense x̂_i, for a neighbour that is rebuilding its s."""
         assert self.x_hat is not None, "public_copy before the first outgoing"
-        return Payload((self.x_hat.detach().cpu().numpy().copy(),), {})
+        return dense_payload(self.x_hat)
 
     def incoming(
         self,

@@ -21,6 +21,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from gossipdl.averaging import Arrival, Round, build_averager
+from gossipdl.averaging.base import dense_payload
 from gossipdl.compression import CodecError, Payload
 from gossipdl.peers.inbox import Inbox
 from gossipdl.peers.membership import Member, Membership, parse_members
@@ -518,8 +519,7 @@ class Peer:
                 self._replies[msg.kind] = msg
                 self._changed.notify_all()
         elif msg.kind == "model_request":
-            latest = self._latest.detach().cpu().numpy()
-            self._send(msg.sender, "model", round=self.round, payload=Payload((latest,), {}))
+            self._send(msg.sender, "model", round=self.round, payload=dense_payload(self._latest))
         elif msg.kind == "leave":
             self.membership.mark_left(msg.sender)
             self._inbox.notify()
