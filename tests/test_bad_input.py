@@ -22,6 +22,7 @@ from conftest import (
 )
 
 from gossipdl import Peer
+from gossipdl.compression import build_codec
 from gossipdl.models import build_model
 from gossipdl.transport import encode
 
@@ -51,12 +52,14 @@ def bad_messages() -> dict[str, list]:
     }
 
 
-def test_a_live_peer_drops_and_counts_every_bad_message_and_keeps_training(
-    tmp_path: Path,
-) -> None:
-    config = small_config(
-        tmp_path, peers=2, steps=STEPS, log_every=1, round_timeout=30, max_message_mb=0.5
-    )
+def attack_live_peer(
+    tmp_path: Path, messages: list[list], expected: dict[str, int], **changes: object
+) -> dict:
+    """Run a real peer process beside an in-process neighbour, send it ``messages`` from a
+    raw socket mid-run, and return its final metrics once it has finished training.
+
+    Waits (loudly) until the peer's metrics show exactly ``expected`` drops."""
+    config = small_config(tmp_path, peers=2, steps=STEPS, log_every=1, round_timeout=30, **changes)
     cfg = write_config(tmp_path / "exp.toml", config)
     out = tmp_path / "run"
     proc, address = start_peer(
@@ -65,27 +68,24 @@ def test_a_live_peer_drops_and_counts_every_bad_message_and_keeps_training(
     )  # fmt: skip
     torch.manual_seed(0)
     me = Peer(build_model("logistic", (32,), 10), rank=1, bootstrap=address, min_peers=2,
-              round_timeout=30)  # fmt: skip
+              round_timeout=30, codec=config.codec)  # fmt: skip
     ctx = zmq.Context()
     attacker = ctx.socket(zmq.DEALER)
     attacker.setsockopt(zmq.LINGER, 0)
     attacker.connect(address)
+    metrics = out / "peers" / "0.jsonl"
+
+    def counted() -> bool:
+        return (last_record(metrics) or {}).get("dropped_reasons") == expected
+
     try:
         for _ in range(5):
             me.gossip()
-        expected = {}
-        for reason, frames in bad_messages().items():
-            for _ in range(3):
-                attacker.send_multipart(frames)
-            expected[reason] = 3
-
-        def counted() -> bool:
-            record = last_record(out / "peers" / "0.jsonl") or {}
-            return record.get("dropped_reasons") == expected
-
+        for frames in messages:
+            attacker.send_multipart(frames)
         while me.round < STEPS and not counted():
             me.gossip()
-        assert counted(), (out / "peers" / "0.jsonl").read_text()
+        assert counted(), metrics.read_text()
         while me.round < STEPS:
             me.gossip()
         assert proc.wait(30) == 0
@@ -95,10 +95,18 @@ def test_a_live_peer_drops_and_counts_every_bad_message_and_keeps_training(
         ctx.term()
         if proc.poll() is None:
             proc.kill()
-    final = last_record(out / "peers" / "0.jsonl")
-    assert final is not None
-    assert final["final"] and final["step"] == STEPS and not final["stopped_early"]
-    assert final["dropped_reasons"] == expected
+    final = last_record(metrics)
+    assert final is not None and final["final"] and final["step"] == STEPS
+    assert not final["stopped_early"] and final["dropped_reasons"] == expected
+    return final
+
+
+def test_a_live_peer_drops_and_counts_every_bad_message_and_keeps_training(
+    tmp_path: Path,
+) -> None:
+    messages = [frames for frames in bad_messages().values() for _ in range(3)]
+    expected = dict.fromkeys(bad_messages(), 3)
+    final = attack_live_peer(tmp_path, messages, expected, max_message_mb=0.5)
     assert final["messages_dropped"] == 33
     assert final["neighbour_misses"] == 0
     log = (tmp_path / "peer0.log").read_text()
@@ -177,17 +185,7 @@ def test_join_with_nobody_there_fails_clearly(tmp_path: Path, bad: str) -> None:
 
 
 def test_a_choco_peer_drops_truncated_and_corrupted_compressed_payloads(tmp_path: Path) -> None:
-    from gossipdl.compression import build_codec
-
     codec = build_codec("topk:0.1")
-    config = small_config(tmp_path, peers=2, steps=STEPS, log_every=1, round_timeout=30,
-                          codec=codec.spec)  # fmt: skip
-    cfg = write_config(tmp_path / "exp.toml", config)
-    out = tmp_path / "run"
-    proc, address = start_peer(
-        "--config", str(cfg), "--rank", "0", "--out", str(out), "--no-summary",
-        log=tmp_path / "peer0.log",
-    )  # fmt: skip
     payload, _ = codec.encode(torch.randn(NUMEL))
     arrays = list(payload.arrays)
     out_of_range = dict(payload.meta, k=NUMEL + 5)
@@ -200,36 +198,6 @@ def test_a_choco_peer_drops_truncated_and_corrupted_compressed_payloads(tmp_path
         "bad_k": encode("params", 1, 1, 0, arrays, out_of_range, codec=codec.spec),
         "flipped": encode("params", 1, 1, 0, flipped, payload.meta, codec=codec.spec),
     }  # fmt: skip
-    torch.manual_seed(0)
-    me = Peer(build_model("logistic", (32,), 10), rank=1, bootstrap=address, min_peers=2,
-              round_timeout=30, codec=codec.spec)  # fmt: skip
-    ctx = zmq.Context()
-    attacker = ctx.socket(zmq.DEALER)
-    attacker.setsockopt(zmq.LINGER, 0)
-    attacker.connect(address)
-    try:
-        for _ in range(5):
-            me.gossip()
-        for frames in bad.values():
-            attacker.send_multipart(frames)
-
-        def counted() -> bool:
-            record = last_record(out / "peers" / "0.jsonl") or {}
-            return record.get("dropped_reasons") == {"bad_payload": len(bad)}
-
-        while me.round < STEPS and not counted():
-            me.gossip()
-        assert counted(), (out / "peers" / "0.jsonl").read_text()
-        while me.round < STEPS:
-            me.gossip()
-        assert proc.wait(30) == 0
-    finally:
-        me.close()
-        attacker.close()
-        ctx.term()
-        if proc.poll() is None:
-            proc.kill()
-    final = last_record(out / "peers" / "0.jsonl")
-    assert final is not None and final["final"] and final["step"] == STEPS
-    assert final["dropped_reasons"] == {"bad_payload": len(bad)}
+    final = attack_live_peer(tmp_path, list(bad.values()), {"bad_payload": len(bad)},
+                             codec=codec.spec)  # fmt: skip
     assert final["resyncs"] == 0 and final["neighbour_misses"] == 0
