@@ -128,10 +128,14 @@ def _stop_on_signals(training: threading.Event, stop: threading.Event) -> None:
     """First SIGINT/SIGTERM while training: finish the step, save, report. Before: abort."""
 
     def handler(signum: int, frame: object) -> None:
-        if training.is_set():
-            stop.set()
-        else:
+        if not training.is_set():
             raise KeyboardInterrupt
+        # Ctrl-C in a terminal reaches the peer and the launcher forwards it again: a second
+        # SIGINT running this handler inside the first one's ``stop.set()`` would deadlock on
+        # the Event's lock, so later SIGINTs are ignored (SIGTERM then terminates at once).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        stop.set()
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)

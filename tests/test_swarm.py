@@ -253,3 +253,30 @@ def test_choco_swarm_trains_on_a_fraction_of_the_bytes(tmp_path: Path) -> None:
     assert choco["peers_finished"] == 3 and choco["total_messages_dropped"] == 0
     assert choco["mean_accuracy"] > 0.7
     assert choco["total_bytes_sent"] * 3 < dense["total_bytes_sent"]
+
+
+def test_a_second_sigint_during_the_first_cannot_deadlock_a_stopping_peer() -> None:
+    """Ctrl-C reaches a peer from the terminal and again from the launcher; the second
+    signal must not re-enter the handler while the first holds the stop Event's lock."""
+    script = (
+        "import os, signal, threading, types\n"
+        "from gossipdl.cli import _stop_on_signals\n"
+        "training, stop = threading.Event(), threading.Event()\n"
+        "training.set()\n"
+        "def set_with_second_signal(self):\n"
+        "    with self._cond:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        sum(range(10000))\n"  # bytecodes at which a nested handler would run
+        "        self._flag = True\n"
+        "        self._cond.notify_all()\n"
+        "stop.set = types.MethodType(set_with_second_signal, stop)\n"
+        "_stop_on_signals(training, stop)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "sum(range(10000))\n"
+        "print('stopped' if stop.is_set() else 'running')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=20
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "stopped"
