@@ -60,6 +60,7 @@ class Averager(ABC):
 
     def __init__(self, codec: Codec | str = "none", seed: int = 0) -> None:
         self.codec = build_codec(codec, seed) if isinstance(codec, str) else codec
+        self._dense = build_codec("none")  # resync copies and model replies travel uncompressed
 
     @abstractmethod
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
@@ -71,8 +72,7 @@ class Averager(ABC):
 
     def decode(self, payload: Payload, dense: bool, numel: int, device: torch.device) -> Any:
         """Decode a received payload (codec-compressed, or a dense fp32 vector)."""
-        codec = build_codec("none") if dense else self.codec
-        return codec.decode(payload, numel, device)
+        return (self._dense if dense else self.codec).decode(payload, numel, device)
 
     @abstractmethod
     def incoming(
