@@ -1,6 +1,9 @@
 """Per-round mailbox of model messages, filled by the receive thread, drained by training.
 
-A message for a round the peer has finished is late and dropped. Messages for
+A message for a round the peer has finished is late: dropped, or with
+``keep_late`` kept for the averager (a CHOCO update counts whenever it comes),
+as is one that arrives for the current round after the peer stopped waiting
+for it. Messages for
 future rounds are kept (a neighbour may be a round or many ahead, e.g. a
 newcomer waiting at its first round), but at most ``max_pending`` rounds per
 sender, so a runaway sender cannot grow memory without bound.
@@ -28,6 +31,7 @@ class Inbox:
         self._max_pending = max_pending
         self._keep_late = keep_late
         self._late: list[tuple[int, int, Any]] = []
+        self._taken: dict[int, set[int]] = {}  # round -> senders already handed to the peer
 
     def put(self, sender: int, round: int, payload: Any) -> None:
         """Store a payload; raises WireError('late' / 'too_many_pending' / 'duplicate')."""
@@ -63,6 +67,7 @@ class Inbox:
                 slot = self._rounds.get(round, {})
                 remaining = deadline - time.monotonic()
                 if expected() <= slot.keys() | self._ahead(round) or remaining <= 0:
+                    self._taken.setdefault(round, set()).update(slot)
                     return dict(slot)
                 self._cond.wait(min(remaining, 0.5))
 
@@ -76,8 +81,13 @@ class Inbox:
         with self._cond:
             self._floor = max(self._floor, round)
             for r in [r for r in self._rounds if r < self._floor]:
-                for sender in self._rounds.pop(r):
+                taken = self._taken.pop(r, set())
+                for sender, payload in self._rounds.pop(r).items():
                     self._pending[sender] -= 1
+                    if self._keep_late and sender not in taken:
+                        self._late.append((sender, r, payload))
+            for r in [r for r in self._taken if r < self._floor]:
+                del self._taken[r]
 
     def drain_late(self) -> list[tuple[int, int, Any]]:
         """``(sender, round, payload)`` of messages kept after their round had passed."""
