@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +56,14 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='also write {"benchmark", "rows", "meta"} as JSON to FILE',
     )
+
+
+def fresh_run_dir(run_dir: Path) -> None:
+    """Remove a previous run directory there (a launch refuses a directory that holds a run)."""
+    if run_dir.exists():
+        if not (run_dir / "config.toml").is_file():
+            raise SystemExit(f"{run_dir} exists and is not a gossipdl run directory; pick --out")
+        shutil.rmtree(run_dir)
 
 
 def environment() -> dict[str, Any]:

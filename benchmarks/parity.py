@@ -41,11 +41,10 @@ each row has ``setting``, ``mode``, ``processes``, ``steps``, ``batch``,
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 from typing import Any
 
-from _common import Column, add_json_option, report
+from _common import Column, add_json_option, fresh_run_dir, report
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
@@ -72,14 +71,6 @@ def configs(args: argparse.Namespace) -> dict[str, Config]:
         "single": load_config(args.config, mode="single", out=str(args.out / "single"), **common),
         "gossip": load_config(args.config, mode="gossip", out=str(args.out / "gossip"), **common),
     }
-
-
-def fresh(run_dir: Path) -> None:
-    """Remove a previous run directory (peers append to existing metrics files)."""
-    if run_dir.exists():
-        if not (run_dir / "config.toml").is_file():
-            raise SystemExit(f"{run_dir} exists and is not a gossipdl run directory; pick --out")
-        shutil.rmtree(run_dir)
 
 
 def row(name: str, config: Config, summary: dict[str, Any]) -> dict[str, Any]:
@@ -129,7 +120,7 @@ def main() -> None:
     console = Console(stderr=True)
     rows = []
     for name, config in configs(args).items():
-        fresh(Path(config.out))
+        fresh_run_dir(Path(config.out))
         console.print(f"running {name}: {config.processes} process(es), {config.steps} steps …")
         rows.append(row(name, config, launch(config, progress=False)))
 

@@ -36,6 +36,7 @@ class TransportStats:
     """Counters of what crossed the sockets; updated by the transport threads."""
 
     bytes_sent: int = 0
+    header_bytes_sent: int = 0  # of bytes_sent, the msgpack headers (frame 0)
     bytes_received: int = 0
     messages_sent: int = 0
     messages_received: int = 0
@@ -52,6 +53,7 @@ class TransportStats:
         with self.lock:
             return {
                 "bytes_sent": self.bytes_sent,
+                "header_bytes_sent": self.header_bytes_sent,
                 "bytes_received": self.bytes_received,
                 "messages_sent": self.messages_sent,
                 "messages_received": self.messages_received,
@@ -161,6 +163,7 @@ class Transport:
                 size = sum(len(f) for f in frames)
                 with self.stats.lock:
                     self.stats.bytes_sent += size
+                    self.stats.header_bytes_sent += len(frames[0])
                     self.stats.messages_sent += 1
             # Give queued messages a moment to leave before the sockets close.
             for dealer in dealers.values():
