@@ -74,9 +74,12 @@ def run(
     peers: int | None = _opt("peers"),
     topology: str | None = _opt("topology"),
     algorithm: str | None = _opt("algorithm"),
+    trigger: str | None = _opt("trigger"),
     codec: str | None = _opt("codec"),
     gamma: float | None = _opt("gamma"),
     loss: float | None = _opt("loss"),
+    slowdown: str | None = _opt("slowdown"),
+    drift: str | None = _opt("drift"),
     dataset: str | None = _opt("dataset"),
     model: str | None = _opt("model"),
     hidden: str | None = _opt("hidden"),
@@ -109,10 +112,11 @@ def run(
         config = load_config(config_file, **overrides)
         if not config.out:
             config = config.replace(out=str(default_run_dir()))
+        when = "" if config.trigger == "always" else f", trigger {config.trigger}"
         console.print(
             f"[bold]gossipdl[/] {config.mode}: {config.processes} peer(s), {config.topology}, "
-            f"{config.algorithm}, {config.model} on {config.dataset} ({config.partition}), "
-            f"{config.steps} steps → {config.out}"
+            f"{config.algorithm}{when}, {config.model} on {config.dataset} "
+            f"({config.partition}), {config.steps} steps → {config.out}"
         )
         summary = launch(config, progress=progress, console=console)
     except ConfigError as exc:

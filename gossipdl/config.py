@@ -40,8 +40,13 @@ class Config:
     algorithm: str = field(
         default="auto",
         metadata={
-            "help": "auto (choco if the codec is lossy, else dense) | dense | choco | broadcast"
+            "help": "auto (choco if the codec is lossy, else dense) | dense | choco | broadcast "
+            "| gossip-learning"
         },
+    )
+    trigger: str = field(
+        default="always",
+        metadata={"help": "when peers talk: always | periodic:H | dynamic:DELTA[%][:B]"},
     )
     codec: str = field(
         default="none",
@@ -55,6 +60,14 @@ class Config:
     loss: float = field(
         default=0.0, metadata={"help": "fraction of model messages dropped on purpose (testing)"}
     )
+    slowdown: str = field(
+        default="",
+        metadata={"help": "stragglers: PEER:FACTOR[,...], e.g. 3:4 (peer 3 computes 4x slower)"},
+    )
+    drift: str = field(
+        default="",
+        metadata={"help": "concept drift: STEP:permute[:FRACTION] permutes labels from STEP"},
+    )
     dataset: str = field(
         default="mnist1d", metadata={"help": "mnist1d | digits | synthetic | module:function"}
     )
@@ -66,7 +79,7 @@ class Config:
         metadata={"help": "layer widths / channels, e.g. 1024,512 (empty: model default)"},
     )
     partition: str = field(default="iid", metadata={"help": "iid | dirichlet:ALPHA | shards:K"})
-    steps: int = field(default=1500, metadata={"help": "training steps (= gossip rounds) per peer"})
+    steps: int = field(default=1500, metadata={"help": "local training steps per peer"})
     batch_size: int = field(
         default=32, metadata={"help": "mini-batch per peer (single mode: × peers)"}
     )
@@ -181,10 +194,17 @@ def _check(ok: bool, message: str) -> None:
 
 def _validate(c: Config) -> None:
     """Every static check; anything that needs the data (partition feasibility) runs at launch."""
-    from gossipdl.averaging import available_algorithms
+    from gossipdl.averaging import (
+        TriggerError,
+        available_algorithms,
+        build_averager,
+        check_trigger,
+        parse_trigger,
+    )
     from gossipdl.compression import CodecError, build_codec
     from gossipdl.data import available_datasets
     from gossipdl.models import available_models
+    from gossipdl.peers.conditions import ConditionError, parse_drift, parse_slowdown
     from gossipdl.topologies import TopologyError, build_topology
 
     _check(c.mode in MODES, f"mode = {c.mode!r}; choose one of {', '.join(MODES)}")
@@ -210,6 +230,17 @@ def _validate(c: Config) -> None:
         c.algorithm in available_algorithms(),
         f"algorithm = {c.algorithm!r}; choose one of {', '.join(available_algorithms())}",
     )
+    try:
+        check_trigger(parse_trigger(c.trigger), build_averager(c.algorithm, c.codec))
+    except TriggerError as exc:
+        raise ConfigError(f"trigger = {c.trigger!r}: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"algorithm = {c.algorithm!r}: {exc}") from None
+    try:
+        parse_slowdown(c.slowdown)
+        parse_drift(c.drift)
+    except ConditionError as exc:
+        raise ConfigError(str(exc)) from None
     _check(
         c.dataset in available_datasets() or ":" in c.dataset,
         f"dataset = {c.dataset!r}; choose one of {', '.join(available_datasets())} "

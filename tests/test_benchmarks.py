@@ -49,3 +49,41 @@ def test_codec_benchmark_reports_every_codec_with_its_keys(tmp_path: Path) -> No
             continue
         assert {"bytes", "ratio", "encode_ms", "decode_ms", "rel_error"} <= row.keys()
         assert row["bytes"] > 0 and row["ratio"] > 0
+
+
+def test_convergence_benchmark_compares_with_dense_and_plots(tmp_path: Path) -> None:
+    result = run_benchmark(
+        "convergence", tmp_path, "--quick", "--peers", "2", "--steps", "24",
+        "--only", "dense,choco-topk", "--out", str(tmp_path / "c"),
+    )  # fmt: skip
+    rows = {row["setting"]: row for row in result["rows"]}
+    assert list(rows) == ["dense", "choco-topk"]
+    assert rows["dense"]["ratio"] == 1.0 and rows["dense"]["gap_points"] == 0.0
+    # top-1% of a 3,274-parameter MLP: far fewer bytes than dense, headers counted apart.
+    assert rows["choco-topk"]["ratio"] > 3
+    for row in rows.values():
+        assert 0 < row["header_bytes"] < row["bytes"]
+        assert row["peers_finished"] == 2 and row["accuracy"] is not None
+        assert [p["step"] for p in row["curve"]] == list(range(0, 25, 2))  # 12 evaluations
+    png = Path(result["meta"]["plot"]).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_triggers_benchmark_counts_transmissions_and_plots_the_drift(tmp_path: Path) -> None:
+    result = run_benchmark(
+        "triggers", tmp_path, "--quick", "--peers", "2", "--steps", "40",
+        "--dynamic", "dynamic:1%:10", "--out", str(tmp_path / "t"),
+    )  # fmt: skip
+    rows = {row["trigger"]: row for row in result["rows"]}
+    assert list(rows) == ["always", "periodic:5", "periodic:10", "periodic:20", "dynamic:1%:10"]
+    for row in rows.values():
+        assert {"trigger", "accuracy", "transmissions", "bytes"} <= row.keys()
+        assert row["accuracy"] is not None and row["bytes"] > 0
+    # Two peers on a ring send one model each per round: 40, 8, 4 and 2 rounds.
+    fixed = ["always", "periodic:5", "periodic:10", "periodic:20"]
+    assert [rows[t]["transmissions"] for t in fixed] == [80, 16, 8, 4]
+    assert rows["periodic:10"]["fewer_than_periodic10"] == 1.0
+    assert rows["dynamic:1%:10"]["transmissions"] <= rows["periodic:10"]["transmissions"]
+    assert set(result["meta"]["drift"]) == {"periodic:10", "dynamic:1%:10"}
+    png = Path(result["meta"]["plot"]).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000

@@ -15,15 +15,16 @@ from conftest import gossipdl_cmd, last_record, small_config, wait_for
 
 from gossipdl.config import ConfigError, from_dict, to_dict
 from gossipdl.experiments.launcher import launch
+from gossipdl.experiments.summary import accuracy_curve
 from gossipdl.rundir import RunDir
 
 RECORD_KEYS = {
-    "peer", "step", "time", "loss", "bytes_sent", "bytes_received",
+    "peer", "step", "time", "loss", "bytes_sent", "header_bytes_sent", "bytes_received",
     "messages_sent", "messages_dropped", "dropped_reasons",
 }  # fmt: skip
 SUMMARY_KEYS = {
     "mean_accuracy", "min_accuracy", "max_accuracy", "consensus_distance",
-    "total_bytes_sent", "total_messages_sent", "wall_time_s", "peers",
+    "total_bytes_sent", "total_header_bytes_sent", "total_messages_sent", "wall_time_s", "peers",
 }  # fmt: skip
 SUMMARY_PEER_KEYS = {
     "id", "accuracy", "bytes_sent", "bytes_received", "messages_sent", "messages_dropped",
@@ -52,6 +53,9 @@ def test_swarm_trains_and_writes_the_run_directory(tmp_path: Path) -> None:
         # Two ring neighbours per round, each sent a full model plus its header.
         assert final["messages_sent"] >= 2 * 80
         assert final["bytes_sent"] > 2 * 80 * message_bytes
+        # Headers are counted within bytes_sent: tens of bytes per message, not model-sized.
+        assert 20 * final["messages_sent"] < final["header_bytes_sent"]
+        assert final["header_bytes_sent"] < 1000 * final["messages_sent"]
         assert final["bytes_received"] > 2 * 80 * message_bytes
         assert final["messages_dropped"] == 0
         assert run.model(peer_id).is_file()
@@ -61,6 +65,10 @@ def test_swarm_trains_and_writes_the_run_directory(tmp_path: Path) -> None:
     assert all(p.keys() >= SUMMARY_PEER_KEYS for p in summary["peers"])
     assert summary["peers_finished"] == 4
     assert summary["total_bytes_sent"] == sum(p["bytes_sent"] for p in summary["peers"])
+    curve = accuracy_curve(run)
+    assert [p["step"] for p in curve] == [0, 40, 80]
+    assert curve[-1]["accuracy"] == pytest.approx(summary["mean_accuracy"])
+    assert 0 < curve[1]["bytes_sent"] < curve[2]["bytes_sent"] <= summary["total_bytes_sent"]
     assert summary["mean_accuracy"] > 0.7  # chance is 0.1
     import torch
 
@@ -121,6 +129,14 @@ def test_help_lists_every_option_with_its_default() -> None:
         (["--codec", "zip:9"], ["codec = 'zip:9'"]),
         (["--gamma", "2"], ["gamma = 2.0"]),
         (["--algorithm", "magic"], ["magic", "choco"]),
+        (["--trigger", "sometimes"], ["sometimes", "periodic:H", "dynamic:DELTA"]),
+        (["--trigger", "periodic:0"], ["periodic:0", "whole number >= 1"]),
+        (
+            ["--algorithm", "broadcast", "--topology", "complete", "--trigger", "dynamic:1"],
+            ["broadcast", "periodic:H"],
+        ),
+        (["--slowdown", "3"], ["slowdown '3'", "PEER:FACTOR"]),
+        (["--drift", "soon"], ["drift 'soon'", "STEP:permute"]),
     ],
 )
 def test_bad_config_fails_before_any_peer_starts(

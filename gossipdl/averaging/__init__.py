@@ -4,12 +4,14 @@ from gossipdl.averaging.base import Arrival, Averager, Round
 from gossipdl.averaging.broadcast import Broadcast
 from gossipdl.averaging.choco import Choco, default_gamma
 from gossipdl.averaging.dense import DenseGossip
+from gossipdl.averaging.gossip_learning import GossipLearning, age_weighted_merge
 from gossipdl.averaging.registry import (
     available_algorithms,
     build_averager,
     register_algorithm,
     resolve_algorithm,
 )
+from gossipdl.averaging.triggers import Trigger, TriggerError, check_trigger, parse_trigger
 
 __all__ = [
     "Arrival",
@@ -17,10 +19,16 @@ __all__ = [
     "Broadcast",
     "Choco",
     "DenseGossip",
+    "GossipLearning",
     "Round",
+    "Trigger",
+    "TriggerError",
+    "age_weighted_merge",
     "available_algorithms",
     "build_averager",
+    "check_trigger",
     "default_gamma",
+    "parse_trigger",
     "register_algorithm",
     "resolve_algorithm",
 ]

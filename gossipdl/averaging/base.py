@@ -23,13 +23,16 @@ class Round:
 
     ``resync`` marks a round in which this peer rebuilds its view of every
     neighbour from their dense public copies (the first round, and the round a
-    topology changes or a lost message was detected).
+    topology changes or a lost message was detected). ``mix`` is False in a
+    round this peer sat out (dynamic trigger): take in what arrived, but keep
+    the model.
     """
 
     index: int
     weights: Mapping[int, float]
     self_weight: float
     resync: bool = False
+    mix: bool = True
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,10 @@ class Averager(ABC):
     needs_resync: bool = False
     # True when a message that arrives after its round still counts (a sum of updates).
     accepts_late: bool = False
+    # True when a peer may skip a round while its neighbours sync (the dynamic trigger).
+    supports_dynamic: bool = True
+    # True for gossip learning: no rounds to wait for, models walk and are merged on arrival.
+    asynchronous: bool = False
 
     def __init__(self, codec: Codec | str = "none", seed: int = 0) -> None:
         self.codec = build_codec(codec, seed) if isinstance(codec, str) else codec

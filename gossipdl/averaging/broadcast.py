@@ -38,6 +38,7 @@ class Broadcast(Averager):
         self._own: torch.Tensor | None = None
 
     accepts_late = True  # a late update is still added: a sum does not care about order
+    supports_dynamic = False  # every peer must apply every update to stay on one model
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """Steps 1–2: compress the update plus the residual, keep what was not sent."""

@@ -107,6 +107,8 @@ class Choco(Averager):
         for j, arrival in late:
             if not arrival.dense:
                 self._add(j, arrival)
+        if not rnd.mix:
+            return x
         return x + self.gamma * (self.s - self.x_hat)
 
     def _add(self, sender: int, arrival: Arrival) -> None:

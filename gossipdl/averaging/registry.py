@@ -8,6 +8,7 @@ from gossipdl.averaging.base import Averager
 from gossipdl.averaging.broadcast import Broadcast
 from gossipdl.averaging.choco import Choco
 from gossipdl.averaging.dense import DenseGossip
+from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.compression import build_codec
 
 AveragerFactory = Callable[[str, int, "float | None"], Averager]
@@ -16,6 +17,7 @@ _ALGORITHMS: dict[str, AveragerFactory] = {
     "dense": lambda codec, seed, gamma: DenseGossip(codec, seed),
     "choco": lambda codec, seed, gamma: Choco(codec, seed, gamma),
     "broadcast": lambda codec, seed, gamma: Broadcast(codec, seed),
+    "gossip-learning": lambda codec, seed, gamma: GossipLearning(codec, seed),
 }
 
 

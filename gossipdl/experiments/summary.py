@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from gossipdl.config import load_config, to_dict
 from gossipdl.rundir import RunDir, write_json_atomic
 
 
@@ -26,6 +27,33 @@ def consensus_distance(run: RunDir, peer_ids: list[int]) -> float | None:
     return float(((stacked - stacked.mean(0)) ** 2).sum(1).mean())
 
 
+def accuracy_curve(run: RunDir) -> list[dict[str, float]]:
+    """Mean test accuracy over the peers at every step all of them evaluated, with the cost so far.
+
+    One point per such step: ``step``, ``time_s`` (the slowest peer's seconds
+    since its start), ``bytes_sent`` and ``messages_sent`` (model
+    transmissions; both summed over the peers, up to that step) and
+    ``accuracy`` (the peers' mean). Feeds the accuracy-vs-bytes plots.
+    """
+    evaluations: dict[int, dict[int, dict[str, Any]]] = {}
+    peer_ids = run.peer_ids()
+    for peer_id in peer_ids:
+        for record in run.records(peer_id):
+            if record.get("accuracy") is not None:
+                evaluations.setdefault(record["step"], {})[peer_id] = record
+    return [
+        {
+            "step": step,
+            "time_s": max(r.get("time", 0.0) for r in by_peer.values()),
+            "bytes_sent": sum(r.get("bytes_sent", 0) for r in by_peer.values()),
+            "messages_sent": sum(r.get("model_messages_sent", 0) for r in by_peer.values()),
+            "accuracy": sum(r["accuracy"] for r in by_peer.values()) / len(by_peer),
+        }
+        for step, by_peer in sorted(evaluations.items())
+        if len(by_peer) == len(peer_ids)
+    ]
+
+
 def _last(records: list[dict[str, Any]], key: str) -> Any:
     return next((r[key] for r in reversed(records) if r.get(key) is not None), None)
 
@@ -43,8 +71,11 @@ def summarize(run: RunDir, wall_time_s: float | None = None) -> dict[str, Any]:
                 "id": peer_id,
                 "accuracy": _last(records, "accuracy"),
                 "bytes_sent": last.get("bytes_sent", 0),
+                "header_bytes_sent": last.get("header_bytes_sent", 0),
                 "bytes_received": last.get("bytes_received", 0),
-                "messages_sent": last.get("messages_sent", 0),
+                "messages_sent": last.get("model_messages_sent", 0),
+                "socket_messages_sent": last.get("messages_sent", 0),
+                "syncs": last.get("syncs", 0),
                 "messages_dropped": last.get("messages_dropped", 0),
                 "dropped_reasons": last.get("dropped_reasons", {}),
                 "steps": last.get("step", 0),
@@ -62,14 +93,17 @@ def summarize(run: RunDir, wall_time_s: float | None = None) -> dict[str, Any]:
         "max_accuracy": max(accuracies, default=None),
         "consensus_distance": consensus_distance(run, [p["id"] for p in peers]),
         "total_bytes_sent": sum(p["bytes_sent"] for p in peers),
+        "total_header_bytes_sent": sum(p["header_bytes_sent"] for p in peers),
         "total_bytes_received": sum(p["bytes_received"] for p in peers),
         "total_messages_sent": sum(p["messages_sent"] for p in peers),
+        "total_socket_messages_sent": sum(p["socket_messages_sent"] for p in peers),
         "total_messages_dropped": sum(p["messages_dropped"] for p in peers),
         "wall_time_s": wall_time_s
         if wall_time_s is not None
         else max((p["time_s"] for p in peers), default=0.0),
         "peers_finished": sum(p["finished"] for p in peers),
         "peers": peers,
+        "config": to_dict(load_config(run.config)) if run.config.is_file() else None,
     }
     write_json_atomic(run.summary, summary)
     return summary

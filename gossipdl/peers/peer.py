@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,6 +23,8 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from gossipdl.averaging import Arrival, Round, build_averager
 from gossipdl.averaging.base import dense_payload
+from gossipdl.averaging.gossip_learning import GossipLearning
+from gossipdl.averaging.triggers import check_trigger, parse_trigger
 from gossipdl.compression import CodecError, Payload
 from gossipdl.peers.inbox import Inbox
 from gossipdl.peers.membership import Member, Membership, parse_members
@@ -31,6 +34,11 @@ from gossipdl.transport import Message, Transport, WireError, encode
 log = logging.getLogger(__name__)
 
 _RETRY_S = 1.0
+MODEL_KINDS = frozenset({"params", "public", "reply", "walk", "model"})  # counted as transmissions
+LOSSY_KINDS = frozenset({"params", "public", "reply", "walk"})  # ``loss`` may drop these
+COMPRESSED_KINDS = frozenset({"params", "reply", "walk"})  # travel through the swarm's codec
+WALK_AGE = "_age"  # meta key of a walking model's age, next to the codec's own meta
+MAX_WALKS = 64  # walking models queued for the next merge; more are dropped
 
 
 class PeerError(RuntimeError):
@@ -60,6 +68,12 @@ class Peer:
     resync of the public copies two rounds later. ``loss`` drops that fraction
     of this peer's model messages on purpose, to test exactly that.
 
+    ``trigger`` says when to talk: ``"always"`` (every step), ``"periodic:H"``
+    (local SGD, every H steps) or ``"dynamic:DELTA[%][:B]"`` (every B steps,
+    but only a peer whose model moved more than Δ from the last agreed one
+    sends it). ``algorithm="gossip-learning"`` drops rounds altogether: each
+    step's model walks to one random neighbour and is merged there by age.
+
     Example (run once per rank, e.g. ``python train.py 0`` .. ``python train.py 3``)::
 
         addresses = [f"tcp://127.0.0.1:{5550 + i}" for i in range(4)]
@@ -85,6 +99,7 @@ class Peer:
         topology: str = "ring",
         algorithm: str = "auto",
         codec: str = "none",
+        trigger: str = "always",
         gamma: float | None = None,
         loss: float = 0.0,
         min_peers: int | None = None,
@@ -109,6 +124,8 @@ class Peer:
         self.numel = sum(p.numel() for p in self.params)
         self.device = self.params[0].device
         self.averager = build_averager(algorithm, codec, seed, gamma)
+        self.trigger = parse_trigger(trigger)
+        check_trigger(self.trigger, self.averager)
         self.codec = self.averager.codec.spec
         self.topology_spec = topology
         self.seed = seed
@@ -119,11 +136,18 @@ class Peer:
         self.membership = Membership()
         self.id = -1
         self.round = 0
+        self.steps = 0
+        self.syncs = 0
+        self.model_messages_sent = 0
+        self.age = 0
         self.started = False
         self.neighbour_misses = 0
         self.idle_s = 0.0
         self._on_members = on_members
         self._inbox = Inbox(keep_late=self.averager.accepts_late)
+        self._answers = Inbox(keep_late=self.averager.accepts_late)  # dynamic trigger, phase 2
+        self._walks: deque[tuple[torch.Tensor, int]] = deque()
+        self._walk_rng = random.Random(seed * 104729 + (rank or 0))
         self._loss = loss
         self._loss_rng = random.Random(seed * 7919 + (rank or 0))
         self.resyncs = 0
@@ -141,6 +165,7 @@ class Peer:
         self._seq_lock = threading.Lock()
         self._topologies: dict[tuple[int, ...], Topology] = {}
         self._latest = self._flat()
+        self._reference = self._latest.clone()  # dynamic trigger: the model agreed at the last sync
         self._round_times: deque[float] = deque(maxlen=32)
         self._first_wait = 0.0
         self._closed = False
@@ -160,39 +185,146 @@ class Peer:
 
     # ----------------------------------------------------------------- public API
     def step(self) -> None:
-        """Local optimizer step (if an optimizer was given), then one gossip round."""
+        """Local optimizer step (if an optimizer was given), then a gossip round if one is due.
+
+        With the default trigger ``always`` every step ends a round; with
+        ``periodic:H`` or ``dynamic:DELTA:B`` every H-th (B-th) step does.
+        """
         if self.optimizer is not None:
             self.optimizer.step()
-        self.gossip()
+        self.steps += 1
+        self.age += 1
+        if self.trigger.ends_round(self.steps):
+            self.gossip()
 
     @torch.no_grad()
     def gossip(self) -> None:
-        """One synchronous gossip round with this round's neighbours."""
+        """One gossip round: synchronous with this round's neighbours, or one step of a walk."""
         t = self.round
-        rnd = self._round(t)
         x = self._flat()
+        if self.averager.asynchronous:
+            new = self._walk_round(x, t)
+        else:
+            round_ = self._dynamic_round if self.trigger.dynamic else self._sync_round
+            new = round_(x, self._round(t))
+        vector_to_parameters(new, self.params)
+        self._latest = new
+        self.round = t + 1
+        self._inbox.advance(self.round)
+        self._answers.advance(self.round)
+        self._round_times.append(time.monotonic())
+        if self.averager.uses_public_copies and (self._gap or self.averager.needs_resync):
+            self._request_resync()
+
+    def _sync_round(self, x: torch.Tensor, rnd: Round) -> torch.Tensor:
+        """Send to every neighbour, wait for every neighbour (up to the timeout), merge."""
         payload = self.averager.outgoing(x, rnd)
         dense_to = self._dense_destinations(rnd)
         public = self.averager.public_copy() if dense_to else None
-        for j in rnd.weights:
-            if self.membership.has_left(j):
-                continue
+        for j in self._live(rnd.weights):
             if public is not None and j in dense_to:
-                self._send(j, "public", round=t, payload=public)
+                self._send(j, "public", round=rnd.index, payload=public)
             else:
-                self._send(j, "params", round=t, payload=payload)
-        started = time.monotonic()
-        timeout, self._first_wait = self._first_wait or self.round_timeout, 0.0
-        expected = set(rnd.weights)
-        got = self._inbox.wait(
-            t, lambda: {j for j in expected if not self.membership.has_left(j)}, timeout
-        )
-        self.idle_s += time.monotonic() - started
+                self._send(j, "params", round=rnd.index, payload=payload)
+        got = self._wait(self._inbox, rnd.index, set(rnd.weights), first=True)
+        return self._merge_round(x, rnd, got)
+
+    def _dynamic_round(self, x: torch.Tensor, rnd: Round) -> torch.Tensor:
+        """A round of the dynamic trigger (Kamp et al. 2018), in two phases.
+
+        1. A peer whose local condition fails (or that must resync) sends its
+           update to every neighbour, the others a ``quiet`` vote of a few bytes.
+        2. A quiet peer with a syncing neighbour answers with its own update:
+           CHOCO to every neighbour (all must see each change of its public
+           copy; one that is not waiting adds it as a late update), dense
+           gossip only to the neighbours that synced.
+
+        An edge carries models iff one of its ends synced. Dense gossip gives
+        the weight of every silent edge to the peer itself, so the mixing
+        matrix stays symmetric and doubly stochastic; CHOCO keeps its full
+        weights (its s tracks every public copy) and takes a consensus step
+        only when it took part. Peers that took part move their reference to
+        the result.
+        """
+        dense_to = self._dense_destinations(rnd)
+        sync = rnd.resync or bool(dense_to) or self.trigger.violated(x, self._reference)
+        payload = self.averager.outgoing(x, rnd) if sync else None
+        public = self.averager.public_copy() if dense_to else None
+        for j in self._live(rnd.weights):
+            if public is not None and j in dense_to:
+                self._send(j, "public", round=rnd.index, payload=public)
+            elif payload is not None:
+                self._send(j, "params", round=rnd.index, payload=payload)
+            else:
+                self._send(j, "quiet", round=rnd.index)
+        got = self._wait(self._inbox, rnd.index, set(rnd.weights), first=True)
+        synced = {j for j, (value, _) in got.items() if value is not None}
+        if sync:
+            quiet = {j for j in got if j not in synced}
+            got = {j: v for j, v in got.items() if j in synced}
+            got.update(self._wait(self._answers, rnd.index, quiet))
+        elif synced:
+            payload = self.averager.outgoing(x, rnd)
+            answer = rnd.weights if self.averager.uses_public_copies else synced
+            for j in self._live(answer):
+                self._send(j, "reply", round=rnd.index, payload=payload)
+            got = {j: v for j, v in got.items() if j in synced}
+        else:
+            got = {}
+        took_part = sync or bool(synced)
+        if self.averager.uses_public_copies:
+            rnd = replace(rnd, mix=took_part)
+        else:
+            edges = set(rnd.weights) if sync else synced
+            silent = sum(w for j, w in rnd.weights.items() if j not in edges)
+            rnd = replace(
+                rnd,
+                weights={j: w for j, w in rnd.weights.items() if j in edges},
+                self_weight=rnd.self_weight + silent,
+            )
+        new = self._merge_round(x, rnd, got)
+        if took_part:
+            self.syncs += 1
+            self._reference = new.clone()
+        return new
+
+    def _walk_round(self, x: torch.Tensor, t: int) -> torch.Tensor:
+        """Gossip learning: merge the models that walked in, send ours on to one neighbour."""
+        assert isinstance(self.averager, GossipLearning)
+        while self._walks:
+            value, age = self._walks.popleft()
+            x, self.age = self.averager.merge(x, self.age, value, age)
+        neighbours = self._live(self._mixing(t)[0])
+        if neighbours:
+            payload = self.averager.outgoing(x, Round(t, {}, 1.0))
+            target = self._walk_rng.choice(sorted(neighbours))
+            meta = {**payload.meta, WALK_AGE: self.age}
+            self._send(target, "walk", round=t, payload=Payload(payload.arrays, meta))
+        return x
+
+    def _merge_round(self, x: torch.Tensor, rnd: Round, got: dict[int, Any]) -> torch.Tensor:
+        """Hand what arrived in round ``rnd`` (and late for earlier ones) to the averager."""
         arrived = {
-            j: Arrival(w, got[j][0], t, got[j][1]) for j, w in rnd.weights.items() if j in got
+            j: Arrival(w, got[j][0], rnd.index, got[j][1])
+            for j, w in rnd.weights.items()
+            if j in got
         }
         missing = [j for j in rnd.weights if j not in got]
-        late_ones = [j for j in missing if not self.membership.has_left(j)]
+        return self.averager.incoming(x, rnd, arrived, missing, self._late_arrivals())
+
+    def _live(self, ids: Any) -> list[int]:
+        """The ids that have not left."""
+        return [j for j in ids if not self.membership.has_left(j)]
+
+    def _wait(self, inbox: Inbox, t: int, expected: set[int], first: bool = False) -> dict:
+        """Wait for round ``t`` from ``expected`` (minus peers that left); log who missed it."""
+        started = time.monotonic()
+        timeout = self.round_timeout
+        if first:
+            timeout, self._first_wait = self._first_wait or self.round_timeout, 0.0
+        got = inbox.wait(t, lambda: set(self._live(expected)), timeout)
+        self.idle_s += time.monotonic() - started
+        late_ones = [j for j in self._live(expected) if j not in got]
         if late_ones:
             self.neighbour_misses += len(late_ones)
             log.info(
@@ -202,18 +334,16 @@ class Peer:
                 late_ones,
                 timeout,
             )
-        late = [
+        return got
+
+    def _late_arrivals(self) -> list[tuple[int, Arrival]]:
+        """Updates that came after their round (CHOCO and broadcast still count them)."""
+        return [
             (j, Arrival(self._mixing(r)[0].get(j, 0.0), value, r, dense))
-            for j, r, (value, dense) in self._inbox.drain_late()
+            for inbox in (self._inbox, self._answers)
+            for j, r, (value, dense) in inbox.drain_late()
+            if value is not None
         ]
-        new = self.averager.incoming(x, rnd, arrived, missing, late)
-        vector_to_parameters(new, self.params)
-        self._latest = new
-        self.round = t + 1
-        self._inbox.advance(self.round)
-        self._round_times.append(time.monotonic())
-        if self.averager.uses_public_copies and (self._gap or self.averager.needs_resync):
-            self._request_resync()
 
     def neighbours(self, round: int | None = None) -> list[int]:
         """Ids of the neighbours in ``round`` (default: the next round)."""
@@ -224,6 +354,8 @@ class Peer:
         return {
             **self.transport.stats.snapshot(),
             "round": self.round,
+            "model_messages_sent": self.model_messages_sent,
+            "syncs": self.syncs if self.trigger.dynamic else self.round,
             "neighbour_misses": self.neighbour_misses,
             "resyncs": self.resyncs,
             "idle_s": round(self.idle_s, 4),
@@ -316,6 +448,8 @@ class Peer:
                 vector_to_parameters(model, self.params)
             self._latest = self._flat()
             self.round = self._first_round = max(since, reply.round)
+            self.steps = self.age = self.round * self.trigger.period
+            self._reference = self._latest.clone()
             self._inbox.advance(self.round)
             self.started = True
             # The swarm reaches our first round only after ``since - reply.round`` more rounds.
@@ -390,10 +524,12 @@ class Peer:
         with self._seq_lock:
             self._seq[peer_id] += 1
             seq = self._seq[peer_id]
-        if kind in ("params", "public") and self._loss and self._loss_rng.random() < self._loss:
+        if kind in MODEL_KINDS:
+            self.model_messages_sent += 1
+        if kind in LOSSY_KINDS and self._loss and self._loss_rng.random() < self._loss:
             self.transport.stats.drop("injected_loss")  # the receiver sees a gap in ``seq``
             return
-        codec = self.codec if kind == "params" else "none"
+        codec = self.codec if kind in COMPRESSED_KINDS else "none"
         arrays = payload.arrays if payload is not None else ()
         meta = payload.meta if payload is not None else meta
         frames = encode(
@@ -406,9 +542,10 @@ class Peer:
         expected = "none" if dense else self.codec
         if msg.codec != expected:
             raise WireError("bad_codec", f"codec {msg.codec!r}, this swarm uses {expected!r}")
+        meta = {k: v for k, v in msg.meta.items() if k != WALK_AGE}
         try:
             return self.averager.decode(
-                Payload(tuple(msg.arrays), dict(msg.meta)), dense, self.numel, self.device
+                Payload(tuple(msg.arrays), meta), dense, self.numel, self.device
             )
         except CodecError as exc:
             raise WireError("bad_payload", str(exc)) from None
@@ -504,6 +641,17 @@ class Peer:
         if msg.kind in ("params", "public"):
             dense = msg.kind == "public"
             self._inbox.put(msg.sender, msg.round, (self._decode(msg, dense), dense))
+        elif msg.kind == "quiet":
+            self._inbox.put(msg.sender, msg.round, (None, False))
+        elif msg.kind == "reply":
+            self._answers.put(msg.sender, msg.round, (self._decode(msg, False), False))
+        elif msg.kind == "walk":
+            age = msg.meta.get(WALK_AGE)
+            if not isinstance(age, int) or isinstance(age, bool) or age < 0:
+                raise WireError("bad_meta", f"walk age {age!r} is not a non-negative integer")
+            if len(self._walks) >= MAX_WALKS:
+                raise WireError("too_many_pending", f"{MAX_WALKS} walking models already queued")
+            self._walks.append((self._decode(msg, False), age))
         elif msg.kind == "resync_request":
             wanted = msg.meta.get("round")
             if not isinstance(wanted, int) or isinstance(wanted, bool):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from gossipdl.config import Config, to_dict
 from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
 from gossipdl.models import build_model
+from gossipdl.peers.conditions import Drift, parse_drift, parse_slowdown
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import Peer
@@ -92,6 +93,7 @@ def train_peer(
         topology=config.topology,
         algorithm=config.algorithm,
         codec=config.codec,
+        trigger=config.trigger,
         gamma=config.gamma or None,
         loss=config.loss,
         min_peers=1 if single else config.peers,
@@ -127,15 +129,20 @@ def _loop(
     )
     x_test = torch.as_tensor(dataset.x_test, device=device)
     y_test = torch.as_tensor(dataset.y_test, device=device)
+    slowdown = parse_slowdown(config.slowdown).get(peer.id, 1.0)
+    drift = parse_drift(config.drift)
+    if drift is not None and not drift.affects(peer.id, config.peers):
+        drift = None
     metrics = run.metrics(peer.id).open("a", buffering=1)
     start = time.monotonic()
     losses: list[float] = []
     log.info(
-        "peer %d: training on %d samples, %s, from round %d",
+        "peer %d: training on %d samples, %s, from step %d%s",
         peer.id,
         len(shard),
         device,
-        peer.round,
+        peer.steps,
+        f", {slowdown:g}x slower" if slowdown > 1 else "",
     )
 
     def record(**extra: Any) -> dict[str, Any]:
@@ -143,7 +150,7 @@ def _loop(
         dropped = stats.pop("messages_dropped")
         line = {
             "peer": peer.id,
-            "step": peer.round,
+            "step": peer.steps,
             "time": round(time.monotonic() - start, 4),
             "unix_time": round(time.time(), 3),
             "loss": round(float(np.mean(losses)), 6) if losses else None,
@@ -159,18 +166,26 @@ def _loop(
     try:
         accuracy, test_loss = evaluate(model, x_test, y_test)
         record(accuracy=round(accuracy, 6), test_loss=round(test_loss, 6), start=True)
-        while peer.round < config.steps and not stop.is_set():
+        while peer.steps < config.steps and not stop.is_set():
+            if drift is not None and peer.steps >= drift.step:  # once; a late joiner too
+                perm = torch.as_tensor(Drift.permutation(dataset.num_classes, config.seed))
+                sampler.y, y_test = perm.to(device)[sampler.y], perm.to(device)[y_test]
+                log.info("peer %d: labels permuted at step %d (drift)", peer.id, peer.steps)
+                drift = None
+            computed = time.monotonic()
             x, y = sampler.next()
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            if slowdown > 1:  # a straggler: the step takes ``slowdown`` times as long
+                time.sleep((slowdown - 1) * (time.monotonic() - computed))
             peer.step()
             losses.append(loss.item())
-            due = config.eval_every and peer.round % config.eval_every == 0
-            if due and peer.round < config.steps:
+            due = config.eval_every and peer.steps % config.eval_every == 0
+            if due and peer.steps < config.steps:
                 accuracy, test_loss = evaluate(model, x_test, y_test)
                 record(accuracy=round(accuracy, 6), test_loss=round(test_loss, 6))
-            elif peer.round % config.log_every == 0:
+            elif peer.steps % config.log_every == 0:
                 record()
         accuracy, test_loss = evaluate(model, x_test, y_test)
         torch.save(model.state_dict(), run.model(peer.id))
@@ -178,12 +193,12 @@ def _loop(
             accuracy=round(accuracy, 6),
             test_loss=round(test_loss, 6),
             final=True,
-            stopped_early=peer.round < config.steps,
+            stopped_early=peer.steps < config.steps,
             device=str(device),
         )
     finally:
         metrics.close()
-    log.info("peer %d: done at round %d, test accuracy %.4f", peer.id, peer.round, accuracy)
+    log.info("peer %d: done at step %d, test accuracy %.4f", peer.id, peer.steps, accuracy)
     return final
 
 

@@ -40,6 +40,9 @@ KINDS = frozenset(
         "leave",  # the sender has stopped training
         "public",  # a dense public copy (CHOCO resync) instead of this round's update
         "resync_request",  # "send me your dense public copy at round meta.round"
+        "quiet",  # dynamic trigger: "my model has not drifted, I do not sync this round"
+        "reply",  # dynamic trigger: a model sent in answer to a neighbour's sync
+        "walk",  # gossip learning: a model on its random walk, meta.age samples old
     }
 )
 

@@ -1,0 +1,245 @@
+"""When peers talk: periodic and dynamic triggers, gossip learning, stragglers and drift."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import gossipdl_cmd, small_config
+from test_peer_api import make_swarm
+
+from gossipdl import Peer
+from gossipdl.averaging import TriggerError, age_weighted_merge, parse_trigger
+from gossipdl.config import ConfigError
+from gossipdl.experiments.launcher import launch
+from gossipdl.peers.conditions import Drift, parse_drift, parse_slowdown
+from gossipdl.peers.inbox import Inbox
+from gossipdl.rundir import RunDir
+
+# ----------------------------------------------------------------- pure parts
+
+
+def test_trigger_specs_parse_into_round_lengths_and_thresholds() -> None:
+    assert parse_trigger("always").period == 1 and not parse_trigger("always").dynamic
+    assert parse_trigger("periodic:7").period == 7
+    dynamic = parse_trigger("dynamic:0.25")
+    assert (dynamic.period, dynamic.delta, dynamic.relative) == (10, 0.25, False)
+    relative = parse_trigger("dynamic:2%:4")
+    assert (relative.period, relative.delta, relative.relative) == (4, 0.02, True)
+    for bad in ["sometimes", "periodic", "periodic:0", "periodic:2.5", "dynamic:-1", "dynamic:x",
+                "dynamic:1:0", "always:3"]:  # fmt: skip
+        with pytest.raises(TriggerError, match="periodic:H"):
+            parse_trigger(bad)
+
+
+def test_periodic_rounds_end_on_exactly_every_hth_step() -> None:
+    trigger = parse_trigger("periodic:5")
+    assert [s for s in range(1, 31) if trigger.ends_round(s)] == [5, 10, 15, 20, 25, 30]
+
+
+def test_dynamic_condition_is_the_squared_distance_to_the_reference() -> None:
+    reference = torch.zeros(4)
+    absolute = parse_trigger("dynamic:1.0")
+    assert not absolute.violated(torch.tensor([0.5, 0.5, 0.5, 0.5]), reference)  # ‖·‖² = 1.0
+    assert absolute.violated(torch.tensor([0.5, 0.5, 0.5, 0.51]), reference)
+    relative = parse_trigger("dynamic:1%")  # Δ = 0.01 ‖r‖² = 0.04 for r = (1, 1, 1, 1)
+    reference = torch.ones(4)
+    assert not relative.violated(reference + 0.09, reference)  # 4 · 0.0081 < 0.04
+    assert relative.violated(reference + 0.11, reference)  # 4 · 0.0121 > 0.04
+
+
+def test_age_weighted_merge_weights_each_model_by_its_age() -> None:
+    x, other = torch.tensor([1.0, -2.0, 10.0]), torch.tensor([5.0, 2.0, 0.0])
+    merged, age = age_weighted_merge(x, 30, other, 10)
+    assert age == 30
+    expected = (30 * x.double() + 10 * other.double()) / 40
+    assert torch.allclose(merged.double(), expected, rtol=0, atol=1e-6)
+    assert torch.equal(age_weighted_merge(x, 0, other, 0)[0], (x + other) / 2)
+    assert torch.equal(age_weighted_merge(x, 5, other, 0)[0], x)
+
+
+def test_condition_specs_are_checked() -> None:
+    assert parse_slowdown("3:4, 0:1.5") == {3: 4.0, 0: 1.5}
+    assert parse_drift("750:permute:0.5") == Drift(750, 0.5)
+    drift = Drift(10, 0.5)
+    assert [p for p in range(8) if drift.affects(p, 8)] == [0, 1, 2, 3]
+    perm = Drift.permutation(10, seed=0)
+    assert sorted(perm) == list(range(10)) and all(perm != range(10))
+    bad_specs = [("slowdown", "3"), ("slowdown", "x:2"), ("slowdown", "1:0.5")]
+    bad_specs += [("drift", "10"), ("drift", "10:shuffle"), ("drift", "10:permute:2")]
+    for field, bad in bad_specs:
+        with pytest.raises(ConfigError, match=field):
+            small_config(Path("."), **{field: bad})
+
+
+def test_config_refuses_combinations_that_cannot_work() -> None:
+    with pytest.raises(ConfigError, match=r"broadcast.*cannot"):
+        small_config(Path("."), algorithm="broadcast", topology="complete", trigger="dynamic:1")
+    with pytest.raises(ConfigError, match=r"gossip-learning.*zeros"):
+        small_config(Path("."), algorithm="gossip-learning", codec="topk:0.01")
+    with pytest.raises(ConfigError, match="trigger"):
+        small_config(Path("."), algorithm="gossip-learning", trigger="dynamic:1")
+
+
+def test_inbox_keeps_an_update_that_comes_after_its_round_stopped_waiting() -> None:
+    inbox = Inbox(keep_late=True)
+    assert inbox.wait(0, lambda: {1, 2}, timeout=0.05) == {}
+    inbox.put(1, 0, "q1")  # round 0 is still open, but nobody waits for it any more
+    inbox.advance(1)
+    assert inbox.drain_late() == [(1, 0, "q1")]
+    inbox.put(2, 1, "q2")
+    assert inbox.wait(1, lambda: {2}, timeout=1) == {2: "q2"}
+    inbox.advance(2)
+    assert inbox.drain_late() == []  # what was handed out is not handed out twice
+
+
+# ----------------------------------------------------------------- peers in this process
+
+
+def step_all(peers: list[Peer], steps: int, each: object = None) -> dict[int, list[int]]:
+    """``steps`` calls of ``peer.step()`` on every peer at once; model messages after each."""
+    sent: dict[int, list[int]] = {p.id: [] for p in peers}
+
+    def work(peer: Peer) -> None:
+        for _ in range(steps):
+            peer.step()
+            sent[peer.id].append(peer.model_messages_sent)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return sent
+
+
+def values(peer: Peer) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in peer.params])
+
+
+def test_periodic_peers_send_on_exactly_every_hth_step_and_average_there() -> None:
+    peers = make_swarm(3, "ring", [0.0, 3.0, 6.0], trigger="periodic:4")
+    try:
+        sent = step_all(peers, 12)
+        for peer in peers:
+            # Two neighbours each at steps 4, 8 and 12; nothing in between.
+            assert sent[peer.id] == [0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6]
+            assert (peer.steps, peer.round) == (12, 3)
+            assert torch.allclose(values(peer), torch.full_like(values(peer), 3.0))
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def test_dynamic_peers_send_no_model_while_the_condition_holds_and_sync_when_it_breaks() -> None:
+    peers = make_swarm(3, "ring", [1.0, 1.0, 1.0], trigger="dynamic:0.5:1")
+    by_id = {p.id: p for p in peers}
+    try:
+        sent = step_all(peers, 5)
+        assert all(counts == [0] * 5 for counts in sent.values())
+        assert all(p.syncs == 0 for p in peers)
+
+        with torch.no_grad():  # peer 0 drifts: ‖Δ‖² = 8 parameters · 1² = 8 > 0.5
+            for p in by_id[0].params:
+                p.add_(1.0)
+        sent = step_all(peers, 1)
+        # Peer 0 sends to both neighbours, each answers it once; the quiet edge 1–2 stays silent.
+        assert sent == {0: [2], 1: [1], 2: [1]}
+        for peer in peers:
+            # Triangle, weights 1/3; the silent edge's weight stays with each end, so the
+            # sum 2 + 1 + 1 is kept: every model is at 4/3.
+            assert torch.allclose(values(peer), torch.full_like(values(peer), 4 / 3))
+            assert peer.syncs == 1
+
+        sent = step_all(peers, 3)  # references moved to the result: quiet again
+        assert sent == {0: [2, 2, 2], 1: [1, 1, 1], 2: [1, 1, 1]}
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+# ----------------------------------------------------------------- whole swarms
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "extra"),
+    [
+        ("dense", {}),
+        ("choco", {"codec": "topk:0.1"}),
+        ("broadcast", {"codec": "threshold:auto:0.1+sign", "topology": "complete"}),
+        ("gossip-learning", {}),
+    ],
+)
+def test_a_4x_slower_peer_finishes_and_the_others_idle_time_is_recorded(
+    tmp_path: Path, algorithm: str, extra: dict[str, str]
+) -> None:
+    config = small_config(
+        tmp_path, peers=3, steps=100, model="mlp", hidden=(1024, 1024), algorithm=algorithm,
+        slowdown="2:4", **extra,
+    )  # fmt: skip
+    summary = launch(config, progress=False)
+    assert summary["peers_finished"] == 3
+    assert summary["config"]["slowdown"] == "2:4"
+    assert summary["config"]["algorithm"] == algorithm
+    idle = {p["id"]: p["idle_s"] for p in summary["peers"]}
+    if algorithm == "gossip-learning":
+        assert all(v == 0 for v in idle.values())  # nobody ever waits
+        walks = {p["id"]: p["messages_sent"] for p in summary["peers"]}
+        # One walk per step, while a neighbour is left to walk to (the fast ones finish first).
+        assert walks[0] == walks[1] == 100 and 0 < walks[2] < 100
+    else:
+        # The fast peers wait for the straggler's extra 3 x 100 step times (~8 ms each here);
+        # it hardly waits for them.
+        assert min(idle[0], idle[1]) > idle[2] + 1.0
+    assert summary["mean_accuracy"] > 0.5
+
+
+def test_dynamic_swarm_trains_with_fewer_transmissions_than_always(tmp_path: Path) -> None:
+    common = dict(peers=3, steps=100, codec="topk:0.1")
+    always = launch(small_config(tmp_path / "a", **common), progress=False)
+    dynamic = launch(
+        small_config(tmp_path / "d", trigger="dynamic:0.05:1", **common), progress=False
+    )
+    assert dynamic["config"]["trigger"] == "dynamic:0.05:1"
+    assert dynamic["peers_finished"] == 3
+    assert dynamic["total_messages_sent"] < 0.8 * always["total_messages_sent"]
+    assert sum(p["syncs"] for p in dynamic["peers"]) > 0
+    assert dynamic["mean_accuracy"] > 0.8
+
+
+def test_drift_permutes_labels_mid_run(tmp_path: Path) -> None:
+    config = small_config(tmp_path, peers=2, steps=60, drift="30:permute", log_every=5)
+    launch(config, progress=False)
+    run = RunDir(config.out)
+    for peer_id in (0, 1):
+        loss = {r["step"]: r["loss"] for r in run.records(peer_id) if r.get("loss")}
+        assert loss[35] > 3 * loss[30]  # the learnt mapping is suddenly wrong
+        assert "labels permuted at step 30" in run.log(peer_id).read_text()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--trigger", "dynamic:0.5", "--slowdown", "1:2", "--drift", "20:permute:0.5"],
+        ["--algorithm", "gossip-learning", "--trigger", "periodic:2"],
+    ],
+)
+def test_cli_runs_each_new_option_and_records_it_in_the_summary(
+    tmp_path: Path, args: list[str]
+) -> None:
+    out = tmp_path / "run"
+    done = subprocess.run(
+        gossipdl_cmd("run", "--peers", "2", "--dataset", "synthetic", "--model", "logistic",
+                     "--steps", "40", "--threads", "1", "--out", str(out), *args),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["peers_finished"] == 2
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        assert summary["config"][flag.removeprefix("--")] == value
+    assert summary["total_messages_sent"] == sum(p["messages_sent"] for p in summary["peers"])
