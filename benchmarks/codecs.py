@@ -24,6 +24,7 @@ Run
     python benchmarks/codecs.py                      # 10M floats, 1 warm-up + 7 timed rounds
     python benchmarks/codecs.py --quick              # 200k floats, 1 + 3 rounds: a smoke test
     python benchmarks/codecs.py --json runs/bench-codecs.json
+    python benchmarks/codecs.py --device cuda        # on a GPU: codecs run where the tensor is
 
 JSON (``--json FILE``): ``{"benchmark": "codecs", "rows": [...], "meta": {...}}``;
 each row has ``codec``, ``bytes``, ``ratio``, ``encode_ms``, ``decode_ms``,
@@ -77,9 +78,14 @@ SIGN_TARGET = "sign"
 SIGN_FACTOR = 3.0
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """Milliseconds ``fn`` takes, waiting for a GPU's queued kernels before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return (time.perf_counter() - start) * 1e3, out
 
 
@@ -89,6 +95,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (median of these)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the tensor lives: cpu, cuda")
     parser.add_argument("--quick", action="store_true", help="200k elements, 3 rounds")
     add_json_option(parser)
     args = parser.parse_args()
@@ -97,7 +104,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.seed))
+    device = torch.device(args.device)
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.seed)).to(device)
     k = max(1, args.numel // 100)
     codecs = {spec: build_codec(spec, seed=args.seed) for spec in CODECS}
     names = {spec: codec.spec for spec, codec in codecs.items()}
@@ -117,8 +125,8 @@ def main() -> None:
     }
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for spec, codec in codecs.items():
-            encode_ms, (payload, _) = _timed(partial(codec.encode, x))
-            decode_ms, _ = _timed(partial(codec.decode, payload, x.numel(), x.device))
+            encode_ms, (payload, _) = _timed(partial(codec.encode, x), device)
+            decode_ms, _ = _timed(partial(codec.decode, payload, x.numel(), device), device)
             if round_:
                 times[spec]["encode"].append(encode_ms)
                 times[spec]["decode"].append(decode_ms)
@@ -126,7 +134,7 @@ def main() -> None:
             (TOPK_REFERENCE, lambda: torch.topk(x.abs(), k)),
             (FP16_REFERENCE, lambda: x.half()),
         ):
-            elapsed, _ = _timed(fn)
+            elapsed, _ = _timed(fn, device)
             if round_:
                 times[name]["encode"].append(elapsed)
 
@@ -175,6 +183,7 @@ def main() -> None:
         "rounds": args.rounds,
         "threads": torch.get_num_threads(),
         "seed": args.seed,
+        "device": str(device),
         "method": "median of interleaved rounds after one warm-up round; encode includes "
         "the sender's estimate; rel_error of the first message",
         "targets": targets,
@@ -189,7 +198,7 @@ def main() -> None:
         f"{top['reference_ms']:.1f} ms — {verdict(top['met'])}",
         f"target 2: sign round trip {sign['roundtrip_ms']:.1f} ms vs {SIGN_FACTOR:g} x fp16 cast "
         f"= {sign['limit_ms']:.1f} ms — {verdict(sign['met'])}",
-        f"{args.numel:,} float32, torch threads {torch.get_num_threads()}, "
+        f"{args.numel:,} float32 on {device}, torch threads {torch.get_num_threads()}, "
         f"median of {args.rounds} interleaved rounds",
     ]
     columns = [

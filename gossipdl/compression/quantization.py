@@ -265,10 +265,12 @@ class Ternary(ValueCodec):
         if use_numpy(device) and self.block == 0:
             table = _TRIT_TABLE * scales[0]  # s·t exactly, as in encode
             return torch.from_numpy(np.take(table, packed, axis=0).reshape(-1)[:count])
-        trits = np.take(_TRIT_TABLE, packed, axis=0).reshape(-1)[:count]
         if use_numpy(device):
+            trits = np.take(_TRIT_TABLE, packed, axis=0).reshape(-1)[:count]
             return torch.from_numpy(trits * np.repeat(scales, self.block)[:count])
-        t = torch.from_numpy(trits).to(device)
+        # Only the packed bytes cross to the device; the lookup runs there.
+        table = torch.from_numpy(_TRIT_TABLE).to(device)
+        t = table[from_host(packed, device).long()].reshape(-1)[:count]
         return t * _expand(from_host(scales, device), self.block, count)
 
 
