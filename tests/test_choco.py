@@ -102,7 +102,7 @@ def test_a_lost_message_is_detected_and_repaired_by_a_dense_resync() -> None:
 @pytest.mark.parametrize(
     ("spec", "gamma"),
     [("none", 1.0), ("fp16", 1.0), ("topk:0.01", 0.03), ("threshold:auto+sign", 0.03),
-     ("sign", 0.1), ("powersgd:2", 0.1)],
+     ("sign", 0.1), ("powersgd:2", 0.01)],
 )  # fmt: skip
 def test_default_gamma_per_codec(spec: str, gamma: float) -> None:
     assert default_gamma(spec) == gamma

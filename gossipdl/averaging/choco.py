@@ -37,13 +37,19 @@ def default_gamma(spec: str) -> float:
     Lossless or near-lossless codecs: 1 (plain gossip). Sparsifiers (with any
     value coding): 0.03 — on 8 peers in a ring with top-1%, γ = 0.3 diverged and
     γ = 0.1 drifted apart while 0.03 was stable (DESIGN.md prototype notes).
-    Dense quantizers (sign, qsgd, uniform, ternary) and low-rank: 0.1.
+    Dense quantizers (sign, qsgd, uniform, ternary): 0.1. Low-rank
+    (powersgd): 0.01 — rank 2 of a 572k-parameter model keeps a tiny share of
+    x − x̂, and on 8 peers in a ring γ = 0.1 and 0.03 drove the models apart
+    until their losses overflowed, while 0.01 was stable and beat 0.003
+    (``benchmarks/convergence.py --only choco-powersgd``).
     """
     stages = [s.split(":")[0] for s in spec.split("+")]
     if all(s in _NEAR_LOSSLESS for s in stages):
         return 1.0
     if any(s in _SPARSIFIERS for s in stages):
         return 0.03
+    if "powersgd" in stages:
+        return 0.01
     return 0.1
 
 
