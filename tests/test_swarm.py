@@ -125,7 +125,7 @@ def test_help_lists_every_option_with_its_default() -> None:
         (["--partition", "zipf:2"], ["zipf:2", "dirichlet:ALPHA"]),
         (["--lr", "-1"], ["lr = -1"]),
         (["--peers", "40", "--partition", "dirichlet:0.001"], ["dirichlet:0.001"]),
-        (["--steps", "ten"], ["--steps", "integer"]),
+        (["--steps", "ten"], ["Invalid value", "--steps"]),  # wording varies by click version
         (["--codec", "zip:9"], ["codec = 'zip:9'"]),
         (["--gamma", "2"], ["gamma = 2.0"]),
         (["--algorithm", "magic"], ["magic", "choco"]),
