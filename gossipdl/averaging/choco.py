@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round, dense_payload
-from gossipdl.compression import Codec, Payload
+from gossipdl.compression import Codec, Payload, stage_names
 
 _SPARSIFIERS = ("topk", "randomk", "threshold")
 _NEAR_LOSSLESS = ("none", "dense", "fp16", "bf16")
@@ -43,7 +43,7 @@ def default_gamma(spec: str) -> float:
     until their losses overflowed, while 0.01 was stable and beat 0.003
     (``benchmarks/convergence.py --only choco-powersgd``).
     """
-    stages = [s.split(":")[0] for s in spec.split("+")]
+    stages = stage_names(spec)
     if all(s in _NEAR_LOSSLESS for s in stages):
         return 1.0
     if any(s in _SPARSIFIERS for s in stages):

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round
-from gossipdl.compression import Codec, Payload
+from gossipdl.compression import Codec, Payload, stage_names
 
 _PARTIAL_CODECS = ("topk", "randomk", "threshold", "powersgd")
 
@@ -47,8 +47,7 @@ class GossipLearning(Averager):
 
     def __init__(self, codec: Codec | str = "none", seed: int = 0) -> None:
         super().__init__(codec, seed)
-        stages = [stage.split(":")[0] for stage in self.codec.spec.split("+")]
-        partial = [stage for stage in stages if stage in _PARTIAL_CODECS]
+        partial = [stage for stage in stage_names(self.codec.spec) if stage in _PARTIAL_CODECS]
         if partial:
             raise ValueError(
                 f"gossip-learning sends whole models; codec {self.codec.spec!r} sends only part "

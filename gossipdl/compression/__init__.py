@@ -29,6 +29,7 @@ from gossipdl.compression.registry import (
     available_codecs,
     build_codec,
     register_codec,
+    stage_names,
 )
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "available_codecs",
     "build_codec",
     "register_codec",
+    "stage_names",
 ]

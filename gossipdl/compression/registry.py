@@ -249,6 +249,17 @@ def available_codecs() -> list[str]:
     return [*forms, "module.path:ClassName", "ef"]
 
 
+def stage_names(spec: str) -> list[str]:
+    """The stage names of a spec, without their arguments (what averagers pick defaults by).
+
+    Example::
+
+        >>> stage_names("topk:0.01+qsgd:16+ef")
+        ['topk', 'qsgd', 'ef']
+    """
+    return [part.split(":")[0] for part in spec.split("+")]
+
+
 def _choices() -> str:
     groups = []
     for kind in (*_ORDER, "codec"):

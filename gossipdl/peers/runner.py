@@ -168,8 +168,9 @@ def _loop(
         record(accuracy=round(accuracy, 6), test_loss=round(test_loss, 6), start=True)
         while peer.steps < config.steps and not stop.is_set():
             if drift is not None and peer.steps >= drift.step:  # once; a late joiner too
-                perm = torch.as_tensor(Drift.permutation(dataset.num_classes, config.seed))
-                sampler.y, y_test = perm.to(device)[sampler.y], perm.to(device)[y_test]
+                new_label = Drift.permutation(dataset.num_classes, config.seed)
+                perm = torch.as_tensor(new_label, device=device)
+                sampler.y, y_test = perm[sampler.y], perm[y_test]
                 log.info("peer %d: labels permuted at step %d (drift)", peer.id, peer.steps)
                 drift = None
             computed = time.monotonic()

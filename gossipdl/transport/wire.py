@@ -42,7 +42,7 @@ KINDS = frozenset(
         "resync_request",  # "send me your dense public copy at round meta.round"
         "quiet",  # dynamic trigger: "my model has not drifted, I do not sync this round"
         "reply",  # dynamic trigger: a model sent in answer to a neighbour's sync
-        "walk",  # gossip learning: a model on its random walk, meta.age samples old
+        "walk",  # gossip learning: a model on its random walk; its age (local steps) in the meta
     }
 )
 
