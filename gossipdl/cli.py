@@ -88,6 +88,7 @@ def run(
     batch_size: int | None = _opt("batch_size", "--batch-size"),
     optimizer: str | None = _opt("optimizer"),
     lr: float | None = _opt("lr"),
+    lr_schedule: str | None = _opt("lr_schedule", "--lr-schedule"),
     momentum: float | None = _opt("momentum"),
     weight_decay: float | None = _opt("weight_decay", "--weight-decay"),
     seed: int | None = _opt("seed"),

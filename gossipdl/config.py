@@ -21,6 +21,7 @@ else:  # pragma: no cover
 
 MODES = ("gossip", "single")
 OPTIMIZERS = ("sgd", "adam")
+LR_SCHEDULES = ("constant", "cosine")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
@@ -85,6 +86,10 @@ class Config:
     )
     optimizer: str = field(default="sgd", metadata={"help": "sgd | adam"})
     lr: float = field(default=0.05, metadata={"help": "learning rate"})
+    lr_schedule: str = field(
+        default="constant",
+        metadata={"help": "constant | cosine (anneals lr to 0 over the steps)"},
+    )
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     weight_decay: float = field(default=0.0, metadata={"help": "L2 weight decay"})
     seed: int = field(default=0, metadata={"help": "seed for data split, model init and sampling"})
@@ -255,6 +260,10 @@ def _validate(c: Config) -> None:
         f"partition = {c.partition!r}; use iid, dirichlet:ALPHA or shards:K",
     )
     _check(c.optimizer in OPTIMIZERS, f"optimizer = {c.optimizer!r}; choose sgd or adam")
+    _check(
+        c.lr_schedule in LR_SCHEDULES,
+        f"lr_schedule = {c.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}",
+    )
     for name in ("steps", "batch_size", "log_every"):
         _check(getattr(c, name) >= 1, f"{name} = {getattr(c, name)}; must be at least 1")
     for name in ("eval_every", "threads", "weight_decay"):

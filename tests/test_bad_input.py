@@ -47,6 +47,7 @@ def bad_messages() -> dict[str, list]:
         "bad_codec": encode("params", 1, 1, 0, [good], codec="topk:0.5"),
         "bad_payload": encode("params", 1, 1, 0, [np.zeros(NUMEL + 1, np.float32)]),
         "non_finite": encode("params", 1, 1, 0, [nan]),
+        "bad_meta": encode("quiet", 1, 1, 0, meta={"_sync_at": [3, "soon"]}),
         "unknown_sender": encode("params", 77, 1, 0, [good]),
         "oversize": encode("params", 1, 1, 0, [np.zeros(200_000, np.float32)]),
     }
@@ -107,10 +108,10 @@ def test_a_live_peer_drops_and_counts_every_bad_message_and_keeps_training(
     messages = [frames for frames in bad_messages().values() for _ in range(3)]
     expected = dict.fromkeys(bad_messages(), 3)
     final = attack_live_peer(tmp_path, messages, expected, max_message_mb=0.5)
-    assert final["messages_dropped"] == 33
+    assert final["messages_dropped"] == 36
     assert final["neighbour_misses"] == 0
     log = (tmp_path / "peer0.log").read_text()
-    assert log.count("dropped a message") == 33
+    assert log.count("dropped a message") == 36
     assert "from peer 77: unknown_sender" in log
     assert "from an unidentified sender: malformed_header" in log
     assert "from peer 1: non_finite" in log

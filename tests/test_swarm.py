@@ -16,6 +16,7 @@ from conftest import gossipdl_cmd, last_record, small_config, wait_for
 from gossipdl.config import ConfigError, from_dict, to_dict
 from gossipdl.experiments.launcher import launch
 from gossipdl.experiments.summary import accuracy_curve
+from gossipdl.peers.runner import lr_at
 from gossipdl.rundir import RunDir
 
 RECORD_KEYS = {
@@ -124,6 +125,7 @@ def test_help_lists_every_option_with_its_default() -> None:
         (["--peers", "1"], ["peers = 1", "at least 2"]),
         (["--partition", "zipf:2"], ["zipf:2", "dirichlet:ALPHA"]),
         (["--lr", "-1"], ["lr = -1"]),
+        (["--lr-schedule", "linear"], ["lr_schedule = 'linear'", "constant, cosine"]),
         (["--peers", "40", "--partition", "dirichlet:0.001"], ["dirichlet:0.001"]),
         (["--steps", "ten"], ["Invalid value", "--steps"]),  # wording varies by click version
         (["--codec", "zip:9"], ["codec = 'zip:9'"]),
@@ -296,3 +298,9 @@ def test_a_second_sigint_during_the_first_cannot_deadlock_a_stopping_peer() -> N
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "stopped"
+
+
+def test_cosine_schedule_anneals_from_lr_to_zero_by_step_alone() -> None:
+    config = small_config(Path("."), lr=0.2, steps=100, lr_schedule="cosine")
+    assert [lr_at(config, s) for s in (0, 50, 100, 150)] == pytest.approx([0.2, 0.1, 0, 0])
+    assert lr_at(config.replace(lr_schedule="constant"), 77) == 0.2

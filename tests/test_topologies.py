@@ -764,3 +764,15 @@ def test_format_large_static_omits_matrix() -> None:
     text = format_topology(build_topology("star", 20))
     assert "  0: 1 2 3" in text and "not shown above 16 peers" in text
     assert "spectral gap: 0.0500" in text
+
+
+@pytest.mark.parametrize(
+    ("spec", "n", "rounds"),
+    [("ring", 8, 4), ("ring", 5, 2), ("complete", 8, 1), ("torus", 9, 2), ("star", 6, 2),
+     ("exponential", 8, 2), ("one-peer-exponential", 8, 3), ("one-peer-exponential", 16, 4)],
+)  # fmt: skip
+def test_spread_rounds_is_how_long_news_takes_to_reach_everyone(
+    spec: str, n: int, rounds: int
+) -> None:
+    topology = build_topology(spec, n=n)
+    assert all(topology.spread_rounds(t) == rounds for t in range(3))

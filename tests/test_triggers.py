@@ -136,7 +136,7 @@ def test_periodic_peers_send_on_exactly_every_hth_step_and_average_there() -> No
 
 
 def test_dynamic_peers_send_no_model_while_the_condition_holds_and_sync_when_it_breaks() -> None:
-    peers = make_swarm(3, "ring", [1.0, 1.0, 1.0], trigger="dynamic:0.5:1")
+    peers = make_swarm(5, "ring", [1.0] * 5, trigger="dynamic:0.5:1")
     by_id = {p.id: p for p in peers}
     try:
         sent = step_all(peers, 5)
@@ -146,17 +146,28 @@ def test_dynamic_peers_send_no_model_while_the_condition_holds_and_sync_when_it_
         with torch.no_grad():  # peer 0 drifts: ‖Δ‖² = 8 parameters · 1² = 8 > 0.5
             for p in by_id[0].params:
                 p.add_(1.0)
-        sent = step_all(peers, 1)
-        # Peer 0 sends to both neighbours, each answers it once; the quiet edge 1–2 stays silent.
-        assert sent == {0: [2], 1: [1], 2: [1]}
+        sent = step_all(peers, 4)
+        # Peer 0's alarm needs 2 rounds to reach peers 2 and 3 (the ring's diameter), so the
+        # whole swarm syncs 2 rounds after the violation, every peer with both neighbours.
+        assert all(counts == [0, 0, 2, 2] for counts in sent.values())
+        after = {i: 4 / 3 if i in (0, 1, 4) else 1.0 for i in by_id}  # Metropolis weights 1/3
         for peer in peers:
-            # Triangle, weights 1/3; the silent edge's weight stays with each end, so the
-            # sum 2 + 1 + 1 is kept: every model is at 4/3.
-            assert torch.allclose(values(peer), torch.full_like(values(peer), 4 / 3))
-            assert peer.syncs == 1
+            assert torch.allclose(values(peer), torch.full_like(values(peer), after[peer.id]))
+            assert peer.syncs == 1  # and the reference moved to the result: quiet again
+    finally:
+        for peer in peers:
+            peer.close()
 
-        sent = step_all(peers, 3)  # references moved to the result: quiet again
-        assert sent == {0: [2, 2, 2], 1: [1, 1, 1], 2: [1, 1, 1]}
+
+def test_a_sync_asked_for_at_a_step_is_held_by_the_whole_swarm() -> None:
+    peers = make_swarm(3, "complete", [0.0, 3.0, 6.0], trigger="dynamic:1000:2")
+    try:
+        for peer in peers:
+            peer.sync_at_step(4)  # as the runner does with the last step
+        sent = step_all(peers, 6)
+        assert all(counts == [0, 0, 0, 2, 2, 2] for counts in sent.values())
+        for peer in peers:  # a complete graph's sync is the exact average
+            assert torch.allclose(values(peer), torch.full_like(values(peer), 3.0))
     finally:
         for peer in peers:
             peer.close()

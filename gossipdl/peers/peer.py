@@ -38,6 +38,9 @@ MODEL_KINDS = frozenset({"params", "public", "reply", "walk", "model"})  # count
 LOSSY_KINDS = frozenset({"params", "public", "reply", "walk"})  # ``loss`` may drop these
 COMPRESSED_KINDS = frozenset({"params", "reply", "walk"})  # travel through the swarm's codec
 WALK_AGE = "_age"  # meta key of a walking model's age, next to the codec's own meta
+SYNC_AT = "_sync_at"  # meta key of the sync rounds a dynamic-trigger message announces
+PEER_META = frozenset({WALK_AGE, SYNC_AT})  # the peer's meta keys, not the codec's
+MAX_ALARMS = 64  # more pending syncs than this in one message is a malformed message
 MAX_WALKS = 64  # walking models queued for the next merge; more are dropped
 
 
@@ -166,6 +169,8 @@ class Peer:
         self._topologies: dict[tuple[int, ...], Topology] = {}
         self._latest = self._flat()
         self._reference = self._latest.clone()  # dynamic trigger: the model agreed at the last sync
+        self._alarms: set[int] = set()  # dynamic trigger: rounds at which the swarm syncs
+        self._alarm_lock = threading.Lock()
         self._round_times: deque[float] = deque(maxlen=32)
         self._first_wait = 0.0
         self._closed = False
@@ -196,6 +201,15 @@ class Peer:
         self.age += 1
         if self.trigger.ends_round(self.steps):
             self.gossip()
+
+    def sync_at_step(self, step: int) -> None:
+        """Make the round that ends by local step ``step`` a sync of the whole swarm (dynamic
+        trigger; other triggers sync every round anyway). Every peer must ask for the same
+        step: the runner asks for the last one, so a swarm ends on an agreed model."""
+        last = step // self.trigger.period - 1
+        if self.trigger.dynamic and last >= self.round:
+            with self._alarm_lock:
+                self._alarms.add(last)
 
     @torch.no_grad()
     def gossip(self) -> None:
@@ -230,10 +244,21 @@ class Peer:
         return self._merge_round(x, rnd, got)
 
     def _dynamic_round(self, x: torch.Tensor, rnd: Round) -> torch.Tensor:
-        """A round of the dynamic trigger (Kamp et al. 2018), in two phases.
+        """A round of the dynamic trigger (Kamp et al. 2018).
 
-        1. A peer whose local condition fails (or that must resync) sends its
-           update to every neighbour, the others a ``quiet`` vote of a few bytes.
+        A peer whose local condition fails raises an alarm: a sync of the whole
+        swarm ``spread`` rounds ahead, the rounds its news needs to reach every
+        peer (:meth:`Topology.spread_rounds`; 1 on a complete graph, the
+        diameter on a static one). Every message of a round carries the alarms
+        its sender knows, so all peers sync in the same round: every edge
+        carries models, as in a periodic round (on a complete graph the exact
+        average of Kamp et al.'s full sync), and every reference moves to the
+        result. In the other rounds peers send a ``quiet`` vote of a few bytes.
+
+        A round can also sync for some peers only (a resync, or an alarm heard
+        too late), in two phases:
+
+        1. A syncing peer sends its update to every neighbour, the others a vote.
         2. A quiet peer with a syncing neighbour answers with its own update:
            CHOCO to every neighbour (all must see each change of its public
            copy; one that is not waiting adds it as a late update), dense
@@ -246,17 +271,19 @@ class Peer:
         only when it took part. Peers that took part move their reference to
         the result.
         """
+        alarms = self._pending_alarms(x, rnd.index)
+        tag = {SYNC_AT: alarms}
         dense_to = self._dense_destinations(rnd)
-        sync = rnd.resync or bool(dense_to) or self.trigger.violated(x, self._reference)
+        sync = rnd.resync or bool(dense_to) or rnd.index in alarms
         payload = self.averager.outgoing(x, rnd) if sync else None
         public = self.averager.public_copy() if dense_to else None
         for j in self._live(rnd.weights):
             if public is not None and j in dense_to:
-                self._send(j, "public", round=rnd.index, payload=public)
+                self._send(j, "public", round=rnd.index, payload=public, meta=tag)
             elif payload is not None:
-                self._send(j, "params", round=rnd.index, payload=payload)
+                self._send(j, "params", round=rnd.index, payload=payload, meta=tag)
             else:
-                self._send(j, "quiet", round=rnd.index)
+                self._send(j, "quiet", round=rnd.index, meta=tag)
         got = self._wait(self._inbox, rnd.index, set(rnd.weights), first=True)
         synced = {j for j, (value, _) in got.items() if value is not None}
         if sync:
@@ -267,7 +294,7 @@ class Peer:
             payload = self.averager.outgoing(x, rnd)
             answer = rnd.weights if self.averager.uses_public_copies else synced
             for j in self._live(answer):
-                self._send(j, "reply", round=rnd.index, payload=payload)
+                self._send(j, "reply", round=rnd.index, payload=payload, meta=tag)
             got = {j: v for j, v in got.items() if j in synced}
         else:
             got = {}
@@ -288,6 +315,32 @@ class Peer:
             self._reference = new.clone()
         return new
 
+    def _pending_alarms(self, x: torch.Tensor, t: int) -> list[int]:
+        """The sync rounds at or after ``t`` this peer knows of, after raising one for
+        ``t + spread`` if the local condition fails and no sync comes sooner."""
+        ids = self.membership.active(t)
+        horizon = t + (self._topology(ids).spread_rounds(t) if len(ids) > 1 else 0)
+        with self._alarm_lock:
+            self._alarms = {a for a in self._alarms if a >= t}
+            covered = any(a <= horizon for a in self._alarms)
+        if not covered and self.trigger.violated(x, self._reference):
+            with self._alarm_lock:
+                self._alarms.add(horizon)
+        with self._alarm_lock:
+            return sorted(self._alarms)
+
+    def _hear_alarms(self, msg: Message) -> None:
+        """Add the sync rounds a neighbour's message announces (dynamic trigger)."""
+        alarms = msg.meta.get(SYNC_AT, [])
+        if (
+            not isinstance(alarms, list)
+            or len(alarms) > MAX_ALARMS
+            or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in alarms)
+        ):
+            raise WireError("bad_meta", f"sync alarms {alarms!r} are not a short list of rounds")
+        with self._alarm_lock:
+            self._alarms.update(a for a in alarms if a >= self.round)
+
     def _walk_round(self, x: torch.Tensor, t: int) -> torch.Tensor:
         """Gossip learning: merge the models that walked in, send ours on to one neighbour."""
         assert isinstance(self.averager, GossipLearning)
@@ -298,8 +351,7 @@ class Peer:
         if neighbours:
             payload = self.averager.outgoing(x, Round(t, {}, 1.0))
             target = self._walk_rng.choice(sorted(neighbours))
-            meta = {**payload.meta, WALK_AGE: self.age}
-            self._send(target, "walk", round=t, payload=Payload(payload.arrays, meta))
+            self._send(target, "walk", round=t, payload=payload, meta={WALK_AGE: self.age})
         return x
 
     def _merge_round(self, x: torch.Tensor, rnd: Round, got: dict[int, Any]) -> torch.Tensor:
@@ -499,15 +551,19 @@ class Peer:
         ids = self.membership.active(round)
         if self.id not in ids or len(ids) == 1:
             return {}, 1.0
+        row = self._topology(ids).weights(ids.index(self.id), round)
+        me = ids.index(self.id)
+        return {ids[p]: w for p, w in row.items() if p != me}, row.get(me, 0.0)
+
+    def _topology(self, ids: list[int]) -> Topology:
+        """The swarm's topology over the members ``ids`` (built once per member set)."""
         key = tuple(ids)
         topology = self._topologies.get(key)
         if topology is None:
             topology = self._topologies[key] = build_topology(
                 self.topology_spec, len(ids), self.seed
             )
-        row = topology.weights(ids.index(self.id), round)
-        me = ids.index(self.id)
-        return {ids[p]: w for p, w in row.items() if p != me}, row.get(me, 0.0)
+        return topology
 
     def _send(
         self,
@@ -517,7 +573,8 @@ class Peer:
         payload: Payload | None = None,
         meta: dict[str, Any] | None = None,
     ) -> None:
-        """Send one message; model messages may be dropped on purpose (``loss``)."""
+        """Send one message, ``meta`` next to the payload's own; model messages may be
+        dropped on purpose (``loss``)."""
         member = self.membership.get(peer_id)
         if member is None:
             return
@@ -531,7 +588,7 @@ class Peer:
             return
         codec = self.codec if kind in COMPRESSED_KINDS else "none"
         arrays = payload.arrays if payload is not None else ()
-        meta = payload.meta if payload is not None else meta
+        meta = {**(payload.meta if payload is not None else {}), **(meta or {})}
         frames = encode(
             kind, self.id, seq, self.round if round is None else round, arrays, meta, codec
         )
@@ -542,7 +599,7 @@ class Peer:
         expected = "none" if dense else self.codec
         if msg.codec != expected:
             raise WireError("bad_codec", f"codec {msg.codec!r}, this swarm uses {expected!r}")
-        meta = {k: v for k, v in msg.meta.items() if k != WALK_AGE}
+        meta = {k: v for k, v in msg.meta.items() if k not in PEER_META}
         try:
             return self.averager.decode(
                 Payload(tuple(msg.arrays), meta), dense, self.numel, self.device
@@ -638,6 +695,8 @@ class Peer:
             self._merge(parse_members(msg.meta.get("members")))
         if self.membership.get(msg.sender) is None:
             raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
+        if msg.kind in ("params", "public", "quiet", "reply"):
+            self._hear_alarms(msg)
         if msg.kind in ("params", "public"):
             dense = msg.kind == "public"
             self._inbox.put(msg.sender, msg.round, (self._decode(msg, dense), dense))

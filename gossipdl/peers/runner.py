@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +50,21 @@ def make_optimizer(config: Config, model: torch.nn.Module) -> torch.optim.Optimi
     return torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
+
+
+def lr_at(config: Config, step: int) -> float:
+    """The learning rate for local step ``step`` (from 0): a function of the step alone, so a
+    resumed peer picks up where it left off.
+
+    ``cosine`` anneals from ``lr`` to 0 over ``steps`` (Loshchilov and Hutter 2017).
+
+    Example:
+        >>> lr_at(Config(lr=0.1, steps=100, lr_schedule="cosine"), 50)
+        0.05
+    """
+    if config.lr_schedule == "cosine":
+        return config.lr * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
+    return config.lr
 
 
 def shard_for(config: Config, dataset: Dataset, peer_id: int) -> np.ndarray:
@@ -163,6 +179,7 @@ def _loop(
         losses.clear()
         return line
 
+    peer.sync_at_step(config.steps)  # dynamic trigger: the swarm ends on an agreed model
     try:
         accuracy, test_loss = evaluate(model, x_test, y_test)
         record(accuracy=round(accuracy, 6), test_loss=round(test_loss, 6), start=True)
@@ -174,6 +191,8 @@ def _loop(
                 log.info("peer %d: labels permuted at step %d (drift)", peer.id, peer.steps)
                 drift = None
             computed = time.monotonic()
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(config, peer.steps)
             x, y = sampler.next()
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)

@@ -66,6 +66,7 @@ class Topology(ABC):
         self._name = name if name is not None else type(self).__name__
         self._adjacency_cache: dict[int, BoolMatrix] = {}
         self._mixing_cache: dict[int, FloatMatrix] = {}
+        self._spread_cache: dict[int, int] = {}
 
     @property
     def name(self) -> str:
@@ -108,6 +109,37 @@ class Topology(ABC):
         row = self.mixing_matrix(round)[rank]
         ranks = sorted({int(j) for j in np.flatnonzero(row)} | {rank})
         return {j: float(row[j]) for j in ranks}
+
+    def spread_rounds(self, round: int = 0) -> int:
+        """Rounds until news that any peer has at ``round`` reaches every peer, moving one hop
+        per round along that round's edges: the diameter, for a static graph.
+
+        The dynamic trigger schedules its swarm-wide syncs this many rounds ahead.
+
+        Example::
+
+            >>> from gossipdl.topologies import build_topology
+            >>> [build_topology(name, n=8).spread_rounds() for name in ("ring", "complete")]
+            [4, 1]
+        """
+        key = self._round_key(round)
+        if key not in self._spread_cache:
+            if len(self._spread_cache) >= _CACHE_LIMIT:
+                self._spread_cache.clear()
+            self._spread_cache[key] = self._spread(key)
+        return self._spread_cache[key]
+
+    def _spread(self, round: int) -> int:
+        known = np.eye(self.n, dtype=np.int64)  # known[i, j]: peer j has heard peer i's news
+        for k in range(self.n * self.period + 1):
+            if known.all():
+                return k
+            edges = self._checked_adjacency(round + k).astype(np.int64)
+            known = (known + known @ edges > 0).astype(np.int64)
+        raise TopologyError(
+            f"{self.name}: some peer never hears from another over {self.period} round(s); "
+            "the graph is not connected"
+        )
 
     def period_mixing_matrix(self) -> FloatMatrix:
         """Product ``W_{p-1} ... W_1 W_0`` of one period: what ``period`` rounds do together."""
