@@ -75,13 +75,13 @@ def test_triggers_benchmark_counts_transmissions_and_plots_the_drift(tmp_path: P
         "--dynamic", "dynamic:1%:10", "--out", str(tmp_path / "t"),
     )  # fmt: skip
     rows = {row["trigger"]: row for row in result["rows"]}
-    assert list(rows) == ["always", "periodic:5", "periodic:10", "periodic:20", "dynamic:1%:10"]
+    fixed = ["always", "periodic:5", "periodic:10", "periodic:20", "periodic:50"]
+    assert list(rows) == [*fixed, "dynamic:1%:10"]
     for row in rows.values():
         assert {"trigger", "accuracy", "transmissions", "bytes"} <= row.keys()
         assert row["accuracy"] is not None and row["bytes"] > 0
-    # Two peers on a ring send one model each per round: 40, 8, 4 and 2 rounds.
-    fixed = ["always", "periodic:5", "periodic:10", "periodic:20"]
-    assert [rows[t]["transmissions"] for t in fixed] == [80, 16, 8, 4]
+    # Two peers (one edge) send one model each per round: 40, 8, 4, 2 and no rounds.
+    assert [rows[t]["transmissions"] for t in fixed] == [80, 16, 8, 4, 0]
     assert rows["periodic:10"]["fewer_than_periodic10"] == 1.0
     assert rows["dynamic:1%:10"]["transmissions"] <= rows["periodic:10"]["transmissions"]
     assert set(result["meta"]["drift"]) == {"periodic:10", "dynamic:1%:10"}

@@ -9,11 +9,12 @@ on which steps end a round without exchanging a word. What happens there:
   between averaging rounds;
 - ``dynamic:DELTA[:B]`` — Kamp, Adilova, Sicking, Hüger, Schlicht, Wirtz,
   Wrobel 2018, "Efficient Decentralized Deep Learning by Dynamic Model
-  Averaging": period B (default 10), and a round syncs only where the local
-  condition ``‖w_i − r‖² ≤ Δ`` fails, ``r`` being the model this peer agreed
-  on at its last sync. While the condition holds no model is sent. ``DELTA``
-  is absolute, or relative to ``‖r‖²`` when written with a ``%`` suffix
-  (``dynamic:0.5%`` means Δ = 0.005 ‖r‖²).
+  Averaging": period B (default 10); a peer whose local condition
+  ``‖w_i − r‖² ≤ Δ`` fails raises an alarm, and the whole swarm syncs once
+  it has spread to every peer, ``r`` being the model agreed at the last
+  sync (the peer loop holds the protocol). While every condition holds no
+  model is sent. ``DELTA`` is absolute, or relative to ``‖r‖²`` when written
+  with a ``%`` suffix (``dynamic:0.5%`` means Δ = 0.005 ‖r‖²).
 """
 
 from __future__ import annotations
