@@ -321,12 +321,10 @@ class Peer:
         ids = self.membership.active(t)
         horizon = t + (self._topology(ids).spread_rounds(t) if len(ids) > 1 else 0)
         with self._alarm_lock:
-            self._alarms = {a for a in self._alarms if a >= t}
-            covered = any(a <= horizon for a in self._alarms)
-        if not covered and self.trigger.violated(x, self._reference):
-            with self._alarm_lock:
-                self._alarms.add(horizon)
+            covered = any(t <= a <= horizon for a in self._alarms)
+        violated = not covered and self.trigger.violated(x, self._reference)
         with self._alarm_lock:
+            self._alarms = {a for a in self._alarms if a >= t} | ({horizon} if violated else set())
             return sorted(self._alarms)
 
     def _hear_alarms(self, msg: Message) -> None:
@@ -338,8 +336,10 @@ class Peer:
             or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in alarms)
         ):
             raise WireError("bad_meta", f"sync alarms {alarms!r} are not a short list of rounds")
-        with self._alarm_lock:
-            self._alarms.update(a for a in alarms if a >= self.round)
+        if self.trigger.dynamic:
+            with self._alarm_lock:  # kept bounded whatever a neighbour announces
+                heard = self._alarms.union(a for a in alarms if a >= self.round)
+                self._alarms = set(sorted(heard)[:MAX_ALARMS])
 
     def _walk_round(self, x: torch.Tensor, t: int) -> torch.Tensor:
         """Gossip learning: merge the models that walked in, send ours on to one neighbour."""
