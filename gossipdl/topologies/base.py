@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -22,6 +23,17 @@ __all__ = ["StaticTopology", "Topology", "TopologyError", "check_peer_count"]
 # Rounds repeat with the period, so caches are keyed by ``round % period``; a huge
 # period (a user's topology) would grow them without bound, hence the cap.
 _CACHE_LIMIT = 64
+T = TypeVar("T")
+
+
+def _remember(cache: dict[int, T], key: int, compute: Callable[[int], T]) -> T:
+    """``cache[key]``, computed on first use; the cache is emptied when it reaches the cap."""
+    if key not in cache:
+        value = compute(key)
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[key] = value
+    return cache[key]
 
 
 def check_peer_count(n: int) -> int:
@@ -89,19 +101,7 @@ class Topology(ABC):
 
     def mixing_matrix(self, round: int = 0) -> FloatMatrix:
         """Float64 ``n x n`` gossip weights at ``round`` (read-only; copy to modify)."""
-        key = self._round_key(round)
-        cached = self._mixing_cache.get(key)
-        if cached is None:
-            w = np.array(self._mixing(key), dtype=np.float64)
-            if w.shape != (self.n, self.n):
-                raise TopologyError(
-                    f"{self.name}: mixing matrix has shape {w.shape}, expected ({self.n}, {self.n})"
-                )
-            w.setflags(write=False)
-            if len(self._mixing_cache) >= _CACHE_LIMIT:
-                self._mixing_cache.clear()
-            self._mixing_cache[key] = cached = w
-        return cached
+        return _remember(self._mixing_cache, self._round_key(round), self._checked_mixing)
 
     def weights(self, rank: int, round: int = 0) -> dict[int, float]:
         """Nonzero weights of row ``rank`` of the mixing matrix, self included, keyed by rank."""
@@ -122,12 +122,7 @@ class Topology(ABC):
             >>> [build_topology(name, n=8).spread_rounds() for name in ("ring", "complete")]
             [4, 1]
         """
-        key = self._round_key(round)
-        if key not in self._spread_cache:
-            if len(self._spread_cache) >= _CACHE_LIMIT:
-                self._spread_cache.clear()
-            self._spread_cache[key] = self._spread(key)
-        return self._spread_cache[key]
+        return _remember(self._spread_cache, self._round_key(round), self._spread)
 
     def _spread(self, round: int) -> int:
         known = np.eye(self.n, dtype=np.int64)  # known[i, j]: peer j has heard peer i's news
@@ -154,15 +149,21 @@ class Topology(ABC):
 
     def _checked_adjacency(self, round: int) -> BoolMatrix:
         """Adjacency of ``round``, validated once and cached as a read-only array."""
-        key = self._round_key(round)
-        cached = self._adjacency_cache.get(key)
-        if cached is None:
-            cached = check_adjacency(self.adjacency(key), n=self.n).copy()
-            cached.setflags(write=False)
-            if len(self._adjacency_cache) >= _CACHE_LIMIT:
-                self._adjacency_cache.clear()
-            self._adjacency_cache[key] = cached
-        return cached
+        return _remember(self._adjacency_cache, self._round_key(round), self._read_adjacency)
+
+    def _read_adjacency(self, key: int) -> BoolMatrix:
+        adjacency = check_adjacency(self.adjacency(key), n=self.n).copy()
+        adjacency.setflags(write=False)
+        return adjacency
+
+    def _checked_mixing(self, key: int) -> FloatMatrix:
+        w = np.array(self._mixing(key), dtype=np.float64)
+        if w.shape != (self.n, self.n):
+            raise TopologyError(
+                f"{self.name}: mixing matrix has shape {w.shape}, expected ({self.n}, {self.n})"
+            )
+        w.setflags(write=False)
+        return w
 
     def _round_key(self, round: int) -> int:
         """Reduce a round number to its slot in the period."""
