@@ -4,8 +4,9 @@ What it measures
     From one invocation, the same job run once per setting: ``peers`` processes
     (default 8), iid MNIST-1D shards, an MLP 40-1024-512-10 (571,914
     parameters, so the byte ratios reflect payloads rather than message
-    headers), SGD with the config defaults, the same number of steps and the
-    same seed. Settings:
+    headers), SGD with the config defaults and a cosine learning-rate schedule
+    (``--lr-schedule constant`` for the flat one), the same number of steps
+    and the same seed. Settings:
 
     * ``dense``: dense gossip (D-PSGD) on a ring, the uncompressed baseline;
     * ``choco-topk``, ``choco-sign``, ``choco-topk-qsgd``, ``choco-powersgd``:
@@ -99,6 +100,7 @@ def config_for(setting: Setting, args: argparse.Namespace) -> Config:
         dataset="mnist1d",
         partition="iid",
         seed=args.seed,
+        lr_schedule=args.lr_schedule,
         eval_every=max(1, args.steps // 12),
         algorithm=setting.algorithm,
         codec=setting.codec,
@@ -144,6 +146,12 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=None, help="default 8")
     parser.add_argument("--hidden", default=None, help=f"MLP widths, default {DEFAULT_HIDDEN}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--lr-schedule",
+        default="cosine",
+        help="cosine (default: lr anneals to 0, so every setting ends on a settled model) "
+        "or constant",
+    )
     parser.add_argument(
         "--only",
         default=None,
@@ -205,6 +213,7 @@ def main() -> None:
         "model": f"mlp {args.hidden}",
         "parameters": parameter_count(args.hidden),
         "seed": args.seed,
+        "lr_schedule": args.lr_schedule,
         "config": str(args.config) if args.config else None,
         "plot": str(plot),
         "target": f"within {TARGET_POINTS:g} point of dense with >= {TARGET_RATIO:g}x fewer bytes",
@@ -229,7 +238,7 @@ def main() -> None:
     report(
         "convergence",
         f"Convergence: {args.peers} peers, MLP {args.hidden} ({meta['parameters']:,} parameters) "
-        f"on MNIST-1D, {args.steps} steps",
+        f"on MNIST-1D, {args.steps} steps, {args.lr_schedule} lr",
         columns,
         rows,
         meta,

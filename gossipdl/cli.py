@@ -159,6 +159,7 @@ def _train(
 ) -> None:
     import torch
 
+    from gossipdl.coordinator import RingError
     from gossipdl.experiments.summary import summarize
     from gossipdl.peers.peer import PeerError
     from gossipdl.peers.runner import train_peer
@@ -187,7 +188,7 @@ def _train(
             stop=stop,
             on_listening=announce,
         )
-    except (TransportError, PeerError, ConfigError) as exc:
+    except (TransportError, PeerError, RingError, ConfigError) as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
         _fail("interrupted before training started")

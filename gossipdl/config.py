@@ -19,7 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODES = ("gossip", "single")
+MODES = ("gossip", "single", "ring", "ps")
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -34,7 +34,11 @@ class Config:
     """One experiment. Field docs double as the CLI help and the README reference."""
 
     mode: str = field(
-        default="gossip", metadata={"help": "gossip | single (one process, all data)"}
+        default="gossip",
+        metadata={
+            "help": "gossip | single (one process, all data) | ring (ring all-reduce) "
+            "| ps (parameter server)"
+        },
     )
     peers: int = field(default=4, metadata={"help": "number of peer processes"})
     topology: str = field(default="ring", metadata={"help": "ring, torus, exponential, ..."})
@@ -207,12 +211,23 @@ def _validate(c: Config) -> None:
         parse_trigger,
     )
     from gossipdl.compression import CodecError, build_codec
+    from gossipdl.coordinator.ring import check_ring_codec
     from gossipdl.data import available_datasets
     from gossipdl.models import available_models
     from gossipdl.peers.conditions import ConditionError, parse_drift, parse_slowdown
     from gossipdl.topologies import TopologyError, build_topology
 
     _check(c.mode in MODES, f"mode = {c.mode!r}; choose one of {', '.join(MODES)}")
+    if c.mode == "ring":
+        try:
+            check_ring_codec(c.codec)
+        except ValueError as exc:
+            raise ConfigError(f"codec = {c.codec!r}: {exc}") from None
+        _check(
+            not c.trigger.startswith("dynamic"),
+            f"trigger = {c.trigger!r}: a ring all-reduce has every peer in every round; "
+            "use always (gradients every step) or periodic:H (parameters every H steps)",
+        )
     minimum = 1 if c.mode == "single" else 2
     _check(c.peers >= minimum, f"peers = {c.peers}; the {c.mode} mode needs at least {minimum}")
     if c.mode == "gossip":

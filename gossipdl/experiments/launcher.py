@@ -44,7 +44,7 @@ def preflight(config: Config) -> int:
     and the dataset cache is warm for the peers. Returns the parameter count.
     """
     dataset = load_dataset(config.dataset)
-    if config.mode == "gossip":
+    if config.mode != "single":
         try:
             partition(dataset.y_train, config.peers, config.partition, config.seed)
         except DataError as exc:

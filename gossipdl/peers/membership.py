@@ -52,7 +52,7 @@ class Membership:
     def __init__(self, members: list[Member] | None = None) -> None:
         self._lock = threading.Lock()
         self._members: dict[int, Member] = {}
-        self._left: set[int] = set()
+        self._left: dict[int, str] = {}  # id -> why it stopped, as it announced
         if members:
             self.merge(members)
 
@@ -81,15 +81,20 @@ class Membership:
         with self._lock:
             return sorted(i for i, m in self._members.items() if m.since <= round)
 
-    def mark_left(self, peer_id: int) -> None:
-        """Record that a peer stopped training; nobody waits for it any more."""
+    def mark_left(self, peer_id: int, reason: str = "") -> None:
+        """Record that a peer stopped training (and why, if it said); nobody waits for it."""
         with self._lock:
-            self._left.add(peer_id)
+            self._left[peer_id] = reason
 
     def has_left(self, peer_id: int) -> bool:
         """Whether the peer announced that it stopped."""
         with self._lock:
             return peer_id in self._left
+
+    def why_left(self, peer_id: int) -> str | None:
+        """The reason a peer gave when it stopped ("" if none), or None if it has not left."""
+        with self._lock:
+            return self._left.get(peer_id)
 
     def next_id(self) -> int:
         """The smallest id above every known one."""

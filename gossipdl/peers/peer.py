@@ -26,6 +26,7 @@ from gossipdl.averaging.base import dense_payload
 from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.averaging.triggers import check_trigger, parse_trigger
 from gossipdl.compression import CodecError, Payload
+from gossipdl.coordinator.ring import RING_SEND_HWM, RingAllReduce, check_ring_codec
 from gossipdl.peers.inbox import Inbox
 from gossipdl.peers.membership import Member, Membership, parse_members
 from gossipdl.topologies import Topology, build_topology
@@ -76,6 +77,9 @@ class Peer:
     but only a peer whose model moved more than Δ from the last agreed one
     sends it). ``algorithm="gossip-learning"`` drops rounds altogether: each
     step's model walks to one random neighbour and is merged there by age.
+    ``algorithm="allreduce"`` is the ring all-reduce baseline: with trigger
+    ``always`` and an optimizer, gradients are averaged exactly before every
+    local step (synchronous SGD); otherwise parameters are, every round.
 
     Example (run once per rank, e.g. ``python train.py 0`` .. ``python train.py 3``)::
 
@@ -126,11 +130,23 @@ class Peer:
             raise ValueError("the model has no parameters to average")
         self.numel = sum(p.numel() for p in self.params)
         self.device = self.params[0].device
-        self.averager = build_averager(algorithm, codec, seed, gamma)
+        ring = algorithm == "allreduce"
+        if ring:
+            check_ring_codec(codec)
+        self.averager = build_averager("dense" if ring else algorithm, codec, seed, gamma)
         self.trigger = parse_trigger(trigger)
         check_trigger(self.trigger, self.averager)
+        if ring and self.trigger.dynamic:
+            raise ValueError(
+                "a ring all-reduce has every peer in every round; use always or "
+                "periodic:H, not a dynamic trigger"
+            )
         self.codec = self.averager.codec.spec
-        self.topology_spec = topology
+        self.topology_spec = "ring" if ring else topology
+        self.ring = ring
+        self._ring: RingAllReduce | None = None
+        self._ring_lock = threading.Lock()
+        self.reduces_gradients = ring and optimizer is not None and self.trigger.period == 1
         self.seed = seed
         self.round_timeout = round_timeout
         self.startup_timeout = startup_timeout
@@ -177,7 +193,11 @@ class Peer:
         if listen is None:
             listen = peers[rank] if peers is not None and rank is not None else "tcp://127.0.0.1:0"
         self.transport = Transport(
-            listen, self._on_message, max_message_bytes=max_message_bytes, name="peer"
+            listen,
+            self._on_message,
+            max_message_bytes=max_message_bytes,
+            name="peer",
+            send_hwm=RING_SEND_HWM if ring else 64,
         )
         self.address = self.transport.address
         try:
@@ -195,6 +215,8 @@ class Peer:
         With the default trigger ``always`` every step ends a round; with
         ``periodic:H`` or ``dynamic:DELTA:B`` every H-th (B-th) step does.
         """
+        if self.reduces_gradients:
+            self._allreduce_gradients()
         if self.optimizer is not None:
             self.optimizer.step()
         self.steps += 1
@@ -215,20 +237,53 @@ class Peer:
     def gossip(self) -> None:
         """One gossip round: synchronous with this round's neighbours, or one step of a walk."""
         t = self.round
-        x = self._flat()
-        if self.averager.asynchronous:
-            new = self._walk_round(x, t)
-        else:
-            round_ = self._dynamic_round if self.trigger.dynamic else self._sync_round
-            new = round_(x, self._round(t))
-        vector_to_parameters(new, self.params)
-        self._latest = new
+        if not self.reduces_gradients:  # gradients were averaged before the local step
+            x = self._flat()
+            if self.ring:
+                new = self._ring_for().allreduce_mean(x)
+            elif self.averager.asynchronous:
+                new = self._walk_round(x, t)
+            else:
+                round_ = self._dynamic_round if self.trigger.dynamic else self._sync_round
+                new = round_(x, self._round(t))
+            vector_to_parameters(new, self.params)
+            self._latest = new
         self.round = t + 1
         self._inbox.advance(self.round)
         self._answers.advance(self.round)
         self._round_times.append(time.monotonic())
         if self.averager.uses_public_copies and (self._gap or self.averager.needs_resync):
             self._request_resync()
+
+    def _allreduce_gradients(self) -> None:
+        """Replace every gradient by its mean over the ring (a missing one counts as zero)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        vector_to_parameters(self._ring_for().allreduce_mean(parameters_to_vector(grads)), grads)
+
+    def _ring_for(self) -> RingAllReduce:
+        """The ring over the members the swarm formed with (built once, by either thread)."""
+        with self._ring_lock:
+            if self._ring is None:
+                self._ring = RingAllReduce(
+                    self.id,
+                    self.membership.active(0),
+                    self.numel,
+                    self._send_chunk,
+                    codec=self.codec,
+                    timeout=self.round_timeout,
+                    gone=self.membership.why_left,
+                )
+            return self._ring
+
+    def _send_chunk(self, peer_id: int, frames: list[Any]) -> None:
+        member = self.membership.get(peer_id)
+        if member is None:
+            raise PeerError(f"peer {self.id}: peer {peer_id} is not a member")
+        self.model_messages_sent += 1
+        self.transport.send(member.address, frames)
 
     def _sync_round(self, x: torch.Tensor, rnd: Round) -> torch.Tensor:
         """Send to every neighbour, wait for every neighbour (up to the timeout), merge."""
@@ -413,14 +468,16 @@ class Peer:
             "idle_s": round(self.idle_s, 4),
         }
 
-    def close(self) -> None:
-        """Tell the swarm this peer stopped, flush queued messages and close the sockets."""
+    def close(self, reason: str = "") -> None:
+        """Tell the swarm this peer stopped (and why, e.g. an error), flush queued messages
+        and close the sockets."""
         if self._closed:
             return
         self._closed = True
+        meta = {"reason": reason[:500]} if reason else None
         for member in self.membership.members():
             if member.id != self.id and not self.membership.has_left(member.id):
-                self._send(member.id, "leave", round=self.round)
+                self._send(member.id, "leave", round=self.round, meta=meta)
         self.transport.close()
 
     def __enter__(self) -> Peer:
@@ -704,6 +761,10 @@ class Peer:
             self._inbox.put(msg.sender, msg.round, (None, False))
         elif msg.kind == "reply":
             self._answers.put(msg.sender, msg.round, (self._decode(msg, False), False))
+        elif msg.kind == "chunk":
+            if not self.ring:
+                raise WireError("unexpected", "a chunk, but this swarm does not all-reduce")
+            self._ring_for().deliver(msg)
         elif msg.kind == "walk":
             age = msg.meta.get(WALK_AGE)
             if not isinstance(age, int) or isinstance(age, bool) or age < 0:
@@ -728,9 +789,11 @@ class Peer:
         elif msg.kind == "model_request":
             self._send(msg.sender, "model", round=self.round, payload=dense_payload(self._latest))
         elif msg.kind == "leave":
-            self.membership.mark_left(msg.sender)
+            reason = msg.meta.get("reason", "")
+            reason = reason[:500] if isinstance(reason, str) else ""
+            self.membership.mark_left(msg.sender, reason)
             self._inbox.notify()
-            log.info("peer %d: peer %d left at round %d", self.id, msg.sender, msg.round)
+            log.info("peer %d: peer %d left at round %d %s", self.id, msg.sender, msg.round, reason)
         self._track_seq(msg)  # only messages that were accepted: a dropped one leaves a gap
 
     def _reply(self, address: str, kind: str, **meta: Any) -> None:
@@ -741,6 +804,10 @@ class Peer:
         address = _address(msg.meta.get("address"), "joiner address")
         want = msg.meta.get("want_id")
         member = self.membership.by_address(address)
+        if member is None and self.ring and self.started:
+            error = "a ring all-reduce cannot take members once it started; start all together"
+            self._reply(address, "welcome", error=error, members=self.membership.wire())
+            return
         if member is None:
             taken = isinstance(want, int) and self.membership.get(want) is not None
             if want is not None and (not isinstance(want, int) or want < 0 or taken):

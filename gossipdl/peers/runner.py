@@ -107,7 +107,7 @@ def train_peer(
         listen=listen,
         bootstrap=bootstrap,
         topology=config.topology,
-        algorithm=config.algorithm,
+        algorithm="allreduce" if config.mode == "ring" else config.algorithm,
         codec=config.codec,
         trigger=config.trigger,
         gamma=config.gamma or None,
@@ -122,9 +122,12 @@ def train_peer(
         on_listening=on_listening,
     )
     try:
-        return _loop(config, run, peer, dataset, device, stop)
-    finally:
-        peer.close()
+        result = _loop(config, run, peer, dataset, device, stop)
+    except BaseException as exc:
+        peer.close(reason=f"stopped by {type(exc).__name__}: {exc}")
+        raise
+    peer.close()
+    return result
 
 
 def _loop(

@@ -43,6 +43,7 @@ KINDS = frozenset(
         "quiet",  # dynamic trigger: "my model has not drifted, I do not sync this round"
         "reply",  # dynamic trigger: a model sent in answer to a neighbour's sync
         "walk",  # gossip learning: a model on its random walk; its age (local steps) in the meta
+        "chunk",  # ring all-reduce: one piece of one chunk; step and piece in the meta
     }
 )
 
