@@ -74,6 +74,11 @@ def run(
     peers: int | None = _opt("peers"),
     topology: str | None = _opt("topology"),
     algorithm: str | None = _opt("algorithm"),
+    ps: str | None = _opt("ps"),
+    staleness: str | None = _opt("staleness"),
+    ps_shards: int | None = _opt("ps_shards", "--ps-shards"),
+    local_epochs: int | None = _opt("local_epochs", "--local-epochs"),
+    fraction: float | None = _opt("fraction"),
     trigger: str | None = _opt("trigger"),
     codec: str | None = _opt("codec"),
     gamma: float | None = _opt("gamma"),
@@ -156,10 +161,11 @@ def _train(
     local_index: int,
     threads: int | None,
     summary: bool,
+    servers: list[str] | None = None,
 ) -> None:
     import torch
 
-    from gossipdl.coordinator import RingError
+    from gossipdl.coordinator import RingError, ServerError
     from gossipdl.experiments.summary import summarize
     from gossipdl.peers.peer import PeerError
     from gossipdl.peers.runner import train_peer
@@ -187,8 +193,9 @@ def _train(
             local_index=local_index,
             stop=stop,
             on_listening=announce,
+            servers=servers,
         )
-    except (TransportError, PeerError, RingError, ConfigError) as exc:
+    except (TransportError, PeerError, RingError, ServerError, ConfigError) as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
         _fail("interrupted before training started")
@@ -208,8 +215,11 @@ def peer(
     threads: int | None = typer.Option(None, help="torch threads [default: torch's choice]."),
     local_index: int = typer.Option(0, help="Index among peers on this host (picks cuda:i)."),
     summary: bool = typer.Option(True, help="Write summary.json when done."),
+    servers: str | None = typer.Option(
+        None, help="--mode ps: the shards' addresses, comma-separated, shard 0 first."
+    ),
 ) -> None:
-    """Run one peer by hand: found a swarm, or join one with --bootstrap."""
+    """Run one peer by hand: found a swarm, join one (--bootstrap), or work for --servers."""
     _setup_logging(rich=False)
     try:
         config = load_config(config_file)
@@ -225,7 +235,40 @@ def peer(
         local_index=local_index,
         threads=threads,
         summary=summary,
+        servers=servers.split(",") if servers else None,
     )
+
+
+@app.command()
+def server(
+    config_file: Path = typer.Option(..., "--config", help="TOML experiment file (mode = ps)."),
+    shard: int = typer.Option(0, help="Which shard of the parameters this server holds."),
+    listen: str = typer.Option("tcp://127.0.0.1:0", help="Address to bind (port 0: any free)."),
+    out: str | None = typer.Option(None, help="Run directory [default: the config's out]."),
+) -> None:
+    """Run one parameter-server shard (``--mode ps``); workers find it with --servers."""
+    from gossipdl.peers.runner import run_shard
+    from gossipdl.transport import TransportError
+
+    _setup_logging(rich=False)
+    try:
+        config = load_config(config_file)
+        if config.mode != "ps" or not 0 <= shard < config.ps_shards:
+            raise ConfigError(
+                f"a server needs mode = 'ps' and 0 <= shard < ps_shards; got mode = "
+                f"{config.mode!r}, shard {shard}, ps_shards = {config.ps_shards}"
+            )
+        run_dir = RunDir(out or config.out or default_run_dir()).create()
+        stop = threading.Event()
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+        def announce(address: str) -> None:
+            print(f"listening on {address}", flush=True)
+
+        run_shard(config, shard, listen, run_dir, on_listening=announce, stop=stop)
+    except (ConfigError, TransportError) as exc:
+        _fail(str(exc))
 
 
 @app.command()

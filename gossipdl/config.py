@@ -49,6 +49,19 @@ class Config:
             "| gossip-learning"
         },
     )
+    ps: str = field(
+        default="sync",
+        metadata={"help": "ps mode rule: sync (average every H = trigger period) | async | fedavg"},
+    )
+    staleness: str = field(
+        default="scale",
+        metadata={"help": "ps async: none | scale (lr/τ) | soft:S (apply S at once) | ssp:S"},
+    )
+    ps_shards: int = field(default=1, metadata={"help": "ps mode: parameter-server shards"})
+    local_epochs: int = field(default=1, metadata={"help": "ps fedavg: local epochs per round"})
+    fraction: float = field(
+        default=1.0, metadata={"help": "ps fedavg: fraction of workers picked per round"}
+    )
     trigger: str = field(
         default="always",
         metadata={"help": "when peers talk: always | periodic:H | dynamic:DELTA[%][:B]"},
@@ -223,11 +236,24 @@ def _validate(c: Config) -> None:
             check_ring_codec(c.codec)
         except ValueError as exc:
             raise ConfigError(f"codec = {c.codec!r}: {exc}") from None
+    if c.mode in ("ring", "ps"):
         _check(
             not c.trigger.startswith("dynamic"),
-            f"trigger = {c.trigger!r}: a ring all-reduce has every peer in every round; "
-            "use always (gradients every step) or periodic:H (parameters every H steps)",
+            f"trigger = {c.trigger!r}: the {c.mode} mode combines every worker's model in "
+            "every round; use always or periodic:H",
         )
+    if c.mode == "ps":
+        from gossipdl.coordinator.server import PS_RULES
+        from gossipdl.coordinator.staleness import parse_staleness
+
+        _check(c.ps in PS_RULES, f"ps = {c.ps!r}; choose one of {', '.join(PS_RULES)}")
+        try:
+            parse_staleness(c.staleness)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        _check(c.ps_shards >= 1, f"ps_shards = {c.ps_shards}; must be at least 1")
+        _check(c.local_epochs >= 1, f"local_epochs = {c.local_epochs}; must be at least 1")
+        _check(0 < c.fraction <= 1, f"fraction = {c.fraction}; must be in (0, 1]")
     minimum = 1 if c.mode == "single" else 2
     _check(c.peers >= minimum, f"peers = {c.peers}; the {c.mode} mode needs at least {minimum}")
     if c.mode == "gossip":

@@ -6,6 +6,8 @@ Layout (keys are only ever added, never renamed)::
     peers.json         [{"id", "address"}, ...] once the swarm is up (rewritten on joins)
     peers/<id>.jsonl   one metrics object per line
     peers/<id>.log     the peer's log
+    servers/<k>.json   parameter-server shard k's counters (mode ps), rewritten as it runs
+    servers/<k>.log    that shard's log
     models/<id>.pt     the peer's final model (state_dict)
     summary.json       totals and per-peer results, written at the end
 """
@@ -61,6 +63,18 @@ class RunDir:
 
     def log(self, peer_id: int | str) -> Path:
         return self.root / "peers" / f"{peer_id}.log"
+
+    def server_stats(self, shard: int) -> Path:
+        return self.root / "servers" / f"{shard}.json"
+
+    def server_log(self, shard: int) -> Path:
+        return self.root / "servers" / f"{shard}.log"
+
+    def server_shards(self) -> list[int]:
+        """Shards that wrote counters, sorted."""
+        return sorted(
+            int(p.stem) for p in (self.root / "servers").glob("*.json") if p.stem.isdigit()
+        )
 
     def model(self, peer_id: int) -> Path:
         return self.root / "models" / f"{peer_id}.pt"

@@ -8,12 +8,23 @@ from gossipdl.coordinator.ring import (
     check_ring_codec,
     chunk_bounds,
 )
+from gossipdl.coordinator.server import PS_RULES, ShardServer, fedavg_pick, serve
+from gossipdl.coordinator.staleness import Staleness, parse_staleness
+from gossipdl.coordinator.worker import ServerError, ServerWorker
 
 __all__ = [
+    "PS_RULES",
     "RING_CODECS",
     "RingAllReduce",
     "RingError",
     "RingGroup",
+    "ServerError",
+    "ServerWorker",
+    "ShardServer",
+    "Staleness",
     "check_ring_codec",
     "chunk_bounds",
+    "fedavg_pick",
+    "parse_staleness",
+    "serve",
 ]

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 LISTENING = "listening on "
 _STOP_GRACE_S = 30.0
+_SERVER_EXIT_S = 5.0
 
 
 class LaunchError(RuntimeError):
@@ -55,10 +56,34 @@ def preflight(config: Config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def server_command(config_path: Path, out: Path, shard: int, listen: str) -> list[str]:
+    """The command line of one launched parameter-server shard."""
+    return [
+        sys.executable,
+        "-m",
+        "gossipdl",
+        "server",
+        "--config",
+        str(config_path),
+        "--shard",
+        str(shard),
+        "--listen",
+        listen,
+        "--out",
+        str(out),
+    ]
+
+
 def peer_command(
-    config_path: Path, out: Path, rank: int, listen: str, threads: int, bootstrap: str | None
+    config_path: Path,
+    out: Path,
+    rank: int,
+    listen: str,
+    threads: int,
+    bootstrap: str | None,
+    servers: list[str] | None = None,
 ) -> list[str]:
-    """The command line of one launched peer."""
+    """The command line of one launched peer (a ps worker: with ``servers``)."""
     cmd = [
         sys.executable,
         "-m",
@@ -78,6 +103,8 @@ def peer_command(
         str(rank),
         "--no-summary",
     ]
+    if servers:
+        cmd += ["--servers", ",".join(servers)]
     return cmd + (["--bootstrap", bootstrap] if bootstrap else [])
 
 
@@ -88,8 +115,10 @@ def _log_tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def _read_address(proc: subprocess.Popen[str], log_path: Path, timeout: float) -> str:
-    """Wait for the founder's 'listening on ADDRESS' line."""
+def _read_address(
+    proc: subprocess.Popen[str], log_path: Path, timeout: float, who: str = "peer 0"
+) -> str:
+    """Wait for a process's 'listening on ADDRESS' line (the founder's, or a server's)."""
     assert proc.stdout is not None
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ)
@@ -104,7 +133,7 @@ def _read_address(proc: subprocess.Popen[str], log_path: Path, timeout: float) -
         if proc.poll() is not None:
             break
     proc.kill()
-    raise LaunchError(f"peer 0 did not start listening; its log {log_path}:\n{_log_tail(log_path)}")
+    raise LaunchError(f"{who} did not start listening; its log {log_path}:\n{_log_tail(log_path)}")
 
 
 class Swarm:
@@ -114,24 +143,41 @@ class Swarm:
         self.config = config
         self.run = run
         self.procs: dict[int, subprocess.Popen[str]] = {}
+        self.servers: dict[int, subprocess.Popen[str]] = {}
         self._logs: list[IO[str]] = []
 
     def start(self) -> None:
-        """Spawn peer 0, learn its address, then spawn the others pointing at it."""
+        """Spawn peer 0, learn its address, then spawn the others pointing at it.
+
+        In ps mode the server shards start first and every worker gets their addresses.
+        """
         n = self.config.processes
         threads = self.config.threads or max(1, (os.cpu_count() or 1) // n)
         listen = f"tcp://{self.config.host}:0"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        servers = None
+        if self.config.mode == "ps":
+            self.run.server_log(0).parent.mkdir(exist_ok=True)
+            for k in range(self.config.ps_shards):
+                cmd = server_command(self.run.config, self.run.root, k, listen)
+                self.servers[k] = self._spawn(cmd, self.run.server_log(k), env)
+            servers = [
+                _read_address(p, self.run.server_log(k), self.config.startup_timeout, f"shard {k}")
+                for k, p in self.servers.items()
+            ]
         address = None
         for rank in range(n):
-            cmd = peer_command(self.run.config, self.run.root, rank, listen, threads, address)
-            log_file = self.run.log(rank).open("w")
-            self._logs.append(log_file)
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-            self.procs[rank] = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env
+            cmd = peer_command(
+                self.run.config, self.run.root, rank, listen, threads, address, servers
             )
-            if address is None:
+            self.procs[rank] = self._spawn(cmd, self.run.log(rank), env)
+            if address is None and servers is None:
                 address = _read_address(self.procs[0], self.run.log(0), self.config.startup_timeout)
+
+    def _spawn(self, cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+        log_file = log_path.open("w")
+        self._logs.append(log_file)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
 
     def failed(self) -> dict[int, int]:
         """Peers that exited with an error: id -> exit code."""
@@ -142,12 +188,14 @@ class Swarm:
         return any(p.poll() is None for p in self.procs.values())
 
     def stop(self, grace: float = _STOP_GRACE_S) -> None:
-        """Ask every live peer to stop (SIGINT: finish the step, save, report), then kill."""
-        for proc in self.procs.values():
+        """Ask every live peer (and server) to stop (SIGINT: finish the step, save, report),
+        then kill."""
+        procs = [*self.procs.values(), *self.servers.values()]
+        for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + grace
-        for proc in self.procs.values():
+        for proc in procs:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -155,8 +203,14 @@ class Swarm:
                 proc.wait()
 
     def close(self) -> None:
-        """Kill anything left and close the log files."""
-        for proc in self.procs.values():
+        """Kill anything left (servers get a moment to see the workers leave) and close the
+        log files."""
+        for proc in self.servers.values():
+            try:
+                proc.wait(_SERVER_EXIT_S)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGINT)
+        for proc in [*self.procs.values(), *self.servers.values()]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -86,14 +87,20 @@ def summarize(run: RunDir, wall_time_s: float | None = None) -> dict[str, Any]:
                 "time_s": last.get("time", 0.0),
             }
         )
+    servers = [
+        {"shard": k, **json.loads(run.server_stats(k).read_text())} for k in run.server_shards()
+    ]
+    server_bytes = sum(s.get("bytes_sent", 0) for s in servers)
     accuracies = [p["accuracy"] for p in peers if p["accuracy"] is not None]
     summary = {
         "mean_accuracy": sum(accuracies) / len(accuracies) if accuracies else None,
         "min_accuracy": min(accuracies, default=None),
         "max_accuracy": max(accuracies, default=None),
         "consensus_distance": consensus_distance(run, [p["id"] for p in peers]),
-        "total_bytes_sent": sum(p["bytes_sent"] for p in peers),
-        "total_header_bytes_sent": sum(p["header_bytes_sent"] for p in peers),
+        "total_bytes_sent": sum(p["bytes_sent"] for p in peers) + server_bytes,
+        "total_header_bytes_sent": sum(p["header_bytes_sent"] for p in peers)
+        + sum(s.get("header_bytes_sent", 0) for s in servers),
+        "server_bytes_sent": server_bytes,
         "total_bytes_received": sum(p["bytes_received"] for p in peers),
         "total_messages_sent": sum(p["messages_sent"] for p in peers),
         "total_socket_messages_sent": sum(p["socket_messages_sent"] for p in peers),
@@ -103,6 +110,7 @@ def summarize(run: RunDir, wall_time_s: float | None = None) -> dict[str, Any]:
         else max((p["time_s"] for p in peers), default=0.0),
         "peers_finished": sum(p["finished"] for p in peers),
         "peers": peers,
+        "servers": servers,
         "config": to_dict(load_config(run.config)) if run.config.is_file() else None,
     }
     write_json_atomic(run.summary, summary)

@@ -17,14 +17,19 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parameters_to_vector
 
+from gossipdl.averaging import parse_trigger
 from gossipdl.config import Config, to_dict
+from gossipdl.coordinator.ring import chunk_bounds
+from gossipdl.coordinator.server import ShardServer, fedavg_local_steps, fedavg_rounds, serve
+from gossipdl.coordinator.worker import ServerWorker
 from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
 from gossipdl.models import build_model
 from gossipdl.peers.conditions import Drift, parse_drift, parse_slowdown
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
-from gossipdl.peers.peer import Peer
+from gossipdl.peers.peer import Peer, PeerError
 from gossipdl.rundir import RunDir, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -85,8 +90,10 @@ def train_peer(
     local_index: int = 0,
     stop: threading.Event | None = None,
     on_listening: Callable[[str], None] | None = None,
+    servers: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Train one peer until ``config.steps`` rounds or ``stop``; returns its final record."""
+    """Train one peer (a ps worker: with ``servers``) until ``config.steps`` steps or ``stop``;
+    returns its final record."""
     stop = stop or threading.Event()
     device = pick_device(config.device, local_index)
     dataset = load_dataset(config.dataset)
@@ -100,27 +107,33 @@ def train_peer(
     def write_members(members: list[Member]) -> None:
         write_json_atomic(run.peers_json, [{"id": m.id, "address": m.address} for m in members])
 
-    peer = Peer(
-        model,
-        optimizer,
-        rank=rank,
-        listen=listen,
-        bootstrap=bootstrap,
-        topology=config.topology,
-        algorithm="allreduce" if config.mode == "ring" else config.algorithm,
-        codec=config.codec,
-        trigger=config.trigger,
-        gamma=config.gamma or None,
-        loss=config.loss,
-        min_peers=1 if single else config.peers,
-        seed=config.seed,
-        round_timeout=config.round_timeout,
-        startup_timeout=config.startup_timeout,
-        max_message_bytes=int(config.max_message_mb * 2**20),
-        swarm_config=to_dict(config),
-        on_members=write_members,
-        on_listening=on_listening,
-    )
+    peer: Peer | ServerWorker
+    if config.mode == "ps":
+        peer = _server_worker(config, dataset, model, optimizer, rank, listen, servers)
+        if on_listening is not None:
+            on_listening(peer.address)
+    else:
+        peer = Peer(
+            model,
+            optimizer,
+            rank=rank,
+            listen=listen,
+            bootstrap=bootstrap,
+            topology=config.topology,
+            algorithm="allreduce" if config.mode == "ring" else config.algorithm,
+            codec=config.codec,
+            trigger=config.trigger,
+            gamma=config.gamma or None,
+            loss=config.loss,
+            min_peers=1 if single else config.peers,
+            seed=config.seed,
+            round_timeout=config.round_timeout,
+            startup_timeout=config.startup_timeout,
+            max_message_bytes=int(config.max_message_mb * 2**20),
+            swarm_config=to_dict(config),
+            on_members=write_members,
+            on_listening=on_listening,
+        )
     try:
         result = _loop(config, run, peer, dataset, device, stop)
     except BaseException as exc:
@@ -130,10 +143,100 @@ def train_peer(
     return result
 
 
+def _server_worker(
+    config: Config,
+    dataset: Dataset,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int | None,
+    listen: str,
+    servers: list[str] | None,
+) -> ServerWorker:
+    """A worker of the parameter server at ``servers`` (one address per shard)."""
+    if rank is None or not servers or len(servers) != config.ps_shards:
+        raise PeerError(
+            f"a ps worker needs --rank and --servers with {config.ps_shards} address(es) "
+            f"(ps_shards); got rank {rank}, servers {servers}"
+        )
+    shard = shard_for(config, dataset, rank)
+    return ServerWorker(
+        model,
+        optimizer,
+        rank=rank,
+        servers=servers,
+        rule=config.ps,
+        codec=config.codec,
+        period=parse_trigger(config.trigger).period,
+        local_steps=fedavg_local_steps(len(shard), config.batch_size, config.local_epochs),
+        samples=len(shard),
+        listen=listen,
+        timeout=config.round_timeout,
+        max_message_bytes=int(config.max_message_mb * 2**20),
+        seed=config.seed,
+    )
+
+
+def run_shard(
+    config: Config,
+    shard: int,
+    listen: str,
+    run: RunDir,
+    *,
+    on_listening: Callable[[str], None] | None = None,
+    stop: threading.Event | None = None,
+) -> dict[str, Any]:
+    """Serve parameter-server shard ``shard`` until every worker left; its counters go to
+    ``servers/<shard>.json`` (rewritten about once a second)."""
+    dataset = load_dataset(config.dataset)
+    torch.manual_seed(config.seed)  # the workers' initial model
+    model = build_model(
+        config.model, dataset.input_shape, dataset.num_classes, list(config.hidden) or None
+    )
+    flat = parameters_to_vector(model.parameters()).detach()
+    a, b = chunk_bounds(flat.numel(), config.ps_shards)[shard]
+    sizes = [
+        len(p) for p in partition(dataset.y_train, config.peers, config.partition, config.seed)
+    ]
+    server = ShardServer(
+        flat[a:b],
+        rule=config.ps,
+        workers=config.peers,
+        shard=shard,
+        codec=config.codec,
+        staleness=config.staleness,
+        fraction=config.fraction,
+        rounds=fedavg_rounds(config.steps, sizes, config.batch_size, config.local_epochs),
+        seed=config.seed,
+        timeout=config.round_timeout,
+    )
+    path = run.server_stats(shard)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = [0.0]
+
+    def save(stats: dict[str, Any], force: bool = False) -> None:
+        if force or time.monotonic() - written[0] > 1.0:
+            write_json_atomic(path, {**stats, "time": round(time.monotonic() - start, 3)})
+            written[0] = time.monotonic()
+
+    start = time.monotonic()
+    stop = stop or threading.Event()
+    log.info("shard %d of %d: %d parameters, rule %s", shard, config.ps_shards, b - a, config.ps)
+    stats = serve(
+        server,
+        listen,
+        max_message_bytes=int(config.max_message_mb * 2**20),
+        on_listening=on_listening,
+        should_stop=stop.is_set,
+        on_tick=save,
+    )
+    save(stats, force=True)
+    return stats
+
+
 def _loop(
     config: Config,
     run: RunDir,
-    peer: Peer,
+    peer: Peer | ServerWorker,
     dataset: Dataset,
     device: torch.device,
     stop: threading.Event,
@@ -186,7 +289,7 @@ def _loop(
     try:
         accuracy, test_loss = evaluate(model, x_test, y_test)
         record(accuracy=round(accuracy, 6), test_loss=round(test_loss, 6), start=True)
-        while peer.steps < config.steps and not stop.is_set():
+        while not _finished(config, peer) and not stop.is_set():
             if drift is not None and peer.steps >= drift.step:  # once; a late joiner too
                 new_label = Drift.permutation(dataset.num_classes, config.seed)
                 perm = torch.as_tensor(new_label, device=device)
@@ -223,6 +326,13 @@ def _loop(
         metrics.close()
     log.info("peer %d: done at step %d, test accuracy %.4f", peer.id, peer.steps, accuracy)
     return final
+
+
+def _finished(config: Config, peer: Peer | ServerWorker) -> bool:
+    """A FedAvg worker runs until the server's last round; everyone else for ``steps``."""
+    if isinstance(peer, ServerWorker) and peer.rule == "fedavg":
+        return peer.done
+    return peer.steps >= config.steps
 
 
 def json_line(value: dict[str, Any]) -> str:

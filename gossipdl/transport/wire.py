@@ -44,6 +44,10 @@ KINDS = frozenset(
         "reply",  # dynamic trigger: a model sent in answer to a neighbour's sync
         "walk",  # gossip learning: a model on its random walk; its age (local steps) in the meta
         "chunk",  # ring all-reduce: one piece of one chunk; step and piece in the meta
+        "push",  # parameter server: a worker's update for one shard
+        "pull",  # parameter server: a worker asks for a shard's model (FedAvg: of a round)
+        "shard",  # parameter server: a shard's slice of the model, the answer to push or pull
+        "alive",  # parameter server: a worker's heartbeat
     }
 )
 

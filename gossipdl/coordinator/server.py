@@ -1,0 +1,346 @@
+"""One parameter-server shard: holds a slice of the model and combines the workers' pushes.
+
+With ``--ps-shards K`` the flat parameter vector is cut into K contiguous
+slices (``chunk_bounds``), one per server process, as in DistBelief; a worker
+talks to every shard and each shard runs the same rule on its slice.
+
+Workers push updates (their parameters minus the model they last pulled,
+through the run's codec) and get the shard's current slice back. The rule:
+
+* ``sync``: wait for every live worker's update of round t, apply their mean,
+  answer them all (H = 1 is synchronous SGD; H > 1 is parameter averaging);
+* ``async``: apply each update as it comes, by the ``staleness`` rule, and
+  answer at once (or, under SSP, once the slowest live worker catches up);
+* ``fedavg``: each round pick a fraction C of the workers, answer their pull
+  with the model, and apply the mean of their updates weighted by their
+  sample counts once all picked (live) workers pushed.
+
+Every message is handled on one thread, in arrival order. A worker unheard of
+for ``round_timeout`` seconds (workers send a heartbeat every second) is
+declared dead: rounds stop waiting for it, SSP stops holding others for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from gossipdl.compression import CodecError, Payload, build_codec
+from gossipdl.coordinator.staleness import parse_staleness
+from gossipdl.transport import Message, Transport, WireError, encode
+
+log = logging.getLogger(__name__)
+
+PS_RULES = ("sync", "async", "fedavg")
+HEARTBEAT_S = 1.0
+_TICK_S = 0.1
+
+
+@dataclass
+class WorkerState:
+    """What a shard knows about one worker."""
+
+    address: str
+    heard: float
+    clock: int = 0  # the worker's local steps at its last push
+    base: int = 0  # the shard version the worker last pulled
+    alive: bool = True
+
+
+@dataclass
+class Pending:
+    """A reply the shard owes a worker, sent when ``ready`` says so."""
+
+    worker: int
+    round: int
+    staleness: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def fedavg_pick(seed: int, index: int, workers: int, fraction: float) -> list[int]:
+    """The workers that train in round ``index``: max(1, round(C·N)) of them, the same on
+    every shard.
+
+    Example:
+        >>> fedavg_pick(0, 3, 8, 1.0)
+        [0, 1, 2, 3, 4, 5, 6, 7]
+    """
+    count = max(1, round(fraction * workers))
+    return sorted(random.Random(seed * 1_000_003 + index).sample(range(workers), count))
+
+
+class ShardServer:
+    """The state and rule of one shard; ``handle`` and ``tick`` run on the server thread."""
+
+    def __init__(
+        self,
+        initial: torch.Tensor,
+        *,
+        rule: str,
+        workers: int,
+        shard: int = 0,
+        codec: str = "none",
+        staleness: str = "scale",
+        fraction: float = 1.0,
+        rounds: int = 0,
+        seed: int = 0,
+        timeout: float = 10.0,
+    ) -> None:
+        if rule not in PS_RULES:
+            raise ValueError(f"ps rule {rule!r}; choose one of {', '.join(PS_RULES)}")
+        self.x = initial.detach().to(torch.float32).clone()
+        self.rule = rule
+        self.shard = shard
+        self.workers = workers
+        self.codec = build_codec(codec)
+        self.staleness = parse_staleness(staleness)
+        self.fraction = fraction
+        self.rounds = rounds
+        self.seed = seed
+        self.timeout = timeout
+        self.version = 0  # updates applied (async) or rounds completed (sync, fedavg)
+        self.round = 0
+        self.known: dict[int, WorkerState] = {}
+        self.updates: dict[int, tuple[torch.Tensor, float]] = {}  # this round's, by worker
+        self.soft: list[torch.Tensor] = []
+        self.pending: list[Pending] = []
+        self.round_started = time.monotonic()
+        self.staleness_seen: list[int] = []
+        self.max_lead = 0  # SSP: the largest clock lead of a worker we answered
+        self.outbox: list[tuple[str, list[Any]]] = []  # (address, frames) for the transport
+
+    # ----------------------------------------------------------------- messages
+    def handle(self, msg: Message, now: float) -> None:
+        """One message from a worker; WireError for anything malformed or out of place.
+        Replies are queued in ``outbox`` by ``tick``."""
+        worker = msg.sender
+        if not 0 <= worker < self.workers:
+            raise WireError("unknown_sender", f"worker id {worker} outside 0..{self.workers - 1}")
+        address = msg.meta.get("address")
+        if not (isinstance(address, str) and address.startswith("tcp://") and len(address) < 300):
+            raise WireError("bad_meta", f"reply address {address!r} is not a tcp:// address")
+        state = self.known.setdefault(worker, WorkerState(address, now))
+        state.heard, state.address = now, address
+        if not state.alive:
+            log.info("shard %d: worker %d is back", self.shard, worker)
+            state.alive = True
+        clock = msg.meta.get("clock", state.clock)
+        if not isinstance(clock, int) or isinstance(clock, bool) or clock < 0:
+            raise WireError("bad_meta", f"clock {clock!r} is not a step count")
+        if msg.kind == "alive":
+            return
+        if msg.kind == "leave":
+            state.alive = False
+            return
+        if msg.kind == "pull":
+            self._pull(worker, msg.round)
+        elif msg.kind == "push":
+            state.clock = clock
+            self._push(worker, state, msg)
+        else:
+            raise WireError("unexpected", f"a shard takes push, pull, alive, leave; got {msg.kind}")
+
+    def _pull(self, worker: int, round: int) -> None:
+        self.pending.append(Pending(worker, round))
+
+    def _push(self, worker: int, state: WorkerState, msg: Message) -> None:
+        update = self._decode(msg)
+        if self.rule == "async":
+            tau = self.version - state.base
+            self.staleness_seen.append(tau)
+            if self.staleness.kind == "soft":
+                self.soft.append(update)
+                if len(self.soft) >= self.staleness.bound:
+                    self.x.add_(torch.stack(self.soft).mean(0))
+                    self.soft.clear()
+                    self.version += 1
+            else:
+                self.x.add_(update, alpha=self.staleness.weight(tau))
+                self.version += 1
+            self.pending.append(Pending(worker, msg.round, tau))
+            return
+        if msg.round != self.round:
+            raise WireError("unexpected", f"update for round {msg.round}, shard at {self.round}")
+        samples = msg.meta.get("samples", 1) if self.rule == "fedavg" else 1
+        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+            raise WireError("bad_meta", f"samples {samples!r} is not a positive count")
+        self.updates[worker] = (update, float(samples))
+        if self.rule == "sync":
+            self.pending.append(Pending(worker, msg.round + 1))
+
+    def _decode(self, msg: Message) -> torch.Tensor:
+        if msg.codec != self.codec.spec:
+            raise WireError("bad_codec", f"codec {msg.codec!r}, this run uses {self.codec.spec!r}")
+        try:
+            return self.codec.decode(
+                Payload(tuple(msg.arrays), msg.meta.get("codec_meta", {})),
+                self.x.numel(),
+                torch.device("cpu"),
+            )
+        except CodecError as exc:
+            raise WireError("bad_payload", str(exc)) from None
+
+    # ----------------------------------------------------------------- progress
+    def tick(self, now: float) -> None:
+        """Declare silent workers dead, close a round when it is complete, send what is due."""
+        for worker, state in self.known.items():
+            if state.alive and now - state.heard > self.timeout:
+                state.alive = False
+                log.warning(
+                    "shard %d: worker %d silent for %.0fs; carrying on without it",
+                    self.shard,
+                    worker,
+                    now - state.heard,
+                )
+        if self.rule != "async" and self._round_complete():
+            self._close_round(now)
+        self.pending = [p for p in self.pending if not self._answer(p)]
+
+    def expected(self) -> list[int]:
+        """Workers whose update this round waits for: live ones (picked ones under FedAvg)."""
+        if self.rule == "fedavg":
+            picked = fedavg_pick(self.seed, self.round, self.workers, self.fraction)
+        else:
+            picked = list(range(self.workers))
+        return [w for w in picked if w not in self.known or self.known[w].alive]
+
+    def _round_complete(self) -> bool:
+        """Every expected update is in (a round nobody live was picked for is skipped)."""
+        if self.done:
+            return False
+        expected = self.expected()
+        return all(w in self.updates for w in expected) and (bool(self.updates) or not expected)
+
+    def _close_round(self, now: float) -> None:
+        if self.updates:
+            total = sum(weight for _, weight in self.updates.values())
+            mean = torch.zeros_like(self.x)
+            for update, weight in self.updates.values():
+                mean.add_(update, alpha=weight / total)
+            self.x.add_(mean)
+        self.updates.clear()
+        self.round += 1
+        self.version += 1
+        self.round_started = now
+
+    @property
+    def done(self) -> bool:
+        """FedAvg: every round has been run."""
+        return self.rule == "fedavg" and self.round >= self.rounds
+
+    def _answer(self, pending: Pending) -> bool:
+        """Send a reply if it is due; True once sent."""
+        state = self.known.get(pending.worker)
+        if state is None:
+            return True
+        meta: dict[str, Any] = {"shard": self.shard, "version": self.version}
+        if self.rule == "async":
+            live = [s.clock for s in self.known.values() if s.alive] or [state.clock]
+            slowest = min(live)
+            if state.alive and self.staleness.holds(state.clock, slowest):
+                return False
+            self.max_lead = max(self.max_lead, state.clock - slowest)
+            meta.update(staleness=pending.staleness, lead=state.clock - slowest)
+        elif pending.round > self.round:
+            return False
+        else:
+            meta["round"] = self.round
+            if self.rule == "fedavg":
+                meta["picked"] = pending.worker in fedavg_pick(
+                    self.seed, self.round, self.workers, self.fraction
+                )
+                meta["done"] = self.done
+        state.base = self.version
+        values = np.ascontiguousarray(self.x.numpy())
+        frames = encode("shard", -1 - self.shard, 0, self.round, [values], meta)
+        self.outbox.append((state.address, frames))
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """What a shard reports in its metrics."""
+        seen = self.staleness_seen
+        return {
+            "shard": self.shard,
+            "version": self.version,
+            "round": self.round,
+            "updates": len(seen) if self.rule == "async" else self.version,
+            "staleness_mean": float(np.mean(seen)) if seen else 0.0,
+            "staleness_max": max(seen, default=0),
+            "max_lead": self.max_lead,
+            "dead_workers": sorted(w for w, s in self.known.items() if not s.alive),
+        }
+
+
+def serve(
+    server: ShardServer,
+    listen: str,
+    *,
+    max_message_bytes: int = 1 << 30,
+    on_listening: Callable[[str], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_tick: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``server`` on ``listen`` until every worker left (or ``should_stop``); returns stats.
+
+    The receive thread only queues messages; this thread applies them, so the
+    shard's state has one writer.
+    """
+    inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+    transport = Transport(listen, inbox.put, max_message_bytes=max_message_bytes, name="server")
+    if on_listening is not None:
+        on_listening(transport.address)
+    try:
+        while not should_stop():
+            try:
+                msg = inbox.get(timeout=_TICK_S)
+            except queue.Empty:
+                msg = None
+            now = time.monotonic()
+            if msg is not None:
+                try:
+                    server.handle(msg, now)
+                except WireError as exc:
+                    transport.stats.drop(exc.reason)
+                    log.warning(
+                        "shard %d: dropped %s from %d: %s", server.shard, msg.kind, msg.sender, exc
+                    )
+            server.tick(now)
+            for address, frames in server.outbox:
+                transport.send(address, frames)
+            server.outbox.clear()
+            if on_tick is not None:
+                on_tick({**server.stats(), **transport.stats.snapshot()})
+            if (
+                server.known
+                and len(server.known) == server.workers
+                and not any(s.alive for s in server.known.values())
+            ):
+                break
+        return {**server.stats(), **transport.stats.snapshot()}
+    finally:
+        transport.close()
+
+
+def fedavg_local_steps(shard_size: int, batch_size: int, epochs: int) -> int:
+    """Local steps of a picked FedAvg worker per round: ``epochs`` passes over its shard.
+
+    Example:
+        >>> fedavg_local_steps(500, 32, 2)
+        32
+    """
+    return max(1, epochs * math.ceil(shard_size / batch_size))
+
+
+def fedavg_rounds(steps: int, shard_sizes: list[int], batch_size: int, epochs: int) -> int:
+    """FedAvg rounds so a worker picked every round takes about ``steps`` local steps."""
+    mean = sum(fedavg_local_steps(n, batch_size, epochs) for n in shard_sizes) / len(shard_sizes)
+    return max(1, math.ceil(steps / mean))
