@@ -54,6 +54,7 @@ class WorkerState:
     clock: int = 0  # the worker's local steps at its last push
     base: int = 0  # the shard version the worker last pulled
     alive: bool = True
+    left: bool = False  # said goodbye (a dead worker is not alive and did not leave)
 
 
 @dataclass
@@ -94,6 +95,7 @@ class ShardServer:
         rounds: int = 0,
         seed: int = 0,
         timeout: float = 10.0,
+        startup_timeout: float = 120.0,
     ) -> None:
         if rule not in PS_RULES:
             raise ValueError(f"ps rule {rule!r}; choose one of {', '.join(PS_RULES)}")
@@ -107,6 +109,7 @@ class ShardServer:
         self.rounds = rounds
         self.seed = seed
         self.timeout = timeout
+        self.startup_timeout = startup_timeout
         self.version = 0  # updates applied (async) or rounds completed (sync, fedavg)
         self.round = 0
         self.known: dict[int, WorkerState] = {}
@@ -114,6 +117,7 @@ class ShardServer:
         self.soft: list[torch.Tensor] = []
         self.pending: list[Pending] = []
         self.round_started = time.monotonic()
+        self.first_heard: float | None = None
         self.staleness_seen: list[int] = []
         self.max_lead = 0  # SSP: the largest clock lead of a worker we answered
         self.outbox: list[tuple[str, list[Any]]] = []  # (address, frames) for the transport
@@ -128,9 +132,11 @@ class ShardServer:
         address = msg.meta.get("address")
         if not (isinstance(address, str) and address.startswith("tcp://") and len(address) < 300):
             raise WireError("bad_meta", f"reply address {address!r} is not a tcp:// address")
+        if self.first_heard is None:
+            self.first_heard = now
         state = self.known.setdefault(worker, WorkerState(address, now))
         state.heard, state.address = now, address
-        if not state.alive:
+        if not state.alive and not state.left:
             log.info("shard %d: worker %d is back", self.shard, worker)
             state.alive = True
         clock = msg.meta.get("clock", state.clock)
@@ -139,7 +145,7 @@ class ShardServer:
         if msg.kind == "alive":
             return
         if msg.kind == "leave":
-            state.alive = False
+            state.alive, state.left = False, True
             return
         if msg.kind == "pull":
             self._pull(worker, msg.round)
@@ -191,7 +197,13 @@ class ShardServer:
 
     # ----------------------------------------------------------------- progress
     def tick(self, now: float) -> None:
-        """Declare silent workers dead, close a round when it is complete, send what is due."""
+        """Declare silent workers dead, close a round when it is complete, send what is due.
+
+        A worker never heard from counts as at step 0 until ``startup_timeout`` after the
+        first worker was heard from; then it is dead too."""
+        if self.first_heard is not None and now - self.first_heard > self.startup_timeout:
+            for worker in range(self.workers):
+                self.known.setdefault(worker, WorkerState("", self.first_heard))
         for worker, state in self.known.items():
             if state.alive and now - state.heard > self.timeout:
                 state.alive = False
@@ -244,8 +256,9 @@ class ShardServer:
             return True
         meta: dict[str, Any] = {"shard": self.shard, "version": self.version}
         if self.rule == "async":
-            live = [s.clock for s in self.known.values() if s.alive] or [state.clock]
-            slowest = min(live)
+            unseen = [0] * (self.workers - len(self.known))  # not started yet: at step 0
+            live = [s.clock for s in self.known.values() if s.alive] + unseen
+            slowest = min(live, default=state.clock)
             if state.alive and self.staleness.holds(state.clock, slowest):
                 return False
             self.max_lead = max(self.max_lead, state.clock - slowest)
@@ -276,7 +289,7 @@ class ShardServer:
             "staleness_mean": float(np.mean(seen)) if seen else 0.0,
             "staleness_max": max(seen, default=0),
             "max_lead": self.max_lead,
-            "dead_workers": sorted(w for w, s in self.known.items() if not s.alive),
+            "dead_workers": sorted(w for w, s in self.known.items() if not s.alive and not s.left),
         }
 
 

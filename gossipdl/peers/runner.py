@@ -208,6 +208,7 @@ def run_shard(
         rounds=fedavg_rounds(config.steps, sizes, config.batch_size, config.local_epochs),
         seed=config.seed,
         timeout=config.round_timeout,
+        startup_timeout=config.startup_timeout,
     )
     path = run.server_stats(shard)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,206 @@
+"""Parameter server: sync equals big-batch SGD, async staleness and the SSP bound, dead workers."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import last_record, small_config, start_peer, wait_for, write_config
+
+from gossipdl.config import ConfigError, load_config
+from gossipdl.coordinator import ServerWorker, ShardServer, Staleness, fedavg_pick, serve
+from gossipdl.coordinator.ring import chunk_bounds
+from gossipdl.experiments.launcher import launch
+from gossipdl.transport import Message, WireError
+
+WORKERS, STEPS, BATCH = 3, 12, 8
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + worker)
+    return torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+def _serve_shard(shard: int, shards: int, address: str) -> None:
+    torch.set_num_threads(1)
+    flat = torch.nn.utils.parameters_to_vector(_model().parameters()).detach()
+    a, b = chunk_bounds(flat.numel(), shards)[shard]
+    serve(ShardServer(flat[a:b], rule="sync", workers=WORKERS, shard=shard), address)
+
+
+def _work(rank: int, servers: list[str], results: Any) -> None:
+    torch.set_num_threads(1)
+    model = _model()
+    optimizer = _optimizer(model)
+    with ServerWorker(model, optimizer, rank=rank, servers=servers, rule="sync") as worker:
+        for step in range(STEPS):
+            x, y = _batch(rank, step)
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            worker.step()
+    results.put((rank, torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()))
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_ps_sync_every_step_is_sgd_on_the_global_batch(shards: int) -> None:
+    """Averaging parameters after every local SGD step (momentum, weight decay) is linear, so it
+    equals one process taking the same steps on all workers' batches at once."""
+    servers = [_free_address() for _ in range(shards)]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_serve_shard, args=(k, shards, a)) for k, a in enumerate(servers)]
+    procs += [ctx.Process(target=_work, args=(r, servers, results)) for r in range(WORKERS)]
+    for p in procs:
+        p.start()
+    finals = dict(results.get(timeout=120) for _ in range(WORKERS))
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    model = _model()
+    optimizer = _optimizer(model)
+    for step in range(STEPS):
+        batches = [_batch(w, step) for w in range(WORKERS)]
+        optimizer.zero_grad()
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    expected = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    assert not torch.allclose(expected, torch.nn.utils.parameters_to_vector(_model().parameters()))
+    for final in finals.values():
+        torch.testing.assert_close(torch.from_numpy(final), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_async_records_staleness_and_ssp_never_exceeds_its_bound(tmp_path: Path) -> None:
+    """A straggler 300x slower: under SSP with slack 1 no worker is answered more than 1 step
+    ahead of the slowest; every update's staleness is recorded by workers and the shard."""
+    config = small_config(
+        tmp_path, mode="ps", ps="async", staleness="ssp:1", peers=3, steps=60, slowdown="1:300"
+    )
+    summary = launch(config, progress=False)
+    assert summary["peers_finished"] == 3
+    (shard,) = summary["servers"]
+    assert shard["updates"] == 3 * 60
+    assert 0 < shard["max_lead"] <= 1  # the bound was reached, never passed
+    assert shard["staleness_max"] >= 1
+    for peer in range(3):
+        last = last_record(Path(config.out) / "peers" / f"{peer}.jsonl")
+        assert last is not None and last["max_lead"] <= 1
+        assert "staleness_mean" in last and "staleness_max" in last
+    free = launch(
+        config.replace(staleness="none", out=str(tmp_path / "free")), progress=False
+    )  # without the bound the fast workers run ahead of the straggler
+    assert free["servers"][0]["max_lead"] > 1
+
+
+def test_staleness_rules() -> None:
+    assert Staleness("scale").weight(0) == 1.0 and Staleness("scale").weight(5) == 0.2
+    assert Staleness("soft", 3).weight(5) == 1.0
+    assert Staleness("ssp", 1).holds(3, 1) and not Staleness("ssp", 1).holds(2, 1)
+    assert not Staleness("scale").holds(100, 0)
+    picks = [fedavg_pick(0, r, 10, 0.3) for r in range(20)]
+    assert all(len(p) == 3 for p in picks) and len({tuple(p) for p in picks}) > 1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"ps": "gossip"}, "ps = 'gossip'; choose one of sync, async, fedavg"),
+        ({"staleness": "soft:0"}, "soft sync needs S >= 1"),
+        ({"staleness": "late"}, "use none, scale, soft:S"),
+        ({"fraction": 0.0}, "fraction = 0.0; must be in"),
+        ({"ps_shards": 0}, "ps_shards = 0"),
+        ({"trigger": "dynamic:1%"}, "combines every worker's model"),
+    ],
+)
+def test_bad_ps_settings_fail_before_start(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(None, mode="ps", **change)
+
+
+def test_a_shard_drops_malformed_pushes_and_keeps_its_model() -> None:
+    server = ShardServer(torch.zeros(4), rule="async", workers=2)
+    ok = {"address": "tcp://127.0.0.1:1", "clock": 1}
+
+    def push(sender: int = 0, meta: Any = ok, arrays: Any = None, codec: str = "none") -> Message:
+        arrays = [torch.ones(4).numpy()] if arrays is None else arrays
+        return Message("push", sender, 0, 0, codec, arrays, meta)
+
+    server.handle(push(), 0.0)
+    for bad, reason in [
+        (push(sender=2), "unknown_sender"),
+        (push(meta={"clock": 1}), "bad_meta"),
+        (push(meta={**ok, "clock": -1}), "bad_meta"),
+        (push(arrays=[torch.ones(3).numpy()]), "bad_payload"),
+        (push(codec="fp16"), "bad_codec"),
+        (Message("params", 0, 0, 0, "none", [], ok), "unexpected"),
+    ]:
+        with pytest.raises(WireError) as err:
+            server.handle(bad, 0.0)
+        assert err.value.reason == reason
+    assert torch.equal(server.x, torch.ones(4))  # only the good push was applied
+
+
+@pytest.mark.parametrize("rule", ["async", "fedavg"])
+def test_a_killed_worker_does_not_stop_the_others(rule: str, tmp_path: Path) -> None:
+    """kill -9 worker 1 mid-run: the shard declares it dead after round_timeout and the other
+    workers finish every step."""
+    config = small_config(
+        tmp_path, mode="ps", ps=rule, peers=3, steps=2000, round_timeout=3.0,
+        slowdown="0:20,1:20,2:20",  # a few ms per step, so the kill lands mid-run
+    )  # fmt: skip
+    path = write_config(tmp_path / "ps.toml", config)
+    out = tmp_path / "run"
+    server_log = tmp_path / "server.log"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gossipdl", "server", "--config", str(path), "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=server_log.open("w"), text=True,
+    )  # fmt: skip
+    assert server.stdout is not None
+    address = server.stdout.readline().split()[-1]
+    workers = [
+        start_peer("--config", str(path), "--rank", str(i), "--servers", address,
+                   "--out", str(out), log=tmp_path / f"w{i}.log")[0]
+        for i in range(3)
+    ]  # fmt: skip
+    try:
+        wait_for(lambda: (last_record(out / "peers" / "1.jsonl") or {}).get("step", 0) >= 20,
+                 60, "worker 1 to train")  # fmt: skip
+        os.kill(workers[1].pid, signal.SIGKILL)
+        for i in (0, 2):
+            assert workers[i].wait(timeout=120) == 0, (tmp_path / f"w{i}.log").read_text()
+            last = last_record(out / "peers" / f"{i}.jsonl")
+            assert last is not None and last["final"] and not last["stopped_early"]
+        assert server.wait(timeout=30) == 0
+        assert "worker 1 silent" in server_log.read_text()
+        stats = json.loads((out / "servers" / "0.json").read_text())
+        assert 1 in stats["dead_workers"]
+    finally:
+        for proc in [*workers, server]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
