@@ -118,11 +118,10 @@ def run(
         config = load_config(config_file, **overrides)
         if not config.out:
             config = config.replace(out=str(default_run_dir()))
-        when = "" if config.trigger == "always" else f", trigger {config.trigger}"
         console.print(
-            f"[bold]gossipdl[/] {config.mode}: {config.processes} peer(s), {config.topology}, "
-            f"{config.algorithm}{when}, {config.model} on {config.dataset} "
-            f"({config.partition}), {config.steps} steps → {config.out}"
+            f"[bold]gossipdl[/] {config.mode}: {config.processes} peer(s), {_how(config)}, "
+            f"{config.model} on {config.dataset} ({config.partition}), {config.steps} steps "
+            f"→ {config.out}"
         )
         summary = launch(config, progress=progress, console=console)
     except ConfigError as exc:
@@ -132,6 +131,18 @@ def run(
         _fail(str(exc))
         return
     Console().print(summary_table(summary, title=f"gossipdl run · {config.out}"))
+
+
+def _how(config: Config) -> str:
+    """How the run combines its workers, in a few words for the banner."""
+    every = "" if config.trigger == "always" else f", {config.trigger}"
+    if config.mode == "ring":
+        what = "gradients" if config.trigger == "always" else f"parameters{every}"
+        return f"ring all-reduce of {what}, codec {config.codec}"
+    if config.mode == "ps":
+        rule = f"async, staleness {config.staleness}" if config.ps == "async" else config.ps
+        return f"parameter server ({rule}{every}), {config.ps_shards} shard(s)"
+    return f"{config.topology}, {config.algorithm}{every}"
 
 
 def _stop_on_signals(training: threading.Event, stop: threading.Event) -> None:

@@ -133,7 +133,7 @@ class RingAllReduce:
             self._upstream = (culprit, time.monotonic())
             return
         step, piece = msg.meta.get("step"), msg.meta.get("piece")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, piece)):
+        if type(step) is not int or type(piece) is not int:  # bool is not a count either
             raise WireError("bad_meta", f"chunk step {step!r} / piece {piece!r} not integers")
         if not 0 <= step < 2 * (self.size - 1):
             raise WireError("bad_meta", f"chunk step {step} is outside 0..{2 * self.size - 3}")
