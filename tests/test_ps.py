@@ -204,3 +204,41 @@ def test_a_killed_worker_does_not_stop_the_others(rule: str, tmp_path: Path) -> 
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def test_fedavg_weights_updates_by_sample_count_and_picks_the_same_workers_per_round() -> None:
+    server = ShardServer(torch.zeros(2), rule="fedavg", workers=2, rounds=3)
+    meta = {"address": "tcp://127.0.0.1:1", "clock": 4}
+    for worker in range(2):
+        server.handle(Message("pull", worker, 0, 0, "none", [], meta), 0.0)
+    server.tick(0.0)
+    assert [f.meta["picked"] for f in _replies(server)] == [True, True]
+    for worker, (value, samples) in enumerate([(1.0, 1), (5.0, 3)]):
+        update = torch.full((2,), value).numpy()
+        server.handle(
+            Message("push", worker, 0, 0, "none", [update], {**meta, "samples": samples}), 0.0
+        )
+    server.tick(0.0)
+    assert torch.allclose(server.x, torch.full((2,), (1.0 * 1 + 5.0 * 3) / 4))
+    assert server.round == 1
+
+
+def _replies(server: ShardServer) -> list[Message]:
+    from gossipdl.transport import decode
+
+    replies = [decode(frames, 1 << 20) for _, frames in server.outbox]
+    server.outbox.clear()
+    return replies
+
+
+def test_sharded_async_with_a_sparse_codec_trains_on_fewer_bytes(tmp_path: Path) -> None:
+    base = small_config(tmp_path, mode="ps", ps="async", peers=3, steps=80, ps_shards=2)
+    dense = launch(base.replace(out=str(tmp_path / "dense")), progress=False)
+    sparse = launch(base.replace(codec="topk:0.1", out=str(tmp_path / "sparse")), progress=False)
+    assert len(sparse["servers"]) == 2 and sparse["peers_finished"] == 3
+    assert sparse["mean_accuracy"] > 0.6
+    worker_bytes = {
+        name: sum(p["bytes_sent"] for p in run["peers"])
+        for name, run in [("d", dense), ("s", sparse)]
+    }
+    assert worker_bytes["s"] < worker_bytes["d"] / 3  # pushes shrink; answers stay dense
