@@ -87,3 +87,25 @@ def test_triggers_benchmark_counts_transmissions_and_plots_the_drift(tmp_path: P
     assert set(result["meta"]["drift"]) == {"periodic:10", "dynamic:1%:10"}
     png = Path(result["meta"]["plot"]).read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_allreduce_benchmark_compares_the_ring_with_gloo(tmp_path: Path) -> None:
+    result = run_benchmark("allreduce", tmp_path, "--quick")
+    rows = {row["impl"]: row for row in result["rows"]}
+    assert set(rows) == {"gossipdl", "gloo"} and len(result["rows"]) == 2
+    for row in rows.values():
+        assert {"impl", "procs", "numel", "median_ms", "times_ms", "correct"} <= row.keys()
+        assert (row["procs"], row["numel"]) == (2, 100_000) and len(row["times_ms"]) == 3
+        assert row["correct"] is True and row["median_ms"] > 0
+    assert rows["gossipdl"]["ratio"] > 0
+    assert {"target", "met"} <= result["meta"].keys()
+
+
+def test_modes_benchmark_runs_ring_and_ps_side_by_side(tmp_path: Path) -> None:
+    result = run_benchmark("modes", tmp_path, "--quick", "--only", "ring,ps-async-ssp")
+    rows = {row["setting"]: row for row in result["rows"]}
+    assert set(rows) == {"ring", "ps-async-ssp"}
+    for row in rows.values():
+        assert row["peers_finished"] == 3 and 0.5 < row["accuracy"] <= 1
+        assert row["bytes"] > 0 and row["wall_time_s"] > 0
+    assert rows["ps-async-ssp"]["server_bytes"] > 0 and rows["ring"]["server_bytes"] == 0

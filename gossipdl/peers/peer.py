@@ -240,7 +240,7 @@ class Peer:
         if not self.reduces_gradients:  # gradients were averaged before the local step
             x = self._flat()
             if self.ring:
-                new = self._ring_for().allreduce_mean(x)
+                new = self._ring_for().allreduce_mean_(x)
             elif self.averager.asynchronous:
                 new = self._walk_round(x, t)
             else:
@@ -261,7 +261,7 @@ class Peer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self.params if p.grad is not None]
-        vector_to_parameters(self._ring_for().allreduce_mean(parameters_to_vector(grads)), grads)
+        vector_to_parameters(self._ring_for().allreduce_mean_(parameters_to_vector(grads)), grads)
 
     def _ring_for(self) -> RingAllReduce:
         """The ring over the members the swarm formed with (built once, by either thread)."""
