@@ -8,13 +8,14 @@ What it measures
     back to back in the same processes:
 
     * ``gossipdl``: ``RingGroup(rank, addresses, numel, codec="none")`` and
-      ``allreduce_mean(x)`` (reduce-scatter + all-gather over gossipdl's
-      ZeroMQ transport, sums in numpy); it returns a new tensor;
+      ``allreduce_mean_(t)`` (reduce-scatter + all-gather over gossipdl's
+      ZeroMQ transport, sums in numpy, every received piece validated), in
+      place on ``t``, a clone of the input made before the timed region;
     * ``gloo``: ``dist.all_reduce(t)`` on a process group initialised with
       ``init_process_group("gloo", init_method="tcp://127.0.0.1:PORT")``,
       followed by ``t /= world_size``. gloo's all-reduce is a SUM, so the
-      division is timed with it to compare the same result, a mean; ``t`` is a
-      clone of the input made before the timed region (gloo works in place).
+      division is timed with it to compare the same result, a mean; ``t`` is
+      likewise a clone made before the timed region.
 
     Each config gets fresh addresses and a fresh gloo port chosen by the parent.
     A repetition is one call of each implementation (gossipdl, then gloo), so

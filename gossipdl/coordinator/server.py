@@ -28,7 +28,7 @@ import queue
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -64,7 +64,6 @@ class Pending:
     worker: int
     round: int
     staleness: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def fedavg_pick(seed: int, index: int, workers: int, fraction: float) -> list[int]:
@@ -116,7 +115,6 @@ class ShardServer:
         self.updates: dict[int, tuple[torch.Tensor, float]] = {}  # this round's, by worker
         self.soft: list[torch.Tensor] = []
         self.pending: list[Pending] = []
-        self.round_started = time.monotonic()
         self.first_heard: float | None = None
         self.staleness_seen: list[int] = []
         self.max_lead = 0  # SSP: the largest clock lead of a worker we answered
@@ -214,7 +212,7 @@ class ShardServer:
                     now - state.heard,
                 )
         if self.rule != "async" and self._round_complete():
-            self._close_round(now)
+            self._close_round()
         self.pending = [p for p in self.pending if not self._answer(p)]
 
     def expected(self) -> list[int]:
@@ -232,7 +230,8 @@ class ShardServer:
         expected = self.expected()
         return all(w in self.updates for w in expected) and (bool(self.updates) or not expected)
 
-    def _close_round(self, now: float) -> None:
+    def _close_round(self) -> None:
+        """Apply the mean of this round's updates (weighted by samples) and start the next."""
         if self.updates:
             total = sum(weight for _, weight in self.updates.values())
             mean = torch.zeros_like(self.x)
@@ -242,7 +241,6 @@ class ShardServer:
         self.updates.clear()
         self.round += 1
         self.version += 1
-        self.round_started = now
 
     @property
     def done(self) -> bool:
