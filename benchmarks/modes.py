@@ -13,6 +13,7 @@ What it measures
       of 4 updates, and stale synchronous parallel with slack 2;
     * ``fedavg``: FedAvg, half the workers per round, one local epoch each;
     * ``ring``: ring all-reduce of the gradients every step;
+    * ``ring-powersgd``: the same with PowerSGD rank 2 (low-rank factors only);
     * ``gossip-dense``: dense gossip (D-PSGD) on a ring;
     * ``gossip-choco``: CHOCO-SGD with ``topk:0.01`` on a ring.
 
@@ -53,6 +54,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "ps-async-ssp": {"mode": "ps", "ps": "async", "staleness": "ssp:2"},
     "fedavg": {"mode": "ps", "ps": "fedavg", "fraction": 0.5, "local_epochs": 1},
     "ring": {"mode": "ring"},
+    "ring-powersgd": {"mode": "ring", "codec": "powersgd:2"},
     "gossip-dense": {"mode": "gossip", "topology": "ring", "codec": "none"},
     "gossip-choco": {"mode": "gossip", "topology": "ring", "codec": "topk:0.01"},
 }
@@ -82,7 +84,9 @@ def describe(config: Config) -> str:
         return f"ps {rule.get(config.ps, config.ps)}"
     if config.mode == "gossip":
         return f"{config.topology}, codec {config.codec}"
-    return {"ring": "all-reduce of gradients", "single": "one process, global batch"}[config.mode]
+    if config.mode == "ring":
+        return f"all-reduce of gradients, codec {config.codec}"
+    return "one process, global batch"
 
 
 def run_setting(key: str, config: Config) -> dict[str, Any]:

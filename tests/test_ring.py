@@ -20,6 +20,7 @@ from conftest import last_record, small_config, start_peer, wait_for, write_conf
 
 from gossipdl.config import ConfigError, load_config
 from gossipdl.coordinator import RingAllReduce, RingGroup, check_ring_codec, chunk_bounds
+from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
 from gossipdl.experiments.launcher import launch, preflight
 from gossipdl.transport import Message, WireError
 
@@ -76,6 +77,64 @@ def test_ring_allreduce_is_the_exact_mean_for_2_to_5_processes() -> None:
             # fp16 rounds each of the N-1 partial sums it sends; float32 only the additions
             tolerance = 5e-3 * n if codec == "fp16" else 1e-6
             np.testing.assert_allclose(mean, exact, atol=tolerance, rtol=0)
+
+
+SHAPES = [(30, 20), (20,), (7, 3, 4), (5,)]
+
+
+def _low_rank_values(rank: int, step: int) -> torch.Tensor:
+    """Every matrix is (scale_rank · u vᵀ), rank 1 with the same u, v on every rank, so the
+    mean is rank 1 too; the vectors are arbitrary."""
+    g = torch.Generator().manual_seed(step)
+    parts = []
+    for shape in SHAPES:
+        if len(shape) >= 2:
+            rows, cols = shape[0], int(np.prod(shape[1:]))
+            u, v = torch.randn(rows, 1, generator=g), torch.randn(1, cols, generator=g)
+            parts.append(((rank + 1) * (u @ v)).reshape(-1))
+        else:
+            parts.append(torch.randn(shape, generator=torch.Generator().manual_seed(rank + 99)))
+    return torch.cat(parts)
+
+
+def _low_rank_main(rank: int, addresses: list[list[str]], results: Any) -> None:
+    torch.set_num_threads(1)
+    groups: list[RingGroup] = []
+
+    def make_ring(numel: int) -> RingAllReduce:
+        groups.append(RingGroup(rank, addresses[0], numel))
+        return groups[-1].ring
+
+    reducer = LowRankAllReduce(SHAPES, 1, make_ring, seed=3)
+    out = [reducer.allreduce_mean_(_low_rank_values(rank, step)).numpy() for step in range(3)]
+    results.put((rank, out, reducer.error.abs().max().item(), groups[0].ring.numel))
+    for group in groups:
+        group.close()
+
+
+def test_powersgd_over_the_ring_is_exact_for_a_low_rank_mean_and_equal_on_every_rank() -> None:
+    n = 3
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    addresses = [_free_addresses(n)]
+    procs = [ctx.Process(target=_low_rank_main, args=(r, addresses, results)) for r in range(n)]
+    for p in procs:
+        p.start()
+    got = {
+        rank: (out, error, length)
+        for rank, out, error, length in (results.get(timeout=120) for _ in range(n))
+    }
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    for step in range(3):
+        exact = torch.stack([_low_rank_values(r, step) for r in range(n)]).mean(0).numpy()
+        for rank in range(n):
+            np.testing.assert_allclose(got[rank][0][step], exact, atol=1e-4, rtol=1e-4)
+            assert np.array_equal(got[rank][0][step], got[0][0][step])
+    assert all(error < 1e-3 for _, error, _ in got.values())
+    # P (30 + 7 rows, rank 1) and the 25 vector values, or Q (20 + 12 cols): 62 < 770 values
+    assert got[0][2] == 30 + 7 + 20 + 5
 
 
 def test_chunks_cover_the_vector_with_sizes_within_one() -> None:
@@ -139,6 +198,15 @@ def test_ring_mode_trains_identical_models_with_2_n_minus_1_over_n_of_the_model_
     # per all-reduce each chunk crosses each of the 2(N-1) steps once: 2(N-1) float32 models
     payload = 40 * 2 * (3 - 1) * 4 * numel
     assert payload <= sent <= payload * 1.01 + 3000  # + start-up and leave messages
+
+
+def test_ring_mode_with_powersgd_trains_identical_models_on_fewer_bytes(tmp_path: Path) -> None:
+    config = small_config(tmp_path, mode="ring", peers=3, steps=60, model="mlp", hidden=(32,))
+    dense = launch(config.replace(out=str(tmp_path / "dense")), progress=False)
+    low = launch(config.replace(codec="powersgd:1", out=str(tmp_path / "low")), progress=False)
+    assert low["peers_finished"] == 3 and low["consensus_distance"] == 0
+    assert low["mean_accuracy"] > 0.6
+    assert low["total_bytes_sent"] < dense["total_bytes_sent"] / 2
 
 
 def test_a_dead_member_stops_the_ring_within_its_timeout_naming_it(tmp_path: Path) -> None:

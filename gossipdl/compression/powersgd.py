@@ -18,7 +18,7 @@ from gossipdl.compression.base import (
     check_vector,
 )
 
-__all__ = ["PowerSGD", "matrix_shape"]
+__all__ = ["PowerSGD", "as_matrix", "matrix_shape", "reconstruct"]
 
 
 def matrix_shape(numel: int) -> tuple[int, int]:
@@ -27,6 +27,33 @@ def matrix_shape(numel: int) -> tuple[int, int]:
         return 0, 0
     rows = math.isqrt(numel - 1) + 1  # ceil(sqrt(numel))
     return rows, -(-numel // rows)
+
+
+def reconstruct(p: torch.Tensor, q: torch.Tensor, numel: int) -> torch.Tensor:
+    """``Σ_j P̂[:, j] Q[:, j]ᵀ`` (rows × cols) flattened and cropped to ``numel``, in a fixed
+    order of elementwise operations, so every machine computes the same bits."""
+    rows, cols = p.shape[0], q.shape[0]
+    out = torch.empty(rows * cols, dtype=torch.float32, device=p.device)
+    if numel == 0:
+        return out
+    matrix = out.view(rows, cols)
+    if p.shape[1] == 0:
+        return out.zero_()[:numel]
+    torch.mul(p[:, 0:1], q[:, 0].view(1, cols), out=matrix)
+    for j in range(1, p.shape[1]):
+        matrix.add_(p[:, j : j + 1] * q[:, j].view(1, cols))
+    return out[:numel]
+
+
+def as_matrix(v: torch.Tensor) -> torch.Tensor:
+    """``v`` laid out row-major as the near-square ``matrix_shape`` matrix (zero padded)."""
+    numel = v.numel()
+    rows, cols = matrix_shape(numel)
+    if rows * cols == numel:
+        return v.view(rows, cols)
+    m = torch.zeros(rows * cols, dtype=v.dtype, device=v.device)
+    m[:numel] = v
+    return m.view(rows, cols)
 
 
 class PowerSGD(Codec):
@@ -84,33 +111,13 @@ class PowerSGD(Codec):
             )
         return q
 
-    def _reconstruct(self, p: torch.Tensor, q: torch.Tensor, numel: int) -> torch.Tensor:
-        """Step 4, shared by encode and decode: ``Σ_j P̂[:, j] Q[:, j]ᵀ`` cropped to ``numel``."""
-        rows, cols = matrix_shape(numel)
-        out = torch.empty(rows * cols, dtype=torch.float32, device=p.device)
-        if numel == 0:
-            return out
-        matrix = out.view(rows, cols)
-        if p.shape[1] == 0:
-            return out.zero_()[:numel]
-        torch.mul(p[:, 0:1], q[:, 0].view(1, cols), out=matrix)
-        for j in range(1, p.shape[1]):
-            matrix.add_(p[:, j : j + 1] * q[:, j].view(1, cols))
-        return out[:numel]
-
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         v = check_vector(x)
         numel = v.numel()
         if numel == 0:
             empty_arrays = (np.zeros(0, np.float32), np.zeros(0, np.float32))
             return Payload(empty_arrays, {}), torch.zeros(0, device=v.device)
-        rows, cols = matrix_shape(numel)
-        if rows * cols == numel:
-            m = v.view(rows, cols)
-        else:
-            m = torch.zeros(rows * cols, dtype=v.dtype, device=v.device)
-            m[:numel] = v
-            m = m.view(rows, cols)
+        m = as_matrix(v)
         q = self._start(numel, v.device)
         # 1. P ← M Q
         p = m @ q
@@ -119,7 +126,7 @@ class PowerSGD(Codec):
         # 3. Q ← Mᵀ P̂
         q = (m.T @ p).contiguous()
         # 4. the receiver's value P̂ Qᵀ.
-        estimate = self._reconstruct(p, q, numel)
+        estimate = reconstruct(p, q, numel)
         payload = Payload((to_host(p).reshape(-1).copy(), to_host(q).reshape(-1).copy()), {})
         self._keep_warm(numel, v.device, q)
         return payload, estimate
@@ -144,4 +151,4 @@ class PowerSGD(Codec):
         device = torch.device(device)
         p_t = from_host(p, device).view(rows, rank)
         q_t = from_host(q, device).view(cols, rank)
-        return self._reconstruct(p_t, q_t, numel)
+        return reconstruct(p_t, q_t, numel)

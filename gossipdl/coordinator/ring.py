@@ -22,6 +22,7 @@ a ring with a dead member stops instead of hanging.
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ import torch
 from gossipdl.transport.sockets import Transport
 from gossipdl.transport.wire import Message, WireError, encode
 
-RING_CODECS = ("none", "fp16")
+RING_CODECS = ("none", "fp16", "powersgd:RANK")  # see ring_powersgd for the low-rank one
 DEFAULT_PIECE = 1 << 22  # values per message (16 MB of float32): fastest of 1M-8M measured
 RING_SEND_HWM = 4096  # a whole all-reduce's pieces may queue for a successor that is starting
 _POLL_S = 0.2
@@ -64,7 +65,7 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
 
 def check_ring_codec(codec: str) -> None:
     """Reject a codec that reduce-scatter cannot carry, explaining why."""
-    if codec in RING_CODECS:
+    if codec in ("none", "fp16") or re.fullmatch(r"powersgd:[1-9]\d*", codec):
         return
     raise ValueError(
         f"codec {codec!r} cannot ride a ring all-reduce: every hop adds the incoming chunk to "
@@ -106,6 +107,8 @@ class RingAllReduce:
         self.me = me
         self.successor = self.ids[(self.rank + 1) % self.size]
         self.predecessor = self.ids[(self.rank - 1) % self.size]
+        if codec not in ("none", "fp16"):
+            raise ValueError(f"a ring carries none or fp16 values, got {codec!r}")
         self.codec = codec
         self.wire_dtype = np.dtype(np.float16 if codec == "fp16" else np.float32)
         self.timeout = timeout

@@ -27,6 +27,7 @@ from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.averaging.triggers import check_trigger, parse_trigger
 from gossipdl.compression import CodecError, Payload
 from gossipdl.coordinator.ring import RING_SEND_HWM, RingAllReduce, check_ring_codec
+from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
 from gossipdl.peers.inbox import Inbox
 from gossipdl.peers.membership import Member, Membership, parse_members
 from gossipdl.topologies import Topology, build_topology
@@ -144,7 +145,8 @@ class Peer:
         self.codec = self.averager.codec.spec
         self.topology_spec = "ring" if ring else topology
         self.ring = ring
-        self._ring: RingAllReduce | None = None
+        self._ring: RingAllReduce | None = None  # carries the chunks
+        self._reduce: RingAllReduce | LowRankAllReduce | None = None  # what a round calls
         self._ring_lock = threading.Lock()
         self.reduces_gradients = ring and optimizer is not None and self.trigger.period == 1
         self.seed = seed
@@ -240,7 +242,7 @@ class Peer:
         if not self.reduces_gradients:  # gradients were averaged before the local step
             x = self._flat()
             if self.ring:
-                new = self._ring_for().allreduce_mean_(x)
+                new = self._ring_round(x)
             elif self.averager.asynchronous:
                 new = self._walk_round(x, t)
             else:
@@ -261,22 +263,44 @@ class Peer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self.params if p.grad is not None]
-        vector_to_parameters(self._ring_for().allreduce_mean_(parameters_to_vector(grads)), grads)
+        vector_to_parameters(self._reducer().allreduce_mean_(parameters_to_vector(grads)), grads)
 
-    def _ring_for(self) -> RingAllReduce:
-        """The ring over the members the swarm formed with (built once, by either thread)."""
+    def _ring_round(self, x: torch.Tensor) -> torch.Tensor:
+        """The mean of the parameters; low-rank: the mean change since the last round."""
+        reducer = self._reducer()
+        if isinstance(reducer, RingAllReduce):
+            return reducer.allreduce_mean_(x)
+        self._reference += reducer.allreduce_mean_(x - self._reference)
+        return self._reference.clone()
+
+    def _reducer(self) -> RingAllReduce | LowRankAllReduce:
+        """The ring over the members the swarm formed with (built once, by either thread),
+        behind PowerSGD when the codec asks for it."""
         with self._ring_lock:
-            if self._ring is None:
-                self._ring = RingAllReduce(
-                    self.id,
-                    self.membership.active(0),
-                    self.numel,
-                    self._send_chunk,
-                    codec=self.codec,
-                    timeout=self.round_timeout,
-                    gone=self.membership.why_left,
-                )
-            return self._ring
+            if self._reduce is None:
+                ids = self.membership.active(0)
+
+                def make_ring(numel: int) -> RingAllReduce:
+                    return RingAllReduce(
+                        self.id,
+                        ids,
+                        numel,
+                        self._send_chunk,
+                        codec="fp16" if self.codec == "fp16" else "none",
+                        timeout=self.round_timeout,
+                        gone=self.membership.why_left,
+                    )
+
+                if self.codec.startswith("powersgd:"):
+                    rank = int(self.codec.split(":")[1])
+                    shapes = [p.shape for p in self.params]
+                    low_rank = LowRankAllReduce(
+                        shapes, rank, make_ring, seed=self.seed, device=self.device
+                    )
+                    self._reduce, self._ring = low_rank, low_rank.ring
+                else:
+                    self._reduce = self._ring = make_ring(self.numel)
+            return self._reduce
 
     def _send_chunk(self, peer_id: int, frames: list[Any]) -> None:
         member = self.membership.get(peer_id)
@@ -764,7 +788,9 @@ class Peer:
         elif msg.kind == "chunk":
             if not self.ring:
                 raise WireError("unexpected", "a chunk, but this swarm does not all-reduce")
-            self._ring_for().deliver(msg)
+            self._reducer()
+            assert self._ring is not None
+            self._ring.deliver(msg)
         elif msg.kind == "walk":
             age = msg.meta.get(WALK_AGE)
             if not isinstance(age, int) or isinstance(age, bool) or age < 0:
