@@ -19,7 +19,13 @@ import torch
 from conftest import last_record, small_config, start_peer, wait_for, write_config
 
 from gossipdl.config import ConfigError, load_config
-from gossipdl.coordinator import RingAllReduce, RingGroup, check_ring_codec, chunk_bounds
+from gossipdl.coordinator import (
+    RingAllReduce,
+    RingError,
+    RingGroup,
+    check_ring_codec,
+    chunk_bounds,
+)
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
 from gossipdl.experiments.launcher import launch, preflight
 from gossipdl.transport import Message, WireError
@@ -173,10 +179,26 @@ def test_a_malformed_chunk_is_dropped_with_a_reason() -> None:
         (chunk(arrays=(np.zeros(4, np.float16),)), "bad_payload"),
         (chunk(arrays=()), "bad_payload"),
         (chunk(rnd=5), "unexpected"),
+        # all-gather step 2: rank 1 receives the finished chunk 1 (values 4..6)
+        (
+            chunk(meta={"step": 2, "piece": 0}, arrays=(np.full(3, np.nan, np.float32),)),
+            "non_finite",
+        ),
     ]:
         with pytest.raises(WireError) as err:
             ring.deliver(bad)
         assert err.value.reason == reason
+
+
+def test_a_non_finite_partial_sum_stops_the_rank_that_completes_the_chunk() -> None:
+    """Reduce-scatter pieces are checked once, as a finished sum: NaN survives the addition."""
+    sent: list[Any] = []
+    ring = RingAllReduce(0, [0, 1], 4, lambda j, frames: sent.append(frames), timeout=5)
+    poisoned = np.array([1.0, np.nan], np.float32)  # rank 0 receives chunk 1 (values 2..3)
+    ring.deliver(Message("chunk", 1, 0, 0, "none", [poisoned], {"step": 0, "piece": 0}))
+    with pytest.raises(RingError, match="mean of chunk 1 is not finite"):
+        ring.allreduce_mean_(torch.zeros(4))
+    assert len(sent) == 1  # only its own chunk went out; the poisoned sum never did
 
 
 def test_ring_mode_trains_identical_models_with_2_n_minus_1_over_n_of_the_model_per_step(

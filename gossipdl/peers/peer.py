@@ -26,7 +26,12 @@ from gossipdl.averaging.base import dense_payload
 from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.averaging.triggers import check_trigger, parse_trigger
 from gossipdl.compression import CodecError, Payload
-from gossipdl.coordinator.ring import RING_SEND_HWM, RingAllReduce, check_ring_codec
+from gossipdl.coordinator.ring import (
+    RING_CHECKS_FINITE,
+    RING_SEND_HWM,
+    RingAllReduce,
+    check_ring_codec,
+)
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
 from gossipdl.peers.inbox import Inbox
 from gossipdl.peers.membership import Member, Membership, parse_members
@@ -200,6 +205,7 @@ class Peer:
             max_message_bytes=max_message_bytes,
             name="peer",
             send_hwm=RING_SEND_HWM if ring else 64,
+            finite_checked_by=RING_CHECKS_FINITE if ring else frozenset(),
         )
         self.address = self.transport.address
         try:

@@ -94,12 +94,14 @@ class Transport:
         max_message_bytes: int = 1 << 30,
         name: str = "peer",
         send_hwm: int = 64,
+        finite_checked_by: frozenset[str] = frozenset(),
     ) -> None:
         self.stats = TransportStats()
         self._on_message = on_message
         self._max_message_bytes = max_message_bytes
         self._name = name
         self._send_hwm = send_hwm
+        self._finite_checked_by = finite_checked_by
         self._ctx: zmq.Context = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -202,7 +204,7 @@ class Transport:
             self.stats.messages_received += 1
         message = None
         try:
-            message = decode(frames, self._max_message_bytes)
+            message = decode(frames, self._max_message_bytes, self._finite_checked_by)
             self._on_message(message)
         except WireError as exc:
             if exc.sender is None and message is not None:
