@@ -235,7 +235,7 @@ class ShardServer:
         if self.updates:
             total = sum(weight for _, weight in self.updates.values())
             mean = torch.zeros_like(self.x)
-            for update, weight in self.updates.values():
+            for _, (update, weight) in sorted(self.updates.items()):  # fixed order: same bits
                 mean.add_(update, alpha=weight / total)
             self.x.add_(mean)
         self.updates.clear()
