@@ -116,7 +116,7 @@ class ShardServer:
         self.soft: list[torch.Tensor] = []
         self.pending: list[Pending] = []
         self.first_heard: float | None = None
-        self.staleness_seen: list[int] = []
+        self.updates_applied = self.staleness_sum = self.staleness_max = 0  # async
         self.max_lead = 0  # SSP: the largest clock lead of a worker we answered
         self.outbox: list[tuple[str, list[Any]]] = []  # (address, frames) for the transport
 
@@ -160,7 +160,9 @@ class ShardServer:
         update = self._decode(msg)
         if self.rule == "async":
             tau = self.version - state.base
-            self.staleness_seen.append(tau)
+            self.updates_applied += 1
+            self.staleness_sum += tau
+            self.staleness_max = max(self.staleness_max, tau)
             if self.staleness.kind == "soft":
                 self.soft.append(update)
                 if len(self.soft) >= self.staleness.bound:
@@ -278,14 +280,14 @@ class ShardServer:
 
     def stats(self) -> dict[str, Any]:
         """What a shard reports in its metrics."""
-        seen = self.staleness_seen
+        count = self.updates_applied
         return {
             "shard": self.shard,
             "version": self.version,
             "round": self.round,
-            "updates": len(seen) if self.rule == "async" else self.version,
-            "staleness_mean": float(np.mean(seen)) if seen else 0.0,
-            "staleness_max": max(seen, default=0),
+            "updates": count if self.rule == "async" else self.version,
+            "staleness_mean": self.staleness_sum / count if count else 0.0,
+            "staleness_max": self.staleness_max,
             "max_lead": self.max_lead,
             "dead_workers": sorted(w for w, s in self.known.items() if not s.alive and not s.left),
         }

@@ -80,7 +80,7 @@ class ServerWorker:
         self.syncs = 0
         self.model_messages_sent = 0
         self.idle_s = 0.0
-        self.staleness: list[int] = []
+        self.staleness_sum = self.staleness_count = self.staleness_max = 0
         self.max_lead = 0
         self._replies: dict[int, Message] = {}
         self._picked = True
@@ -98,7 +98,11 @@ class ServerWorker:
         self._beat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
         self._beat.start()
         if rule == "fedavg":
-            self._next_picked_round(0)
+            try:
+                self._next_picked_round(0)
+            except BaseException:
+                self.close(reason="no first round")
+                raise
 
     # ----------------------------------------------------------------- public API
     def step(self) -> None:
@@ -123,7 +127,7 @@ class ServerWorker:
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics, with the staleness of this worker's updates (async)."""
-        seen = self.staleness
+        count = self.staleness_count
         return {
             **self.transport.stats.snapshot(),
             "round": self.round,
@@ -134,8 +138,8 @@ class ServerWorker:
             "idle_s": round(self.idle_s, 4),
             **(
                 {
-                    "staleness_mean": round(float(np.mean(seen)), 3) if seen else 0.0,
-                    "staleness_max": max(seen, default=0),
+                    "staleness_mean": round(self.staleness_sum / count, 3) if count else 0.0,
+                    "staleness_max": self.staleness_max,
                     "max_lead": self.max_lead,
                 }
                 if self.rule == "async"
@@ -217,7 +221,10 @@ class ServerWorker:
         self.done = bool(first.get("done", False))
         self._picked = all(r.meta.get("picked", True) for r in replies.values())
         if self.rule == "async":
-            self.staleness.append(max(r.meta.get("staleness", 0) for r in replies.values()))
+            tau = max(r.meta.get("staleness", 0) for r in replies.values())
+            self.staleness_sum += tau
+            self.staleness_count += 1
+            self.staleness_max = max(self.staleness_max, tau)
             self.max_lead = max(self.max_lead, *(r.meta.get("lead", 0) for r in replies.values()))
 
     def _next_picked_round(self, round: int) -> None:
