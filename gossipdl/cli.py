@@ -217,10 +217,14 @@ def _train(
 @app.command()
 def peer(
     config_file: Path | None = typer.Option(None, "--config", help="TOML experiment file."),
-    listen: str = typer.Option("tcp://127.0.0.1:0", help="Address to bind (port 0: any free)."),
+    listen: str | None = typer.Option(
+        None, help="Address to bind (port 0: any free) [default: tcp://127.0.0.1:0]."
+    ),
     bootstrap: str | None = typer.Option(None, help="Address of any member of the swarm to join."),
     rank: int | None = typer.Option(
-        None, help="Peer id to ask for (default: founder 0 / next free)."
+        None,
+        help="Peer id to ask for (default: founder 0 / next free; under torchrun or srun: "
+        "RANK / SLURM_PROCID).",
     ),
     out: str | None = typer.Option(None, help="Run directory [default: runs/<timestamp>]."),
     threads: int | None = typer.Option(None, help="torch threads [default: torch's choice]."),
@@ -230,17 +234,38 @@ def peer(
         None, help="--mode ps: the shards' addresses, comma-separated, shard 0 first."
     ),
 ) -> None:
-    """Run one peer by hand: found a swarm, join one (--bootstrap), or work for --servers."""
+    """Run one peer by hand: found a swarm, join one (--bootstrap), or work for --servers.
+
+    Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or srun (SLURM_PROCID,
+    SLURM_NTASKS, SLURM_NODELIST) with no --rank or --bootstrap: rank 0 founds the swarm
+    on the master address and port, the others join it, and WORLD_SIZE sets the peers.
+    """
+    from gossipdl.peers.launch_env import LaunchEnvError, from_environment
+
     _setup_logging(rich=False)
     try:
         config = load_config(config_file)
-    except ConfigError as exc:
+        by_hand = rank is not None or bootstrap is not None or servers
+        launched = None if by_hand else from_environment(os.environ)
+        if launched is not None:
+            rank, local_index = launched.rank, launched.local_rank
+            bootstrap = None if launched.rank == 0 else launched.bootstrap
+            listen = listen or launched.listen
+            config = config.replace(peers=launched.world_size)
+            logging.getLogger(__name__).info(
+                "%s: rank %d of %d, swarm at %s",
+                launched.source,
+                rank,
+                launched.world_size,
+                launched.bootstrap,
+            )
+    except (ConfigError, LaunchEnvError) as exc:
         _fail(str(exc))
         return
     _train(
         config,
         rank=rank,
-        listen=listen,
+        listen=listen or "tcp://127.0.0.1:0",
         bootstrap=bootstrap,
         out=out,
         local_index=local_index,

@@ -1,0 +1,104 @@
+"""torchrun- and SLURM-style launches: rank, world size and bootstrap from the environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import gossipdl_cmd, small_config, write_config
+
+from gossipdl.peers.launch_env import LaunchEnvError, first_host, from_environment
+
+TORCHRUN = {"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "6000"}
+SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_NODELIST": "gpu[03-06]"}
+
+
+def test_torchrun_variables_give_rank_world_and_the_founder_address() -> None:
+    env = from_environment({**TORCHRUN, "LOCAL_RANK": "1"})
+    assert env is not None and (env.rank, env.world_size, env.local_rank) == (2, 4, 1)
+    assert env.bootstrap == "tcp://10.0.0.5:6000" and env.listen == "tcp://0.0.0.0:0"
+
+
+def test_slurm_variables_use_the_first_node_and_torchruns_default_port() -> None:
+    env = from_environment(SLURM)
+    assert env is not None and env.source == "slurm" and env.rank == 0
+    assert env.bootstrap == "tcp://gpu03:29500" and env.listen == "tcp://0.0.0.0:29500"
+    assert from_environment({**SLURM, "MASTER_ADDR": "head", "MASTER_PORT": "7"}).bootstrap == (
+        "tcp://head:7"
+    )
+
+
+def test_no_launcher_means_no_launch_env() -> None:
+    assert from_environment({"RANK": "1"}) is None and from_environment({}) is None
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "host"),
+    [("n1", "n1"), ("a,b", "a"), ("gpu[07-10,12],cpu1", "gpu07"), ("x[001]", "x001")],
+)
+def test_first_host_of_a_slurm_node_list(nodelist: str, host: str) -> None:
+    assert first_host(nodelist) == host
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({**TORCHRUN, "RANK": "x"}, "RANK='x' is not an integer"),
+        ({**TORCHRUN, "RANK": "4"}, "rank 4 is not below the world size 4"),
+        ({**TORCHRUN, "MASTER_PORT": "-1"}, "MASTER_PORT='-1'"),
+        ({**TORCHRUN, "MASTER_ADDR": " "}, "MASTER_ADDR is empty"),
+        ({**SLURM, "SLURM_NODELIST": "[1-2]"}, "names no host"),
+        ({**SLURM, "SLURM_NODELIST": "n[a-b]"}, "cannot read the range"),
+    ],
+)
+def test_bad_launcher_variables_are_named(env: dict[str, str], message: str) -> None:
+    with pytest.raises(LaunchEnvError, match=message.replace("[", r"\[")):
+        from_environment(env)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_peers_started_like_torchrun_or_srun_form_one_swarm(launcher: str, tmp_path: Path) -> None:
+    """Three `gossipdl peer` processes with only the launcher's variables (the config says 2
+    peers; the world size wins) train together to the end."""
+    config = small_config(tmp_path, peers=2, steps=40)
+    path = write_config(tmp_path / "job.toml", config)
+    port = str(_free_port())
+    procs = []
+    for rank in range(3):
+        if launcher == "torchrun":
+            extra = {"RANK": str(rank), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1"}
+        else:
+            extra = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "3", "SLURM_NODELIST": "localhost"}
+        env = {**os.environ, **extra, "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        for name in ("RANK", "SLURM_PROCID", "WORLD_SIZE", "SLURM_NTASKS"):
+            if name not in extra:
+                env.pop(name, None)
+        log = (tmp_path / f"{rank}.log").open("w")
+        cmd = gossipdl_cmd("peer", "--config", str(path), "--out", str(tmp_path / "run"))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log))
+    try:
+        for rank, proc in enumerate(procs):
+            assert proc.wait(timeout=120) == 0, (tmp_path / f"{rank}.log").read_text()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    for rank in range(3):
+        lines = (tmp_path / "run" / "peers" / f"{rank}.jsonl").read_text().splitlines()
+        final = json.loads(lines[-1])
+        assert final["final"] and final["step"] == 40 and final["syncs"] == 40
+    host = "127.0.0.1" if launcher == "torchrun" else "localhost"
+    assert (
+        f"{launcher}: rank 0 of 3, swarm at tcp://{host}:{port}" in (tmp_path / "0.log").read_text()
+    )
