@@ -20,7 +20,8 @@ SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_NODELIST": "gpu[03-06]
 def test_torchrun_variables_give_rank_world_and_the_founder_address() -> None:
     env = from_environment({**TORCHRUN, "LOCAL_RANK": "1"})
     assert env is not None and (env.rank, env.world_size, env.local_rank) == (2, 4, 1)
-    assert env.bootstrap == "tcp://10.0.0.5:6000" and env.listen == "tcp://0.0.0.0:0"
+    # torchrun's own store holds MASTER_PORT: the swarm takes the next one
+    assert env.bootstrap == "tcp://10.0.0.5:6001" and env.listen == "tcp://0.0.0.0:0"
 
 
 def test_slurm_variables_use_the_first_node_and_torchruns_default_port() -> None:
@@ -60,10 +61,17 @@ def test_bad_launcher_variables_are_named(env: dict[str, str], message: str) -> 
         from_environment(env)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_port_pair() -> int:
+    """A port p with p + 1 free too (torchrun-style peers take MASTER_PORT + 1)."""
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = int(a.getsockname()[1])
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
@@ -72,7 +80,7 @@ def test_peers_started_like_torchrun_or_srun_form_one_swarm(launcher: str, tmp_p
     peers; the world size wins) train together to the end."""
     config = small_config(tmp_path, peers=2, steps=40)
     path = write_config(tmp_path / "job.toml", config)
-    port = str(_free_port())
+    port = str(_free_port_pair())
     procs = []
     for rank in range(3):
         if launcher == "torchrun":
@@ -98,7 +106,6 @@ def test_peers_started_like_torchrun_or_srun_form_one_swarm(launcher: str, tmp_p
         lines = (tmp_path / "run" / "peers" / f"{rank}.jsonl").read_text().splitlines()
         final = json.loads(lines[-1])
         assert final["final"] and final["step"] == 40 and final["syncs"] == 40
-    host = "127.0.0.1" if launcher == "torchrun" else "localhost"
-    assert (
-        f"{launcher}: rank 0 of 3, swarm at tcp://{host}:{port}" in (tmp_path / "0.log").read_text()
-    )
+    host, at = ("127.0.0.1", int(port) + 1) if launcher == "torchrun" else ("localhost", port)
+    log = (tmp_path / "0.log").read_text()
+    assert f"{launcher}: rank 0 of 3, swarm at tcp://{host}:{at}" in log

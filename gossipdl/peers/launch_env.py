@@ -5,7 +5,9 @@ torchrun (and ``torch.distributed.run``) sets ``RANK``, ``WORLD_SIZE``,
 ``SLURM_NTASKS`` and ``SLURM_NODELIST``. Rank 0 founds the swarm on the
 master address; every other rank joins through it. Under SLURM the master is
 the first node of the allocation unless ``MASTER_ADDR`` says otherwise, and
-the port is ``MASTER_PORT`` or 29500, torchrun's default.
+the port is ``MASTER_PORT`` or 29500, torchrun's default. Under torchrun the
+swarm uses ``MASTER_PORT + 1``: torchrun's own rendezvous store already
+listens on ``MASTER_PORT``.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def from_environment(env: Mapping[str, str]) -> LaunchEnv | None:
         return None
     local_rank = _int(env, local, 0) if local in env else 0
     port = _int(env, "MASTER_PORT", 1) if "MASTER_PORT" in env else DEFAULT_PORT
+    if source == "torchrun":
+        port += 1  # torchrun's rendezvous store holds MASTER_PORT itself
     if rank >= world:
         raise LaunchEnvError(f"rank {rank} is not below the world size {world} ({source})")
     if not host.strip():
