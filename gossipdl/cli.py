@@ -104,6 +104,7 @@ def run(
     device: str | None = _opt("device"),
     threads: int | None = _opt("threads"),
     max_message_mb: float | None = _opt("max_message_mb", "--max-message-mb"),
+    max_message_rate: float | None = _opt("max_message_rate", "--max-message-rate"),
     host: str | None = _opt("host"),
     out: str | None = _opt("out"),
     progress: bool = typer.Option(True, help="Show the live per-peer progress display."),

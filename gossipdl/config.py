@@ -129,6 +129,10 @@ class Config:
     max_message_mb: float = field(
         default=1024.0, metadata={"help": "largest message a peer accepts, MiB"}
     )
+    max_message_rate: float = field(
+        default=20_000.0,
+        metadata={"help": "messages per second a peer accepts from one connection (0: no limit)"},
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "address launched peers listen on"})
     out: str = field(default="", metadata={"help": "run directory (default runs/<timestamp>)"})
 
@@ -307,7 +311,7 @@ def _validate(c: Config) -> None:
     )
     for name in ("steps", "batch_size", "log_every"):
         _check(getattr(c, name) >= 1, f"{name} = {getattr(c, name)}; must be at least 1")
-    for name in ("eval_every", "threads", "weight_decay"):
+    for name in ("eval_every", "threads", "weight_decay", "max_message_rate"):
         _check(getattr(c, name) >= 0, f"{name} = {getattr(c, name)}; must not be negative")
     for name in ("lr", "round_timeout", "startup_timeout", "max_message_mb"):
         _check(getattr(c, name) > 0, f"{name} = {getattr(c, name)}; must be positive")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -202,3 +203,34 @@ def test_a_choco_peer_drops_truncated_and_corrupted_compressed_payloads(tmp_path
     final = attack_live_peer(tmp_path, list(bad.values()), {"bad_payload": len(bad)},
                              codec=codec.spec)  # fmt: skip
     assert final["resyncs"] == 0 and final["neighbour_misses"] == 0
+
+
+def test_a_flooding_connection_is_rate_limited_while_others_get_through() -> None:
+    """One connection sends 2,000 messages at once against a limit of 200/s: about one
+    second's worth gets in, the rest is counted as rate_limited; a second, polite
+    connection loses nothing."""
+    from gossipdl.transport import Transport
+
+    got: list[int] = []
+    receiver = Transport("tcp://127.0.0.1:0", lambda m: got.append(m.sender), max_message_rate=200)
+    ctx = zmq.Context()
+    flood, polite = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for s in (flood, polite):
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.connect(receiver.address)
+    try:
+        for _ in range(2000):
+            flood.send_multipart(encode("quiet", 7, 0, 0))
+        for _ in range(20):
+            polite.send_multipart(encode("quiet", 8, 0, 0))
+            time.sleep(0.02)
+        wait_for(lambda: receiver.stats.snapshot()["messages_received"] == 2020, 30, "delivery")
+        dropped = receiver.stats.snapshot()["messages_dropped"].get("rate_limited", 0)
+        assert got.count(8) == 20
+        assert 200 <= got.count(7) <= 400 and got.count(7) + dropped == 2000
+    finally:
+        flood.close()
+        polite.close()
+        ctx.term()
+        receiver.close()

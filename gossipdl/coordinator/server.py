@@ -37,6 +37,7 @@ import torch
 from gossipdl.compression import CodecError, Payload, build_codec
 from gossipdl.coordinator.staleness import parse_staleness
 from gossipdl.transport import Message, Transport, WireError, encode
+from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +299,7 @@ def serve(
     listen: str,
     *,
     max_message_bytes: int = 1 << 30,
+    max_message_rate: float = DEFAULT_MESSAGE_RATE,
     on_listening: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     on_tick: Callable[[dict[str, Any]], None] | None = None,
@@ -308,7 +310,13 @@ def serve(
     shard's state has one writer.
     """
     inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
-    transport = Transport(listen, inbox.put, max_message_bytes=max_message_bytes, name="server")
+    transport = Transport(
+        listen,
+        inbox.put,
+        max_message_bytes=max_message_bytes,
+        name="server",
+        max_message_rate=max_message_rate,
+    )
     if on_listening is not None:
         on_listening(transport.address)
     try:

@@ -37,6 +37,7 @@ from gossipdl.peers.inbox import Inbox
 from gossipdl.peers.membership import Member, Membership, parse_members
 from gossipdl.topologies import Topology, build_topology
 from gossipdl.transport import Message, Transport, WireError, encode
+from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class Peer:
         round_timeout: float = 10.0,
         startup_timeout: float = 120.0,
         max_message_bytes: int = 1 << 30,
+        max_message_rate: float = DEFAULT_MESSAGE_RATE,
         join_margin_rounds: int = 20,
         swarm_config: dict[str, Any] | None = None,
         on_members: Callable[[list[Member]], None] | None = None,
@@ -206,6 +208,7 @@ class Peer:
             name="peer",
             send_hwm=RING_SEND_HWM if ring else 64,
             finite_checked_by=RING_CHECKS_FINITE if ring else frozenset(),
+            max_message_rate=max_message_rate,
         )
         self.address = self.transport.address
         try:

@@ -13,6 +13,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.wire import MAX_HEADER_BYTES, Message, WireError, decode
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,7 @@ class Transport:
         name: str = "peer",
         send_hwm: int = 64,
         finite_checked_by: frozenset[str] = frozenset(),
+        max_message_rate: float = DEFAULT_MESSAGE_RATE,
     ) -> None:
         self.stats = TransportStats()
         self._on_message = on_message
@@ -102,6 +105,7 @@ class Transport:
         self._name = name
         self._send_hwm = send_hwm
         self._finite_checked_by = finite_checked_by
+        self._limiter = RateLimiter(max_message_rate)
         self._ctx: zmq.Context = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -193,15 +197,22 @@ class Transport:
                         frames = self._router.recv_multipart(copy=False, flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._handle(frames[1:])  # frames[0] is the ROUTER's routing id
+                    # frames[0] is the ROUTER's routing id: one per connection
+                    if self._limiter.allow(frames[0].bytes, time.monotonic()):
+                        self._handle(frames[1:])
+                    else:
+                        self._count_received(frames[1:])
+                        self.stats.drop("rate_limited")
         finally:
             self._router.close()
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        size = sum(len(f) for f in frames)
+    def _count_received(self, frames: list[zmq.Frame]) -> None:
         with self.stats.lock:
-            self.stats.bytes_received += size
+            self.stats.bytes_received += sum(len(f) for f in frames)
             self.stats.messages_received += 1
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        self._count_received(frames)
         message = None
         try:
             message = decode(frames, self._max_message_bytes, self._finite_checked_by)
