@@ -95,8 +95,10 @@ def report(
     *,
     notes: Sequence[str] = (),
     console: Console | None = None,
+    json_rows: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Print ``rows`` as a table (plus ``notes`` under it) and write them to ``json_path``."""
+    """Print ``rows`` as a table (plus ``notes`` under it) and write them to ``json_path``
+    (or ``json_rows`` instead, when the JSON has other rows than the table)."""
     if console is None:
         console = Console()
         if not console.is_terminal:  # piped or captured: do not squeeze the table to 80 columns
@@ -110,7 +112,11 @@ def report(
     for note in notes:
         console.print(note)
     if json_path is not None:
-        document = {"benchmark": benchmark, "rows": rows, "meta": {**meta, "env": environment()}}
+        document = {
+            "benchmark": benchmark,
+            "rows": rows if json_rows is None else json_rows,
+            "meta": {**meta, "env": environment()},
+        }
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(document, indent=2) + "\n")
         console.print(f"wrote {json_path}")

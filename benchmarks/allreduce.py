@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing as mp
 import queue
 import re
@@ -67,7 +66,7 @@ import time
 from typing import Any
 
 import torch
-from _common import Column, add_json_option, environment, report
+from _common import Column, add_json_option, report
 
 IMPLS = ("gossipdl", "gloo")
 TARGET_PROCS, TARGET_NUMEL, TARGET_RATIO = 4, 25_000_000, 1.25
@@ -328,13 +327,10 @@ def main() -> None:
         columns,
         table,
         meta,
+        args.json,
         notes=notes,
+        json_rows=rows,
     )
-    if args.json is not None:
-        document = {"benchmark": "allreduce", "rows": rows, "meta": {**meta, "env": environment()}}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(document, indent=2) + "\n")
-        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
