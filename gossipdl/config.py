@@ -229,6 +229,8 @@ def _validate(c: Config) -> None:
     )
     from gossipdl.compression import CodecError, build_codec
     from gossipdl.coordinator.ring import check_ring_codec
+    from gossipdl.coordinator.server import PS_RULES
+    from gossipdl.coordinator.staleness import parse_staleness
     from gossipdl.data import available_datasets
     from gossipdl.models import available_models
     from gossipdl.peers.conditions import ConditionError, parse_drift, parse_slowdown
@@ -246,18 +248,14 @@ def _validate(c: Config) -> None:
             f"trigger = {c.trigger!r}: the {c.mode} mode combines every worker's model in "
             "every round; use always or periodic:H",
         )
-    if c.mode == "ps":
-        from gossipdl.coordinator.server import PS_RULES
-        from gossipdl.coordinator.staleness import parse_staleness
-
-        _check(c.ps in PS_RULES, f"ps = {c.ps!r}; choose one of {', '.join(PS_RULES)}")
-        try:
-            parse_staleness(c.staleness)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        _check(c.ps_shards >= 1, f"ps_shards = {c.ps_shards}; must be at least 1")
-        _check(c.local_epochs >= 1, f"local_epochs = {c.local_epochs}; must be at least 1")
-        _check(0 < c.fraction <= 1, f"fraction = {c.fraction}; must be in (0, 1]")
+    _check(c.ps in PS_RULES, f"ps = {c.ps!r}; choose one of {', '.join(PS_RULES)}")
+    try:
+        parse_staleness(c.staleness)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _check(c.ps_shards >= 1, f"ps_shards = {c.ps_shards}; must be at least 1")
+    _check(c.local_epochs >= 1, f"local_epochs = {c.local_epochs}; must be at least 1")
+    _check(0 < c.fraction <= 1, f"fraction = {c.fraction}; must be in (0, 1]")
     minimum = 1 if c.mode == "single" else 2
     _check(c.peers >= minimum, f"peers = {c.peers}; the {c.mode} mode needs at least {minimum}")
     if c.mode == "gossip":
