@@ -96,3 +96,16 @@ def with_header(message: list[Any], **changes: Any) -> list[Any]:
     """``message`` with header fields replaced: a hand-made malformed message."""
     header = {**msgpack.unpackb(bytes(message[0])), **changes}
     return [msgpack.packb(header), *message[1:]]
+
+
+def peer_pids(run_dir: Path) -> dict[int, int]:
+    """Peer processes of a launched run, found by their command lines: rank -> pid."""
+    pids = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"peer" in args and str(run_dir).encode() in args and b"--rank" in args:
+            pids[int(args[args.index(b"--rank") + 1])] = int(proc.name)
+    return pids

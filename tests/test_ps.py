@@ -15,7 +15,15 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import last_record, small_config, start_peer, wait_for, write_config
+from conftest import (
+    gossipdl_cmd,
+    last_record,
+    peer_pids,
+    small_config,
+    start_peer,
+    wait_for,
+    write_config,
+)
 
 from gossipdl.config import ConfigError, load_config
 from gossipdl.coordinator import ServerWorker, ShardServer, Staleness, fedavg_pick, serve
@@ -242,3 +250,31 @@ def test_sharded_async_with_a_sparse_codec_trains_on_fewer_bytes(tmp_path: Path)
         for name, run in [("d", dense), ("s", sparse)]
     }
     assert worker_bytes["s"] < worker_bytes["d"] / 3  # pushes shrink; answers stay dense
+
+
+def test_gossipdl_run_carries_on_when_an_async_worker_dies(tmp_path: Path) -> None:
+    """The launcher stops a gossip swarm when a peer dies; an async parameter server drops the
+    dead worker instead, and the run ends normally with the others finished."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        gossipdl_cmd(
+            "run", "--mode", "ps", "--ps", "async", "--peers", "3", "--dataset", "synthetic",
+            "--model", "logistic", "--steps", "1500", "--eval-every", "0", "--threads", "1",
+            "--slowdown", "0:20,1:20,2:20", "--round-timeout", "3", "--out", str(out),
+            "--no-progress",
+        ),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: (last_record(out / "peers" / "1.jsonl") or {}).get("step", 0) >= 20,
+                 60, "worker 1 to train")  # fmt: skip
+        os.kill(peer_pids(out)[1], signal.SIGKILL)
+        _stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "worker(s) [1] died; the others carried on (2 of 3 finished)" in " ".join(stderr.split())
+    summary = json.loads((out / "summary.json").read_text())
+    finished = {p["id"] for p in summary["peers"] if p["finished"]}
+    assert finished == {0, 2} and 1 in summary["servers"][0]["dead_workers"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import gossipdl_cmd, last_record, small_config, wait_for
+from conftest import gossipdl_cmd, last_record, peer_pids, small_config, wait_for
 
 from gossipdl.config import ConfigError, from_dict, to_dict
 from gossipdl.experiments.launcher import launch
@@ -164,19 +164,6 @@ def test_missing_config_file_is_named(tmp_path: Path) -> None:
     assert done.returncode == 2 and "nope.toml does not exist" in " ".join(done.stderr.split())
 
 
-def _peer_pids(run_dir: Path) -> dict[int, int]:
-    """Peer processes of a launched run, found by their command lines: rank -> pid."""
-    pids = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"peer" in args and str(run_dir).encode() in args and b"--rank" in args:
-            pids[int(args[args.index(b"--rank") + 1])] = int(proc.name)
-    return pids
-
-
 def _start_cli_run(tmp_path: Path, steps: int) -> tuple[subprocess.Popen[str], Path]:
     out = tmp_path / "run"
     proc = subprocess.Popen(
@@ -195,7 +182,7 @@ def _start_cli_run(tmp_path: Path, steps: int) -> tuple[subprocess.Popen[str], P
 
 def test_a_peer_killed_mid_run_stops_the_swarm_with_an_error_naming_it(tmp_path: Path) -> None:
     proc, out = _start_cli_run(tmp_path, steps=100_000)
-    pids = _peer_pids(out)
+    pids = peer_pids(out)
     assert sorted(pids) == [0, 1, 2]
     os.kill(pids[1], signal.SIGKILL)
     _stdout, stderr = proc.communicate(timeout=60)
@@ -219,7 +206,7 @@ def test_ctrl_c_stops_the_whole_swarm_and_keeps_the_measurements(tmp_path: Path)
         final = last_record(out / "peers" / f"{peer['id']}.jsonl")
         assert final is not None and final["final"] and final["stopped_early"]
         assert final["accuracy"] is not None and (out / "models" / f"{peer['id']}.pt").is_file()
-    assert not _peer_pids(out), "peer processes left running"
+    assert not peer_pids(out), "peer processes left running"
 
 
 def test_config_names_model_and_dataset_factories_by_module_function(tmp_path: Path) -> None:

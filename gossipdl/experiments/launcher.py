@@ -136,6 +136,13 @@ def _read_address(
     raise LaunchError(f"{who} did not start listening; its log {log_path}:\n{_log_tail(log_path)}")
 
 
+def carries_on(config: Config) -> bool:
+    """Whether the run goes on when a worker dies: an asynchronous or FedAvg parameter
+    server drops it; every other mode needs all its peers (or, for gossip, will once
+    failure detection exists), so the launcher stops them all."""
+    return config.mode == "ps" and config.ps in ("async", "fedavg")
+
+
 class Swarm:
     """The peer processes of one local run."""
 
@@ -226,7 +233,8 @@ def launch(
     """Run ``config`` as a local swarm; returns the summary (also in ``summary.json``).
 
     Ctrl-C stops every peer cleanly and still writes what was measured. A peer
-    that dies stops the swarm and raises LaunchError naming it, after the summary is written.
+    that dies stops the swarm and raises LaunchError naming it, after the summary is
+    written, except where the run ``carries_on`` without it (then a warning names it).
     """
     run = RunDir(config.out or default_run_dir())
     if run.peer_ids() or run.summary.exists():
@@ -249,7 +257,7 @@ def launch(
                 time.sleep(0.25)
                 display.refresh()
                 failed = swarm.failed()
-                if failed:
+                if failed and not carries_on(config):
                     log.error("peer(s) %s died; stopping the swarm", sorted(failed))
                     swarm.stop()
                     break
@@ -263,6 +271,13 @@ def launch(
     if interrupted:
         log.warning(
             "interrupted: the swarm was stopped early; %s holds what was measured", run.root
+        )
+    elif summary_failed and carries_on(config):
+        log.warning(
+            "worker(s) %s died; the others carried on (%d of %d finished)",
+            sorted(summary_failed),
+            summary["peers_finished"],
+            config.processes,
         )
     elif summary_failed:
         details = "\n".join(
