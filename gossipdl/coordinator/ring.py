@@ -104,7 +104,8 @@ class RingAllReduce:
         piece: int = DEFAULT_PIECE,
         gone: Callable[[int], str | None] = lambda _: None,
     ) -> None:
-        check_ring_codec(codec)
+        if codec not in ("none", "fp16"):  # powersgd rides on a plain ring (ring_powersgd)
+            raise ValueError(f"a ring carries none or fp16 values, got {codec!r}")
         if me not in ids:
             raise ValueError(f"peer {me} is not in the ring {ids}")
         self.ids = sorted(ids)
@@ -113,8 +114,6 @@ class RingAllReduce:
         self.me = me
         self.successor = self.ids[(self.rank + 1) % self.size]
         self.predecessor = self.ids[(self.rank - 1) % self.size]
-        if codec not in ("none", "fp16"):
-            raise ValueError(f"a ring carries none or fp16 values, got {codec!r}")
         self.codec = codec
         self.wire_dtype = np.dtype(np.float16 if codec == "fp16" else np.float32)
         self.timeout = timeout
@@ -306,7 +305,6 @@ class RingGroup:
         timeout: float = 30.0,
         piece: int = DEFAULT_PIECE,
     ) -> None:
-        check_ring_codec(codec)
         self.ring = RingAllReduce(
             rank,
             list(range(len(addresses))),

@@ -152,8 +152,7 @@ class Peer:
         self.codec = self.averager.codec.spec
         self.topology_spec = "ring" if ring else topology
         self.ring = ring
-        self._ring: RingAllReduce | None = None  # carries the chunks
-        self._reduce: RingAllReduce | LowRankAllReduce | None = None  # what a round calls
+        self._reduce: RingAllReduce | LowRankAllReduce | None = None  # built by _reducer
         self._ring_lock = threading.Lock()
         self.reduces_gradients = ring and optimizer is not None and self.trigger.period == 1
         self.seed = seed
@@ -303,12 +302,11 @@ class Peer:
                 if self.codec.startswith("powersgd:"):
                     rank = int(self.codec.split(":")[1])
                     shapes = [p.shape for p in self.params]
-                    low_rank = LowRankAllReduce(
+                    self._reduce = LowRankAllReduce(
                         shapes, rank, make_ring, seed=self.seed, device=self.device
                     )
-                    self._reduce, self._ring = low_rank, low_rank.ring
                 else:
-                    self._reduce = self._ring = make_ring(self.numel)
+                    self._reduce = make_ring(self.numel)
             return self._reduce
 
     def _send_chunk(self, peer_id: int, frames: list[Any]) -> None:
@@ -797,9 +795,8 @@ class Peer:
         elif msg.kind == "chunk":
             if not self.ring:
                 raise WireError("unexpected", "a chunk, but this swarm does not all-reduce")
-            self._reducer()
-            assert self._ring is not None
-            self._ring.deliver(msg)
+            reducer = self._reducer()  # a low-rank reducer's factors travel on its ring
+            (reducer if isinstance(reducer, RingAllReduce) else reducer.ring).deliver(msg)
         elif msg.kind == "walk":
             age = msg.meta.get(WALK_AGE)
             if not isinstance(age, int) or isinstance(age, bool) or age < 0:
