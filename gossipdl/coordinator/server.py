@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from gossipdl.compression import CodecError, Payload, build_codec
-from gossipdl.coordinator.staleness import parse_staleness
+from gossipdl.coordinator.staleness import StalenessTally, parse_staleness
 from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
 
@@ -117,7 +117,7 @@ class ShardServer:
         self.soft: list[torch.Tensor] = []
         self.pending: list[Pending] = []
         self.first_heard: float | None = None
-        self.updates_applied = self.staleness_sum = self.staleness_max = 0  # async
+        self.staleness_seen = StalenessTally()  # async: every applied update
         self.max_lead = 0  # SSP: the largest clock lead of a worker we answered
         self.outbox: list[tuple[str, list[Any]]] = []  # (address, frames) for the transport
 
@@ -161,9 +161,7 @@ class ShardServer:
         update = self._decode(msg)
         if self.rule == "async":
             tau = self.version - state.base
-            self.updates_applied += 1
-            self.staleness_sum += tau
-            self.staleness_max = max(self.staleness_max, tau)
+            self.staleness_seen.add(tau)
             if self.staleness.kind == "soft":
                 self.soft.append(update)
                 if len(self.soft) >= self.staleness.bound:
@@ -281,14 +279,12 @@ class ShardServer:
 
     def stats(self) -> dict[str, Any]:
         """What a shard reports in its metrics."""
-        count = self.updates_applied
         return {
             "shard": self.shard,
             "version": self.version,
             "round": self.round,
-            "updates": count if self.rule == "async" else self.version,
-            "staleness_mean": self.staleness_sum / count if count else 0.0,
-            "staleness_max": self.staleness_max,
+            "updates": self.staleness_seen.count if self.rule == "async" else self.version,
+            **self.staleness_seen.metrics(),
             "max_lead": self.max_lead,
             "dead_workers": sorted(w for w, s in self.known.items() if not s.alive and not s.left),
         }
@@ -302,12 +298,14 @@ def serve(
     max_message_rate: float = DEFAULT_MESSAGE_RATE,
     on_listening: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
-    on_tick: Callable[[dict[str, Any]], None] | None = None,
+    report: Callable[[dict[str, Any]], None] | None = None,
+    report_every: float = 1.0,
 ) -> dict[str, Any]:
     """Run ``server`` on ``listen`` until every worker left (or ``should_stop``); returns stats.
 
     The receive thread only queues messages; this thread applies them, so the
-    shard's state has one writer.
+    shard's state has one writer. ``report`` gets the stats every ``report_every``
+    seconds and once at the end.
     """
     inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
     transport = Transport(
@@ -319,6 +317,7 @@ def serve(
     )
     if on_listening is not None:
         on_listening(transport.address)
+    reported = time.monotonic()
     try:
         while not should_stop():
             try:
@@ -338,15 +337,19 @@ def serve(
             for address, frames in server.outbox:
                 transport.send(address, frames)
             server.outbox.clear()
-            if on_tick is not None:
-                on_tick({**server.stats(), **transport.stats.snapshot()})
+            if report is not None and now - reported >= report_every:
+                report({**server.stats(), **transport.stats.snapshot()})
+                reported = now
             if (
                 server.known
                 and len(server.known) == server.workers
                 and not any(s.alive for s in server.known.values())
             ):
                 break
-        return {**server.stats(), **transport.stats.snapshot()}
+        stats = {**server.stats(), **transport.stats.snapshot()}
+        if report is not None:
+            report(stats)
+        return stats
     finally:
         transport.close()
 

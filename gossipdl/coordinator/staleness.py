@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 _SPEC = re.compile(r"^(none|scale|soft:(\d+)|ssp:(\d+))$")
 
@@ -43,6 +44,26 @@ class Staleness:
             (True, False)
         """
         return self.kind == "ssp" and clock - slowest > self.bound
+
+
+@dataclass
+class StalenessTally:
+    """Running count, mean and maximum of the staleness of applied updates (no list kept)."""
+
+    count: int = 0
+    total: int = 0
+    max: int = 0
+
+    def add(self, tau: int) -> None:
+        """Record one update of staleness ``tau``."""
+        self.count += 1
+        self.total += tau
+        self.max = max(self.max, tau)
+
+    def metrics(self) -> dict[str, Any]:
+        """``staleness_mean`` and ``staleness_max``, as written to metrics."""
+        mean = self.total / self.count if self.count else 0.0
+        return {"staleness_mean": round(mean, 3), "staleness_max": self.max}
 
 
 def parse_staleness(spec: str) -> Staleness:

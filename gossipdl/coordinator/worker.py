@@ -23,6 +23,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from gossipdl.compression import build_codec
 from gossipdl.coordinator.ring import chunk_bounds
 from gossipdl.coordinator.server import HEARTBEAT_S, PS_RULES
+from gossipdl.coordinator.staleness import StalenessTally
 from gossipdl.transport import Message, Transport, WireError, encode
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class ServerWorker:
         self.syncs = 0
         self.model_messages_sent = 0
         self.idle_s = 0.0
-        self.staleness_sum = self.staleness_count = self.staleness_max = 0
+        self.staleness = StalenessTally()
         self.max_lead = 0
         self._replies: dict[int, Message] = {}
         self._picked = True
@@ -127,7 +128,6 @@ class ServerWorker:
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics, with the staleness of this worker's updates (async)."""
-        count = self.staleness_count
         return {
             **self.transport.stats.snapshot(),
             "round": self.round,
@@ -138,8 +138,7 @@ class ServerWorker:
             "idle_s": round(self.idle_s, 4),
             **(
                 {
-                    "staleness_mean": round(self.staleness_sum / count, 3) if count else 0.0,
-                    "staleness_max": self.staleness_max,
+                    **self.staleness.metrics(),
                     "max_lead": self.max_lead,
                 }
                 if self.rule == "async"
@@ -222,9 +221,7 @@ class ServerWorker:
         self._picked = all(r.meta.get("picked", True) for r in replies.values())
         if self.rule == "async":
             tau = max(r.meta.get("staleness", 0) for r in replies.values())
-            self.staleness_sum += tau
-            self.staleness_count += 1
-            self.staleness_max = max(self.staleness_max, tau)
+            self.staleness.add(tau)
             self.max_lead = max(self.max_lead, *(r.meta.get("lead", 0) for r in replies.values()))
 
     def _next_picked_round(self, round: int) -> None:

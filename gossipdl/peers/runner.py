@@ -187,7 +187,7 @@ def run_shard(
     stop: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Serve parameter-server shard ``shard`` until every worker left; its counters go to
-    ``servers/<shard>.json`` (rewritten about once a second)."""
+    ``servers/<shard>.json`` (rewritten about once a second and at the end)."""
     dataset = load_dataset(config.dataset)
     torch.manual_seed(config.seed)  # the workers' initial model
     model = build_model(
@@ -213,27 +213,22 @@ def run_shard(
     )
     path = run.server_stats(shard)
     path.parent.mkdir(parents=True, exist_ok=True)
-    written = [0.0]
-
-    def save(stats: dict[str, Any], force: bool = False) -> None:
-        if force or time.monotonic() - written[0] > 1.0:
-            write_json_atomic(path, {**stats, "time": round(time.monotonic() - start, 3)})
-            written[0] = time.monotonic()
-
     start = time.monotonic()
+
+    def save(stats: dict[str, Any]) -> None:
+        write_json_atomic(path, {**stats, "time": round(time.monotonic() - start, 3)})
+
     stop = stop or threading.Event()
     log.info("shard %d of %d: %d parameters, rule %s", shard, config.ps_shards, b - a, config.ps)
-    stats = serve(
+    return serve(
         server,
         listen,
         max_message_bytes=int(config.max_message_mb * 2**20),
         max_message_rate=config.max_message_rate,
         on_listening=on_listening,
         should_stop=stop.is_set,
-        on_tick=save,
+        report=save,
     )
-    save(stats, force=True)
-    return stats
 
 
 def _loop(
