@@ -58,6 +58,24 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_only_option(parser: argparse.ArgumentParser, known: Sequence[str]) -> None:
+    """Add ``--only A,B``: the settings to run (``args.only``, in table order; default all).
+    An unknown name is a usage error that lists the known ones."""
+
+    def subset(value: str) -> list[str]:
+        keys = value.split(",")
+        unknown = sorted(set(keys) - set(known))
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown settings {unknown}; known: {', '.join(known)}"
+            )
+        return [k for k in known if k in keys]
+
+    parser.add_argument(
+        "--only", type=subset, default=list(known), help="comma-separated: " + ",".join(known)
+    )
+
+
 def fresh_run_dir(run_dir: Path) -> None:
     """Remove a previous run directory there (a launch refuses a directory that holds a run)."""
     if run_dir.exists():

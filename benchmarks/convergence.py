@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import Column, add_json_option, fresh_run_dir, report
+from _common import Column, add_json_option, add_only_option, fresh_run_dir, report
 from rich.console import Console
 
 from gossipdl.averaging import default_gamma
@@ -152,11 +152,7 @@ def main() -> None:
         help="cosine (default: lr anneals to 0, so every setting ends on a settled model) "
         "or constant",
     )
-    parser.add_argument(
-        "--only",
-        default=None,
-        help="comma-separated settings: " + ",".join(s.key for s in SETTINGS),
-    )
+    add_only_option(parser, [s.key for s in SETTINGS])
     parser.add_argument(
         "--config", type=Path, default=None, help="base TOML config (lr, batch_size, ...)"
     )
@@ -171,13 +167,7 @@ def main() -> None:
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     args.peers = args.peers or (QUICK_PEERS if args.quick else 8)
     args.hidden = args.hidden or (QUICK_HIDDEN if args.quick else DEFAULT_HIDDEN)
-    chosen = SETTINGS
-    if args.only:
-        keys = args.only.split(",")
-        unknown = set(keys) - {s.key for s in SETTINGS}
-        if unknown:
-            parser.error(f"--only: unknown settings {sorted(unknown)}")
-        chosen = [s for s in SETTINGS if s.key in keys]
+    chosen = [s for s in SETTINGS if s.key in args.only]
 
     console = Console(stderr=True)
     rows = []

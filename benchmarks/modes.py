@@ -39,7 +39,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from _common import Column, add_json_option, fresh_run_dir, report
+from _common import Column, add_json_option, add_only_option, fresh_run_dir, report
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help=f"default {DEFAULT_STEPS}")
     parser.add_argument("--peers", type=int, default=None, help="workers, default 8")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", default=None, help="comma-separated: " + ",".join(SETTINGS))
+    add_only_option(parser, list(SETTINGS))
     parser.add_argument("--config", type=Path, default=None, help="base TOML config")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-modes"))
     parser.add_argument("--quick", action="store_true", help="3 workers, 40 steps, logistic")
@@ -119,16 +119,10 @@ def main() -> None:
     args = parser.parse_args()
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     args.peers = args.peers or (3 if args.quick else 8)
-    keys = list(SETTINGS)
-    if args.only:
-        keys = args.only.split(",")
-        unknown = set(keys) - set(SETTINGS)
-        if unknown:
-            parser.error(f"--only: unknown settings {sorted(unknown)}; known: {list(SETTINGS)}")
 
     console = Console(stderr=True)
     rows = []
-    for key in keys:
+    for key in args.only:
         config = config_for(key, args)
         fresh_run_dir(Path(config.out))
         console.print(f"running {key}: {describe(config)} …")
