@@ -101,6 +101,9 @@ def run(
     log_every: int | None = _opt("log_every", "--log-every"),
     round_timeout: float | None = _opt("round_timeout", "--round-timeout"),
     startup_timeout: float | None = _opt("startup_timeout", "--startup-timeout"),
+    heartbeat: float | None = _opt("heartbeat"),
+    dead_after: float | None = _opt("dead_after", "--dead-after"),
+    checkpoint_every: int | None = _opt("checkpoint_every", "--checkpoint-every"),
     device: str | None = _opt("device"),
     threads: int | None = _opt("threads"),
     max_message_mb: float | None = _opt("max_message_mb", "--max-message-mb"),
@@ -174,6 +177,7 @@ def _train(
     threads: int | None,
     summary: bool,
     servers: list[str] | None = None,
+    resume: bool = False,
 ) -> None:
     import torch
 
@@ -206,6 +210,7 @@ def _train(
             stop=stop,
             on_listening=announce,
             servers=servers,
+            resume=resume,
         )
     except (TransportError, PeerError, RingError, ServerError, ConfigError) as exc:
         _fail(str(exc))
@@ -234,6 +239,11 @@ def peer(
     servers: str | None = typer.Option(
         None, help="--mode ps: the shards' addresses, comma-separated, shard 0 first."
     ),
+    resume: Path | None = typer.Option(
+        None,
+        help="Run directory to resume --rank in: its config, checkpoint and members "
+        "(rejoins through them unless --bootstrap is given).",
+    ),
 ) -> None:
     """Run one peer by hand: found a swarm, join one (--bootstrap), or work for --servers.
 
@@ -245,6 +255,9 @@ def peer(
 
     _setup_logging(rich=False)
     try:
+        if resume is not None:
+            config_file = config_file or RunDir(resume).config
+            out = str(resume)
         config = load_config(config_file)
         by_hand = rank is not None or bootstrap is not None or servers
         launched = None if by_hand else from_environment(os.environ)
@@ -260,6 +273,8 @@ def peer(
                 launched.world_size,
                 launched.bootstrap,
             )
+        if resume is not None:
+            bootstrap = bootstrap or _rejoin_addresses(RunDir(resume), rank)
     except (ConfigError, LaunchEnvError) as exc:
         _fail(str(exc))
         return
@@ -273,7 +288,20 @@ def peer(
         threads=threads,
         summary=summary,
         servers=servers.split(",") if servers else None,
+        resume=resume is not None,
     )
+
+
+def _rejoin_addresses(run: RunDir, rank: int | None) -> str:
+    """The other members' addresses from ``peers.json``, comma-separated, for --resume."""
+    if rank is None:
+        raise ConfigError("--resume needs --rank: which peer of the run to restart")
+    others = [a for i, a in sorted(run.member_addresses().items()) if i != rank]
+    if not others:
+        raise ConfigError(
+            f"{run.peers_json} lists no other member to rejoin through; give --bootstrap"
+        )
+    return ",".join(others)
 
 
 @app.command()

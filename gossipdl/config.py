@@ -120,6 +120,17 @@ class Config:
     startup_timeout: float = field(
         default=120.0, metadata={"help": "seconds to wait for the swarm to form"}
     )
+    heartbeat: float = field(
+        default=1.0, metadata={"help": "seconds between heartbeats to a member we sent nothing"}
+    )
+    dead_after: float = field(
+        default=5.0,
+        metadata={"help": "seconds of silence after which a member is declared dead"},
+    )
+    checkpoint_every: int = field(
+        default=0,
+        metadata={"help": "save checkpoints/<id>.pt every N steps (0: never); see peer --resume"},
+    )
     device: str = field(
         default="auto", metadata={"help": "auto (cuda:i mod GPUs, else cpu) | cpu | cuda[:N]"}
     )
@@ -309,7 +320,12 @@ def _validate(c: Config) -> None:
     )
     for name in ("steps", "batch_size", "log_every"):
         _check(getattr(c, name) >= 1, f"{name} = {getattr(c, name)}; must be at least 1")
-    for name in ("eval_every", "threads", "weight_decay", "max_message_rate"):
+    _check(
+        0 < c.heartbeat < c.dead_after,
+        f"heartbeat = {c.heartbeat}, dead_after = {c.dead_after}; a member is declared dead "
+        "after missing several heartbeats, so 0 < heartbeat < dead_after",
+    )
+    for name in ("eval_every", "threads", "weight_decay", "max_message_rate", "checkpoint_every"):
         _check(getattr(c, name) >= 0, f"{name} = {getattr(c, name)}; must not be negative")
     for name in ("lr", "round_timeout", "startup_timeout", "max_message_mb"):
         _check(getattr(c, name) > 0, f"{name} = {getattr(c, name)}; must be positive")

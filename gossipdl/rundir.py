@@ -9,6 +9,7 @@ Layout (keys are only ever added, never renamed)::
     servers/<k>.json   parameter-server shard k's counters (mode ps), rewritten as it runs
     servers/<k>.log    that shard's log
     models/<id>.pt     the peer's final model (state_dict)
+    checkpoints/<id>.pt  the peer's latest checkpoint (checkpoint_every > 0), for --resume
     summary.json       totals and per-peer results, written at the end
 """
 
@@ -78,6 +79,17 @@ class RunDir:
 
     def model(self, peer_id: int) -> Path:
         return self.root / "models" / f"{peer_id}.pt"
+
+    def checkpoint(self, peer_id: int) -> Path:
+        return self.root / "checkpoints" / f"{peer_id}.pt"
+
+    def member_addresses(self) -> dict[int, str]:
+        """Id -> address of the members ``peers.json`` lists ({} if there is none yet)."""
+        try:
+            entries = json.loads(self.peers_json.read_text())
+            return {int(e["id"]): str(e["address"]) for e in entries}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}
 
     def peer_ids(self) -> list[int]:
         """Ids of the peers that wrote metrics, sorted."""

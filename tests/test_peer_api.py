@@ -184,3 +184,76 @@ def test_asking_for_a_taken_id_is_refused_with_the_reason() -> None:
 def test_joining_an_address_where_nobody_listens_fails_clearly() -> None:
     with pytest.raises(Exception, match="is a gossipdl peer listening there"):
         Peer(torch.nn.Linear(3, 2), bootstrap="tcp://127.0.0.1:9", startup_timeout=1.5)
+
+
+def crash(peer: Peer) -> None:
+    """Make ``peer`` vanish as a killed process does: sockets closed, no goodbye."""
+    peer._closed = True
+    peer._watch_stop.set()
+    peer.transport.close(flush_timeout=0)
+
+
+def rounds_until(peers: list[Peer], target: int, within: float) -> None:
+    """Run rounds on ``peers`` (each in its own thread) until all reach round ``target``."""
+    run_rounds(peers, 0)
+    threads = [
+        threading.Thread(target=lambda p=p: [p.gossip() for _ in range(target - p.round)])
+        for p in peers
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(within)
+    assert all(p.round >= target for p in peers), [p.round for p in peers]
+
+
+def test_a_dead_peer_is_declared_dead_and_the_ring_repairs_itself() -> None:
+    """A peer that vanishes is dropped from a round all survivors agree on; from there the
+    ring is rebuilt over the live members and nobody waits for the dead one."""
+    peers = make_swarm(
+        4, "ring", [0.0, 10.0, 20.0, 30.0], heartbeat=0.1, dead_after=0.6, round_timeout=60
+    )
+    try:
+        run_rounds(peers, 3)
+        crash(peers[3])
+        survivors = peers[:3]
+        wait_for(
+            lambda: all(p.membership.gone(3) for p in survivors), 10, "peer 3 to be declared dead"
+        )
+        wait_for(
+            lambda: len({p.membership.get(3).until for p in survivors}) == 1,  # type: ignore[union-attr]
+            10,
+            "the survivors to agree on the round peer 3 is dropped from",
+        )
+        until = survivors[0].membership.get(3).until  # type: ignore[union-attr]
+        assert until is not None and until > 3
+        rounds_until(survivors, until + 2, within=30)  # would take minutes if they waited
+        assert sum(p.declared_dead for p in survivors) >= 1
+        assert peers[0].neighbours(until) == [1, 2]  # the ring over 0, 1, 2
+        values = [value_of(p) for p in survivors]
+        assert max(values) - min(values) < 1e-4  # a 3-ring averages everyone exactly
+        assert all(p.stats()["members"] == 3 for p in survivors)
+    finally:
+        for p in peers:
+            p.close()
+
+
+def test_a_graceful_leave_drops_the_peer_from_the_round_it_announced() -> None:
+    peers = make_swarm(4, "ring", [0.0, 10.0, 20.0, 30.0], round_timeout=60)
+    try:
+        run_rounds(peers, 2)
+        peers[3].close(reason="Ctrl-C")
+        survivors = peers[:3]
+        wait_for(lambda: all(p.membership.gone(3) for p in survivors), 10, "the leave to arrive")
+        untils = {p.membership.get(3).until for p in survivors}  # type: ignore[union-attr]
+        assert len(untils) == 1  # the round the leaver announced: its own plus the join margin
+        until = untils.pop()
+        assert until is not None and until >= 2 + 20
+        assert all(p.membership.why_left(3) == "Ctrl-C" for p in survivors)
+        rounds_until(survivors, until + 2, within=30)
+        assert all(p.neighbour_misses == 0 and p.declared_dead == 0 for p in survivors)
+        assert peers[1].neighbours(until - 1) == [0, 2] and peers[1].neighbours(until) == [0, 2]
+        assert peers[0].neighbours(until - 1) == [1, 3] and peers[0].neighbours(until) == [1, 2]
+    finally:
+        for p in peers:
+            p.close()

@@ -137,10 +137,10 @@ def _read_address(
 
 
 def carries_on(config: Config) -> bool:
-    """Whether the run goes on when a worker dies: an asynchronous or FedAvg parameter
-    server drops it; every other mode needs all its peers (or, for gossip, will once
-    failure detection exists), so the launcher stops them all."""
-    return config.mode == "ps" and config.ps in ("async", "fedavg")
+    """Whether the run goes on when a peer dies: a gossip swarm declares it dead and repairs
+    its topology, an asynchronous or FedAvg parameter server drops it; a ring and a
+    synchronous server need every member, so the launcher stops them all."""
+    return config.mode == "gossip" or (config.mode == "ps" and config.ps in ("async", "fedavg"))
 
 
 class Swarm:
@@ -274,7 +274,8 @@ def launch(
         )
     elif summary_failed and carries_on(config):
         log.warning(
-            "worker(s) %s died; the others carried on (%d of %d finished)",
+            "%s %s died; the others carried on (%d of %d finished)",
+            "worker(s)" if config.mode == "ps" else "peer(s)",
             sorted(summary_failed),
             summary["peers_finished"],
             config.processes,

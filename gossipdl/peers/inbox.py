@@ -89,6 +89,16 @@ class Inbox:
             for r in [r for r in self._taken if r < self._floor]:
                 del self._taken[r]
 
+    def restart(self, round: int) -> None:
+        """Forget everything and wait next for ``round``, even an earlier one (a peer that
+        rejoins takes the swarm's round, which may be behind its own)."""
+        with self._cond:
+            self._rounds.clear()
+            self._pending.clear()
+            self._taken.clear()
+            self._late.clear()
+            self._floor = round
+
     def drain_late(self) -> list[tuple[int, int, Any]]:
         """``(sender, round, payload)`` of messages kept after their round had passed."""
         with self._cond:

@@ -1,15 +1,19 @@
-"""Who is in the swarm: a grow-only member set plus the set of peers that left.
+"""Who is in the swarm: one entry per peer id, each a span of rounds it takes part in.
 
-Announcements are merged as a union keyed by peer id, so peers that hear them
-in different orders still agree. Each member carries the first round it takes
-part in (``since``), which lets every peer switch to a larger topology at the
-same round when someone joins a running swarm.
+A member takes part from round ``since`` up to, not including, round
+``until`` (``None``: still in). A join sets ``since`` a few rounds ahead; a
+graceful leave or a death sets ``until`` a few rounds ahead, so every peer
+switches to the topology over the remaining members at the same round.
+
+Entries are merged so that peers hearing announcements in any order agree: a
+later life of a peer (larger ``since``, after it rejoined) replaces an earlier
+one, and within one life the earliest announced ``until`` wins.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gossipdl.transport.wire import WireError
@@ -17,37 +21,54 @@ from gossipdl.transport.wire import WireError
 
 @dataclass(frozen=True)
 class Member:
-    """One peer: its id, the address of its ROUTER socket, and its first round."""
+    """One peer: its id, the address of its ROUTER socket, and the rounds it takes part in."""
 
     id: int
     address: str
     since: int = 0
+    until: int | None = None
+
+    def takes_part(self, round: int) -> bool:
+        """Whether the member is in the topology of ``round``."""
+        return self.since <= round and (self.until is None or round < self.until)
+
+    def newer_than(self, other: Member) -> bool:
+        """Whether this entry should replace ``other`` (same id) when the two are merged."""
+        if self.since != other.since:
+            return self.since > other.since
+        return self.until is not None and (other.until is None or self.until < other.until)
+
+
+def _round(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def parse_members(value: Any) -> list[Member]:
-    """Validate a member list received on the wire (``[[id, address, since], ...]``)."""
+    """Validate a member list received on the wire (``[[id, address, since, until], ...]``;
+    ``until`` may be left out or ``None``)."""
     if not isinstance(value, list) or len(value) > 100_000:
         raise WireError("bad_meta", f"member list is {type(value).__name__}, expected a list")
     members = []
     for entry in value:
         if not (
             isinstance(entry, list)
-            and len(entry) == 3
-            and isinstance(entry[0], int)
-            and entry[0] >= 0
+            and len(entry) in (3, 4)
+            and _round(entry[0])
             and isinstance(entry[1], str)
             and entry[1].startswith("tcp://")
             and len(entry[1]) < 300
-            and isinstance(entry[2], int)
-            and entry[2] >= 0
+            and _round(entry[2])
+            and (len(entry) == 3 or entry[3] is None or (_round(entry[3]) and entry[3] > entry[2]))
         ):
-            raise WireError("bad_meta", f"member entry {entry!r} is not [id, tcp://address, round]")
-        members.append(Member(entry[0], entry[1], entry[2]))
+            raise WireError(
+                "bad_meta", f"member entry {entry!r} is not [id, tcp://address, since, until]"
+            )
+        members.append(Member(*entry))
     return members
 
 
 class Membership:
-    """Thread-safe member table shared by the training and receive threads."""
+    """Thread-safe member table shared by the training, receive and watch threads."""
 
     def __init__(self, members: list[Member] | None = None) -> None:
         self._lock = threading.Lock()
@@ -57,14 +78,36 @@ class Membership:
             self.merge(members)
 
     def merge(self, members: list[Member]) -> list[Member]:
-        """Add members not yet known; returns the new ones. Known ids keep their entry."""
-        added = []
+        """Take in announced entries; returns those that added or changed something."""
+        changed = []
         with self._lock:
             for member in members:
-                if member.id not in self._members:
+                known = self._members.get(member.id)
+                if known is None or member.newer_than(known):
+                    if known is not None and member.since > known.since:
+                        self._left.pop(member.id, None)  # a new life: it is back
                     self._members[member.id] = member
-                    added.append(member)
-        return added
+                    changed.append(member)
+        return changed
+
+    def replace_all(self, members: list[Member]) -> None:
+        """Adopt another peer's table wholesale (rejoining after this peer was dropped)."""
+        with self._lock:
+            self._members = {m.id: m for m in members}
+            self._left = {i: why for i, why in self._left.items() if i in self._members}
+
+    def end(self, peer_id: int, until: int) -> Member | None:
+        """Take ``peer_id`` out of the topology from round ``until``; returns the changed
+        entry, or None if it was already out by then."""
+        with self._lock:
+            known = self._members.get(peer_id)
+            if known is None:
+                return None
+            ended = replace(known, until=max(until, known.since + 1))
+            if not ended.newer_than(known):
+                return None
+            self._members[peer_id] = ended
+            return ended
 
     def get(self, peer_id: int) -> Member | None:
         """The member with this id, or None."""
@@ -77,19 +120,21 @@ class Membership:
             return next((m for m in self._members.values() if m.address == address), None)
 
     def active(self, round: int) -> list[int]:
-        """Sorted ids of the members that take part in ``round`` (left ones included)."""
+        """Sorted ids of the members in the topology of ``round`` (one that left without
+        ending yet included: ``gone`` tells)."""
         with self._lock:
-            return sorted(i for i, m in self._members.items() if m.since <= round)
+            return sorted(i for i, m in self._members.items() if m.takes_part(round))
 
     def mark_left(self, peer_id: int, reason: str = "") -> None:
         """Record that a peer stopped training (and why, if it said); nobody waits for it."""
         with self._lock:
             self._left[peer_id] = reason
 
-    def has_left(self, peer_id: int) -> bool:
-        """Whether the peer announced that it stopped."""
+    def gone(self, peer_id: int) -> bool:
+        """Whether nobody should wait for the peer: it left, or it was declared dead."""
         with self._lock:
-            return peer_id in self._left
+            member = self._members.get(peer_id)
+            return peer_id in self._left or (member is not None and member.until is not None)
 
     def why_left(self, peer_id: int) -> str | None:
         """The reason a peer gave when it stopped ("" if none), or None if it has not left."""
@@ -106,6 +151,11 @@ class Membership:
         with self._lock:
             return sorted(self._members.values(), key=lambda m: m.id)
 
+    def in_swarm(self) -> list[int]:
+        """Sorted ids of the members not ended (dead or left for good)."""
+        with self._lock:
+            return sorted(i for i, m in self._members.items() if m.until is None)
+
     def wire(self) -> list[list[Any]]:
         """The member list as sent on the wire."""
-        return [[m.id, m.address, m.since] for m in self.members()]
+        return [[m.id, m.address, m.since, m.until] for m in self.members()]

@@ -42,6 +42,7 @@ from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
 log = logging.getLogger(__name__)
 
 _RETRY_S = 1.0
+_DEAD_HEARTBEAT_EVERY = 5  # heartbeats to a peer declared dead go out this many times rarer
 MODEL_KINDS = frozenset({"params", "public", "reply", "walk", "model"})  # counted as transmissions
 LOSSY_KINDS = frozenset({"params", "public", "reply", "walk"})  # ``loss`` may drop these
 COMPRESSED_KINDS = frozenset({"params", "reply", "walk"})  # travel through the swarm's codec
@@ -54,6 +55,21 @@ MAX_WALKS = 64  # walking models queued for the next merge; more are dropped
 
 class PeerError(RuntimeError):
     """The peer cannot take part in the swarm (no answer, id taken, neighbours missing)."""
+
+
+def outranks(side: set[int], other: set[int]) -> bool:
+    """Whether, after a partition, the members ``side`` are the swarm and ``other`` the part
+    that rejoins it: the larger side wins, a tie goes to the side with the smallest id.
+
+    Example:
+        >>> outranks({0, 1, 2}, {3, 4}), outranks({3, 4}, {0, 1})
+        (True, False)
+    """
+    if not side:
+        return False
+    if not other:
+        return True
+    return (len(side), -min(side)) > (len(other), -min(other))
 
 
 def _address(value: Any, what: str) -> str:
@@ -123,6 +139,9 @@ class Peer:
         max_message_bytes: int = 1 << 30,
         max_message_rate: float = DEFAULT_MESSAGE_RATE,
         join_margin_rounds: int = 20,
+        heartbeat: float = 1.0,
+        dead_after: float = 5.0,
+        resume_step: int | None = None,
         swarm_config: dict[str, Any] | None = None,
         on_members: Callable[[list[Member]], None] | None = None,
         on_listening: Callable[[str], None] | None = None,
@@ -131,6 +150,11 @@ class Peer:
             raise ValueError(f"rank must be in 0..{len(peers) - 1} when peers is given, got {rank}")
         if peers is not None and bootstrap is not None:
             raise ValueError("give either peers (a fixed address list) or bootstrap, not both")
+        if not 0 < heartbeat < dead_after:
+            raise ValueError(
+                f"heartbeat = {heartbeat}s, dead_after = {dead_after}s: a peer is declared dead "
+                "after several missed heartbeats, so 0 < heartbeat < dead_after"
+            )
         self.model = model
         self.optimizer = optimizer
         self.params = [p for p in model.parameters()]
@@ -159,14 +183,23 @@ class Peer:
         self.round_timeout = round_timeout
         self.startup_timeout = startup_timeout
         self.join_margin_rounds = join_margin_rounds
+        self.heartbeat = heartbeat
+        self.dead_after = dead_after
+        self.declared_dead = 0
+        self.rejoins = 0
+        self._known_at: dict[int, float] = {}  # id -> when the watch thread first saw it
+        self._heard: dict[int, float] = {}  # id -> when its last accepted message came
+        self._sent: dict[int, float] = {}  # id -> when we last sent it anything
+        self._rejoin_via: str | None = None  # a live member that says we were dropped
+        self._resuming = resume_step is not None
         self.swarm_config = swarm_config or {}
         self.membership = Membership()
         self.id = -1
         self.round = 0
-        self.steps = 0
+        self.steps = resume_step or 0
         self.syncs = 0
         self.model_messages_sent = 0
-        self.age = 0
+        self.age = self.steps
         self.started = False
         self.neighbour_misses = 0
         self.idle_s = 0.0
@@ -198,6 +231,7 @@ class Peer:
         self._round_times: deque[float] = deque(maxlen=32)
         self._first_wait = 0.0
         self._closed = False
+        self._watch_stop = threading.Event()
         if listen is None:
             listen = peers[rank] if peers is not None and rank is not None else "tcp://127.0.0.1:0"
         self.transport = Transport(
@@ -210,11 +244,14 @@ class Peer:
             max_message_rate=max_message_rate,
         )
         self.address = self.transport.address
+        self._watcher = threading.Thread(target=self._watch, name="peer-watch", daemon=True)
+        self._watcher.start()
         try:
             if on_listening is not None:
                 on_listening(self.address)
             self._form(rank, peers, bootstrap, min_peers)
         except BaseException:
+            self._watch_stop.set()
             self.transport.close(flush_timeout=0.5)
             raise
 
@@ -246,6 +283,8 @@ class Peer:
     @torch.no_grad()
     def gossip(self) -> None:
         """One gossip round: synchronous with this round's neighbours, or one step of a walk."""
+        if self._rejoin_via is not None:
+            self._rejoin()
         t = self.round
         if not self.reduces_gradients:  # gradients were averaged before the local step
             x = self._flat()
@@ -451,8 +490,8 @@ class Peer:
         return self.averager.incoming(x, rnd, arrived, missing, self._late_arrivals())
 
     def _live(self, ids: Any) -> list[int]:
-        """The ids that have not left."""
-        return [j for j in ids if not self.membership.has_left(j)]
+        """The ids nobody should wait for: they left or were declared dead."""
+        return [j for j in ids if not self.membership.gone(j)]
 
     def _wait(self, inbox: Inbox, t: int, expected: set[int], first: bool = False) -> dict:
         """Wait for round ``t`` from ``expected`` (minus peers that left); log who missed it."""
@@ -497,6 +536,9 @@ class Peer:
             "neighbour_misses": self.neighbour_misses,
             "resyncs": self.resyncs,
             "idle_s": round(self.idle_s, 4),
+            "members": len(self.membership.in_swarm()),
+            "declared_dead": self.declared_dead,
+            "rejoins": self.rejoins,
         }
 
     def close(self, reason: str = "") -> None:
@@ -505,9 +547,14 @@ class Peer:
         if self._closed:
             return
         self._closed = True
-        meta = {"reason": reason[:500]} if reason else None
+        self._watch_stop.set()
+        self._watcher.join(2.0)
+        # Everyone drops us from the same round: ours plus the notice a newcomer gets.
+        meta: dict[str, Any] = {"until": self.round + self._join_margin()}
+        if reason:
+            meta["reason"] = reason[:500]
         for member in self.membership.members():
-            if member.id != self.id and not self.membership.has_left(member.id):
+            if member.id != self.id and not self.membership.gone(member.id):
                 self._send(member.id, "leave", round=self.round, meta=meta)
         self.transport.close()
 
@@ -534,15 +581,12 @@ class Peer:
             self.id = rank or 0
             self._merge([Member(self.id, self.address, 0)])
         else:
-            welcome = self._request(
-                bootstrap, "join", {"address": self.address, "want_id": rank}, "welcome"
-            )
-            if "error" in welcome.meta:
-                raise PeerError(f"{bootstrap} refused to let us join: {welcome.meta['error']}")
+            welcome = self._join(bootstrap, rank)
             self.id = int(welcome.meta["id"])
+            self._merge(parse_members(welcome.meta["members"]))
             me = self.membership.get(self.id)
             if me is not None and me.since > 0:
-                self._start_late(me.since)
+                self._start_late(me.since, take_model=not self._resuming)
                 return
         self._await_formation(min_peers or 2)
 
@@ -573,8 +617,44 @@ class Peer:
             "peer %d: swarm of %d formed; neighbours %s", self.id, min_peers, sorted(neighbours)
         )
 
-    def _start_late(self, since: int) -> None:
-        """Join a running swarm: take a neighbour's current model, start at round ``since``."""
+    def _join(self, addresses: str, want_id: int | None) -> Message:
+        """Ask a member (the first of the comma-separated ``addresses`` that answers) to let
+        us in, or back in after a restart or after we were dropped; returns its welcome."""
+        meta = {"address": self.address, "want_id": want_id}
+        if self._resuming or self.started:
+            meta["rejoin"] = True
+        candidates = [a.strip() for a in addresses.split(",") if a.strip()]
+        timeout = self.startup_timeout / max(1, len(candidates))
+        for address in candidates:
+            try:
+                welcome = self._request(address, "join", meta, "welcome", timeout)
+            except PeerError as exc:
+                error = exc
+                continue
+            if "error" in welcome.meta:
+                raise PeerError(f"{address} refused to let us join: {welcome.meta['error']}")
+            return welcome
+        raise error if candidates else PeerError(f"no address to join in {addresses!r}")
+
+    def _rejoin(self) -> None:
+        """Back into the swarm after a live member said we were dropped (a partition, or a
+        pause longer than ``dead_after``): its table, its round, our own model."""
+        address, self._rejoin_via = self._rejoin_via, None
+        assert address is not None
+        try:
+            welcome = self._join(address, self.id)
+        except PeerError as exc:
+            log.warning("peer %d: could not rejoin through %s: %s", self.id, address, exc)
+            return
+        self.membership.replace_all(parse_members(welcome.meta["members"]))
+        me = self.membership.get(self.id)
+        assert me is not None
+        self.rejoins += 1
+        self._start_late(me.since, take_model=False)
+
+    def _start_late(self, since: int, take_model: bool = True) -> None:
+        """Start at round ``since`` of a running swarm, aligned with a neighbour's round;
+        a newcomer takes that neighbour's model, a restarted peer keeps its own."""
         for j in sorted(self._mixing(since)[0]):
             member = self.membership.get(j)
             assert member is not None
@@ -583,20 +663,23 @@ class Peer:
             except PeerError as exc:
                 log.warning("peer %d: neighbour %d did not send its model: %s", self.id, j, exc)
                 continue
-            model = self._decode(reply, dense=True)
-            with torch.no_grad():
-                vector_to_parameters(model, self.params)
-            self._latest = self._flat()
             self.round = self._first_round = max(since, reply.round)
-            self.steps = self.age = self.round * self.trigger.period
+            if take_model:
+                with torch.no_grad():
+                    vector_to_parameters(self._decode(reply, dense=True), self.params)
+                self.steps = self.age = self.round * self.trigger.period
+            self._latest = self._flat()
             self._reference = self._latest.clone()
-            self._inbox.advance(self.round)
+            self._last_ids = None
+            self._inbox.restart(self.round)
+            self._answers.restart(self.round)
             self.started = True
             # The swarm reaches our first round only after ``since - reply.round`` more rounds.
             self._first_wait = self.startup_timeout
             log.info(
-                "peer %d: joined at round %d with the model of peer %d (round %d)",
+                "peer %d: %s at round %d (peer %d is at round %d)",
                 self.id,
+                "joined with the model of its neighbour" if take_model else "back in",
                 self.round,
                 j,
                 reply.round,
@@ -666,6 +749,7 @@ class Peer:
         member = self.membership.get(peer_id)
         if member is None:
             return
+        self._sent[peer_id] = time.monotonic()  # it needs no heartbeat for a while
         with self._seq_lock:
             self._seq[peer_id] += 1
             seq = self._seq[peer_id]
@@ -724,8 +808,13 @@ class Peer:
         return Round(t, weights, self_weight, resync)
 
     def _topology_changes(self) -> set[int]:
-        """Rounds at which a newcomer joins: everyone resyncs there."""
-        return {m.since for m in self.membership.members() if m.since > self._first_round}
+        """Rounds at which a peer joins or is dropped: everyone resyncs there."""
+        return {
+            r
+            for m in self.membership.members()
+            for r in (m.since, m.until)
+            if r is not None and r > self._first_round
+        }
 
     def _dense_destinations(self, rnd: Round) -> set[int]:
         """Neighbours that get the dense public copy this round instead of the update."""
@@ -750,12 +839,89 @@ class Peer:
         log.info("peer %d: resync with its neighbours at round %d", self.id, target)
 
     def _merge(self, members: list[Member]) -> None:
-        added = self.membership.merge(members)
-        if added:
-            with self._changed:
-                self._changed.notify_all()
-            if self._on_members is not None:
-                self._on_members(self.membership.members())
+        if self.membership.merge(members):
+            self._members_changed()
+
+    def _members_changed(self) -> None:
+        """Wake whoever waits on the member table (formation, rounds) and report it."""
+        with self._changed:
+            self._changed.notify_all()
+        self._inbox.notify()
+        self._answers.notify()
+        if self._on_members is not None:
+            self._on_members(self.membership.members())
+
+    def _announce(self, kind: str = "members") -> None:
+        """Send the member table to every member still in the swarm."""
+        for j in self.membership.in_swarm():
+            if j != self.id:
+                self._send(j, kind, meta={"members": self.membership.wire()})
+
+    # ----------------------------------------------------------------- watch thread
+    def _watch(self) -> None:
+        """Every half heartbeat: a heartbeat to each member that heard nothing from us for a
+        while, and a death sentence for each member silent past ``dead_after``."""
+        while not self._watch_stop.wait(self.heartbeat / 2):
+            if self.id < 0:
+                continue
+            now = time.monotonic()
+            for member in self.membership.members():
+                j = member.id
+                known = self._known_at.setdefault(j, now)
+                if j == self.id or self.membership.why_left(j) is not None:
+                    continue
+                ended = member.until is not None
+                every = self.heartbeat * (_DEAD_HEARTBEAT_EVERY if ended else 1)
+                # New members get a moment for the news of them to reach everyone.
+                if now - known >= self.heartbeat and now - self._sent.get(j, 0.0) >= every:
+                    self._sent[j] = now
+                    self._reply(member.address, "alive")
+                silent = now - max(self._heard.get(j, 0.0), known)
+                if (
+                    self.started
+                    and not self.ring  # a ring stops on its own timeout, naming the dead peer
+                    and not ended
+                    and member.since <= self.round
+                    and silent > self.dead_after
+                ):
+                    self._declare_dead(j, silent)
+
+    def _declare_dead(self, peer_id: int, silent: float) -> None:
+        """Drop a silent member from the topology a few rounds ahead and tell the others."""
+        until = self.round + self._join_margin()
+        if self.membership.end(peer_id, until) is None:
+            return
+        self.declared_dead += 1
+        log.warning(
+            "peer %d: no word from peer %d for %.1fs; declared dead, out of the topology "
+            "from round %d",
+            self.id,
+            peer_id,
+            silent,
+            until,
+        )
+        self._members_changed()
+        self._announce()
+
+    def _hear_table(self, sender: int, members: list[Member]) -> None:
+        """Merge a member table, unless it says we are out: then rejoin through the sender
+        if its side of the swarm wins (see :func:`outranks`), else ignore it."""
+        theirs = {m.id: m for m in members}
+        me, own = theirs.get(self.id), self.membership.get(self.id)
+        if me is None or me.until is None or (own is not None and own.since > me.since):
+            self._merge(members)
+            return
+        if not self.started or self._closed or self._rejoin_via is not None:
+            return
+        sender_entry = self.membership.get(sender)
+        their_side = {m.id for m in members if m.until is None}
+        if (sender_entry is not None and sender_entry.until is None) or outranks(
+            their_side, set(self.membership.in_swarm())
+        ):
+            log.warning(
+                "peer %d: peer %d says we were dropped; rejoining through it", self.id, sender
+            )
+            self._rejoin_via = theirs[sender].address if sender in theirs else None
 
     def _join_margin(self) -> int:
         """Rounds of notice a newcomer gets: ``join_margin_rounds`` or 0.5 s of rounds, if more.
@@ -779,10 +945,21 @@ class Peer:
             address = _address(msg.meta.get("address"), "reply address")
             self._reply(address, "info", members=self.membership.wire(), config=self.swarm_config)
             return
-        if msg.kind in ("ready", "members", "welcome"):
-            self._merge(parse_members(msg.meta.get("members")))
-        if self.membership.get(msg.sender) is None:
+        if msg.kind == "welcome":  # from a member we may not know yet: checked here, merged
+            parse_members(msg.meta.get("members"))  # by the joiner
+            with self._changed:
+                self._replies[msg.kind] = msg
+                self._changed.notify_all()
+            return
+        if msg.kind in ("ready", "members", "dropped"):
+            self._hear_table(msg.sender, parse_members(msg.meta.get("members")))
+        sender = self.membership.get(msg.sender)
+        if sender is None:
             raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
+        self._heard[msg.sender] = time.monotonic()
+        dead = sender.until is not None and self.membership.why_left(msg.sender) is None
+        if msg.kind == "alive" and dead and self.started:  # declared dead, yet alive
+            self._reply(sender.address, "dropped", members=self.membership.wire())
         if msg.kind in ("params", "public", "quiet", "reply"):
             self._hear_alarms(msg)
         if msg.kind in ("params", "public"):
@@ -814,7 +991,7 @@ class Peer:
             with self._changed:
                 self._ready_from.add(msg.sender)
                 self._changed.notify_all()
-        elif msg.kind in ("welcome", "model"):
+        elif msg.kind == "model":
             with self._changed:
                 self._replies[msg.kind] = msg
                 self._changed.notify_all()
@@ -823,9 +1000,20 @@ class Peer:
         elif msg.kind == "leave":
             reason = msg.meta.get("reason", "")
             reason = reason[:500] if isinstance(reason, str) else ""
+            until = msg.meta.get("until")
+            if not (isinstance(until, int) and not isinstance(until, bool) and until >= 0):
+                raise WireError("bad_meta", f"leave round {until!r} is not a round number")
             self.membership.mark_left(msg.sender, reason)
-            self._inbox.notify()
-            log.info("peer %d: peer %d left at round %d %s", self.id, msg.sender, msg.round, reason)
+            self.membership.end(msg.sender, until)
+            self._members_changed()
+            log.info(
+                "peer %d: peer %d left at round %d, out of the topology from round %d %s",
+                self.id,
+                msg.sender,
+                msg.round,
+                until,
+                reason,
+            )
         self._track_seq(msg)  # only messages that were accepted: a dropped one leaves a gap
 
     def _reply(self, address: str, kind: str, **meta: Any) -> None:
@@ -833,29 +1021,48 @@ class Peer:
         self.transport.send(address, encode(kind, self.id, 0, self.round, meta=meta))
 
     def _on_join(self, msg: Message) -> None:
+        """Let a newcomer in, or a member back in (``rejoin``: restarted, or dropped while
+        it was away): a new entry from a few rounds ahead, announced to everyone."""
         address = _address(msg.meta.get("address"), "joiner address")
         want = msg.meta.get("want_id")
+        rejoin = msg.meta.get("rejoin", False) is True
         member = self.membership.by_address(address)
-        if member is None and self.ring and self.started:
-            error = "a ring all-reduce cannot take members once it started; start all together"
-            self._reply(address, "welcome", error=error, members=self.membership.wire())
-            return
-        if member is None:
-            taken = isinstance(want, int) and self.membership.get(want) is not None
-            if want is not None and (not isinstance(want, int) or want < 0 or taken):
+        # A join sent again (no welcome yet) gets the same answer, not another entry.
+        again = member is not None and member.until is None
+        if again and rejoin and member is not None and member.since <= self.round:
+            again = False  # a member back from a restart on the same address
+        if member is None or not again:
+            if self.ring and self.started:
+                error = "a ring all-reduce cannot take members once it started; start all together"
+                self._reply(address, "welcome", error=error, members=self.membership.wire())
+                return
+            if member is not None:
+                want = member.id
+            valid = want is None or (isinstance(want, int) and not isinstance(want, bool))
+            known = self.membership.get(want) if valid and want is not None else None
+            taken = known is not None and known.until is None and not rejoin
+            if not valid or (want is not None and want < 0) or taken:
                 why = f"id {want!r} is {'taken' if taken else 'not a non-negative integer'}"
                 error = f"{why}; choose another rank or leave it out"
                 self._reply(address, "welcome", error=error, members=self.membership.wire())
                 return
-            peer_id = want if isinstance(want, int) else self.membership.next_id()
+            peer_id = want if want is not None else self.membership.next_id()
             since = self.round + self._join_margin() if self.started else 0
+            if known is not None:  # a new life starts after the last one
+                since = max(since, known.until or 0, known.since + 1)
             member = Member(peer_id, address, since)
             self._merge([member])
-            for other in self.membership.members():
-                if other.id not in (self.id, peer_id):
-                    self._send(other.id, "members", meta={"members": self.membership.wire()})
+            self._heard[peer_id] = time.monotonic()
+            for other in self.membership.in_swarm():
+                if other not in (self.id, peer_id):
+                    self._send(other, "members", meta={"members": self.membership.wire()})
             log.info(
-                "peer %d: %s joined as peer %d from round %d", self.id, address, peer_id, since
+                "peer %d: %s %s as peer %d from round %d",
+                self.id,
+                address,
+                "rejoined" if known is not None else "joined",
+                peer_id,
+                since,
             )
         self._reply(
             address,

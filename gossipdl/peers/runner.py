@@ -26,6 +26,7 @@ from gossipdl.coordinator.server import ShardServer, fedavg_local_steps, fedavg_
 from gossipdl.coordinator.worker import ServerWorker
 from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
 from gossipdl.models import build_model
+from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gossipdl.peers.conditions import Drift, parse_drift, parse_slowdown
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
@@ -91,9 +92,11 @@ def train_peer(
     stop: threading.Event | None = None,
     on_listening: Callable[[str], None] | None = None,
     servers: list[str] | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Train one peer (a ps worker: with ``servers``) until ``config.steps`` steps or ``stop``;
-    returns its final record."""
+    returns its final record. ``resume``: start from this rank's checkpoint in ``run`` and
+    rejoin the swarm through ``bootstrap`` (gossip mode)."""
     stop = stop or threading.Event()
     device = pick_device(config.device, local_index)
     dataset = load_dataset(config.dataset)
@@ -103,6 +106,17 @@ def train_peer(
     ).to(device)
     optimizer = make_optimizer(config, model)
     single = config.mode == "single"
+    resume_step = None
+    if resume:
+        if config.mode != "gossip" or rank is None or bootstrap is None:
+            raise PeerError(
+                "resume works for a gossip peer with a rank and a member to rejoin through; got "
+                f"mode {config.mode!r}, rank {rank}, bootstrap {bootstrap}"
+            )
+        try:
+            resume_step = load_checkpoint(run.checkpoint(rank), model, optimizer)
+        except CheckpointError as exc:
+            raise PeerError(str(exc)) from None
 
     def write_members(members: list[Member]) -> None:
         write_json_atomic(run.peers_json, [{"id": m.id, "address": m.address} for m in members])
@@ -131,6 +145,9 @@ def train_peer(
             startup_timeout=config.startup_timeout,
             max_message_bytes=int(config.max_message_mb * 2**20),
             max_message_rate=config.max_message_rate,
+            heartbeat=config.heartbeat,
+            dead_after=config.dead_after,
+            resume_step=resume_step,
             swarm_config=to_dict(config),
             on_members=write_members,
             on_listening=on_listening,
@@ -244,9 +261,8 @@ def _loop(
     optimizer = peer.optimizer
     shard = shard_for(config, dataset, peer.id)
     batch = config.batch_size * (config.peers if config.mode == "single" else 1)
-    sampler = BatchSampler(
-        dataset.x_train[shard], dataset.y_train[shard], batch, config.seed + 1000 + peer.id, device
-    )
+    seed = config.seed + 1000 + peer.id + 7919 * peer.steps  # a resumed peer draws anew
+    sampler = BatchSampler(dataset.x_train[shard], dataset.y_train[shard], batch, seed, device)
     x_test = torch.as_tensor(dataset.x_test, device=device)
     y_test = torch.as_tensor(dataset.y_test, device=device)
     slowdown = parse_slowdown(config.slowdown).get(peer.id, 1.0)
@@ -305,6 +321,8 @@ def _loop(
                 time.sleep((slowdown - 1) * (time.monotonic() - computed))
             peer.step()
             losses.append(loss.item())
+            if config.checkpoint_every and peer.steps % config.checkpoint_every == 0:
+                save_checkpoint(run.checkpoint(peer.id), model, optimizer, peer.steps)
             due = config.eval_every and peer.steps % config.eval_every == 0
             if due and peer.steps < config.steps:
                 accuracy, test_loss = evaluate(model, x_test, y_test)

@@ -32,7 +32,7 @@ KINDS = frozenset(
         "ready",  # "I know the swarm and will train": carries the sender's member list
         "join",  # a newcomer asks a member to be let in
         "welcome",  # the member's answer: assigned id, member list, config
-        "members",  # membership announcement after a join
+        "members",  # membership announcement after a join, a death or a rejoin
         "info_request",  # a would-be joiner asks for the swarm's config before joining
         "info",  # the answer: config and member list
         "model_request",  # a (re)joining peer asks a neighbour for its current model
@@ -47,7 +47,8 @@ KINDS = frozenset(
         "push",  # parameter server: a worker's update for one shard
         "pull",  # parameter server: a worker asks for a shard's model (FedAvg: of a round)
         "shard",  # parameter server: a shard's slice of the model, the answer to push or pull
-        "alive",  # parameter server: a worker's heartbeat
+        "alive",  # a heartbeat: a gossip peer's to every member, a ps worker's to its shards
+        "dropped",  # "my table says you are out": carries the sender's member list
     }
 )
 

@@ -1,0 +1,58 @@
+"""Checkpoints of one peer (model, optimizer, step), written atomically so a peer killed
+mid-write still leaves the previous one, and read back without unpickling code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable or made for another model."""
+
+
+def save_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int
+) -> None:
+    """Write ``path`` via a temporary file and a rename: readers see the old or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    state = {
+        "format": FORMAT,
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+    }
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Restore ``model`` and ``optimizer`` from ``path``; returns the step it was taken at."""
+    if not path.is_file():
+        raise CheckpointError(
+            f"no checkpoint at {path}; resume needs a run started with checkpoint_every > 0 "
+            "(--checkpoint-every N) that got that far"
+        )
+    device = next(model.parameters()).device
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # torch raises many kinds for a torn or foreign file
+        raise CheckpointError(f"{path} is not a readable gossipdl checkpoint: {exc}") from None
+    if not (isinstance(state, dict) and state.get("format") == FORMAT):
+        raise CheckpointError(f"{path} is not a gossipdl checkpoint (format {FORMAT})")
+    step = state.get("step")
+    if not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{path} has no valid step ({step!r})")
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path} was saved from a different model or optimizer than this config builds: {exc}"
+        ) from None
+    return step

@@ -1,0 +1,187 @@
+"""Membership across real peer processes: death, pauses, restarts from checkpoints; and the
+member-table rules those rest on."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import gossipdl_cmd, last_record, small_config, start_peer, wait_for, write_config
+
+from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from gossipdl.peers.membership import Member, Membership, parse_members
+from gossipdl.peers.peer import outranks
+from gossipdl.transport import WireError
+
+FAST = {"heartbeat": 0.2, "dead_after": 1.5, "round_timeout": 10.0, "steps": 1_000_000}
+
+
+def test_merging_keeps_the_newest_life_and_the_earliest_end_in_any_order() -> None:
+    entries = [
+        Member(1, "tcp://a:1", 0),
+        Member(1, "tcp://a:1", 0, until=30),
+        Member(1, "tcp://a:1", 0, until=25),
+        Member(1, "tcp://b:2", 40),  # back after a restart, on another port
+    ]
+    for order in (entries, entries[::-1], [entries[2], entries[3], entries[0], entries[1]]):
+        table = Membership()
+        for entry in order:
+            table.merge([entry])
+        assert table.get(1) == Member(1, "tcp://b:2", 40)
+    table = Membership([Member(0, "tcp://a:1", 0), Member(1, "tcp://a:2", 0)])
+    table.merge([Member(1, "tcp://a:2", 0, until=30)])
+    table.merge([Member(1, "tcp://a:2", 0, until=25)])
+    assert table.get(1).until == 25 and table.gone(1)  # type: ignore[union-attr]
+    assert table.active(24) == [0, 1] and table.active(25) == [0] and table.in_swarm() == [0]
+    assert table.end(1, 40) is None  # already out by then
+    table.mark_left(1, "bye")
+    table.merge([Member(1, "tcp://a:9", 50)])  # a new life clears the leave
+    assert not table.gone(1) and table.active(50) == [0, 1]
+
+
+def test_member_lists_from_the_wire_are_checked() -> None:
+    assert parse_members([[0, "tcp://h:1", 0], [1, "tcp://h:2", 3, None], [2, "tcp://h:3", 0, 9]])
+    for bad in (
+        "x",
+        [[0, "tcp://h:1"]],
+        [[-1, "tcp://h:1", 0]],
+        [[0, "udp://h:1", 0]],
+        [[0, "tcp://h:1", 5, 5]],  # ends before it starts
+        [[0, "tcp://h:1", 0, "soon"]],
+        [[True, "tcp://h:1", 0]],
+    ):
+        with pytest.raises(WireError, match="member"):
+            parse_members(bad)
+
+
+def test_after_a_partition_the_larger_side_stays_and_ties_go_to_the_smallest_id() -> None:
+    assert outranks({0, 1, 2}, {3, 4}) and not outranks({3, 4}, {0, 1, 2})
+    assert outranks({0, 1}, {2, 3}) and not outranks({2, 3}, {0, 1})
+    assert outranks({5}, set()) and not outranks(set(), {5})
+
+
+def test_a_checkpoint_round_trips_and_a_wrong_or_torn_one_is_refused(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    path = tmp_path / "ckpt" / "1.pt"
+    save_checkpoint(path, model, opt, 70)
+    other = torch.nn.Linear(4, 3)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    assert load_checkpoint(path, other, other_opt) == 70
+    assert torch.equal(other.weight, model.weight)
+    assert other_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+    with pytest.raises(CheckpointError, match="different model"):
+        wide = torch.nn.Linear(5, 3)
+        load_checkpoint(path, wide, torch.optim.SGD(wide.parameters(), lr=0.1))
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="not a readable gossipdl checkpoint"):
+        load_checkpoint(path, other, other_opt)
+    with pytest.raises(CheckpointError, match="checkpoint_every"):
+        load_checkpoint(tmp_path / "none.pt", other, other_opt)
+
+
+def _swarm(tmp_path: Path, n: int, **changes: Any) -> tuple[list[subprocess.Popen[str]], Path]:
+    """``n`` hand-started peers of one run; returns them and the run directory."""
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=n, **changes))
+    first, address = start_peer("--config", str(config), "--rank", "0", "--out", str(out),
+                                log=tmp_path / "p0.log")  # fmt: skip
+    procs = [first]
+    for i in range(1, n):
+        proc, _ = start_peer("--config", str(config), "--rank", str(i), "--bootstrap", address,
+                             "--out", str(out), log=tmp_path / f"p{i}.log")  # fmt: skip
+        procs.append(proc)
+    return procs, out
+
+
+def _record(out: Path, i: int) -> dict[str, Any]:
+    return last_record(out / "peers" / f"{i}.jsonl") or {}
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> list[int | None]:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(60))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(None)
+    return codes
+
+
+def test_a_paused_peer_is_dropped_then_rejoins_when_it_wakes(tmp_path: Path) -> None:
+    """SIGSTOP longer than dead_after: the others declare it dead and train on; after SIGCONT
+    it hears it was dropped, rejoins through a live member, and the swarm is whole again."""
+    procs, out = _swarm(tmp_path, 3, **FAST)
+    try:
+        wait_for(lambda: _record(out, 2).get("step", 0) >= 20, 60, "the swarm to train")
+        procs[2].send_signal(signal.SIGSTOP)
+        wait_for(lambda: all(_record(out, i).get("members") == 2 for i in (0, 1)), 30,
+                 "peer 2 to be declared dead")  # fmt: skip
+        steps = _record(out, 0)["step"]
+        wait_for(lambda: _record(out, 0)["step"] >= steps + 20, 30, "the others to train on")
+        procs[2].send_signal(signal.SIGCONT)
+        wait_for(lambda: _record(out, 2).get("rejoins") == 1, 30, "peer 2 to rejoin")
+        wait_for(lambda: all(_record(out, i).get("members") == 3 for i in range(3)), 30,
+                 "everyone to count three members again")  # fmt: skip
+        misses = _record(out, 0)["neighbour_misses"]
+        steps = _record(out, 2)["step"]
+        wait_for(lambda: _record(out, 2)["step"] >= steps + 30, 30, "peer 2 to train on")
+        assert _record(out, 0)["neighbour_misses"] == misses  # no waiting on anyone any more
+        logs = (tmp_path / "p0.log").read_text() + (tmp_path / "p1.log").read_text()
+        assert "no word from peer 2" in logs and "declared dead" in logs
+        assert "says we were dropped; rejoining" in (tmp_path / "p2.log").read_text()
+    finally:
+        procs[2].send_signal(signal.SIGCONT)
+        codes = _stop(procs)
+    assert codes == [0, 0, 0]
+
+
+def test_a_killed_peer_resumes_from_its_checkpoint_and_rejoins(tmp_path: Path) -> None:
+    procs, out = _swarm(tmp_path, 3, checkpoint_every=10, **FAST)
+    restarted = None
+    try:
+        wait_for(lambda: _record(out, 1).get("step", 0) >= 40, 60, "the swarm to train")
+        procs[1].kill()
+        procs[1].wait(10)
+        saved = torch.load(out / "checkpoints" / "1.pt", weights_only=True)["step"]
+        assert saved >= 40 and saved % 10 == 0
+        wait_for(lambda: all(_record(out, i).get("members") == 2 for i in (0, 2)), 30,
+                 "peer 1 to be declared dead")  # fmt: skip
+        restarted, _ = start_peer("--resume", str(out), "--rank", "1", log=tmp_path / "p1b.log")
+        wait_for(lambda: all(_record(out, i).get("members") == 3 for i in range(3)), 60,
+                 "everyone to count three members again")  # fmt: skip
+        lines = [json.loads(ln) for ln in (out / "peers" / "1.jsonl").read_text().splitlines()]
+        starts = [r for r in lines if r.get("start")]
+        assert len(starts) == 2 and starts[1]["step"] == saved  # from the checkpoint, not 0
+        wait_for(lambda: _record(out, 1)["step"] >= saved + 30, 30, "peer 1 to train on")
+        assert "back in at round" in (tmp_path / "p1b.log").read_text()
+    finally:
+        codes = _stop([procs[0], procs[2], *([restarted] if restarted else [])])
+    assert codes == [0, 0, 0]
+
+
+def test_resume_without_a_checkpoint_fails_clearly(tmp_path: Path) -> None:
+    procs, out = _swarm(tmp_path, 2, **FAST)
+    try:
+        wait_for(lambda: _record(out, 1).get("step", 0) >= 5, 60, "the swarm to train")
+        done = subprocess.run(gossipdl_cmd("peer", "--resume", str(out), "--rank", "1"),
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 2
+        assert "no checkpoint at" in " ".join(done.stderr.split())
+        done = subprocess.run(gossipdl_cmd("peer", "--resume", str(out)),
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 2 and "--resume needs --rank" in done.stderr
+    finally:
+        codes = _stop(procs)
+    assert codes == [0, 0]
