@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -51,7 +53,10 @@ def preflight(config: Config) -> int:
         except DataError as exc:
             raise ConfigError(f"partition = {config.partition!r}: {exc}") from None
     model = build_model(
-        config.model, dataset.input_shape, dataset.num_classes, list(config.hidden) or None
+        config.model,
+        dataset.input_shape,
+        dataset.num_classes,
+        list(config.hidden) or None,
     )
     return sum(p.numel() for p in model.parameters())
 
@@ -143,15 +148,36 @@ def carries_on(config: Config) -> bool:
     return config.mode == "gossip" or (config.mode == "ps" and config.ps in ("async", "fedavg"))
 
 
-class Swarm:
-    """The peer processes of one local run."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a launched peer runs: a command prefix (e.g. ``ip netns exec HOST``) and the
+    address it listens on (None: the config's ``host``)."""
 
-    def __init__(self, config: Config, run: RunDir) -> None:
+    prefix: tuple[str, ...] = ()
+    host: str | None = None
+
+
+class Swarm:
+    """The peer processes of one local run; ``place`` puts peer k on an emulated host."""
+
+    def __init__(
+        self,
+        config: Config,
+        run: RunDir,
+        place: Callable[[int], Placement] | None = None,
+    ) -> None:
         self.config = config
         self.run = run
         self.procs: dict[int, subprocess.Popen[str]] = {}
         self.servers: dict[int, subprocess.Popen[str]] = {}
         self._logs: list[IO[str]] = []
+        self._place = place or (lambda rank: Placement())
+        self._threads = config.threads or max(1, (os.cpu_count() or 1) // config.processes)
+        self._env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(self._threads),
+            "PYTHONUNBUFFERED": "1",
+        }
 
     def start(self) -> None:
         """Spawn peer 0, learn its address, then spawn the others pointing at it.
@@ -159,9 +185,8 @@ class Swarm:
         In ps mode the server shards start first and every worker gets their addresses.
         """
         n = self.config.processes
-        threads = self.config.threads or max(1, (os.cpu_count() or 1) // n)
         listen = f"tcp://{self.config.host}:0"
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        env = self._env
         servers = None
         if self.config.mode == "ps":
             self.run.server_log(0).parent.mkdir(exist_ok=True)
@@ -175,14 +200,37 @@ class Swarm:
         address = None
         for rank in range(n):
             cmd = peer_command(
-                self.run.config, self.run.root, rank, listen, threads, address, servers
+                self.run.config, self.run.root, rank, self._listen(rank), self._threads, address,
+                servers,
+            )  # fmt: skip
+            self.procs[rank] = self._spawn(
+                [*self._place(rank).prefix, *cmd], self.run.log(rank), env
             )
-            self.procs[rank] = self._spawn(cmd, self.run.log(rank), env)
             if address is None and servers is None:
                 address = _read_address(self.procs[0], self.run.log(0), self.config.startup_timeout)
 
-    def _spawn(self, cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-        log_file = log_path.open("w")
+    def _listen(self, rank: int) -> str:
+        return f"tcp://{self._place(rank).host or self.config.host}:0"
+
+    def kill(self, rank: int) -> None:
+        """kill -9 one peer (fault injection)."""
+        self.procs[rank].kill()
+        self.procs[rank].wait()
+
+    def restart(self, rank: int) -> None:
+        """Start a killed peer again from its checkpoint (``gossipdl peer --resume``)."""
+        cmd = [
+            *self._place(rank).prefix,
+            *peer_command(self.run.config, self.run.root, rank, self._listen(rank),
+                          self._threads, None),
+            "--resume", str(self.run.root),
+        ]  # fmt: skip
+        self.procs[rank] = self._spawn(cmd, self.run.log(rank), self._env, mode="a")
+
+    def _spawn(
+        self, cmd: list[str], log_path: Path, env: dict[str, str], mode: str = "w"
+    ) -> subprocess.Popen[str]:
+        log_file = log_path.open(mode)
         self._logs.append(log_file)
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
 
@@ -270,7 +318,8 @@ def launch(
     summary_failed = failed or swarm.failed()
     if interrupted:
         log.warning(
-            "interrupted: the swarm was stopped early; %s holds what was measured", run.root
+            "interrupted: the swarm was stopped early; %s holds what was measured",
+            run.root,
         )
     elif summary_failed and carries_on(config):
         log.warning(

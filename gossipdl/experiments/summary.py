@@ -92,8 +92,12 @@ def summarize(run: RunDir, wall_time_s: float | None = None) -> dict[str, Any]:
     ]
     server_bytes = sum(s.get("bytes_sent", 0) for s in servers)
     accuracies = [p["accuracy"] for p in peers if p["accuracy"] is not None]
+    finished = [p["accuracy"] for p in peers if p["finished"] and p["accuracy"] is not None]
     summary = {
         "mean_accuracy": sum(accuracies) / len(accuracies) if accuracies else None,
+        # the peers that ran to the end (after a peer died, the mean above includes its
+        # last evaluation)
+        "mean_accuracy_finished": sum(finished) / len(finished) if finished else None,
         "min_accuracy": min(accuracies, default=None),
         "max_accuracy": max(accuracies, default=None),
         "consensus_distance": consensus_distance(run, [p["id"] for p in peers]),

@@ -32,6 +32,7 @@ class Inbox:
         self._keep_late = keep_late
         self._late: list[tuple[int, int, Any]] = []
         self._taken: dict[int, set[int]] = {}  # round -> senders already handed to the peer
+        self._sent_by: dict[int, int] = {}  # sender -> last round it says it sent
 
     def put(self, sender: int, round: int, payload: Any) -> None:
         """Store a payload; raises WireError('late' / 'too_many_pending' / 'duplicate')."""
@@ -74,7 +75,16 @@ class Inbox:
     def _ahead(self, round: int) -> set[int]:
         """Senders already heard from for a later round: their message for ``round`` was lost
         (one connection delivers in order), so waiting longer for them is pointless."""
-        return {sender for r, slot in self._rounds.items() if r > round for sender in slot}
+        later = {sender for r, slot in self._rounds.items() if r > round for sender in slot}
+        return later | {sender for sender, r in self._sent_by.items() if r >= round}
+
+    def sent(self, sender: int, round: int) -> None:
+        """``sender`` says (on the connection its messages take, so after them) that it sent
+        everything up to ``round``: what has not come by now is lost, stop waiting for it."""
+        with self._cond:
+            if round > self._sent_by.get(sender, -1):
+                self._sent_by[sender] = round
+                self._cond.notify_all()
 
     def advance(self, round: int) -> None:
         """Forget every round below ``round``; later arrivals for them are late."""
@@ -89,6 +99,11 @@ class Inbox:
             for r in [r for r in self._taken if r < self._floor]:
                 del self._taken[r]
 
+    def forget(self, sender: int) -> None:
+        """Drop what ``sender`` said it sent: it rejoined and counts rounds anew."""
+        with self._cond:
+            self._sent_by.pop(sender, None)
+
     def restart(self, round: int) -> None:
         """Forget everything and wait next for ``round``, even an earlier one (a peer that
         rejoins takes the swarm's round, which may be behind its own)."""
@@ -97,6 +112,7 @@ class Inbox:
             self._pending.clear()
             self._taken.clear()
             self._late.clear()
+            self._sent_by.clear()
             self._floor = round
 
     def drain_late(self) -> list[tuple[int, int, Any]]:

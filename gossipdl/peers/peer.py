@@ -191,6 +191,7 @@ class Peer:
         self._heard: dict[int, float] = {}  # id -> when its last accepted message came
         self._sent: dict[int, float] = {}  # id -> when we last sent it anything
         self._rejoin_via: str | None = None  # a live member that says we were dropped
+        self._sent_round = -1  # the last round whose messages all went out (heartbeats say it)
         self._resuming = resume_step is not None
         self.swarm_config = swarm_config or {}
         self.membership = Membership()
@@ -365,6 +366,7 @@ class Peer:
                 self._send(j, "public", round=rnd.index, payload=public)
             else:
                 self._send(j, "params", round=rnd.index, payload=payload)
+        self._sent_round = rnd.index
         got = self._wait(self._inbox, rnd.index, set(rnd.weights), first=True)
         return self._merge_round(x, rnd, got)
 
@@ -409,6 +411,7 @@ class Peer:
                 self._send(j, "params", round=rnd.index, payload=payload, meta=tag)
             else:
                 self._send(j, "quiet", round=rnd.index, meta=tag)
+        self._sent_round = rnd.index
         got = self._wait(self._inbox, rnd.index, set(rnd.weights), first=True)
         synced = {j for j, (value, _) in got.items() if value is not None}
         if sync:
@@ -677,10 +680,11 @@ class Peer:
             # The swarm reaches our first round only after ``since - reply.round`` more rounds.
             self._first_wait = self.startup_timeout
             log.info(
-                "peer %d: %s at round %d (peer %d is at round %d)",
+                "peer %d: %s at round %d %s peer %d (round %d)",
                 self.id,
-                "joined with the model of its neighbour" if take_model else "back in",
+                "joined" if take_model else "back in",
                 self.round,
+                "with the model of" if take_model else "keeping its model, aligned with",
                 j,
                 reply.round,
             )
@@ -839,7 +843,11 @@ class Peer:
         log.info("peer %d: resync with its neighbours at round %d", self.id, target)
 
     def _merge(self, members: list[Member]) -> None:
-        if self.membership.merge(members):
+        changed = self.membership.merge(members)
+        for member in changed:
+            if member.until is None:  # new, or back: its rounds start over
+                self._inbox.forget(member.id)
+        if changed:
             self._members_changed()
 
     def _members_changed(self) -> None:
@@ -875,7 +883,7 @@ class Peer:
                 # New members get a moment for the news of them to reach everyone.
                 if now - known >= self.heartbeat and now - self._sent.get(j, 0.0) >= every:
                     self._sent[j] = now
-                    self._reply(member.address, "alive")
+                    self._reply(member.address, "alive", sent=self._sent_round)
                 silent = now - max(self._heard.get(j, 0.0), known)
                 if (
                     self.started
@@ -957,9 +965,8 @@ class Peer:
         if sender is None:
             raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
         self._heard[msg.sender] = time.monotonic()
-        dead = sender.until is not None and self.membership.why_left(msg.sender) is None
-        if msg.kind == "alive" and dead and self.started:  # declared dead, yet alive
-            self._reply(sender.address, "dropped", members=self.membership.wire())
+        if msg.kind == "alive":
+            self._hear_heartbeat(msg, sender)
         if msg.kind in ("params", "public", "quiet", "reply"):
             self._hear_alarms(msg)
         if msg.kind in ("params", "public"):
@@ -1015,6 +1022,18 @@ class Peer:
                 reason,
             )
         self._track_seq(msg)  # only messages that were accepted: a dropped one leaves a gap
+
+    def _hear_heartbeat(self, msg: Message, sender: Member) -> None:
+        """A heartbeat says which round the sender last sent: a model of that round not here
+        yet was lost, so the round stops waiting for it (instead of ``round_timeout``). One
+        from a member we dropped as dead gets our table back, so it can rejoin."""
+        sent = msg.meta.get("sent", -1)
+        if not isinstance(sent, int) or isinstance(sent, bool) or sent < -1:
+            raise WireError("bad_meta", f"heartbeat round {sent!r} is not a round number")
+        self._inbox.sent(msg.sender, sent)
+        dead = sender.until is not None and self.membership.why_left(msg.sender) is None
+        if dead and self.started:
+            self._reply(sender.address, "dropped", members=self.membership.wire())
 
     def _reply(self, address: str, kind: str, **meta: Any) -> None:
         """Answer someone who is not a member yet: straight to its address, no sequence number."""

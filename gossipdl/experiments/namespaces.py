@@ -1,0 +1,109 @@
+"""Emulated hosts on one machine: Linux network namespaces joined by veth pairs and a bridge.
+
+Each "host" is a namespace with its own IP on a private /24; peers started
+inside one (``ip netns exec``) talk to the others over real links that a test
+can cut (``ip link set … down``) or shape. Needs root and iproute2; ``why_not``
+says what is missing so callers can skip with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from types import TracebackType
+
+
+class NamespaceError(RuntimeError):
+    """The namespaces could not be set up; the message has the failing command's output."""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise NamespaceError(f"ip {' '.join(args)} failed: {done.stderr.strip()}")
+    return done
+
+
+def why_not() -> str | None:
+    """Why namespaces cannot be made here (not root, no ``ip``), or None if they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "network namespaces need iproute2's ip command"
+    return None
+
+
+class Hosts:
+    """``n`` namespaces on a bridge, host k at ``10.S.0.(k+1)`` (S from the pid, so runs at
+    the same time do not collide); removed again on exit.
+
+    Example (as root)::
+
+        with Hosts(3) as hosts:
+            subprocess.run([*hosts.prefix(1), "ping", "-c1", hosts.ip(0)])
+            hosts.cut(2)      # host 2 loses its link
+            hosts.restore(2)
+    """
+
+    def __init__(self, n: int) -> None:
+        reason = why_not()
+        if reason is not None:
+            raise NamespaceError(reason)
+        tag = os.getpid() % 10000
+        self.n = n
+        self.subnet = 100 + os.getpid() % 100
+        self.names = [f"gdl{tag}h{k}" for k in range(n)]
+        self.bridge = f"gdl{tag}br"
+        self._links = [f"gdl{tag}v{k}" for k in range(n)]  # root-side end of host k's veth
+
+    def ip(self, k: int) -> str:
+        """Host k's address."""
+        return f"10.{self.subnet}.0.{k + 1}"
+
+    def prefix(self, k: int) -> list[str]:
+        """The command prefix that runs a program on host k."""
+        return ["ip", "netns", "exec", self.names[k]]
+
+    def cut(self, k: int) -> None:
+        """Take host k's link down: nothing reaches it or leaves it until ``restore``."""
+        _ip("link", "set", self._links[k], "down")
+
+    def restore(self, k: int) -> None:
+        """Bring host k's link back up."""
+        _ip("link", "set", self._links[k], "up")
+
+    def __enter__(self) -> Hosts:
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "set", self.bridge, "up")
+            for k, (name, link) in enumerate(zip(self.names, self._links, strict=True)):
+                _ip("netns", "add", name)
+                inner = f"{link}i"
+                _ip("link", "add", link, "type", "veth", "peer", "name", inner)
+                _ip("link", "set", inner, "netns", name)
+                _ip("link", "set", link, "master", self.bridge)
+                _ip("link", "set", link, "up")
+                _ip("-n", name, "addr", "add", f"{self.ip(k)}/24", "dev", inner)
+                _ip("-n", name, "link", "set", inner, "up")
+                _ip("-n", name, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the namespaces, their links and the bridge (whatever exists of them)."""
+        for name in self.names:
+            _ip("netns", "del", name, check=False)
+        for link in self._links:
+            _ip("link", "del", link, check=False)
+        _ip("link", "del", self.bridge, check=False)
