@@ -25,6 +25,7 @@ from gossipdl.config import (
     to_toml,
 )
 from gossipdl.rundir import RunDir, default_run_dir
+from gossipdl.transport.curve import CurveError
 
 app = typer.Typer(
     help="Decentralized (gossip) deep learning over ZeroMQ: no central server.",
@@ -34,6 +35,8 @@ app = typer.Typer(
 )
 topology_app = typer.Typer(help="Inspect communication topologies.", no_args_is_help=True)
 app.add_typer(topology_app, name="topology")
+keys_app = typer.Typer(help="CurveZMQ key pairs for --secure swarms.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
 console = Console(stderr=True)
 
 
@@ -178,6 +181,7 @@ def _train(
     summary: bool,
     servers: list[str] | None = None,
     resume: bool = False,
+    curve: Any = None,
 ) -> None:
     import torch
 
@@ -211,6 +215,7 @@ def _train(
             on_listening=announce,
             servers=servers,
             resume=resume,
+            curve=curve,
         )
     except (TransportError, PeerError, RingError, ServerError, ConfigError) as exc:
         _fail(str(exc))
@@ -244,6 +249,9 @@ def peer(
         help="Run directory to resume --rank in: its config, checkpoint and members "
         "(rejoins through them unless --bootstrap is given).",
     ),
+    secure: bool = typer.Option(False, help="CURVE: encrypt, and admit only --allow's keys."),
+    keys: Path | None = typer.Option(None, help="--secure: directory with this peer's key pair."),
+    allow: Path | None = typer.Option(None, help="--secure: file of allowed public keys."),
 ) -> None:
     """Run one peer by hand: found a swarm, join one (--bootstrap), or work for --servers.
 
@@ -275,7 +283,8 @@ def peer(
             )
         if resume is not None:
             bootstrap = bootstrap or _rejoin_addresses(RunDir(resume), rank)
-    except (ConfigError, LaunchEnvError) as exc:
+        curve = _curve(secure, keys, allow)
+    except (ConfigError, LaunchEnvError, CurveError) as exc:
         _fail(str(exc))
         return
     _train(
@@ -289,7 +298,38 @@ def peer(
         summary=summary,
         servers=servers.split(",") if servers else None,
         resume=resume is not None,
+        curve=curve,
     )
+
+
+def _curve(secure: bool, keys: Path | None, allow: Path | None) -> Any:
+    """The CURVE settings --secure asks for (None without it)."""
+    from gossipdl.transport.curve import load_curve
+
+    if not secure:
+        if keys or allow:
+            raise ConfigError("--keys and --allow take effect only with --secure")
+        return None
+    if keys is None or allow is None:
+        raise ConfigError("--secure needs --keys DIR (this peer's key pair) and --allow FILE")
+    return load_curve(keys, allow)
+
+
+@keys_app.command("generate")
+def keys_generate(
+    directory: Path = typer.Argument(..., help="Where to write NAME.key and NAME.key_secret."),
+    name: str = typer.Option("peer", help="File name stem."),
+) -> None:
+    """Write a new CurveZMQ key pair; share the .key (public) line, keep .key_secret."""
+    from gossipdl.transport.curve import generate_keys, load_curve_public
+
+    try:
+        public, secret = generate_keys(directory, name)
+    except CurveError as exc:
+        _fail(str(exc))
+        return
+    print(f"{load_curve_public(public)}  # {name}, public key (add this line to --allow files)")
+    print(f"secret key: {secret} (keep it private)", file=sys.stderr)
 
 
 def _rejoin_addresses(run: RunDir, rank: int | None) -> str:

@@ -27,6 +27,7 @@ class Member:
     address: str
     since: int = 0
     until: int | None = None
+    key: str = ""  # its CURVE public key (Z85), "" in a swarm without CURVE
 
     def takes_part(self, round: int) -> bool:
         """Whether the member is in the topology of ``round``."""
@@ -44,21 +45,22 @@ def _round(value: Any) -> bool:
 
 
 def parse_members(value: Any) -> list[Member]:
-    """Validate a member list received on the wire (``[[id, address, since, until], ...]``;
-    ``until`` may be left out or ``None``)."""
+    """Validate a member list received on the wire (``[[id, address, since, until, key],
+    ...]``; ``until`` may be left out or ``None``, ``key`` left out or ``""``)."""
     if not isinstance(value, list) or len(value) > 100_000:
         raise WireError("bad_meta", f"member list is {type(value).__name__}, expected a list")
     members = []
     for entry in value:
         if not (
             isinstance(entry, list)
-            and len(entry) in (3, 4)
+            and len(entry) in (3, 4, 5)
             and _round(entry[0])
             and isinstance(entry[1], str)
             and entry[1].startswith("tcp://")
             and len(entry[1]) < 300
             and _round(entry[2])
             and (len(entry) == 3 or entry[3] is None or (_round(entry[3]) and entry[3] > entry[2]))
+            and (len(entry) < 5 or (isinstance(entry[4], str) and len(entry[4]) in (0, 40)))
         ):
             raise WireError(
                 "bad_meta", f"member entry {entry!r} is not [id, tcp://address, since, until]"
@@ -158,4 +160,4 @@ class Membership:
 
     def wire(self) -> list[list[Any]]:
         """The member list as sent on the wire."""
-        return [[m.id, m.address, m.since, m.until] for m in self.members()]
+        return [[m.id, m.address, m.since, m.until, m.key] for m in self.members()]

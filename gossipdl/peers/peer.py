@@ -37,6 +37,7 @@ from gossipdl.peers.inbox import Inbox
 from gossipdl.peers.membership import Member, Membership, parse_members
 from gossipdl.topologies import Topology, build_topology
 from gossipdl.transport import Message, Transport, WireError, encode
+from gossipdl.transport.curve import Curve
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class Peer:
         heartbeat: float = 1.0,
         dead_after: float = 5.0,
         resume_step: int | None = None,
+        curve: Curve | None = None,
         swarm_config: dict[str, Any] | None = None,
         on_members: Callable[[list[Member]], None] | None = None,
         on_listening: Callable[[str], None] | None = None,
@@ -150,6 +152,11 @@ class Peer:
             raise ValueError(f"rank must be in 0..{len(peers) - 1} when peers is given, got {rank}")
         if peers is not None and bootstrap is not None:
             raise ValueError("give either peers (a fixed address list) or bootstrap, not both")
+        if curve is not None and peers is not None:
+            raise ValueError(
+                "with CURVE peers learn each other's keys when they join: give bootstrap "
+                "(or nothing, to found the swarm), not a fixed address list"
+            )
         if not 0 < heartbeat < dead_after:
             raise ValueError(
                 f"heartbeat = {heartbeat}s, dead_after = {dead_after}s: a peer is declared dead "
@@ -193,6 +200,8 @@ class Peer:
         self._rejoin_via: str | None = None  # a live member that says we were dropped
         self._sent_round = -1  # the last round whose messages all went out (heartbeats say it)
         self._resuming = resume_step is not None
+        self.curve = curve
+        self._key = curve.public if curve is not None else ""
         self.swarm_config = swarm_config or {}
         self.membership = Membership()
         self.id = -1
@@ -243,6 +252,7 @@ class Peer:
             send_hwm=RING_SEND_HWM if ring else 64,
             finite_checked_by=RING_CHECKS_FINITE if ring else frozenset(),
             max_message_rate=max_message_rate,
+            curve=curve,
         )
         self.address = self.transport.address
         self._watcher = threading.Thread(target=self._watch, name="peer-watch", daemon=True)
@@ -582,7 +592,7 @@ class Peer:
             min_peers = len(peers)
         elif bootstrap is None:
             self.id = rank or 0
-            self._merge([Member(self.id, self.address, 0)])
+            self._merge([Member(self.id, self.address, 0, key=self._key)])
         else:
             welcome = self._join(bootstrap, rank)
             self.id = int(welcome.meta["id"])
@@ -623,14 +633,14 @@ class Peer:
     def _join(self, addresses: str, want_id: int | None) -> Message:
         """Ask a member (the first of the comma-separated ``addresses`` that answers) to let
         us in, or back in after a restart or after we were dropped; returns its welcome."""
-        meta = {"address": self.address, "want_id": want_id}
+        meta: dict[str, Any] = {"address": self.address, "want_id": want_id, "key": self._key}
         if self._resuming or self.started:
             meta["rejoin"] = True
         candidates = [a.strip() for a in addresses.split(",") if a.strip()]
         timeout = self.startup_timeout / max(1, len(candidates))
         for address in candidates:
             try:
-                welcome = self._request(address, "join", meta, "welcome", timeout)
+                welcome = self._request(address, "join", meta, "welcome", timeout, try_keys=True)
             except PeerError as exc:
                 error = exc
                 continue
@@ -650,6 +660,7 @@ class Peer:
             log.warning("peer %d: could not rejoin through %s: %s", self.id, address, exc)
             return
         self.membership.replace_all(parse_members(welcome.meta["members"]))
+        self._learn_keys(self.membership.members())
         me = self.membership.get(self.id)
         assert me is not None
         self.rejoins += 1
@@ -698,17 +709,26 @@ class Peer:
         meta: dict[str, Any],
         reply: str,
         timeout: float | None = None,
+        try_keys: bool = False,
     ) -> Message:
-        """Send ``kind`` to ``address`` every second until a ``reply`` arrives."""
+        """Send ``kind`` to ``address`` every second until a ``reply`` arrives. With CURVE and
+        ``try_keys`` (a bootstrap address, whose key we do not know yet), each try uses the
+        next key of the allow-list: only the right one gets through the handshake."""
         deadline = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
         with self._changed:
             self._replies.pop(reply, None)
+        keys = sorted(self.curve.allowed) if self.curve is not None and try_keys else []
+        tries = 0
         while time.monotonic() < deadline:
+            if keys:
+                self.transport.set_key(address, keys[tries % len(keys)])
+            tries += 1
             frames = encode(kind, self.id, 0, self.round, meta=meta)
             self.transport.send(address, frames)
+            wait = _RETRY_S / 3 if keys else _RETRY_S
             with self._changed:
                 self._changed.wait_for(
-                    lambda: reply in self._replies, min(_RETRY_S, deadline - time.monotonic())
+                    lambda: reply in self._replies, min(wait, deadline - time.monotonic())
                 )
                 if reply in self._replies:
                     return self._replies.pop(reply)
@@ -844,11 +864,18 @@ class Peer:
 
     def _merge(self, members: list[Member]) -> None:
         changed = self.membership.merge(members)
+        self._learn_keys(changed)
         for member in changed:
             if member.until is None:  # new, or back: its rounds start over
                 self._inbox.forget(member.id)
         if changed:
             self._members_changed()
+
+    def _learn_keys(self, members: list[Member]) -> None:
+        """Tell the transport each member's public key, so CURVE can connect to it."""
+        for member in members:
+            if member.key:
+                self.transport.set_key(member.address, member.key)
 
     def _members_changed(self) -> None:
         """Wake whoever waits on the member table (formation, rounds) and report it."""
@@ -951,6 +978,8 @@ class Peer:
             return
         if msg.kind == "info_request":
             address = _address(msg.meta.get("address"), "reply address")
+            if msg.key:
+                self.transport.set_key(address, msg.key)
             self._reply(address, "info", members=self.membership.wire(), config=self.swarm_config)
             return
         if msg.kind == "welcome":  # from a member we may not know yet: checked here, merged
@@ -964,6 +993,8 @@ class Peer:
         sender = self.membership.get(msg.sender)
         if sender is None:
             raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
+        if sender.key != msg.key:  # CURVE: the connection's key must be the member's
+            raise WireError("wrong_key", f"{msg.kind} claims to be peer {msg.sender}")
         self._heard[msg.sender] = time.monotonic()
         if msg.kind == "alive":
             self._hear_heartbeat(msg, sender)
@@ -1043,6 +1074,10 @@ class Peer:
         """Let a newcomer in, or a member back in (``rejoin``: restarted, or dropped while
         it was away): a new entry from a few rounds ahead, announced to everyone."""
         address = _address(msg.meta.get("address"), "joiner address")
+        if msg.meta.get("key", "") != msg.key:
+            raise WireError("wrong_key", "the key a join names is not the one it connected with")
+        if msg.key:
+            self.transport.set_key(address, msg.key)
         want = msg.meta.get("want_id")
         rejoin = msg.meta.get("rejoin", False) is True
         member = self.membership.by_address(address)
@@ -1069,7 +1104,7 @@ class Peer:
             since = self.round + self._join_margin() if self.started else 0
             if known is not None:  # a new life starts after the last one
                 since = max(since, known.until or 0, known.since + 1)
-            member = Member(peer_id, address, since)
+            member = Member(peer_id, address, since, key=msg.key)
             self._merge([member])
             self._heard[peer_id] = time.monotonic()
             for other in self.membership.in_swarm():

@@ -32,6 +32,7 @@ from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import Peer, PeerError
 from gossipdl.rundir import RunDir, write_json_atomic
+from gossipdl.transport.curve import Curve
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ def train_peer(
     on_listening: Callable[[str], None] | None = None,
     servers: list[str] | None = None,
     resume: bool = False,
+    curve: Curve | None = None,
 ) -> dict[str, Any]:
     """Train one peer (a ps worker: with ``servers``) until ``config.steps`` steps or ``stop``;
     returns its final record. ``resume``: start from this rank's checkpoint in ``run`` and
@@ -106,6 +108,8 @@ def train_peer(
     ).to(device)
     optimizer = make_optimizer(config, model)
     single = config.mode == "single"
+    if curve is not None and config.mode != "gossip":
+        raise PeerError(f"--secure works for gossip peers; mode {config.mode!r} has no CURVE yet")
     resume_step = None
     if resume:
         if config.mode != "gossip" or rank is None or bootstrap is None:
@@ -148,6 +152,7 @@ def train_peer(
             heartbeat=config.heartbeat,
             dead_after=config.dead_after,
             resume_step=resume_step,
+            curve=curve,
             swarm_config=to_dict(config),
             on_members=write_members,
             on_listening=on_listening,

@@ -16,17 +16,20 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
+from gossipdl.transport.curve import Curve, is_loopback
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.wire import MAX_HEADER_BYTES, Message, WireError, decode
 
 log = logging.getLogger(__name__)
 
 _POLL_MS = 50
+_warned_plain = False  # the "no CURVE on a network address" warning goes out once
 
 
 class TransportError(RuntimeError):
@@ -42,6 +45,7 @@ class TransportStats:
     bytes_received: int = 0
     messages_sent: int = 0
     messages_received: int = 0
+    handshakes_refused: int = 0  # CURVE connections whose key is not on the allow-list
     dropped: Counter[str] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -59,6 +63,7 @@ class TransportStats:
                 "bytes_received": self.bytes_received,
                 "messages_sent": self.messages_sent,
                 "messages_received": self.messages_received,
+                "handshakes_refused": self.handshakes_refused,
                 "messages_dropped": dict(self.dropped),
             }
 
@@ -80,6 +85,29 @@ def advertised_address(bound: str) -> str:
     return f"tcp://{host}:{port}"
 
 
+class _AllowList:
+    """ZAP credentials check: a connection's public key must be on the list."""
+
+    def __init__(self, allowed: frozenset[str], stats: TransportStats, name: str) -> None:
+        self._allowed = allowed
+        self._stats = stats
+        self._name = name
+        self._refused: set[str] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        text = key.decode("ascii", "replace")
+        if text in self._allowed:
+            return True
+        with self._stats.lock:
+            self._stats.handshakes_refused += 1
+        if text not in self._refused:  # a refused peer retries; say it once
+            self._refused.add(text)
+            log.warning(
+                "%s: refused a connection from key %s: not on the allow-list", self._name, text
+            )
+        return False
+
+
 class Transport:
     """Bind ``listen``, deliver every validated inbound message to ``on_message``.
 
@@ -98,8 +126,12 @@ class Transport:
         send_hwm: int = 64,
         finite_checked_by: frozenset[str] = frozenset(),
         max_message_rate: float = DEFAULT_MESSAGE_RATE,
+        curve: Curve | None = None,
     ) -> None:
         self.stats = TransportStats()
+        self._curve = curve
+        self._keys: dict[str, str] = {}  # address -> its public key (CURVE)
+        self._keys_lock = threading.Lock()
         self._on_message = on_message
         self._max_message_bytes = max_message_bytes
         self._name = name
@@ -107,7 +139,16 @@ class Transport:
         self._finite_checked_by = finite_checked_by
         self._limiter = RateLimiter(max_message_rate)
         self._ctx: zmq.Context = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
+        if curve is not None:
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _AllowList(curve.allowed, self.stats, name))
         self._router = self._ctx.socket(zmq.ROUTER)
+        if curve is not None:
+            self._router.curve_secretkey = curve.secret.encode()
+            self._router.curve_publickey = curve.public.encode()
+            self._router.curve_server = True
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.RCVHWM, 10000)
         # A frame larger than any legitimate one (a header, or an array of a message
@@ -118,12 +159,23 @@ class Transport:
             self._router.bind(_bind_spec(listen))
         except zmq.ZMQError as exc:
             self._router.close()
+            if self._auth is not None:
+                self._auth.stop()
             self._ctx.term()
             raise TransportError(
                 f"cannot listen on {listen}: {exc.strerror}. Pick a free port "
                 "(e.g. --listen tcp://127.0.0.1:0 for any free one) or stop the program using it."
             ) from None
         self.address = advertised_address(self._router.getsockopt_string(zmq.LAST_ENDPOINT))
+        global _warned_plain
+        if curve is None and not is_loopback(self.address) and not _warned_plain:
+            _warned_plain = True
+            log.warning(
+                "%s: listening on %s without encryption or authentication: anyone who can "
+                "reach it can join and send models. Use --secure --keys DIR --allow FILE.",
+                name,
+                self.address,
+            )
         self._outbox: queue.SimpleQueue[tuple[str, list[Any]] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._recv_thread = threading.Thread(
@@ -135,6 +187,11 @@ class Transport:
         self._recv_thread.start()
         self._send_thread.start()
 
+    def set_key(self, address: str, key: str) -> None:
+        """The public key of the peer listening at ``address`` (CURVE needs it to connect)."""
+        with self._keys_lock:
+            self._keys[address] = key
+
     def send(self, address: str, frames: list[Any]) -> None:
         """Queue one message (header frame + buffer frames) for ``address``."""
         self._outbox.put((address, frames))
@@ -145,19 +202,32 @@ class Transport:
         self._send_thread.join(flush_timeout)
         self._stop.set()
         self._recv_thread.join(2.0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     def _send_loop(self) -> None:
-        dealers: dict[str, zmq.Socket] = {}
+        dealers: dict[str, tuple[zmq.Socket, str]] = {}  # address -> (DEALER, its server key)
         try:
             while True:
                 item = self._outbox.get()
                 if item is None:
                     break
                 address, frames = item
-                dealer = dealers.get(address)
-                if dealer is None:
-                    dealer = dealers[address] = self._connect(address)
+                with self._keys_lock:
+                    key = self._keys.get(address, "")
+                if self._curve is not None and not key:
+                    self.stats.drop("no_key")
+                    log.warning(
+                        "%s: no public key known for %s; message dropped", self._name, address
+                    )
+                    continue
+                dealer, dealer_key = dealers.get(address, (None, ""))
+                if dealer is None or dealer_key != key:  # new, or the key changed (bootstrap)
+                    if dealer is not None:
+                        dealer.close()
+                    dealer = self._connect(address, key)
+                    dealers[address] = (dealer, key)
                 try:
                     dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
                 except zmq.Again:
@@ -172,16 +242,20 @@ class Transport:
                     self.stats.header_bytes_sent += len(frames[0])
                     self.stats.messages_sent += 1
             # Give queued messages a moment to leave before the sockets close.
-            for dealer in dealers.values():
+            for dealer, _ in dealers.values():
                 dealer.setsockopt(zmq.LINGER, 2000)
         finally:
-            for dealer in dealers.values():
+            for dealer, _ in dealers.values():
                 dealer.close()
 
-    def _connect(self, address: str) -> zmq.Socket:
+    def _connect(self, address: str, server_key: str) -> zmq.Socket:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.SNDHWM, self._send_hwm)
         dealer.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            dealer.curve_secretkey = self._curve.secret.encode()
+            dealer.curve_publickey = self._curve.public.encode()
+            dealer.curve_serverkey = server_key.encode()
         dealer.connect(address)
         return dealer
 
@@ -216,6 +290,8 @@ class Transport:
         message = None
         try:
             message = decode(frames, self._max_message_bytes, self._finite_checked_by)
+            if self._curve is not None:  # ZAP set the connection's User-Id to its public key
+                message = replace(message, key=str(frames[0].get("User-Id") or ""))
             self._on_message(message)
         except WireError as exc:
             if exc.sender is None and message is not None:

@@ -90,6 +90,7 @@ class Message:
     arrays: list[np.ndarray] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     nbytes: int = 0
+    key: str = ""  # the sender's public key, as CURVE authenticated it ("" without CURVE)
 
 
 def encode(

@@ -1,0 +1,109 @@
+"""CURVE: encrypted swarms that admit only listed keys, refused at the handshake."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import gossipdl_cmd, wait_for
+
+from gossipdl import Peer
+from gossipdl.peers.peer import PeerError
+from gossipdl.transport.curve import (
+    CurveError,
+    generate_keys,
+    load_curve,
+    load_curve_public,
+    read_allow_list,
+)
+
+
+def _keys(tmp_path: Path, name: str) -> tuple[Path, str]:
+    public, _ = generate_keys(tmp_path / name)
+    return tmp_path / name, load_curve_public(public)
+
+
+def _allow(path: Path, *keys: str) -> Path:
+    path.write_text("# allowed peers\n" + "".join(f"{k}  # peer\n" for k in keys))
+    return path
+
+
+def _linear(value: float) -> torch.nn.Module:
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+def test_only_listed_keys_get_in_and_a_stranger_gets_nothing_accepted(tmp_path: Path) -> None:
+    (dir_a, key_a), (dir_b, key_b), (dir_s, key_s) = (_keys(tmp_path, n) for n in "abs")
+    allow = _allow(tmp_path / "allow.txt", key_a, key_b)
+    founded: list[Peer] = []
+    listening: list[str] = []
+    start = threading.Thread(target=lambda: founded.append(Peer(
+        _linear(0.0), curve=load_curve(dir_a, allow), min_peers=2, topology="complete",
+        on_listening=listening.append)))  # fmt: skip
+    start.start()
+    wait_for(lambda: listening, 30, "the founder to listen")
+    # B joins knowing only the founder's address: the founder's key is found on the list
+    member = Peer(
+        _linear(10.0), bootstrap=listening[0], curve=load_curve(dir_b, allow),
+        topology="complete",
+    )  # fmt: skip
+    start.join(30)
+    founder = founded[0]
+    stranger_allow = _allow(tmp_path / "stranger.txt", key_a, key_s)  # it knows A's key
+    try:
+        rounds = [threading.Thread(target=p.gossip) for p in (founder, member)]
+        for t in rounds:
+            t.start()
+        for t in rounds:
+            t.join(30)
+        assert float(founder.model.weight[0, 0].detach()) == pytest.approx(5.0)  # trained together
+        with pytest.raises(PeerError, match="no 'welcome'"):
+            Peer(_linear(99.0), bootstrap=founder.address, startup_timeout=3,
+                 curve=load_curve(dir_s, stranger_allow))  # fmt: skip
+        stats = founder.stats()
+        assert stats["handshakes_refused"] >= 1
+        assert stats["messages_dropped"] == {}  # none of its messages got as far as decoding
+        assert [m.id for m in founder.membership.members()] == [0, 1]
+        assert {m.key for m in founder.membership.members()} == {key_a, key_b}
+    finally:
+        member.close()
+        founder.close()
+
+
+def test_allow_lists_and_key_directories_are_checked(tmp_path: Path) -> None:
+    directory, key = _keys(tmp_path, "a")
+    good = _allow(tmp_path / "ok.txt", key)
+    assert read_allow_list(good) == {key}
+    bad = tmp_path / "bad.txt"
+    bad.write_text(f"{key}\nnot-a-key\n")
+    with pytest.raises(CurveError, match="line 2"):
+        read_allow_list(bad)
+    (tmp_path / "empty.txt").write_text("# nobody\n")
+    with pytest.raises(CurveError, match="lists no key"):
+        read_allow_list(tmp_path / "empty.txt")
+    with pytest.raises(CurveError, match="cannot read"):
+        read_allow_list(tmp_path / "missing.txt")
+    with pytest.raises(CurveError, match="exactly one"):
+        load_curve(tmp_path / "nowhere", good)
+    with pytest.raises(CurveError, match="never overwritten"):
+        generate_keys(directory)
+
+
+def test_keys_generate_prints_the_public_key_and_peer_refuses_half_a_setup(
+    tmp_path: Path,
+) -> None:
+    done = subprocess.run(gossipdl_cmd("keys", "generate", str(tmp_path / "k")),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    key = done.stdout.split()[0]
+    assert key == load_curve_public(tmp_path / "k" / "peer.key")
+    done = subprocess.run(gossipdl_cmd("peer", "--secure", "--keys", str(tmp_path / "k")),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "--allow FILE" in done.stderr
