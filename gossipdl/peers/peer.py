@@ -513,15 +513,17 @@ class Peer:
         if first:
             timeout, self._first_wait = self._first_wait or self.round_timeout, 0.0
         got = inbox.wait(t, lambda: set(self._live(expected)), timeout)
-        self.idle_s += time.monotonic() - started
+        waited = time.monotonic() - started
+        self.idle_s += waited
         late_ones = [j for j in self._live(expected) if j not in got]
         if late_ones:
             self.neighbour_misses += len(late_ones)
             log.info(
-                "peer %d round %d: no model from %s within %.1fs; averaged without them",
+                "peer %d round %d: no model from %s (waited %.1fs of %.1fs); averaged without them",
                 self.id,
                 t,
                 late_ones,
+                waited,
                 timeout,
             )
         return got
