@@ -109,3 +109,17 @@ def test_modes_benchmark_runs_ring_and_ps_side_by_side(tmp_path: Path) -> None:
         assert row["peers_finished"] == 3 and 0.5 < row["accuracy"] <= 1
         assert row["bytes"] > 0 and row["wall_time_s"] > 0
     assert rows["ps-async-ssp"]["server_bytes"] > 0 and rows["ring"]["server_bytes"] == 0
+
+
+def test_faults_benchmark_kills_peers_and_reports_recovery(tmp_path: Path) -> None:
+    result = run_benchmark(
+        "faults", tmp_path, "--quick", "--loopback", "--only", "baseline,kill,partition",
+        "--steps", "500",
+    )  # fmt: skip
+    rows = {row["scenario"]: row for row in result["rows"]}
+    assert set(rows) == {"baseline", "kill", "partition"}
+    for key in ("peers_finished", "accuracy", "gap", "recovery_s"):
+        assert key in rows["baseline"] and key in rows["kill"]
+    assert rows["baseline"]["peers_finished"] == 4 and rows["kill"]["peers_finished"] == 2
+    assert rows["kill"]["declared_dead"] >= 1 and rows["kill"]["recovery_s"] > 0
+    assert rows["partition"]["skipped"] == "--loopback"
