@@ -104,10 +104,13 @@ class Inbox:
         with self._cond:
             self._sent_by.pop(sender, None)
 
-    def restart(self, round: int) -> None:
-        """Forget everything and wait next for ``round``, even an earlier one (a peer that
-        rejoins takes the swarm's round, which may be behind its own)."""
-        with self._cond:
+    def move_to(self, round: int) -> None:
+        """Wait next for ``round``: like ``advance``, but an earlier round forgets everything
+        (a peer that rejoins takes the swarm's round, which may be behind its own)."""
+        with self._cond:  # a reentrant lock: advance takes it again
+            if round >= self._floor:
+                self.advance(round)
+                return
             self._rounds.clear()
             self._pending.clear()
             self._taken.clear()

@@ -632,17 +632,17 @@ class Peer:
             "peer %d: swarm of %d formed; neighbours %s", self.id, min_peers, sorted(neighbours)
         )
 
-    def _join(self, addresses: str, want_id: int | None) -> Message:
+    def _join(self, addresses: str, want_id: int | None, timeout: float | None = None) -> Message:
         """Ask a member (the first of the comma-separated ``addresses`` that answers) to let
         us in, or back in after a restart or after we were dropped; returns its welcome."""
         meta: dict[str, Any] = {"address": self.address, "want_id": want_id, "key": self._key}
         if self._resuming or self.started:
             meta["rejoin"] = True
         candidates = [a.strip() for a in addresses.split(",") if a.strip()]
-        timeout = self.startup_timeout / max(1, len(candidates))
+        each = (timeout or self.startup_timeout) / max(1, len(candidates))
         for address in candidates:
             try:
-                welcome = self._request(address, "join", meta, "welcome", timeout, try_keys=True)
+                welcome = self._request(address, "join", meta, "welcome", each, try_keys=True)
             except PeerError as exc:
                 error = exc
                 continue
@@ -656,15 +656,20 @@ class Peer:
         pause longer than ``dead_after``): its table, its round, our own model."""
         address, self._rejoin_via = self._rejoin_via, None
         assert address is not None
+        self._sent_round = -1  # our heartbeats no longer vouch for rounds we count anew
         try:
-            welcome = self._join(address, self.id)
+            welcome = self._join(address, self.id, timeout=self.round_timeout)
         except PeerError as exc:
             log.warning("peer %d: could not rejoin through %s: %s", self.id, address, exc)
             return
         self.membership.replace_all(parse_members(welcome.meta["members"]))
         self._learn_keys(self.membership.members())
+        now = time.monotonic()
+        self._heard = {m.id: now for m in self.membership.members()}  # silent while apart
         me = self.membership.get(self.id)
         assert me is not None
+        self._inbox.move_to(me.since)  # keep what arrives for our first round from now on
+        self._answers.move_to(me.since)
         self.rejoins += 1
         self._start_late(me.since, take_model=False)
 
@@ -687,8 +692,9 @@ class Peer:
             self._latest = self._flat()
             self._reference = self._latest.clone()
             self._last_ids = None
-            self._inbox.restart(self.round)
-            self._answers.restart(self.round)
+            self._inbox.move_to(self.round)
+            self._answers.move_to(self.round)
+            self._sent_round = self.round - 1
             self.started = True
             # The swarm reaches our first round only after ``since - reply.round`` more rounds.
             self._first_wait = self.startup_timeout
@@ -941,24 +947,32 @@ class Peer:
         self._announce()
 
     def _hear_table(self, sender: int, members: list[Member]) -> None:
-        """Merge a member table, unless it says we are out: then rejoin through the sender
-        if its side of the swarm wins (see :func:`outranks`), else ignore it."""
+        """Take in a member table from ``sender``.
+
+        A table from a member we dropped is not merged: its view of who is alive is
+        stale (the other side of a partition, or messages it sent before a cut that
+        arrive after it). A table that says we are out makes us rejoin through the
+        sender if our own table has the sender alive, or if the sender's side of the
+        swarm outranks ours (:func:`outranks`); otherwise we ignore it, and the
+        sender's side will rejoin ours.
+        """
         theirs = {m.id: m for m in members}
         me, own = theirs.get(self.id), self.membership.get(self.id)
-        if me is None or me.until is None or (own is not None and own.since > me.since):
-            self._merge(members)
+        known = self.membership.get(sender)
+        sender_out = known is not None and known.until is not None
+        stale_about_us = own is not None and me is not None and own.since > me.since
+        if me is None or me.until is None or stale_about_us:
+            if not sender_out:
+                self._merge(members)
             return
-        if not self.started or self._closed or self._rejoin_via is not None:
+        if known is None or not self.started or self._closed or self._rejoin_via is not None:
             return
-        sender_entry = self.membership.get(sender)
         their_side = {m.id for m in members if m.until is None}
-        if (sender_entry is not None and sender_entry.until is None) or outranks(
-            their_side, set(self.membership.in_swarm())
-        ):
+        if not sender_out or outranks(their_side, set(self.membership.in_swarm())):
             log.warning(
                 "peer %d: peer %d says we were dropped; rejoining through it", self.id, sender
             )
-            self._rejoin_via = theirs[sender].address if sender in theirs else None
+            self._rejoin_via = theirs.get(sender, known).address
 
     def _join_margin(self) -> int:
         """Rounds of notice a newcomer gets: ``join_margin_rounds`` or 0.5 s of rounds, if more.

@@ -1,0 +1,60 @@
+"""Peers on three emulated hosts (network namespaces on a bridge): join over the bridge, lose
+one host's link for 20 s mid-run, and come back together. Needs root (skipped otherwise)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import last_record, small_config, wait_for
+
+from gossipdl.config import to_toml
+from gossipdl.experiments.launcher import Placement, Swarm
+from gossipdl.experiments.namespaces import Hosts, why_not
+from gossipdl.rundir import RunDir
+
+pytestmark = pytest.mark.skipif(why_not() is not None, reason=str(why_not()))
+
+
+def test_a_host_cut_off_for_20s_is_dropped_then_rejoins(tmp_path: Path) -> None:
+    with Hosts(3) as hosts:
+        config = small_config(
+            tmp_path, peers=3, steps=1_000_000, heartbeat=0.3, dead_after=2.0,
+            round_timeout=5.0, host=hosts.ip(0),
+        )  # fmt: skip
+        run = RunDir(config.out).create()
+        run.config.write_text(to_toml(config))
+        swarm = Swarm(config, run, place=lambda k: Placement(tuple(hosts.prefix(k)), hosts.ip(k)))
+
+        def record(i: int) -> dict[str, Any]:
+            return last_record(run.metrics(i)) or {}
+
+        try:
+            swarm.start()
+            wait_for(lambda: all(record(i).get("step", 0) >= 20 for i in range(3)), 60,
+                     "the three hosts to train together")  # fmt: skip
+            hosts_used = {a.split(":")[1][2:] for a in run.member_addresses().values()}
+            assert hosts_used == {hosts.ip(k) for k in range(3)}  # one peer per host
+            hosts.cut(2)
+            cut_at = time.monotonic()
+            wait_for(lambda: all(record(i).get("members") == 2 for i in (0, 1)), 15,
+                     "hosts 0 and 1 to drop host 2")  # fmt: skip
+            steps = record(0)["step"]
+            wait_for(lambda: record(0)["step"] >= steps + 20, 15, "hosts 0 and 1 to train on")
+            time.sleep(max(0.0, 20 - (time.monotonic() - cut_at)))
+            hosts.restore(2)
+            wait_for(lambda: record(2).get("rejoins", 0) >= 1, 30, "host 2 to rejoin")
+            wait_for(lambda: all(record(i).get("members") == 3 for i in range(3)), 30,
+                     "every host to count three members again")  # fmt: skip
+            misses = [record(i)["neighbour_misses"] for i in range(3)]
+            steps = record(2)["step"]
+            wait_for(lambda: record(2)["step"] >= steps + 30, 30, "the swarm to train on")
+            assert [record(i)["neighbour_misses"] for i in range(3)] == misses
+            assert all(p.poll() is None for p in swarm.procs.values())
+        finally:
+            swarm.stop()
+            swarm.close()
+        assert [p.returncode for p in swarm.procs.values()] == [0, 0, 0]
+        assert "says we were dropped; rejoining" in run.log(2).read_text()
