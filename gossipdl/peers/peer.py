@@ -670,6 +670,7 @@ class Peer:
         assert me is not None
         self._inbox.move_to(me.since)  # keep what arrives for our first round from now on
         self._answers.move_to(me.since)
+        self._members_changed()
         self.rejoins += 1
         self._start_late(me.since, take_model=False)
 
@@ -873,9 +874,11 @@ class Peer:
     def _merge(self, members: list[Member]) -> None:
         changed = self.membership.merge(members)
         self._learn_keys(changed)
+        now = time.monotonic()
         for member in changed:
-            if member.until is None:  # new, or back: its rounds start over
+            if member.until is None:  # new, or back: its rounds and its silence start over
                 self._inbox.forget(member.id)
+                self._heard[member.id] = now
         if changed:
             self._members_changed()
 
@@ -894,11 +897,11 @@ class Peer:
         if self._on_members is not None:
             self._on_members(self.membership.members())
 
-    def _announce(self, kind: str = "members") -> None:
+    def _announce(self) -> None:
         """Send the member table to every member still in the swarm."""
         for j in self.membership.in_swarm():
             if j != self.id:
-                self._send(j, kind, meta={"members": self.membership.wire()})
+                self._send(j, "members", meta={"members": self.membership.wire()})
 
     # ----------------------------------------------------------------- watch thread
     def _watch(self) -> None:
@@ -908,6 +911,8 @@ class Peer:
             if self.id < 0:
                 continue
             now = time.monotonic()
+            me = self.membership.get(self.id)
+            life = me.since if me is not None else 0  # which of our lives the heartbeat speaks for
             for member in self.membership.members():
                 j = member.id
                 known = self._known_at.setdefault(j, now)
@@ -918,7 +923,7 @@ class Peer:
                 # New members get a moment for the news of them to reach everyone.
                 if now - known >= self.heartbeat and now - self._sent.get(j, 0.0) >= every:
                     self._sent[j] = now
-                    self._reply(member.address, "alive", sent=self._sent_round)
+                    self._reply(member.address, "alive", sent=self._sent_round, life=life)
                 silent = now - max(self._heard.get(j, 0.0), known)
                 if (
                     self.started
@@ -1072,12 +1077,15 @@ class Peer:
 
     def _hear_heartbeat(self, msg: Message, sender: Member) -> None:
         """A heartbeat says which round the sender last sent: a model of that round not here
-        yet was lost, so the round stops waiting for it (instead of ``round_timeout``). One
-        from a member we dropped as dead gets our table back, so it can rejoin."""
-        sent = msg.meta.get("sent", -1)
-        if not isinstance(sent, int) or isinstance(sent, bool) or sent < -1:
-            raise WireError("bad_meta", f"heartbeat round {sent!r} is not a round number")
-        self._inbox.sent(msg.sender, sent)
+        yet was lost, so the round stops waiting for it (instead of ``round_timeout``). It
+        counts only for the sender's current life (one sent before it rejoined may arrive
+        after). One from a member we dropped as dead gets our table back, so it can rejoin."""
+        sent, life = msg.meta.get("sent", -1), msg.meta.get("life", 0)
+        for value in (sent, life):
+            if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+                raise WireError("bad_meta", f"heartbeat round {value!r} is not a round number")
+        if life == sender.since and sender.until is None:
+            self._inbox.sent(msg.sender, sent)
         dead = sender.until is not None and self.membership.why_left(msg.sender) is None
         if dead and self.started:
             self._reply(sender.address, "dropped", members=self.membership.wire())
@@ -1123,9 +1131,7 @@ class Peer:
             member = Member(peer_id, address, since, key=msg.key)
             self._merge([member])
             self._heard[peer_id] = time.monotonic()
-            for other in self.membership.in_swarm():
-                if other not in (self.id, peer_id):
-                    self._send(other, "members", meta={"members": self.membership.wire()})
+            self._announce()
             log.info(
                 "peer %d: %s %s as peer %d from round %d",
                 self.id,

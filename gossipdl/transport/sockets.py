@@ -29,6 +29,10 @@ from gossipdl.transport.wire import MAX_HEADER_BYTES, Message, WireError, decode
 log = logging.getLogger(__name__)
 
 _POLL_MS = 50
+# A connection whose other end stops answering ZeroMQ's pings (a cut link) is dropped after
+# _LINK_TIMEOUT_MS and dialled again every _CONNECT_TIMEOUT_MS, so traffic resumes within a
+# second or two of the link coming back instead of after TCP's retransmission back-off.
+_PING_MS, _LINK_TIMEOUT_MS, _CONNECT_TIMEOUT_MS = 1000, 3000, 1000
 _warned_plain = False  # the "no CURVE on a network address" warning goes out once
 
 
@@ -252,6 +256,9 @@ class Transport:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.SNDHWM, self._send_hwm)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.HEARTBEAT_IVL, _PING_MS)
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, _LINK_TIMEOUT_MS)
+        dealer.setsockopt(zmq.CONNECT_TIMEOUT, _CONNECT_TIMEOUT_MS)
         if self._curve is not None:
             dealer.curve_secretkey = self._curve.secret.encode()
             dealer.curve_publickey = self._curve.public.encode()
