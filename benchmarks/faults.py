@@ -19,8 +19,9 @@ What it measures
     Per scenario: peers that finished all their steps, their mean final test
     accuracy, its gap to the baseline in points, and the time to recover — from
     the kill until every survivor counts the smaller swarm (the dead were declared
-    dead and dropped), or from the restart (the link coming back) until every peer
-    counts all 8 members again — read from the peers' metrics lines.
+    dead and dropped), from the restart until every peer counts all 8 members
+    again, or from the link coming back until every cut-off peer has rejoined —
+    read from the peers' metrics lines.
 
 Run
     python benchmarks/faults.py --json runs/bench-faults.json
@@ -108,6 +109,17 @@ def members_back(run: RunDir, ids: list[int], count: int, since: float) -> float
     return round(latest - since, 2)
 
 
+def rejoined(run: RunDir, ids: list[int], since: float) -> float | None:
+    """Seconds from ``since`` until every peer in ``ids`` had rejoined the swarm (peers that
+    ran ahead while cut off may finish, and leave, before the last one is back)."""
+    times = [
+        next((r["unix_time"] for r in run.records(i) if r.get("unix_time", 0) >= since
+              and r.get("rejoins", 0) >= 1), None)
+        for i in ids
+    ]  # fmt: skip
+    return None if None in times else round(max(t for t in times if t is not None) - since, 2)
+
+
 @contextlib.contextmanager
 def placement(use_hosts: bool) -> Iterator[tuple[Hosts | None, Any]]:
     """Three namespace hosts (peer k on host k mod 3), or None and no placement."""
@@ -170,8 +182,11 @@ def run_scenario(key: str, args: argparse.Namespace, console: Console) -> dict[s
     recovery = None
     if key == "kill" and fault_time is not None:
         recovery = members_back(run, survivors, len(survivors), fault_time)
-    elif key in ("restart", "partition") and recover_time is not None:
+    elif key == "restart" and recover_time is not None:
         recovery = members_back(run, survivors, config.peers, recover_time)
+    elif key == "partition" and recover_time is not None:
+        cut_off = [i for i in range(config.peers) if i % HOSTS == 2]
+        recovery = rejoined(run, cut_off, recover_time)
     ids = [p["id"] for p in summary["peers"]]
     return {
         "scenario": key,

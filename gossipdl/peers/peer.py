@@ -105,6 +105,14 @@ class Peer:
     ``always`` and an optimizer, gradients are averaged exactly before every
     local step (synchronous SGD); otherwise parameters are, every round.
 
+    A member silent for ``dead_after`` seconds (heartbeats go out every
+    ``heartbeat``) is declared dead and the topology is rebuilt over the live
+    members at a round every peer agrees on; a peer told it was dropped
+    rejoins. ``resume_step`` restarts a peer from its own checkpointed model at
+    that step and rejoins through ``bootstrap``. ``curve`` (see
+    :func:`gossipdl.transport.curve.load_curve`) encrypts every connection and
+    admits only the allow-listed keys.
+
     Example (run once per rank, e.g. ``python train.py 0`` .. ``python train.py 3``)::
 
         addresses = [f"tcp://127.0.0.1:{5550 + i}" for i in range(4)]
@@ -512,7 +520,11 @@ class Peer:
         timeout = self.round_timeout
         if first:
             timeout, self._first_wait = self._first_wait or self.round_timeout, 0.0
-        got = inbox.wait(t, lambda: set(self._live(expected)), timeout)
+
+        def waiting_for() -> set[int]:  # nobody, once we know we must rejoin
+            return set() if self._rejoin_via is not None else set(self._live(expected))
+
+        got = inbox.wait(t, waiting_for, timeout)
         waited = time.monotonic() - started
         self.idle_s += waited
         late_ones = [j for j in self._live(expected) if j not in got]
@@ -654,7 +666,7 @@ class Peer:
     def _rejoin(self) -> None:
         """Back into the swarm after a live member said we were dropped (a partition, or a
         pause longer than ``dead_after``): its table, its round, our own model."""
-        address, self._rejoin_via = self._rejoin_via, None
+        address = self._rejoin_via  # kept set until done: notices meanwhile are ignored
         assert address is not None
         self._sent_round = -1  # our heartbeats no longer vouch for rounds we count anew
         try:
@@ -662,6 +674,8 @@ class Peer:
         except PeerError as exc:
             log.warning("peer %d: could not rejoin through %s: %s", self.id, address, exc)
             return
+        finally:
+            self._rejoin_via = None
         self.membership.replace_all(parse_members(welcome.meta["members"]))
         self._learn_keys(self.membership.members())
         now = time.monotonic()
@@ -978,6 +992,8 @@ class Peer:
                 "peer %d: peer %d says we were dropped; rejoining through it", self.id, sender
             )
             self._rejoin_via = theirs.get(sender, known).address
+            self._inbox.notify()  # a round waiting on our old side ends now
+            self._answers.notify()
 
     def _join_margin(self) -> int:
         """Rounds of notice a newcomer gets: ``join_margin_rounds`` or 0.5 s of rounds, if more.
