@@ -107,3 +107,18 @@ def test_keys_generate_prints_the_public_key_and_peer_refuses_half_a_setup(
     done = subprocess.run(gossipdl_cmd("peer", "--secure", "--keys", str(tmp_path / "k")),
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2 and "--allow FILE" in done.stderr
+
+
+def test_listening_on_a_network_address_without_curve_warns_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gossipdl.transport import Transport, sockets
+
+    monkeypatch.setattr(sockets, "_warned_plain", False)
+    with caplog.at_level("WARNING", logger="gossipdl.transport.sockets"):
+        ends = [Transport(listen, lambda m: None) for listen in
+                ("tcp://127.0.0.1:0", "tcp://0.0.0.0:0", "tcp://0.0.0.0:0")]  # fmt: skip
+    for end in ends:
+        end.close()
+    warnings = [r for r in caplog.records if "without encryption" in r.getMessage()]
+    assert len(warnings) == 1 and "--secure" in warnings[0].getMessage()

@@ -172,7 +172,7 @@ class Transport:
             ) from None
         self.address = advertised_address(self._router.getsockopt_string(zmq.LAST_ENDPOINT))
         global _warned_plain
-        if curve is None and not is_loopback(self.address) and not _warned_plain:
+        if curve is None and not is_loopback(listen) and not _warned_plain:
             _warned_plain = True
             log.warning(
                 "%s: listening on %s without encryption or authentication: anyone who can "
