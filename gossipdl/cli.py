@@ -25,7 +25,7 @@ from gossipdl.config import (
     to_toml,
 )
 from gossipdl.rundir import RunDir, default_run_dir
-from gossipdl.transport.curve import CurveError
+from gossipdl.transport.curve import Curve, CurveError
 
 app = typer.Typer(
     help="Decentralized (gossip) deep learning over ZeroMQ: no central server.",
@@ -104,6 +104,7 @@ def run(
     log_every: int | None = _opt("log_every", "--log-every"),
     round_timeout: float | None = _opt("round_timeout", "--round-timeout"),
     startup_timeout: float | None = _opt("startup_timeout", "--startup-timeout"),
+    link: str | None = _opt("link"),
     heartbeat: float | None = _opt("heartbeat"),
     dead_after: float | None = _opt("dead_after", "--dead-after"),
     checkpoint_every: int | None = _opt("checkpoint_every", "--checkpoint-every"),
@@ -181,7 +182,7 @@ def _train(
     summary: bool,
     servers: list[str] | None = None,
     resume: bool = False,
-    curve: Any = None,
+    curve: Curve | None = None,
 ) -> None:
     import torch
 
@@ -302,7 +303,7 @@ def peer(
     )
 
 
-def _curve(secure: bool, keys: Path | None, allow: Path | None) -> Any:
+def _curve(secure: bool, keys: Path | None, allow: Path | None) -> Curve | None:
     """The CURVE settings --secure asks for (None without it)."""
     from gossipdl.transport.curve import load_curve
 

@@ -127,6 +127,13 @@ class Config:
         default=5.0,
         metadata={"help": "seconds of silence after which a member is declared dead"},
     )
+    link: str = field(
+        default="",
+        metadata={
+            "help": "emulated access link of every peer, e.g. "
+            "up=10mbit,down=10mbit,latency=20ms,jitter=5ms,loss=1%"
+        },
+    )
     checkpoint_every: int = field(
         default=0,
         metadata={"help": "save checkpoints/<id>.pt every N steps (0: never); see peer --resume"},
@@ -246,6 +253,7 @@ def _validate(c: Config) -> None:
     from gossipdl.models import available_models
     from gossipdl.peers.conditions import ConditionError, parse_drift, parse_slowdown
     from gossipdl.topologies import TopologyError, build_topology
+    from gossipdl.transport.shaping import LinkError, parse_link
 
     _check(c.mode in MODES, f"mode = {c.mode!r}; choose one of {', '.join(MODES)}")
     if c.mode == "ring":
@@ -320,6 +328,10 @@ def _validate(c: Config) -> None:
     )
     for name in ("steps", "batch_size", "log_every"):
         _check(getattr(c, name) >= 1, f"{name} = {getattr(c, name)}; must be at least 1")
+    try:
+        parse_link(c.link)
+    except LinkError as exc:
+        raise ConfigError(f"link = {c.link!r}: {exc}") from None
     _check(
         0 < c.heartbeat < c.dead_after,
         f"heartbeat = {c.heartbeat}, dead_after = {c.dead_after}; a member is declared dead "

@@ -14,6 +14,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,6 +158,28 @@ class Placement:
     host: str | None = None
 
 
+class _StopOnSignal:
+    """While active (in the main thread): SIGINT and SIGTERM set ``asked`` instead of raising
+    at whatever line the launcher is on, so a Ctrl-C always ends in an orderly stop."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._ask)
+        return self
+
+    def _ask(self, signum: int, frame: object) -> None:
+        self.asked = True
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
 class Swarm:
     """The peer processes of one local run; ``place`` puts peer k on an emulated host."""
 
@@ -298,10 +321,11 @@ def launch(
     started = time.monotonic()
     interrupted = False
     failed: dict[int, int] = {}
-    with LiveProgress(run, config.steps, console=console, enabled=progress) as display:
+    stop = _StopOnSignal()
+    with stop, LiveProgress(run, config.steps, console=console, enabled=progress) as display:
         try:
             swarm.start()
-            while swarm.running():
+            while swarm.running() and not stop.asked:
                 time.sleep(0.25)
                 display.refresh()
                 failed = swarm.failed()
@@ -310,9 +334,11 @@ def launch(
                     swarm.stop()
                     break
         except KeyboardInterrupt:
-            interrupted = True
-            swarm.stop()
+            stop.asked = True
         finally:
+            interrupted = stop.asked
+            if interrupted:
+                swarm.stop()
             swarm.close()
     summary = summarize(run, time.monotonic() - started)
     summary_failed = failed or swarm.failed()

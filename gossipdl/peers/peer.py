@@ -39,6 +39,7 @@ from gossipdl.topologies import Topology, build_topology
 from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
+from gossipdl.transport.shaping import LinkProfile
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,8 @@ class Peer:
     rejoins. ``resume_step`` restarts a peer from its own checkpointed model at
     that step and rejoins through ``bootstrap``. ``curve`` (see
     :func:`gossipdl.transport.curve.load_curve`) encrypts every connection and
-    admits only the allow-listed keys.
+    admits only the allow-listed keys. ``link`` emulates a slow access link
+    (bandwidth, latency, jitter, loss) in user space.
 
     Example (run once per rank, e.g. ``python train.py 0`` .. ``python train.py 3``)::
 
@@ -152,6 +154,7 @@ class Peer:
         dead_after: float = 5.0,
         resume_step: int | None = None,
         curve: Curve | None = None,
+        link: LinkProfile | None = None,
         swarm_config: dict[str, Any] | None = None,
         on_members: Callable[[list[Member]], None] | None = None,
         on_listening: Callable[[str], None] | None = None,
@@ -261,6 +264,8 @@ class Peer:
             finite_checked_by=RING_CHECKS_FINITE if ring else frozenset(),
             max_message_rate=max_message_rate,
             curve=curve,
+            link=link,
+            seed=seed * 7919 + (rank or 0),
         )
         self.address = self.transport.address
         self._watcher = threading.Thread(target=self._watch, name="peer-watch", daemon=True)

@@ -33,6 +33,7 @@ from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import Peer, PeerError
 from gossipdl.rundir import RunDir, write_json_atomic
 from gossipdl.transport.curve import Curve
+from gossipdl.transport.shaping import parse_link
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ def train_peer(
             dead_after=config.dead_after,
             resume_step=resume_step,
             curve=curve,
+            link=parse_link(config.link),
             swarm_config=to_dict(config),
             on_members=write_members,
             on_listening=on_listening,

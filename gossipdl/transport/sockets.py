@@ -4,11 +4,15 @@ Sending and receiving each run on their own background thread, so the training
 thread only enqueues outgoing messages and reads validated ones. ZeroMQ
 sockets are not thread-safe: the ROUTER belongs to the receive thread and the
 DEALERs to the send thread. Every byte counted here is a byte of a frame handed
-to or taken from a socket.
+to or taken from a socket. With an emulated link (``link``, see ``shaping``) the
+send thread holds each message until the link would have delivered it, and the
+receive thread waits out the downlink before reading the next one.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
 import socket
@@ -24,6 +28,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from gossipdl.transport.curve import Curve, is_loopback
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
+from gossipdl.transport.shaping import Link, LinkProfile
 from gossipdl.transport.wire import MAX_HEADER_BYTES, Message, WireError, decode
 
 log = logging.getLogger(__name__)
@@ -131,8 +136,11 @@ class Transport:
         finite_checked_by: frozenset[str] = frozenset(),
         max_message_rate: float = DEFAULT_MESSAGE_RATE,
         curve: Curve | None = None,
+        link: LinkProfile | None = None,
+        seed: int = 0,
     ) -> None:
         self.stats = TransportStats()
+        self._link = Link(link, seed) if link is not None and link.shaped else None
         self._curve = curve
         self._keys: dict[str, str] = {}  # address -> its public key (CURVE)
         self._keys_lock = threading.Lock()
@@ -211,46 +219,71 @@ class Transport:
         self._ctx.term()
 
     def _send_loop(self) -> None:
+        """Send what is queued; through an emulated link, hold each message until the link
+        would have delivered it."""
         dealers: dict[str, tuple[zmq.Socket, str]] = {}  # address -> (DEALER, its server key)
+        held: list[tuple[float, int, str, list[Any]]] = []  # (arrival, order, address, frames)
+        order = itertools.count()
         try:
             while True:
-                item = self._outbox.get()
+                while held and held[0][0] <= time.monotonic():
+                    _, _, address, frames = heapq.heappop(held)
+                    self._send_now(dealers, address, frames)
+                wait = max(0.0, held[0][0] - time.monotonic()) if held else None
+                try:
+                    item = self._outbox.get(timeout=wait)
+                except queue.Empty:
+                    continue
                 if item is None:
                     break
                 address, frames = item
-                with self._keys_lock:
-                    key = self._keys.get(address, "")
-                if self._curve is not None and not key:
-                    self.stats.drop("no_key")
-                    log.warning(
-                        "%s: no public key known for %s; message dropped", self._name, address
-                    )
+                if self._link is None:
+                    self._send_now(dealers, address, frames)
                     continue
-                dealer, dealer_key = dealers.get(address, (None, ""))
-                if dealer is None or dealer_key != key:  # new, or the key changed (bootstrap)
-                    if dealer is not None:
-                        dealer.close()
-                    dealer = self._connect(address, key)
-                    dealers[address] = (dealer, key)
-                try:
-                    dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    self.stats.drop("send_queue_full")
-                    log.warning(
-                        "%s: send queue to %s is full; message dropped", self._name, address
-                    )
+                arrival = self._link.send(sum(len(f) for f in frames), time.monotonic(), address)
+                if arrival is None:  # it used the uplink, then the link lost it
+                    self._count_sent(frames)
+                    self.stats.drop("link_loss")
                     continue
-                size = sum(len(f) for f in frames)
-                with self.stats.lock:
-                    self.stats.bytes_sent += size
-                    self.stats.header_bytes_sent += len(frames[0])
-                    self.stats.messages_sent += 1
+                heapq.heappush(held, (arrival, next(order), address, frames))
+            for _, _, address, frames in sorted(held):  # closing: what is held goes now
+                self._send_now(dealers, address, frames)
             # Give queued messages a moment to leave before the sockets close.
             for dealer, _ in dealers.values():
                 dealer.setsockopt(zmq.LINGER, 2000)
         finally:
             for dealer, _ in dealers.values():
                 dealer.close()
+
+    def _send_now(
+        self, dealers: dict[str, tuple[zmq.Socket, str]], address: str, frames: list[Any]
+    ) -> None:
+        """Hand one message to the DEALER for ``address`` (connected on first use)."""
+        with self._keys_lock:
+            key = self._keys.get(address, "")
+        if self._curve is not None and not key:
+            self.stats.drop("no_key")
+            log.warning("%s: no public key known for %s; message dropped", self._name, address)
+            return
+        dealer, dealer_key = dealers.get(address, (None, ""))
+        if dealer is None or dealer_key != key:  # new, or the key changed (bootstrap)
+            if dealer is not None:
+                dealer.close()
+            dealer = self._connect(address, key)
+            dealers[address] = (dealer, key)
+        try:
+            dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.stats.drop("send_queue_full")
+            log.warning("%s: send queue to %s is full; message dropped", self._name, address)
+            return
+        self._count_sent(frames)
+
+    def _count_sent(self, frames: list[Any]) -> None:
+        with self.stats.lock:
+            self.stats.bytes_sent += sum(len(f) for f in frames)
+            self.stats.header_bytes_sent += len(frames[0])
+            self.stats.messages_sent += 1
 
     def _connect(self, address: str, server_key: str) -> zmq.Socket:
         dealer = self._ctx.socket(zmq.DEALER)
@@ -278,6 +311,11 @@ class Transport:
                         frames = self._router.recv_multipart(copy=False, flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    if self._link is not None and self._link.profile.downlink_bps:
+                        size = sum(len(f) for f in frames[1:])
+                        time.sleep(
+                            max(0.0, self._link.receive(size, time.monotonic()) - time.monotonic())
+                        )
                     # frames[0] is the ROUTER's routing id: one per connection
                     if self._limiter.allow(frames[0].bytes, time.monotonic()):
                         self._handle(frames[1:])

@@ -1,0 +1,115 @@
+"""User-space link emulation: bandwidth, latency, jitter and loss on one peer's traffic.
+
+A :class:`Link` models the peer's access link the way a slow device sees it:
+every outgoing message occupies the uplink for ``size / uplink`` seconds after
+the previous one (a link serialises; there are no free bursts), then arrives
+``latency`` ± ``jitter`` seconds later, unless it is lost. Incoming messages
+occupy the downlink the same way before the peer may read them. The timing is
+pure arithmetic on a clock the caller passes in, so it is testable without
+sleeping; the transport does the waiting. Works anywhere, no root needed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+_SPEC = re.compile(r"^(up|down|latency|jitter|loss)=([0-9.eE+-]+)(mbit|kbit|ms|s|%)?$")
+
+
+class LinkError(ValueError):
+    """A link spec that cannot be used; the message shows the expected form."""
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """Rates in bits per second (0: unlimited), times in seconds, loss as a fraction."""
+
+    uplink_bps: float = 0.0
+    downlink_bps: float = 0.0
+    latency_s: float = 0.0
+    jitter_s: float = 0.0
+    loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("uplink_bps", "downlink_bps", "latency_s", "jitter_s"):
+            if getattr(self, name) < 0:
+                raise LinkError(f"link {name} = {getattr(self, name)}; must not be negative")
+        if self.jitter_s > self.latency_s:
+            raise LinkError(
+                f"link jitter {self.jitter_s * 1e3:g} ms exceeds latency "
+                f"{self.latency_s * 1e3:g} ms; a message cannot arrive before it was sent"
+            )
+        if not 0 <= self.loss < 1:
+            raise LinkError(f"link loss = {self.loss}; must be in [0, 1)")
+
+    @property
+    def shaped(self) -> bool:
+        """Whether the profile changes anything at all."""
+        return any((self.uplink_bps, self.downlink_bps, self.latency_s, self.loss))
+
+
+def parse_link(spec: str) -> LinkProfile:
+    """``up=10mbit,down=20mbit,latency=20ms,jitter=5ms,loss=1%`` (any subset; "" = none).
+
+    Example:
+        >>> parse_link("up=10mbit,latency=20ms").uplink_bps
+        10000000.0
+    """
+    values: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        match = _SPEC.match(part)
+        if match is None:
+            raise LinkError(
+                f"link part {part!r} is not KEY=VALUE; use e.g. "
+                "up=10mbit,down=10mbit,latency=20ms,jitter=5ms,loss=1%"
+            )
+        key, number, unit = match.groups()
+        value = float(number)
+        scale = {"mbit": 1e6, "kbit": 1e3, "ms": 1e-3, "s": 1.0, "%": 0.01, None: 1.0}[unit]
+        units = {"up": ("mbit", "kbit"), "down": ("mbit", "kbit"), "loss": ("%", None)}
+        allowed = units.get(key, ("ms", "s"))
+        if unit not in allowed:
+            names = " or ".join("a fraction" if u is None else u for u in allowed)
+            raise LinkError(f"link part {part!r}: {key} is given in {names}")
+        values[key] = value * scale
+    return LinkProfile(
+        uplink_bps=values.get("up", 0.0),
+        downlink_bps=values.get("down", 0.0),
+        latency_s=values.get("latency", 0.0),
+        jitter_s=values.get("jitter", 0.0),
+        loss=values.get("loss", 0.0),
+    )
+
+
+class Link:
+    """The state of one emulated access link: when its up and down directions are free."""
+
+    def __init__(self, profile: LinkProfile, seed: int = 0) -> None:
+        self.profile = profile
+        self._rng = random.Random(seed)
+        self._up_free = 0.0
+        self._down_free = 0.0
+        self._last_arrival: dict[str, float] = {}
+
+    def send(self, nbytes: int, now: float, to: str = "") -> float | None:
+        """When a message of ``nbytes`` sent at ``now`` to ``to`` arrives (None: lost). All
+        destinations share the uplink; arrivals at one keep their order, as on TCP."""
+        p = self.profile
+        start = max(now, self._up_free)
+        done = start + (8 * nbytes / p.uplink_bps if p.uplink_bps else 0.0)
+        self._up_free = done
+        if p.loss and self._rng.random() < p.loss:
+            return None
+        jitter = self._rng.uniform(-p.jitter_s, p.jitter_s) if p.jitter_s else 0.0
+        arrival = max(self._last_arrival.get(to, 0.0), done + p.latency_s + jitter)
+        self._last_arrival[to] = arrival
+        return arrival
+
+    def receive(self, nbytes: int, now: float) -> float:
+        """When a message of ``nbytes`` that reached the downlink at ``now`` is fully in."""
+        rate = self.profile.downlink_bps
+        start = max(now, self._down_free)
+        self._down_free = start + (8 * nbytes / rate if rate else 0.0)
+        return self._down_free
