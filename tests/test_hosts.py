@@ -3,6 +3,8 @@ one host's link for 20 s mid-run, and come back together. Needs root (skipped ot
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -58,3 +60,44 @@ def test_a_host_cut_off_for_20s_is_dropped_then_rejoins(tmp_path: Path) -> None:
             swarm.close()
         assert [p.returncode for p in swarm.procs.values()] == [0, 0, 0]
         assert "says we were dropped; rejoining" in run.log(2).read_text()
+
+
+@pytest.mark.parametrize("mbit", [1, 10, 100])
+def test_kernel_shaping_carries_the_configured_rate_within_10_percent(
+    tmp_path: Path, mbit: int
+) -> None:
+    """tc tbf on host 1's uplink, measured with a TCP transfer to host 0 over the bridge."""
+    nbytes = int(mbit * 1e6 / 8 * 2)  # two seconds' worth
+    receive = (
+        "import socket, time\n"
+        f"s = socket.socket(); s.bind(('{{ip}}', 7000)); s.listen(); c, _ = s.accept()\n"
+        "got, first = 0, None\n"
+        f"while got < {nbytes}:\n"
+        "    data = c.recv(1 << 20)\n"
+        "    first = first or time.monotonic()\n"
+        "    got += len(data)\n"
+        "print(got / (time.monotonic() - first))\n"
+    )
+    send = (
+        "import socket\n"
+        "s = socket.create_connection(('{ip}', 7000), timeout=30)\n"
+        f"s.sendall(bytes({nbytes}))\n"
+    )
+    with Hosts(2) as hosts:
+        hosts.shape(1, uplink_bps=mbit * 1e6)
+        server = subprocess.Popen(
+            [*hosts.prefix(0), sys.executable, "-c", receive.replace("{ip}", hosts.ip(0))],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        time.sleep(0.5)
+        subprocess.run([*hosts.prefix(1), sys.executable, "-c", send.replace("{ip}", hosts.ip(0))],
+                       check=True, timeout=60)  # fmt: skip
+        out, _ = server.communicate(timeout=60)
+    measured = 8 * float(out) / 1e6
+    assert measured == pytest.approx(mbit, rel=0.10), f"{measured:.2f} Mbit/s"
+
+
+def test_missing_netem_is_detected_and_said() -> None:
+    with Hosts(1) as hosts:
+        reason = hosts.netem_missing()
+    assert reason is None or "latency and loss stay in user space" in reason

@@ -2,7 +2,7 @@
 
 Each "host" is a namespace with its own IP on a private /24; peers started
 inside one (``ip netns exec``) talk to the others over real links that a test
-can cut (``ip link set … down``) or shape. Needs root and iproute2; ``why_not``
+can cut (``ip link set … down``) or shape (``tc`` tbf). Needs root and iproute2; ``why_not``
 says what is missing so callers can skip with that reason.
 """
 
@@ -18,11 +18,23 @@ class NamespaceError(RuntimeError):
     """The namespaces could not be set up; the message has the failing command's output."""
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(list(args), capture_output=True, text=True)
     if check and done.returncode != 0:
-        raise NamespaceError(f"ip {' '.join(args)} failed: {done.stderr.strip()}")
+        raise NamespaceError(f"{' '.join(args)} failed: {done.stderr.strip()}")
     return done
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return _run("ip", *args, check=check)
+
+
+def _tbf(tc: list[str], dev: str, rate_bps: float) -> None:
+    """A token-bucket rate limit on ``dev``'s egress. A burst of ~2 ms of traffic (at least one
+    full frame) keeps the rate honest over short transfers; 50 ms of queue, then drops."""
+    burst = max(1600, int(rate_bps / 8 * 0.002))
+    _run(*tc, "qdisc", "replace", "dev", dev, "root", "tbf",
+         "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "50ms")  # fmt: skip
 
 
 def why_not() -> str | None:
@@ -64,6 +76,25 @@ class Hosts:
     def prefix(self, k: int) -> list[str]:
         """The command prefix that runs a program on host k."""
         return ["ip", "netns", "exec", self.names[k]]
+
+    def shape(self, k: int, uplink_bps: float = 0.0, downlink_bps: float = 0.0) -> None:
+        """Limit host k's link in the kernel with a token bucket (``tc`` tbf): its uplink on
+        its own end of the veth, its downlink on the bridge's end. 0 leaves a direction
+        alone. Latency and loss need ``netem``; see :func:`netem_missing`."""
+        if uplink_bps:
+            _tbf([*self.prefix(k), "tc"], f"{self._links[k]}i", uplink_bps)
+        if downlink_bps:
+            _tbf(["tc"], self._links[k], downlink_bps)
+
+    def netem_missing(self) -> str | None:
+        """Why kernel latency and loss (``tc`` netem) are unavailable here, or None."""
+        dev = self._links[0]
+        done = _run("tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", "1ms", check=False)
+        if done.returncode != 0:
+            why = done.stderr.strip()
+            return f"this kernel has no netem ({why}); latency and loss stay in user space"
+        _run("tc", "qdisc", "del", "dev", dev, "root", check=False)
+        return None
 
     def cut(self, k: int) -> None:
         """Take host k's link down: nothing reaches it or leaves it until ``restore``."""
