@@ -42,7 +42,7 @@ import argparse
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,9 @@ def rejoined(run: RunDir, ids: list[int], since: float) -> float | None:
 
 
 @contextlib.contextmanager
-def placement(use_hosts: bool) -> Iterator[tuple[Hosts | None, Any]]:
+def placement(
+    use_hosts: bool,
+) -> Iterator[tuple[Hosts | None, Callable[[int], Placement] | None]]:
     """Three namespace hosts (peer k on host k mod 3), or None and no placement."""
     if not use_hosts:
         yield None, None
@@ -164,7 +166,7 @@ def run_scenario(key: str, args: argparse.Namespace, console: Console) -> dict[s
                         elif key == "partition":
                             assert hosts is not None
                             hosts.cut(2)
-                    down = fault_time is not None and time.time() - fault_time
+                    down = 0.0 if fault_time is None else time.time() - fault_time
                     if recover_time is None and key == "restart" and down >= args.down:
                         recover_time = time.time()
                         for k in killed:
