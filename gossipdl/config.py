@@ -333,6 +333,11 @@ def _validate(c: Config) -> None:
     except LinkError as exc:
         raise ConfigError(f"link = {c.link!r}: {exc}") from None
     _check(
+        not c.link or c.mode != "ps",
+        f"link = {c.link!r}: links are emulated for gossip, ring and single peers; the ps "
+        "mode's workers and servers have no link emulation yet",
+    )
+    _check(
         0 < c.heartbeat < c.dead_after,
         f"heartbeat = {c.heartbeat}, dead_after = {c.dead_after}; a member is declared dead "
         "after missing several heartbeats, so 0 < heartbeat < dead_after",

@@ -139,6 +139,7 @@ def test_help_lists_every_option_with_its_default() -> None:
         ),
         (["--slowdown", "3"], ["slowdown '3'", "PEER:FACTOR"]),
         (["--drift", "soon"], ["drift 'soon'", "STEP:permute"]),
+        (["--mode", "ps", "--link", "up=1mbit"], ["link = 'up=1mbit'", "no link emulation"]),
     ],
 )
 def test_bad_config_fails_before_any_peer_starts(
