@@ -11,7 +11,14 @@ from conftest import with_header
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipdl.transport.wire import PROTOCOL_VERSION, WireError, all_finite, decode, encode
+from gossipdl.transport.wire import (
+    PROTOCOL_VERSION,
+    WireError,
+    all_finite,
+    decode,
+    encode,
+    meta_int,
+)
 
 LIMIT = 1 << 30
 
@@ -134,3 +141,13 @@ def test_finiteness_check_is_exact_even_where_squares_overflow(dtype: type) -> N
         x[500] = bad
         assert not all_finite(x)
     assert all_finite(np.zeros(0, dtype))
+
+
+def test_meta_int_takes_integers_only_and_names_the_field() -> None:
+    assert meta_int({"k": 3}, "k", "count") == 3
+    assert meta_int({}, "k", "count", default=-1, minimum=-1) == -1
+    assert meta_int({"k": -5}, "k", "round", minimum=None) == -5
+    for bad in ({"k": True}, {"k": 1.0}, {"k": "1"}, {"k": -1}, {}):
+        with pytest.raises(WireError, match="count") as caught:
+            meta_int(bad, "k", "count")
+        assert caught.value.reason == "bad_meta"

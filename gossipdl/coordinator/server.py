@@ -38,6 +38,7 @@ from gossipdl.compression import CodecError, Payload, build_codec
 from gossipdl.coordinator.staleness import StalenessTally, parse_staleness
 from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
+from gossipdl.transport.wire import meta_int
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +139,7 @@ class ShardServer:
         if not state.alive and not state.left:
             log.info("shard %d: worker %d is back", self.shard, worker)
             state.alive = True
-        clock = msg.meta.get("clock", state.clock)
-        if not isinstance(clock, int) or isinstance(clock, bool) or clock < 0:
-            raise WireError("bad_meta", f"clock {clock!r} is not a step count")
+        clock = meta_int(msg.meta, "clock", "clock", default=state.clock)
         if msg.kind == "alive":
             return
         if msg.kind == "leave":
@@ -175,9 +174,8 @@ class ShardServer:
             return
         if msg.round != self.round:
             raise WireError("unexpected", f"update for round {msg.round}, shard at {self.round}")
-        samples = msg.meta.get("samples", 1) if self.rule == "fedavg" else 1
-        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
-            raise WireError("bad_meta", f"samples {samples!r} is not a positive count")
+        meta = msg.meta if self.rule == "fedavg" else {}
+        samples = meta_int(meta, "samples", "samples", default=1, minimum=1)
         self.updates[worker] = (update, float(samples))
         if self.rule == "sync":
             self.pending.append(Pending(worker, msg.round + 1))

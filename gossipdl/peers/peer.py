@@ -40,6 +40,7 @@ from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
 from gossipdl.transport.shaping import LinkProfile
+from gossipdl.transport.wire import meta_int
 
 log = logging.getLogger(__name__)
 
@@ -1055,16 +1056,12 @@ class Peer:
             reducer = self._reducer()  # a low-rank reducer's factors travel on its ring
             (reducer if isinstance(reducer, RingAllReduce) else reducer.ring).deliver(msg)
         elif msg.kind == "walk":
-            age = msg.meta.get(WALK_AGE)
-            if not isinstance(age, int) or isinstance(age, bool) or age < 0:
-                raise WireError("bad_meta", f"walk age {age!r} is not a non-negative integer")
+            age = meta_int(msg.meta, WALK_AGE, "walk age")
             if len(self._walks) >= MAX_WALKS:
                 raise WireError("too_many_pending", f"{MAX_WALKS} walking models already queued")
             self._walks.append((self._decode(msg, False), age))
         elif msg.kind == "resync_request":
-            wanted = msg.meta.get("round")
-            if not isinstance(wanted, int) or isinstance(wanted, bool):
-                raise WireError("bad_meta", f"resync round {wanted!r} is not an integer")
+            wanted = meta_int(msg.meta, "round", "resync round", minimum=None)
             with self._dense_lock:
                 self._dense_for.setdefault(max(wanted, self.round + 1), set()).add(msg.sender)
         elif msg.kind == "ready":
@@ -1080,9 +1077,7 @@ class Peer:
         elif msg.kind == "leave":
             reason = msg.meta.get("reason", "")
             reason = reason[:500] if isinstance(reason, str) else ""
-            until = msg.meta.get("until")
-            if not (isinstance(until, int) and not isinstance(until, bool) and until >= 0):
-                raise WireError("bad_meta", f"leave round {until!r} is not a round number")
+            until = meta_int(msg.meta, "until", "leave round")
             self.membership.mark_left(msg.sender, reason)
             self.membership.end(msg.sender, until)
             self._members_changed()
@@ -1101,10 +1096,8 @@ class Peer:
         yet was lost, so the round stops waiting for it (instead of ``round_timeout``). It
         counts only for the sender's current life (one sent before it rejoined may arrive
         after). One from a member we dropped as dead gets our table back, so it can rejoin."""
-        sent, life = msg.meta.get("sent", -1), msg.meta.get("life", 0)
-        for value in (sent, life):
-            if not isinstance(value, int) or isinstance(value, bool) or value < -1:
-                raise WireError("bad_meta", f"heartbeat round {value!r} is not a round number")
+        sent = meta_int(msg.meta, "sent", "heartbeat round", default=-1, minimum=-1)
+        life = meta_int(msg.meta, "life", "heartbeat life", default=0)
         if life == sender.since and sender.until is None:
             self._inbox.sent(msg.sender, sent)
         dead = sender.until is not None and self.membership.why_left(msg.sender) is None

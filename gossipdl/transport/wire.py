@@ -78,6 +78,22 @@ class WireError(ValueError):
         self.sender = sender
 
 
+def meta_int(
+    meta: dict[str, Any], key: str, what: str, *, default: Any = None, minimum: int | None = 0
+) -> int:
+    """``meta[key]`` (or ``default``) as an integer of at least ``minimum`` (None: any),
+    never a bool; otherwise a ``bad_meta`` WireError that names ``what``."""
+    value = meta.get(key, default)
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or (minimum is not None and value < minimum)
+    ):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise WireError("bad_meta", f"{what} {value!r} is not an integer{bound}")
+    return value
+
+
 @dataclass(frozen=True)
 class Message:
     """A validated message: header fields, arrays (views of the received frames), metadata."""
