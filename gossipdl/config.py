@@ -134,6 +134,13 @@ class Config:
             "up=10mbit,down=10mbit,latency=20ms,jitter=5ms,loss=1%"
         },
     )
+    profiles: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "device profiles, [profiles.NAME] tables in the file: peers, up, down, "
+            "latency, jitter, loss, slowdown, offline (see examples/edge-10mbit.toml)"
+        },
+    )
     checkpoint_every: int = field(
         default=0,
         metadata={"help": "save checkpoints/<id>.pt every N steps (0: never); see peer --resume"},
@@ -173,6 +180,13 @@ FIELDS = {f.name: f for f in fields(Config)}
 def _coerce(name: str, value: Any) -> Any:
     kind = FIELDS[name].type
     try:
+        if kind == "dict[str, Any]":
+            if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+                raise ConfigError(
+                    f"{name} = {value!r}: write one table per profile, e.g. "
+                    '[profiles.phone] with peers = "0-3", up = "10mbit"'
+                )
+            return value
         if kind == "tuple[int, ...]":
             if isinstance(value, str):
                 value = [v for v in value.replace(" ", "").split(",") if v]
@@ -223,12 +237,21 @@ def to_dict(config: Config) -> dict[str, Any]:
 
 
 def to_toml(config: Config) -> str:
-    """The fully resolved config as a TOML document (flat keys, one per line)."""
+    """The fully resolved config as a TOML document: flat keys, one per line, then one
+    ``[profiles.NAME]`` table per device profile."""
     lines = ["# gossipdl experiment config (fully resolved)"]
-    for key, value in to_dict(config).items():
-        text = str(value).lower() if isinstance(value, bool) else json.dumps(value)
-        lines.append(f"{key} = {text}")
+    values = to_dict(config)
+    profiles = values.pop("profiles")
+    lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    for name, table in profiles.items():
+        lines += ["", f"[profiles.{json.dumps(name)}]"]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
     return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    """A TOML value: JSON writes strings, numbers and lists the way TOML reads them."""
+    return str(value).lower() if isinstance(value, bool) else json.dumps(value)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -251,7 +274,12 @@ def _validate(c: Config) -> None:
     from gossipdl.coordinator.staleness import parse_staleness
     from gossipdl.data import available_datasets
     from gossipdl.models import available_models
-    from gossipdl.peers.conditions import ConditionError, parse_drift, parse_slowdown
+    from gossipdl.peers.conditions import (
+        ConditionError,
+        parse_drift,
+        parse_profiles,
+        parse_slowdown,
+    )
     from gossipdl.topologies import TopologyError, build_topology
     from gossipdl.transport.shaping import LinkError, parse_link
 
@@ -306,8 +334,14 @@ def _validate(c: Config) -> None:
     try:
         parse_slowdown(c.slowdown)
         parse_drift(c.drift)
+        devices = parse_profiles(c.profiles, c.peers)
     except ConditionError as exc:
         raise ConfigError(str(exc)) from None
+    _check(
+        c.mode == "gossip" or not any(d.link.offline for d in devices.values()),
+        f"profiles: offline windows need the gossip mode, where the swarm drops a silent peer "
+        f"and takes it back; the {c.mode} mode would stop or wait for it",
+    )
     _check(
         c.dataset in available_datasets() or ":" in c.dataset,
         f"dataset = {c.dataset!r}; choose one of {', '.join(available_datasets())} "
@@ -332,11 +366,6 @@ def _validate(c: Config) -> None:
         parse_link(c.link)
     except LinkError as exc:
         raise ConfigError(f"link = {c.link!r}: {exc}") from None
-    _check(
-        not c.link or c.mode != "ps",
-        f"link = {c.link!r}: links are emulated for gossip, ring and single peers; the ps "
-        "mode's workers and servers have no link emulation yet",
-    )
     _check(
         0 < c.heartbeat < c.dead_after,
         f"heartbeat = {c.heartbeat}, dead_after = {c.dead_after}; a member is declared dead "

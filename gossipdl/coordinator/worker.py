@@ -25,6 +25,7 @@ from gossipdl.coordinator.ring import chunk_bounds
 from gossipdl.coordinator.server import HEARTBEAT_S, PS_RULES
 from gossipdl.coordinator.staleness import StalenessTally
 from gossipdl.transport import Message, Transport, WireError, encode
+from gossipdl.transport.shaping import LinkProfile
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ class ServerWorker:
     ``rule`` is ``sync`` (push every ``period`` steps and wait for the round's
     mean), ``async`` (push every ``period`` steps, continue with whatever the
     shards hold) or ``fedavg`` (train ``local_steps`` steps in each round this
-    worker is picked for; ``samples`` weighs its update).
+    worker is picked for; ``samples`` weighs its update). ``link`` emulates the
+    worker's access link (the shards' links are not shaped: a server in a data centre).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class ServerWorker:
         timeout: float = 10.0,
         max_message_bytes: int = 1 << 30,
         seed: int = 0,
+        link: LinkProfile | None = None,
     ) -> None:
         if rule not in PS_RULES:
             raise ValueError(f"ps rule {rule!r}; choose one of {', '.join(PS_RULES)}")
@@ -91,7 +94,12 @@ class ServerWorker:
         self._arrived = threading.Condition()
         self._closed = False
         self.transport = Transport(
-            listen, self._on_message, max_message_bytes=max_message_bytes, name="worker"
+            listen,
+            self._on_message,
+            max_message_bytes=max_message_bytes,
+            name="worker",
+            link=link,
+            seed=seed * 7919 + rank,
         )
         self.address = self.transport.address
         self._global = self._flat()

@@ -9,14 +9,27 @@ STEP: on the first FRACTION of the peers (default all) the labels of the
 training and the test data go through one fixed permutation, the same on
 every affected peer, so they must unlearn the old mapping (Kamp et al. 2018
 study how averaging triggers react to such drift).
+
+Device profiles (the ``[profiles.NAME]`` tables of an experiment file) give
+named groups of peers an access link (bandwidth, latency, jitter, loss and
+offline windows, emulated by ``transport.shaping``) and a slowdown: phones,
+sensor boards or cars on bad links, next to better-connected peers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from gossipdl.transport.shaping import LinkError, LinkProfile, parse_link, parse_windows
+
+LINK_KEYS = ("up", "down", "latency", "jitter", "loss")
+PROFILE_KEYS = ("peers", *LINK_KEYS, "slowdown", "offline")
 
 
 class ConditionError(ValueError):
@@ -87,3 +100,97 @@ def parse_drift(spec: str) -> Drift | None:
     if not 0 < fraction <= 1:
         raise ConditionError(f"{usage} (FRACTION in (0, 1])")
     return Drift(int(parts[0]), fraction)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One kind of device: its access link (with its offline windows) and how much slower it
+    computes than the machine it is emulated on."""
+
+    name: str
+    peers: tuple[int, ...]
+    link: LinkProfile = dataclasses.field(default_factory=LinkProfile)
+    slowdown: float = 1.0
+
+
+def parse_peer_ids(value: Any, peers: int, what: str) -> tuple[int, ...]:
+    """Peer ids from ``"0-5"``, ``"6,7"``, ``"*"`` (all), an int or a list of ints.
+
+    Example:
+        >>> parse_peer_ids("0-2,5", 8, "profile phone")
+        (0, 1, 2, 5)
+    """
+    usage = f'{what}: peers = {value!r}; use e.g. "0-5", "6,7", "*" or [0, 1] with ids < {peers}'
+    if value == "*":
+        return tuple(range(peers))
+    items = value if isinstance(value, list) else str(value).replace(" ", "").split(",")
+    ids: set[int] = set()
+    for item in items:
+        first, _, last = str(item).partition("-")
+        if isinstance(item, bool) or not first.isdigit() or not (last or first).isdigit():
+            raise ConditionError(usage)
+        low, high = int(first), int(last or first)
+        if not low <= high < peers:
+            raise ConditionError(usage)
+        ids.update(range(low, high + 1))
+    if not ids:
+        raise ConditionError(usage)
+    return tuple(sorted(ids))
+
+
+def parse_profile(name: str, table: Mapping[str, Any], peers: int) -> DeviceProfile:
+    """One ``[profiles.NAME]`` table as a :class:`DeviceProfile`.
+
+    Example:
+        >>> parse_profile("phone", {"peers": "0-1", "up": "10mbit", "slowdown": 2}, 4).slowdown
+        2.0
+    """
+    what = f"profile {name!r}"
+    if not isinstance(table, Mapping):
+        raise ConditionError(f"{what} must be a table ([profiles.{name}]) of {PROFILE_KEYS}")
+    unknown = sorted(set(table) - set(PROFILE_KEYS))
+    if unknown:
+        raise ConditionError(f"{what}: unknown key(s) {unknown}; known keys: {list(PROFILE_KEYS)}")
+    if "peers" not in table:
+        raise ConditionError(f'{what} names no peers; add e.g. peers = "0-3"')
+    slowdown = table.get("slowdown", 1.0)
+    if isinstance(slowdown, bool) or not isinstance(slowdown, int | float) or not slowdown >= 1:
+        raise ConditionError(f"{what}: slowdown = {slowdown!r}; use a number >= 1 (2: 2x slower)")
+    try:
+        link = parse_link(",".join(f"{k}={table[k]}" for k in LINK_KEYS if k in table))
+        offline = parse_windows(table.get("offline", []))
+    except LinkError as exc:
+        raise ConditionError(f"{what}: {exc}") from None
+    return DeviceProfile(
+        name,
+        parse_peer_ids(table["peers"], peers, what),
+        dataclasses.replace(link, offline=offline),
+        float(slowdown),
+    )
+
+
+def parse_profiles(tables: Mapping[str, Any], peers: int) -> dict[int, DeviceProfile]:
+    """The device profile of every peer that has one; a peer in two profiles is an error."""
+    by_peer: dict[int, DeviceProfile] = {}
+    for name, table in tables.items():
+        profile = parse_profile(name, table, peers)
+        for peer_id in profile.peers:
+            if peer_id in by_peer:
+                raise ConditionError(
+                    f"peer {peer_id} is in profiles {by_peer[peer_id].name!r} and {name!r}; "
+                    "give each peer one profile"
+                )
+            by_peer[peer_id] = profile
+    return by_peer
+
+
+def device_of(
+    peer_id: int | None, peers: int, profiles: Mapping[str, Any], link: str, slowdown: str
+) -> tuple[LinkProfile, float]:
+    """A peer's link and slowdown: its profile's, else the swarm-wide ``link`` and
+    ``slowdown`` specs (a peer without a rank yet gets the swarm-wide link)."""
+    profile = parse_profiles(profiles, peers).get(peer_id) if peer_id is not None else None
+    if profile is not None:
+        return profile.link, profile.slowdown
+    factor = parse_slowdown(slowdown).get(peer_id, 1.0) if peer_id is not None else 1.0
+    return parse_link(link), factor

@@ -275,6 +275,7 @@ class Peer:
             if on_listening is not None:
                 on_listening(self.address)
             self._form(rank, peers, bootstrap, min_peers)
+            self.transport.start_link_clock()
         except BaseException:
             self._watch_stop.set()
             self.transport.close(flush_timeout=0.5)
@@ -572,6 +573,7 @@ class Peer:
             "members": len(self.membership.in_swarm()),
             "declared_dead": self.declared_dead,
             "rejoins": self.rejoins,
+            "online": self.transport.online,
         }
 
     def close(self, reason: str = "") -> None:

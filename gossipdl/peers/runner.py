@@ -27,13 +27,13 @@ from gossipdl.coordinator.worker import ServerWorker
 from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
 from gossipdl.models import build_model
 from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from gossipdl.peers.conditions import Drift, parse_drift, parse_slowdown
+from gossipdl.peers.conditions import Drift, device_of, parse_drift
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import Peer, PeerError
 from gossipdl.rundir import RunDir, write_json_atomic
 from gossipdl.transport.curve import Curve
-from gossipdl.transport.shaping import parse_link
+from gossipdl.transport.shaping import LinkProfile
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def train_peer(
             dead_after=config.dead_after,
             resume_step=resume_step,
             curve=curve,
-            link=parse_link(config.link),
+            link=_device(config, rank)[0],
             swarm_config=to_dict(config),
             on_members=write_members,
             on_listening=on_listening,
@@ -198,7 +198,14 @@ def _server_worker(
         timeout=config.round_timeout,
         max_message_bytes=int(config.max_message_mb * 2**20),
         seed=config.seed,
+        link=_device(config, rank)[0],
     )
+
+
+def _device(config: Config, peer_id: int | None) -> tuple[LinkProfile, float]:
+    """The emulated link and slowdown of peer ``peer_id``: its device profile's, else the
+    swarm-wide ``link`` and ``slowdown``."""
+    return device_of(peer_id, config.peers, config.profiles, config.link, config.slowdown)
 
 
 def run_shard(
@@ -272,7 +279,7 @@ def _loop(
     sampler = BatchSampler(dataset.x_train[shard], dataset.y_train[shard], batch, seed, device)
     x_test = torch.as_tensor(dataset.x_test, device=device)
     y_test = torch.as_tensor(dataset.y_test, device=device)
-    slowdown = parse_slowdown(config.slowdown).get(peer.id, 1.0)
+    slowdown = _device(config, peer.id)[1]
     drift = parse_drift(config.drift)
     if drift is not None and not drift.affects(peer.id, config.peers):
         drift = None

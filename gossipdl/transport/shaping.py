@@ -7,15 +7,23 @@ the previous one (a link serialises; there are no free bursts), then arrives
 occupy the downlink the same way before the peer may read them. The timing is
 pure arithmetic on a clock the caller passes in, so it is testable without
 sleeping; the transport does the waiting. Works anywhere, no root needed.
+
+A profile may also take the link down for windows of time (``offline``,
+counted from :meth:`Link.start`): a device out of coverage sends and
+receives nothing, while it keeps computing.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 import re
 from dataclasses import dataclass
 
 _SPEC = re.compile(r"^(up|down|latency|jitter|loss)=([0-9.eE+-]+)(mbit|kbit|ms|s|%)?$")
+_WINDOW = re.compile(r"^([0-9.]+)s?-([0-9.]+)s?$")
+Window = tuple[float, float]
 
 
 class LinkError(ValueError):
@@ -31,6 +39,7 @@ class LinkProfile:
     latency_s: float = 0.0
     jitter_s: float = 0.0
     loss: float = 0.0
+    offline: tuple[Window, ...] = ()  # (start, end) seconds after Link.start, sorted
 
     def __post_init__(self) -> None:
         for name in ("uplink_bps", "downlink_bps", "latency_s", "jitter_s"):
@@ -47,7 +56,32 @@ class LinkProfile:
     @property
     def shaped(self) -> bool:
         """Whether the profile changes anything at all."""
-        return any((self.uplink_bps, self.downlink_bps, self.latency_s, self.loss))
+        return any((self.uplink_bps, self.downlink_bps, self.latency_s, self.loss, self.offline))
+
+
+def parse_windows(spec: str | list[str]) -> tuple[Window, ...]:
+    """Offline windows ``"20s-40s,70s-80s"`` (or a list of them) as sorted (start, end) pairs.
+
+    Example:
+        >>> parse_windows(["20s-40s", "5-10"])
+        ((5.0, 10.0), (20.0, 40.0))
+    """
+    parts = spec.split(",") if isinstance(spec, str) else list(spec)
+    windows = []
+    for part in parts:
+        match = _WINDOW.match(str(part).replace(" ", ""))
+        start, end = (float(match[1]), float(match[2])) if match else (0.0, -1.0)
+        if not 0 <= start < end:
+            raise LinkError(
+                f"offline window {part!r}: use START-END in seconds after training starts, "
+                'START < END, e.g. "20s-40s"'
+            )
+        windows.append((start, end))
+    windows.sort()
+    for (_, end), (start, _) in itertools.pairwise(windows):
+        if start < end:
+            raise LinkError(f"offline windows {sorted(windows)} overlap; merge them into one")
+    return tuple(windows)
 
 
 def parse_link(spec: str) -> LinkProfile:
@@ -92,6 +126,16 @@ class Link:
         self._up_free = 0.0
         self._down_free = 0.0
         self._last_arrival: dict[str, float] = {}
+        self.origin = math.inf  # offline windows count from here (see start): none before
+
+    def start(self, now: float) -> None:
+        """Start the clock of the offline windows (when the peer starts training)."""
+        self.origin = now
+
+    def online(self, now: float) -> bool:
+        """Whether the link is up at ``now``: outside every offline window."""
+        t = now - self.origin
+        return not any(start <= t < end for start, end in self.profile.offline)
 
     def send(self, nbytes: int, now: float, to: str = "") -> float | None:
         """When a message of ``nbytes`` sent at ``now`` to ``to`` arrives (None: lost). All

@@ -204,6 +204,16 @@ class Transport:
         with self._keys_lock:
             self._keys[address] = key
 
+    def start_link_clock(self) -> None:
+        """Count the emulated link's offline windows from now (the peer starts training)."""
+        if self._link is not None:
+            self._link.start(time.monotonic())
+
+    @property
+    def online(self) -> bool:
+        """Whether the emulated link is up now (always, without offline windows)."""
+        return self._link is None or self._link.online(time.monotonic())
+
     def send(self, address: str, frames: list[Any]) -> None:
         """Queue one message (header frame + buffer frames) for ``address``."""
         self._outbox.put((address, frames))
@@ -239,6 +249,9 @@ class Transport:
                 address, frames = item
                 if self._link is None:
                     self._send_now(dealers, address, frames)
+                    continue
+                if not self._link.online(time.monotonic()):
+                    self.stats.drop("offline")
                     continue
                 arrival = self._link.send(sum(len(f) for f in frames), time.monotonic(), address)
                 if arrival is None:  # it used the uplink, then the link lost it
@@ -311,6 +324,9 @@ class Transport:
                         frames = self._router.recv_multipart(copy=False, flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    if self._link is not None and not self._link.online(time.monotonic()):
+                        self.stats.drop("offline")
+                        continue
                     if self._link is not None and self._link.profile.downlink_bps:
                         size = sum(len(f) for f in frames[1:])
                         time.sleep(
