@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -54,7 +54,7 @@ def _opt(name: str, *flags: str) -> Any:
     )
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     console.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(2)
 
@@ -117,13 +117,22 @@ def run(
     progress: bool = typer.Option(True, help="Show the live per-peer progress display."),
 ) -> None:
     """Train a local swarm (default: 4 peers, 1-D CNN on MNIST-1D, ring, dense gossip)."""
-    from gossipdl.experiments.display import summary_table
-    from gossipdl.experiments.launcher import LaunchError, launch
-
     overrides = {k: v for k, v in locals().items() if k in FIELDS}
     _setup_logging(rich=True, level=logging.WARNING)
     try:
         config = load_config(config_file, **overrides)
+    except ConfigError as exc:
+        _fail(str(exc))
+        return
+    _launch(config, progress)
+
+
+def _launch(config: Config, progress: bool) -> dict[str, Any]:
+    """Announce, run and tabulate one local swarm; a bad config or launch exits with code 2."""
+    from gossipdl.experiments.display import profiles_table, summary_table
+    from gossipdl.experiments.launcher import LaunchError, launch
+
+    try:
         if not config.out:
             config = config.replace(out=str(default_run_dir()))
         console.print(
@@ -131,14 +140,86 @@ def run(
             f"{config.model} on {config.dataset} ({config.partition}), {config.steps} steps "
             f"→ {config.out}"
         )
+        if config.profiles:
+            console.print(profiles_table(config))
         summary = launch(config, progress=progress, console=console)
+    except (ConfigError, LaunchError) as exc:
+        _fail(str(exc))
+    Console().print(summary_table(summary, title=f"gossipdl run · {config.out}"))
+    return summary
+
+
+@app.command()
+def experiment(
+    config_file: Path = typer.Argument(..., help="TOML experiment file, e.g. examples/churn.toml."),
+    out: str | None = _opt("out"),
+    progress: bool = typer.Option(True, help="Show the live per-peer progress display."),
+) -> None:
+    """Run one experiment file (device profiles, churn, data skew), then draw its report."""
+    _setup_logging(rich=True, level=logging.WARNING)
+    try:
+        config = load_config(config_file, out=out)
     except ConfigError as exc:
         _fail(str(exc))
         return
-    except LaunchError as exc:
+    summary = _launch(config, progress)
+    _report(Path(summary["config"]["out"]))
+
+
+@app.command()
+def sweep(
+    config_file: Path = typer.Argument(..., help="TOML experiment file every variant starts from."),
+    grid: list[str] = typer.Option(
+        ..., help="KEY=V1,V2: one axis of the grid (repeat for more), e.g. codec=none,topk:0.01."
+    ),
+    out: str | None = _opt("out"),
+    progress: bool = typer.Option(True, help="Show the live per-peer progress display."),
+) -> None:
+    """Run an experiment file over a grid of settings into one directory, then compare them."""
+    from gossipdl.experiments.display import sweep_table
+    from gossipdl.experiments.sweep import parse_grid, plan, run_sweep
+
+    _setup_logging(rich=True, level=logging.WARNING)
+    try:
+        base = load_config(config_file)
+        axes = parse_grid(grid)
+        root = Path(out or base.out or default_run_dir())
+        variants = plan(base, axes, root)
+    except ConfigError as exc:
         _fail(str(exc))
         return
-    Console().print(summary_table(summary, title=f"gossipdl run · {config.out}"))
+    console.print(f"[bold]gossipdl sweep[/]: {len(variants)} variants → {root}")
+
+    def one(config: Config) -> dict[str, Any]:
+        try:
+            return _launch(config, progress)
+        except typer.Exit:
+            raise RuntimeError(f"the run into {config.out} failed (see above)") from None
+
+    entries = run_sweep(base, axes, root, one)
+    Console().print(sweep_table(entries, title=f"gossipdl sweep · {root}"))
+    _report(root)
+    if any("error" in e for e in entries):
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(
+    directory: Path = typer.Argument(..., help="A run directory, or a sweep's directory."),
+) -> None:
+    """Draw PNG plots and a markdown table for a run or a sweep (into DIR/report/)."""
+    _report(directory)
+
+
+def _report(directory: Path) -> None:
+    from gossipdl.experiments.report import ReportError, write_report
+
+    try:
+        files = write_report(directory)
+    except ReportError as exc:
+        _fail(str(exc))
+        return
+    console.print("[bold]report[/]: " + ", ".join(str(f) for f in files))
 
 
 def _how(config: Config) -> str:

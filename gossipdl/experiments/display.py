@@ -1,4 +1,5 @@
-"""What a person sees: a live per-peer progress display and the final results table."""
+"""What a person sees: a live per-peer progress display, the device profiles, and the final
+results tables of a run and of a sweep."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gossipdl.config import Config
+from gossipdl.peers.conditions import parse_profile
 from gossipdl.rundir import RunDir
 
 
@@ -112,4 +115,51 @@ def summary_table(summary: dict[str, Any], title: str = "gossipdl run") -> Table
         f"wall time {summary['wall_time_s']:.1f} s · "
         f"{summary['peers_finished']}/{len(summary['peers'])} peers finished"
     )
+    return table
+
+
+def profiles_table(config: Config) -> Table:
+    """Which peers emulate which device: link, slowdown and offline windows per profile."""
+    table = Table(title="device profiles")
+    for name in ("profile", "peers", "up", "down", "latency", "loss", "slowdown", "offline"):
+        table.add_column(name)
+    for name, table_values in config.profiles.items():
+        profile = parse_profile(name, table_values, config.peers)
+        link = profile.link
+        table.add_row(
+            name,
+            ",".join(map(str, profile.peers)),
+            _rate(link.uplink_bps),
+            _rate(link.downlink_bps),
+            f"{link.latency_s * 1e3:g} ± {link.jitter_s * 1e3:g} ms" if link.latency_s else "-",
+            f"{link.loss:.1%}" if link.loss else "-",
+            f"{profile.slowdown:g}x" if profile.slowdown > 1 else "-",
+            ", ".join(f"{a:g}-{b:g} s" for a, b in link.offline) or "-",
+        )
+    return table
+
+
+def _rate(bps: float) -> str:
+    return f"{bps / 1e6:g} Mbit/s" if bps else "-"
+
+
+def sweep_table(entries: list[dict[str, Any]], title: str = "gossipdl sweep") -> Table:
+    """One row per variant of a sweep: its settings, accuracy, bytes and wall time."""
+    table = Table(title=title)
+    keys = list(entries[0]["settings"]) if entries else []
+    for name in (*keys, "mean acc", "min acc", "finished", "sent", "wall s"):
+        table.add_column(name, justify="left" if name in keys else "right")
+    for e in entries:
+        settings = [e["settings"][k] for k in keys]
+        if "error" in e:
+            table.add_row(*settings, f"[red]failed: {e['error']}[/]", "", "", "", "")
+            continue
+        table.add_row(
+            *settings,
+            "-" if e["mean_accuracy"] is None else f"{e['mean_accuracy']:.4f}",
+            "-" if e["min_accuracy"] is None else f"{e['min_accuracy']:.4f}",
+            str(e["peers_finished"]),
+            human_bytes(e["total_bytes_sent"]),
+            f"{e['wall_time_s']:.1f}",
+        )
     return table

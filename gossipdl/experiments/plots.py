@@ -1,10 +1,18 @@
-"""PNG plots of runs, drawn with matplotlib's file-only backend (no display needed)."""
+"""PNG plots of runs, drawn with matplotlib's file-only backend (no display needed).
+
+Every PNG carries, in a ``gossipdl-axes`` text chunk, what each of its panels
+shows (title, axis labels and scales, how many lines): tests and scripts
+check a plot by reading the file, not by eye.
+"""
 
 from __future__ import annotations
 
+import itertools
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -13,6 +21,8 @@ matplotlib.use("Agg")  # write files; never open a window (headless machines, CI
 import matplotlib.pyplot as plt
 
 Curve = Sequence[Mapping[str, float]]
+Records = Sequence[Mapping[str, Any]]
+AXES_KEY = "gossipdl-axes"
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,27 @@ ACCURACY_VS_BYTES = Panel(
     "bytes_sent", "accuracy", "total bytes sent by all peers (log scale)", "mean test accuracy",
     log_x=True,
 )  # fmt: skip
+ACCURACY_VS_TIME = Panel("time_s", "accuracy", "wall time (s)", "mean test accuracy")
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Write ``fig`` as a PNG whose ``gossipdl-axes`` text chunk describes its panels."""
+    axes = [
+        {
+            "title": ax.get_title(),
+            "xlabel": ax.get_xlabel(),
+            "ylabel": ax.get_ylabel(),
+            "xscale": ax.get_xscale(),
+            "yscale": ax.get_yscale(),
+            "lines": len(ax.lines),
+        }
+        for ax in fig.axes
+        if ax.get_label() != "<colorbar>"
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, metadata={AXES_KEY: json.dumps(axes)})
+    plt.close(fig)
+    return path
 
 
 def plot_curves(
@@ -66,7 +97,47 @@ def plot_curves(
         ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
+
+
+def plot_timeline(records: Mapping[int, Records], path: Path, title: str) -> Path:
+    """Per-peer timelines over wall time: online or offline, busy or idle, bytes sent.
+
+    ``records`` maps a peer id to its metrics lines (``time``, ``online``,
+    ``idle_s``, ``bytes_sent``). Between two lines a peer was busy for the
+    share of the time it did not spend waiting for others (``idle_s``).
+    """
+    fig, (up, busy, sent) = plt.subplots(
+        3, 1, figsize=(10, 8), dpi=120, sharex=True, layout="constrained"
+    )
+    colormap = plt.get_cmap("viridis")
+    for peer_id, lines in sorted(records.items()):
+        spans = [(a, b) for a, b in itertools.pairwise(lines) if b["time"] > a["time"]]
+        bars = [(a["time"], b["time"] - a["time"]) for a, b in spans]
+        offline = [
+            bar for bar, (_, b) in zip(bars, spans, strict=True) if not b.get("online", True)
+        ]
+        up.broken_barh(bars, (peer_id - 0.4, 0.8), facecolors="tab:green")
+        up.broken_barh(offline, (peer_id - 0.4, 0.8), facecolors="tab:red")
+        shares = [
+            1 - min(1.0, max(0.0, (b.get("idle_s", 0) - a.get("idle_s", 0)) / width))
+            for (a, b), (_, width) in zip(spans, bars, strict=True)
+        ]
+        busy.broken_barh(bars, (peer_id - 0.4, 0.8), facecolors=[colormap(x) for x in shares])
+        sent.plot(
+            [r["time"] for r in lines], [r.get("bytes_sent", 0) / 1e6 for r in lines],
+            label=f"peer {peer_id}",
+        )  # fmt: skip
+    up.set_title("online (green) / offline (red)")
+    busy.set_title("busy share of each interval (the rest: waiting for other peers)")
+    for ax in (up, busy):
+        ax.set_ylabel("peer")
+        ax.set_yticks(sorted(records))
+    fig.colorbar(plt.cm.ScalarMappable(cmap=colormap), ax=(up, busy, sent), label="busy share")
+    sent.set_title("bytes sent")
+    sent.set_xlabel("wall time (s)")
+    sent.set_ylabel("bytes sent (MB)")
+    sent.grid(True, alpha=0.3)
+    sent.legend(fontsize=7, ncol=4)
+    fig.suptitle(title)
+    return save_figure(fig, path)
