@@ -299,10 +299,17 @@ class Swarm:
 
 
 def launch(
-    config: Config, *, progress: bool = True, console: Console | None = None
+    config: Config,
+    *,
+    progress: bool = True,
+    console: Console | None = None,
+    until: Callable[[RunDir], bool] | None = None,
 ) -> dict[str, Any]:
     """Run ``config`` as a local swarm; returns the summary (also in ``summary.json``).
 
+    ``until``, asked about four times a second with the run directory, ends
+    the run early when it returns True (e.g. a target accuracy reached, or a
+    time budget spent): every peer finishes its step and reports, as on Ctrl-C.
     Ctrl-C stops every peer cleanly and still writes what was measured. A peer
     that dies stops the swarm and raises LaunchError naming it, after the summary is
     written, except where the run ``carries_on`` without it (then a warning names it).
@@ -319,7 +326,7 @@ def launch(
     run.config.write_text(to_toml(config))
     swarm = Swarm(config, run)
     started = time.monotonic()
-    interrupted = False
+    interrupted = ended_early = False
     failed: dict[int, int] = {}
     stop = _StopOnSignal()
     with stop, LiveProgress(run, config.steps, console=console, enabled=progress) as display:
@@ -328,6 +335,10 @@ def launch(
             while swarm.running() and not stop.asked:
                 time.sleep(0.25)
                 display.refresh()
+                if until is not None and until(run):
+                    ended_early = True
+                    swarm.stop()
+                    break
                 failed = swarm.failed()
                 if failed and not carries_on(config):
                     log.error("peer(s) %s died; stopping the swarm", sorted(failed))
@@ -347,6 +358,8 @@ def launch(
             "interrupted: the swarm was stopped early; %s holds what was measured",
             run.root,
         )
+    elif ended_early:  # peers stopped mid-round may have failed on the way out
+        log.info("%s: ended early, as asked", run.root)
     elif summary_failed and carries_on(config):
         log.warning(
             "%s %s died; the others carried on (%d of %d finished)",

@@ -69,8 +69,10 @@ def plot_curves(
     title: str,
     panels: Sequence[Panel] = (ACCURACY_VS_BYTES,),
     mark_x: float | None = None,
+    mark_y: float | None = None,
 ) -> Path:
-    """One line per variant in each panel, side by side; ``mark_x`` draws a dashed vertical line.
+    """One line per variant in each panel, side by side; ``mark_x`` and ``mark_y`` draw dashed
+    vertical and horizontal lines (an event, a target).
 
     ``curves`` maps a label to points as
     :func:`gossipdl.experiments.summary.accuracy_curve` returns them. On a
@@ -91,6 +93,8 @@ def plot_curves(
             ax.set_xscale("log")
         if mark_x is not None:
             ax.axvline(mark_x, color="grey", linestyle="--", linewidth=1)
+        if mark_y is not None:
+            ax.axhline(mark_y, color="grey", linestyle="--", linewidth=1)
         ax.set_xlabel(panel.xlabel)
         ax.set_ylabel(panel.ylabel)
         ax.grid(True, which="both", alpha=0.3)
