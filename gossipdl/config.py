@@ -179,14 +179,14 @@ FIELDS = {f.name: f for f in fields(Config)}
 
 def _coerce(name: str, value: Any) -> Any:
     kind = FIELDS[name].type
+    if kind == "dict[str, Any]":
+        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+            raise ConfigError(
+                f"{name} = {value!r}: write one table per profile, e.g. "
+                '[profiles.phone] with peers = "0-3", up = "10mbit"'
+            )
+        return value
     try:
-        if kind == "dict[str, Any]":
-            if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-                raise ConfigError(
-                    f"{name} = {value!r}: write one table per profile, e.g. "
-                    '[profiles.phone] with peers = "0-3", up = "10mbit"'
-                )
-            return value
         if kind == "tuple[int, ...]":
             if isinstance(value, str):
                 value = [v for v in value.replace(" ", "").split(",") if v]

@@ -1,0 +1,170 @@
+"""Device profiles and offline windows: parsing, config round trips, and a link that goes down."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tomllib
+
+from gossipdl.config import Config, ConfigError, from_dict, load_config, to_toml
+from gossipdl.peers.conditions import (
+    ConditionError,
+    device_of,
+    parse_peer_ids,
+    parse_profile,
+    parse_profiles,
+)
+from gossipdl.transport import Message, Transport, encode
+from gossipdl.transport.shaping import Link, LinkError, LinkProfile, parse_windows
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_peer_ids_take_ranges_lists_and_all() -> None:
+    assert parse_peer_ids("0-2,5", 8, "p") == (0, 1, 2, 5)
+    assert parse_peer_ids("*", 3, "p") == (0, 1, 2)
+    assert parse_peer_ids([3, 1], 4, "p") == (1, 3)
+    assert parse_peer_ids(2, 4, "p") == (2,)
+    for bad in ("8", "3-1", "a", "", [True], "-1"):
+        with pytest.raises(ConditionError, match="peers = "):
+            parse_peer_ids(bad, 8, "profile 'phone'")
+
+
+def test_a_profile_reads_its_link_slowdown_and_windows() -> None:
+    table = {
+        "peers": "0-1",
+        "up": "10mbit",
+        "down": "20mbit",
+        "latency": "20ms",
+        "jitter": "5ms",
+        "loss": "1%",
+        "slowdown": 3,
+        "offline": ["30s-40s", "5-10"],
+    }
+    profile = parse_profile("phone", table, 4)
+    assert profile.peers == (0, 1) and profile.slowdown == 3.0
+    link = profile.link
+    assert (link.uplink_bps, link.downlink_bps) == (10e6, 20e6)
+    assert (link.latency_s, link.jitter_s, link.loss) == (0.02, 0.005, 0.01)
+    assert link.offline == ((5.0, 10.0), (30.0, 40.0))
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"peers": "0", "bandwidth": "1mbit"}, "unknown key"),
+        ({"up": "1mbit"}, "names no peers"),
+        ({"peers": "0", "slowdown": 0.5}, "slowdown"),
+        ({"peers": "0", "slowdown": "fast"}, "slowdown"),
+        ({"peers": "0", "latency": "20"}, "latency is given in ms or s"),
+        ({"peers": "0", "offline": ["10s-5s"]}, "START < END"),
+        ({"peers": "0", "offline": ["0s-10s", "5s-20s"]}, "overlap"),
+    ],
+)
+def test_a_bad_profile_names_itself_and_the_fix(table: dict, message: str) -> None:
+    with pytest.raises(ConditionError, match=message) as info:
+        parse_profile("phone", table, 4)
+    assert "'phone'" in str(info.value)
+
+
+def test_one_peer_in_two_profiles_is_an_error() -> None:
+    with pytest.raises(ConditionError, match="peer 1 is in profiles 'a' and 'b'"):
+        parse_profiles({"a": {"peers": "0-1"}, "b": {"peers": "1"}}, 4)
+
+
+def test_a_profile_overrides_the_swarm_wide_link_and_slowdown() -> None:
+    profiles = {"phone": {"peers": "1", "up": "1mbit", "slowdown": 2}}
+    link, slowdown = device_of(1, 4, profiles, "up=50mbit", "0:3")
+    assert (link.uplink_bps, slowdown) == (1e6, 2.0)
+    link, slowdown = device_of(0, 4, profiles, "up=50mbit", "0:3")
+    assert (link.uplink_bps, slowdown) == (50e6, 3.0)
+    link, slowdown = device_of(None, 4, profiles, "up=50mbit", "0:3")  # no rank yet
+    assert (link.uplink_bps, slowdown) == (50e6, 1.0)
+
+
+def test_profiles_round_trip_through_the_run_directory_toml() -> None:
+    config = Config(
+        peers=4,
+        profiles={"old phone": {"peers": "2-3", "up": "1mbit", "offline": ["1s-2s"]}},
+    )
+    assert from_dict(tomllib.loads(to_toml(config))) == config
+
+
+def test_bad_profiles_fail_as_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"\[profiles.phone\]"):
+        from_dict({"profiles": {"phone": "up=1mbit"}})
+    with pytest.raises(ConfigError, match="offline windows need the gossip mode"):
+        Config(mode="ring", profiles={"p": {"peers": "0", "offline": "1s-2s"}})
+    path = tmp_path / "exp.toml"
+    path.write_text('peers = 2\n[profiles.phone]\npeers = "5"\n')
+    with pytest.raises(ConfigError, match="ids < 2"):
+        load_config(path)
+
+
+def test_the_ps_mode_takes_an_emulated_link() -> None:
+    assert Config(mode="ps", link="up=10mbit").link == "up=10mbit"
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.name)
+def test_every_example_config_is_valid(path: Path) -> None:
+    config = load_config(path)
+    assert config.profiles, f"{path.name} should show a device profile"
+    assert parse_profiles(config.profiles, config.peers)
+
+
+def test_example_configs_are_the_ones_the_readme_promises() -> None:
+    names = {p.name for p in EXAMPLES.glob("*.toml")}
+    assert {"edge-10mbit.toml", "stragglers.toml", "churn.toml", "noniid.toml"} <= names
+    edge = load_config(EXAMPLES / "edge-10mbit.toml")
+    phone = parse_profiles(edge.profiles, edge.peers)[0].link
+    assert (edge.peers, phone.uplink_bps, phone.latency_s, phone.loss) == (8, 10e6, 0.02, 0.01)
+
+
+def test_windows_parse_sorted_and_bad_ones_show_the_form() -> None:
+    assert parse_windows("20s-40s,5-10") == ((5.0, 10.0), (20.0, 40.0))
+    assert parse_windows([]) == ()
+    for bad in ("5", "a-b", "5s-5s"):
+        with pytest.raises(LinkError, match="START-END"):
+            parse_windows(bad)
+
+
+def test_a_link_is_down_only_inside_its_windows_counted_from_its_start() -> None:
+    link = Link(LinkProfile(offline=((1.0, 2.0),)))
+    assert link.online(100.5) and link.online(101.5)  # not started: no window applies
+    link.start(100.0)
+    assert [link.online(100.0 + t) for t in (0.5, 1.0, 1.5, 2.0)] == [True, False, False, True]
+
+
+def test_an_offline_link_sends_and_receives_nothing_then_carries_traffic_again() -> None:
+    arrived: list[int] = []
+    got = threading.Event()
+
+    def on_message(msg: Message) -> None:
+        arrived.append(msg.round)
+        got.set()
+
+    offline = LinkProfile(offline=((0.0, 0.6),))
+    a = Transport("tcp://127.0.0.1:0", on_message, link=offline)
+    b = Transport("tcp://127.0.0.1:0", on_message)
+    try:
+        a.start_link_clock()
+        assert not a.online
+        frames = encode("params", 1, 0, 1, [np.zeros(10, np.float32)])
+        a.send(b.address, frames)  # a is offline: nothing leaves
+        b.send(a.address, encode("params", 2, 0, 2, [np.zeros(10, np.float32)]))
+        time.sleep(0.4)
+        assert arrived == []
+        assert a.stats.snapshot()["messages_dropped"] == {"offline": 2}
+        assert a.stats.bytes_sent == 0 and a.stats.bytes_received == 0
+        time.sleep(0.3)  # the window is over
+        assert a.online
+        a.send(b.address, encode("params", 1, 0, 3, [np.zeros(10, np.float32)]))
+        assert got.wait(5) and arrived == [3]
+        assert a.stats.bytes_sent > 0
+    finally:
+        a.close()
+        b.close()
