@@ -11,6 +11,12 @@ Layout (keys are only ever added, never renamed)::
     models/<id>.pt     the peer's final model (state_dict)
     checkpoints/<id>.pt  the peer's latest checkpoint (checkpoint_every > 0), for --resume
     summary.json       totals and per-peer results, written at the end
+    report/            `gossipdl report`: accuracy.png, timeline.png, report.md
+
+A sweep (`gossipdl sweep`) writes one run directory per variant under its
+own directory, with ``sweep.json`` ({"grid", "variants": [{"name",
+"settings", "run_dir", results or "error"}]}) and ``report/`` (the variants
+overlaid in accuracy.png, timeline-<variant>.png each, report.md).
 """
 
 from __future__ import annotations

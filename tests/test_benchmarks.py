@@ -123,3 +123,21 @@ def test_faults_benchmark_kills_peers_and_reports_recovery(tmp_path: Path) -> No
     assert rows["baseline"]["peers_finished"] == 4 and rows["kill"]["peers_finished"] == 2
     assert rows["kill"]["declared_dead"] >= 1 and rows["kill"]["recovery_s"] > 0
     assert rows["partition"]["skipped"] == "--loopback"
+
+
+def test_edge_benchmark_times_each_setting_to_the_target(tmp_path: Path) -> None:
+    result = run_benchmark(
+        "edge", tmp_path, "--quick", "--only", "choco,ring,ps", "--no-progress",
+        "--out", str(tmp_path / "e"),
+    )  # fmt: skip
+    rows = {row["setting"]: row for row in result["rows"]}
+    assert set(rows) == {"CHOCO top-1%", "ring all-reduce (dense)", "ps sync (dense)"}
+    for row in rows.values():
+        assert {"setting", "reached", "time_to_target_s", "bytes"} <= set(row)
+        assert row["bytes"] > 0 and row["steps"] > 0
+        assert row["reached"] == (row["time_to_target_s"] is not None)
+        assert not row["reached"] or 0 < row["time_to_target_s"] <= row["wall_time_s"]
+    # 10 Mbit/s links: a dense model costs the ring and the ps more time per step
+    assert rows["ring all-reduce (dense)"]["s_per_step"] > rows["CHOCO top-1%"]["s_per_step"]
+    assert result["meta"]["best"] == "CHOCO top-1%" or not rows["CHOCO top-1%"]["reached"]
+    assert (tmp_path / "e" / "edge.png").stat().st_size > 10_000

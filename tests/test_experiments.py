@@ -129,6 +129,7 @@ def test_a_2x2_sweep_makes_four_runs_one_table_and_overlaid_plots(tmp_path: Path
     assert all(f"| {name} |" in table for name in names)
     accuracy = axes_of(root / "report" / "accuracy.png")
     assert [(a["xlabel"], a["xscale"]) for a in accuracy] == [
+        ("local steps", "linear"),
         ("wall time (s)", "linear"),
         ("total bytes sent by all peers (log scale)", "log"),
     ]

@@ -41,6 +41,7 @@ ACCURACY_VS_BYTES = Panel(
     log_x=True,
 )  # fmt: skip
 ACCURACY_VS_TIME = Panel("time_s", "accuracy", "wall time (s)", "mean test accuracy")
+ACCURACY_VS_STEPS = Panel("step", "accuracy", "local steps", "mean test accuracy")
 
 
 def save_figure(fig: Any, path: Path) -> Path:

@@ -1,7 +1,7 @@
 """``gossipdl report DIR``: PNG plots and a markdown table for a run or a sweep directory.
 
 Writes into ``DIR/report/``: ``accuracy.png`` (mean test accuracy against
-wall time and against bytes sent, one line per variant), ``timeline.png``
+local steps, wall time and bytes sent, one line per variant), ``timeline.png``
 (per peer: online or offline, busy or waiting, bytes sent; one file per
 variant for a sweep, ``timeline-<variant>.png``) and ``report.md``, a table of
 the results with the plots linked.
@@ -17,6 +17,7 @@ from typing import Any
 from gossipdl.experiments.display import human_bytes
 from gossipdl.experiments.plots import (
     ACCURACY_VS_BYTES,
+    ACCURACY_VS_STEPS,
     ACCURACY_VS_TIME,
     plot_curves,
     plot_timeline,
@@ -74,7 +75,7 @@ def write_report(root: str | Path) -> list[Path]:
             {name: accuracy_curve(run) for name, run in runs.items()},
             out / "accuracy.png",
             title,
-            panels=(ACCURACY_VS_TIME, ACCURACY_VS_BYTES),
+            panels=(ACCURACY_VS_STEPS, ACCURACY_VS_TIME, ACCURACY_VS_BYTES),
         )
     ]
     rows = []

@@ -114,7 +114,8 @@ class Peer:
     that step and rejoins through ``bootstrap``. ``curve`` (see
     :func:`gossipdl.transport.curve.load_curve`) encrypts every connection and
     admits only the allow-listed keys. ``link`` emulates a slow access link
-    (bandwidth, latency, jitter, loss) in user space.
+    (bandwidth, latency, jitter, loss, offline windows counted from the moment
+    the swarm formed) in user space.
 
     Example (run once per rank, e.g. ``python train.py 0`` .. ``python train.py 3``)::
 

@@ -6,7 +6,8 @@ sockets are not thread-safe: the ROUTER belongs to the receive thread and the
 DEALERs to the send thread. Every byte counted here is a byte of a frame handed
 to or taken from a socket. With an emulated link (``link``, see ``shaping``) the
 send thread holds each message until the link would have delivered it, and the
-receive thread waits out the downlink before reading the next one.
+receive thread waits out the downlink before reading the next one; inside an
+offline window both drop what they see (reason ``offline``) without counting it.
 """
 
 from __future__ import annotations
