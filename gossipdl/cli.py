@@ -123,7 +123,6 @@ def run(
         config = load_config(config_file, **overrides)
     except ConfigError as exc:
         _fail(str(exc))
-        return
     _launch(config, progress)
 
 
@@ -161,7 +160,6 @@ def experiment(
         config = load_config(config_file, out=out)
     except ConfigError as exc:
         _fail(str(exc))
-        return
     summary = _launch(config, progress)
     _report(Path(summary["config"]["out"]))
 
@@ -187,7 +185,6 @@ def sweep(
         variants = plan(base, axes, root)
     except ConfigError as exc:
         _fail(str(exc))
-        return
     console.print(f"[bold]gossipdl sweep[/]: {len(variants)} variants → {root}")
 
     def one(config: Config) -> dict[str, Any]:
@@ -218,7 +215,6 @@ def _report(directory: Path) -> None:
         files = write_report(directory)
     except ReportError as exc:
         _fail(str(exc))
-        return
     console.print("[bold]report[/]: " + ", ".join(str(f) for f in files))
 
 
@@ -368,7 +364,6 @@ def peer(
         curve = _curve(secure, keys, allow)
     except (ConfigError, LaunchEnvError, CurveError) as exc:
         _fail(str(exc))
-        return
     _train(
         config,
         rank=rank,
@@ -409,7 +404,6 @@ def keys_generate(
         public, secret = generate_keys(directory, name)
     except CurveError as exc:
         _fail(str(exc))
-        return
     print(f"{load_curve_public(public)}  # {name}, public key (add this line to --allow files)")
     print(f"secret key: {secret} (keep it private)", file=sys.stderr)
 
@@ -477,7 +471,6 @@ def join(
         config = from_dict({**info["config"], "out": ""})
     except (PeerError, ConfigError) as exc:
         _fail(str(exc))
-        return
     _train(
         config,
         rank=rank,
@@ -503,7 +496,6 @@ def topology_show(
         topology = build_topology(name, n, seed)
     except TopologyError as exc:
         _fail(str(exc))
-        return
     print(format_topology(topology))
 
 
