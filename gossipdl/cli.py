@@ -116,7 +116,11 @@ def run(
     out: str | None = _opt("out"),
     progress: bool = typer.Option(True, help="Show the live per-peer progress display."),
 ) -> None:
-    """Train a local swarm (default: 4 peers, 1-D CNN on MNIST-1D, ring, dense gossip)."""
+    """Train a local swarm (default: 4 peers, 1-D CNN on MNIST-1D, ring, dense gossip).
+
+    Device profiles (\\[profiles.NAME] tables: links, slowdown, offline windows per group of
+    peers) have no flag: give them in CONFIG_FILE.
+    """
     overrides = {k: v for k, v in locals().items() if k in FIELDS}
     _setup_logging(rich=True, level=logging.WARNING)
     try:

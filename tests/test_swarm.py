@@ -109,8 +109,9 @@ def test_help_lists_every_option_with_its_default() -> None:
         env={**os.environ, "COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1"},
     )  # fmt: skip
     assert done.returncode == 0
-    for key in to_dict(small_config(Path("."))):
-        flag = "--" + key.replace("_", "-")
+    for key, value in to_dict(small_config(Path("."))).items():
+        # A table (device profiles) lives in the config file only; the help says where.
+        flag = f"[{key}." if isinstance(value, dict) else "--" + key.replace("_", "-")
         assert flag in done.stdout, f"{flag} missing from --help"
     assert "[default: 4]" in done.stdout and "[default: ring]" in done.stdout
 
@@ -139,7 +140,7 @@ def test_help_lists_every_option_with_its_default() -> None:
         ),
         (["--slowdown", "3"], ["slowdown '3'", "PEER:FACTOR"]),
         (["--drift", "soon"], ["drift 'soon'", "STEP:permute"]),
-        (["--mode", "ps", "--link", "up=1mbit"], ["link = 'up=1mbit'", "no link emulation"]),
+        (["--link", "up=fast"], ["link = 'up=fast'", "KEY=NUMBER[UNIT]", "up=10mbit"]),
     ],
 )
 def test_bad_config_fails_before_any_peer_starts(
@@ -200,7 +201,9 @@ def test_a_peer_killed_mid_run_is_dropped_and_the_others_finish(tmp_path: Path) 
     assert peers[0]["finished"] and peers[2]["finished"] and not peers[1]["finished"]
     logs = (out / "peers" / "0.log").read_text() + (out / "peers" / "2.log").read_text()
     assert "no word from peer 1" in logs and "declared dead" in logs
-    assert last_record(out / "peers" / "0.jsonl")["members"] == 2  # type: ignore[index]
+    # The ring went on with two (the last lines may count one: the other may finish first).
+    after = [r for r in RunDir(out).records(0) if r["declared_dead"] >= 1]
+    assert after and max(r["members"] for r in after) == 2
 
 
 def test_ctrl_c_stops_the_whole_swarm_and_keeps_the_measurements(tmp_path: Path) -> None:

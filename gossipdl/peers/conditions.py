@@ -13,7 +13,9 @@ study how averaging triggers react to such drift).
 Device profiles (the ``[profiles.NAME]`` tables of an experiment file) give
 named groups of peers an access link (bandwidth, latency, jitter, loss and
 offline windows, emulated by ``transport.shaping``) and a slowdown: phones,
-sensor boards or cars on bad links, next to better-connected peers.
+sensor boards or cars on bad links, next to better-connected peers. Inside an
+offline window the device is away: the link drops everything and the training
+loop takes no steps (``peers.runner``).
 """
 
 from __future__ import annotations

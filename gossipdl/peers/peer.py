@@ -674,7 +674,7 @@ class Peer:
 
     def _rejoin(self) -> None:
         """Back into the swarm after a live member said we were dropped (a partition, or a
-        pause longer than ``dead_after``): its table, its round, our own model."""
+        pause longer than ``dead_after``): its table, its round and step count, our own model."""
         address = self._rejoin_via  # kept set until done: notices meanwhile are ignored
         assert address is not None
         self._sent_round = -1  # our heartbeats no longer vouch for rounds we count anew
@@ -696,6 +696,8 @@ class Peer:
         self._members_changed()
         self.rejoins += 1
         self._start_late(me.since, take_model=False)
+        # Steps the swarm took while we were away are not owed: end with the others.
+        self.steps = max(self.steps, self.round * self.trigger.period)
 
     def _start_late(self, since: int, take_model: bool = True) -> None:
         """Start at round ``since`` of a running swarm, aligned with a neighbour's round;

@@ -36,6 +36,7 @@ from gossipdl.transport.curve import Curve
 from gossipdl.transport.shaping import LinkProfile
 
 log = logging.getLogger(__name__)
+AWAY_POLL_S = 0.25  # how often a device inside an offline window looks again (and logs)
 
 
 @torch.no_grad()
@@ -318,6 +319,10 @@ def _loop(
         accuracy, test_loss = evaluate(model, x_test, y_test)
         record(accuracy=round(accuracy, 6), test_loss=round(test_loss, 6), start=True)
         while not _finished(config, peer) and not stop.is_set():
+            if not peer.transport.online:  # the device is away (churn): no steps, no traffic
+                stop.wait(AWAY_POLL_S)
+                record()
+                continue
             if drift is not None and peer.steps >= drift.step:  # once; a late joiner too
                 new_label = Drift.permutation(dataset.num_classes, config.seed)
                 perm = torch.as_tensor(new_label, device=device)

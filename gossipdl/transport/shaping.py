@@ -96,8 +96,9 @@ def parse_link(spec: str) -> LinkProfile:
         match = _SPEC.match(part)
         if match is None:
             raise LinkError(
-                f"link part {part!r} is not KEY=VALUE; use e.g. "
-                "up=10mbit,down=10mbit,latency=20ms,jitter=5ms,loss=1%"
+                f"link part {part!r} is not KEY=NUMBER[UNIT] with KEY one of up, down, "
+                "latency, jitter, loss; use e.g. up=10mbit,down=10mbit,latency=20ms,jitter=5ms,"
+                "loss=1% (offline windows go in a [profiles.NAME] table)"
             )
         key, number, unit = match.groups()
         value = float(number)
