@@ -9,8 +9,8 @@ pure arithmetic on a clock the caller passes in, so it is testable without
 sleeping; the transport does the waiting. Works anywhere, no root needed.
 
 A profile may also take the link down for windows of time (``offline``,
-counted from :meth:`Link.start`): a device out of coverage sends and
-receives nothing, while it keeps computing.
+counted from :meth:`Link.start`): a device that is away sends and receives
+nothing (its training loop pauses as well, see ``peers.runner``).
 """
 
 from __future__ import annotations
