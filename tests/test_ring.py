@@ -136,7 +136,7 @@ def test_powersgd_over_the_ring_is_exact_for_a_low_rank_mean_and_equal_on_every_
     for step in range(3):
         exact = torch.stack([_low_rank_values(r, step) for r in range(n)]).mean(0).numpy()
         for rank in range(n):
-            np.testing.assert_allclose(got[rank][0][step], exact, atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(got[rank][0][step], exact, atol=1e-3, rtol=1e-3)
             assert np.array_equal(got[rank][0][step], got[0][0][step])
     assert all(error < 1e-3 for _, error, _ in got.values())
     # P (30 + 7 rows, rank 1) and the 25 vector values, or Q (20 + 12 cols): 62 < 770 values

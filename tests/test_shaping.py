@@ -80,7 +80,7 @@ def test_link_specs_parse_and_bad_ones_say_the_form() -> None:
     assert parse_link("") == LinkProfile() and not LinkProfile().shaped
     for bad, needle in [
         ("up=10", "mbit or kbit"),
-        ("speed=1mbit", "KEY=VALUE"),
+        ("speed=1mbit", "KEY=NUMBER"),
         ("latency=5ms,jitter=10ms", "exceeds latency"),
         ("loss=100%", "loss"),
     ]:

@@ -201,9 +201,11 @@ def test_a_peer_killed_mid_run_is_dropped_and_the_others_finish(tmp_path: Path) 
     assert peers[0]["finished"] and peers[2]["finished"] and not peers[1]["finished"]
     logs = (out / "peers" / "0.log").read_text() + (out / "peers" / "2.log").read_text()
     assert "no word from peer 1" in logs and "declared dead" in logs
-    # The ring went on with two (the last lines may count one: the other may finish first).
-    after = [r for r in RunDir(out).records(0) if r["declared_dead"] >= 1]
-    assert after and max(r["members"] for r in after) == 2
+    # The ring went on with two (the last lines may count one: the other may finish first);
+    # one survivor declares the death, the other may learn it from that notice.
+    records = [*RunDir(out).records(0), *RunDir(out).records(2)]
+    assert any(r["members"] == 2 for r in records)
+    assert max(r["declared_dead"] for r in records) >= 1
 
 
 def test_ctrl_c_stops_the_whole_swarm_and_keeps_the_measurements(tmp_path: Path) -> None:
