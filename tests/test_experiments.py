@@ -155,6 +155,9 @@ def test_report_and_sweep_reject_bad_input_before_running_anything(
     assert "missing is not a directory" in fails("report", "missing")
     (tmp_path / "empty").mkdir()
     assert "holds no peer metrics" in fails("report", "empty")
+    for torn, message in [("{", "sweep.json is not readable JSON"), ("[]", "lists no variants")]:
+        (tmp_path / "empty" / "sweep.json").write_text(torn)
+        assert message in fails("report", "empty")
     (tmp_path / "base.toml").write_text(BASE)
     for grid, message in [
         ("colour=red,blue", "not a config key a sweep can vary"),

@@ -39,7 +39,12 @@ def runs_of(root: Path) -> dict[str, RunDir]:
         raise ReportError(f"{root} is not a directory; pass a run or sweep directory")
     sweep = root / SWEEP_FILE
     if sweep.is_file():
-        names = [v["name"] for v in json.loads(sweep.read_text())["variants"]]
+        try:
+            names = [str(v["name"]) for v in _read_json(sweep)["variants"]]
+        except (KeyError, TypeError):
+            raise ReportError(
+                f'{sweep} lists no variants ({{"variants": [{{"name": ...}}]}}); re-run the sweep'
+            ) from None
         runs = {name: RunDir(root / name) for name in names}
     else:
         runs = {root.resolve().name: RunDir(root)}
@@ -49,6 +54,14 @@ def runs_of(root: Path) -> dict[str, RunDir]:
             f"{root} holds no peer metrics (peers/<id>.jsonl); is it a gossipdl run directory?"
         )
     return runs
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file the report needs; a torn or hand-edited one is a ReportError naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReportError(f"{path} is not readable JSON ({exc}); re-run, or restore it") from None
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -83,7 +96,7 @@ def write_report(root: str | Path) -> list[Path]:
         timeline = out / (f"timeline-{name}.png" if sweep else "timeline.png")
         records = {peer_id: list(run.records(peer_id)) for peer_id in run.peer_ids()}
         files.append(plot_timeline(records, timeline, f"{name}: peers over time"))
-        summary = json.loads(run.summary.read_text()) if run.summary.is_file() else summarize(run)
+        summary = _read_json(run.summary) if run.summary.is_file() else summarize(run)
         rows.append(
             [
                 name,
