@@ -33,7 +33,7 @@ Run
     python benchmarks/edge.py --json runs/bench-edge.json
     python benchmarks/edge.py --quick       # 3 peers, synthetic data, small model: a smoke test
 
-    On a 2-core machine the defaults take about 30 minutes, most of it the
+    On a 2-core machine the defaults take about 35 minutes, most of it the
     dense settings spending their budget.
 
 JSON (``--json FILE``): ``{"benchmark": "edge", "rows": [...], "meta": {...}}``;
