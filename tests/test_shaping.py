@@ -53,6 +53,23 @@ def test_the_uplink_carries_the_configured_rate_within_10_percent(
     assert measured == pytest.approx(mbit, rel=0.10), f"{measured:.2f} Mbit/s"
 
 
+def test_flush_waits_until_what_the_link_holds_is_sent_and_counted() -> None:
+    """A peer's last metrics line flushes first: the bytes still on the link count too."""
+    receiver = Transport("tcp://127.0.0.1:0", lambda m: None)
+    sender = Transport("tcp://127.0.0.1:0", lambda m: None, link=LinkProfile(uplink_bps=1e6))
+    try:
+        frames = encode("params", 1, 0, 0, [np.zeros(25_000, np.float32)])  # 0.8 s at 1 Mbit/s
+        began = time.monotonic()
+        sender.send(receiver.address, frames)
+        assert sender.stats.bytes_sent == 0  # held by the link
+        assert sender.flush(5.0)
+        assert time.monotonic() - began >= 0.7
+        assert sender.stats.bytes_sent == sum(len(f) for f in frames)
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_latency_adds_what_it_says() -> None:
     sent, arrived, _ = _arrivals(LinkProfile(latency_s=0.08), 5, 1000)
     plain_sent, plain_arrived, _ = _arrivals(LinkProfile(), 5, 1000)

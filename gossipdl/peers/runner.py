@@ -350,6 +350,7 @@ def _loop(
                 record()
         accuracy, test_loss = evaluate(model, x_test, y_test)
         torch.save(model.state_dict(), run.model(peer.id))
+        peer.transport.flush()  # the final line counts the last messages sent, too
         final = record(
             accuracy=round(accuracy, 6),
             test_loss=round(test_loss, 6),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import queue
 import socket
 import threading
@@ -189,7 +190,10 @@ class Transport:
                 name,
                 self.address,
             )
-        self._outbox: queue.SimpleQueue[tuple[str, list[Any]] | None] = queue.SimpleQueue()
+        # A message, an Event to set once everything queued before it went (flush), or None.
+        self._outbox: queue.SimpleQueue[tuple[str, list[Any]] | threading.Event | None] = (
+            queue.SimpleQueue()
+        )
         self._stop = threading.Event()
         self._recv_thread = threading.Thread(
             target=self._recv_loop, name=f"{name}-recv", daemon=True
@@ -219,6 +223,13 @@ class Transport:
         """Queue one message (header frame + buffer frames) for ``address``."""
         self._outbox.put((address, frames))
 
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every message queued so far has been handed to its socket (through an
+        emulated link: delivered), so the byte counters include it; False on timeout."""
+        sent = threading.Event()
+        self._outbox.put(sent)
+        return sent.wait(timeout)
+
     def close(self, flush_timeout: float = 5.0) -> None:
         """Send what is queued (up to ``flush_timeout``), then stop both threads."""
         self._outbox.put(None)
@@ -234,12 +245,17 @@ class Transport:
         would have delivered it."""
         dealers: dict[str, tuple[zmq.Socket, str]] = {}  # address -> (DEALER, its server key)
         held: list[tuple[float, int, str, list[Any]]] = []  # (arrival, order, address, frames)
+        flushes: list[tuple[int, threading.Event]] = []  # set once held has no older message
         order = itertools.count()
         try:
             while True:
                 while held and held[0][0] <= time.monotonic():
                     _, _, address, frames = heapq.heappop(held)
                     self._send_now(dealers, address, frames)
+                oldest = min((o for _, o, _, _ in held), default=math.inf)
+                for flush in [f for f in flushes if f[0] < oldest]:
+                    flushes.remove(flush)
+                    flush[1].set()
                 wait = max(0.0, held[0][0] - time.monotonic()) if held else None
                 try:
                     item = self._outbox.get(timeout=wait)
@@ -247,6 +263,9 @@ class Transport:
                     continue
                 if item is None:
                     break
+                if isinstance(item, threading.Event):
+                    flushes.append((next(order), item))
+                    continue
                 address, frames = item
                 if self._link is None:
                     self._send_now(dealers, address, frames)
