@@ -107,12 +107,12 @@ def test_async_records_staleness_and_ssp_never_exceeds_its_bound(tmp_path: Path)
     """A straggler 300x slower: under SSP with slack 1 no worker is answered more than 1 step
     ahead of the slowest; every update's staleness is recorded by workers and the shard."""
     config = small_config(
-        tmp_path, mode="ps", ps="async", staleness="ssp:1", peers=3, steps=60, slowdown="1:300"
+        tmp_path, mode="ps", ps="async", staleness="ssp:1", peers=3, steps=30, slowdown="1:300"
     )
     summary = launch(config, progress=False)
     assert summary["peers_finished"] == 3
     (shard,) = summary["servers"]
-    assert shard["updates"] == 3 * 60
+    assert shard["updates"] == 3 * 30
     assert 0 < shard["max_lead"] <= 1  # the bound was reached, never passed
     assert shard["staleness_max"] >= 1
     for peer in range(3):
@@ -173,7 +173,8 @@ def test_a_shard_drops_malformed_pushes_and_keeps_its_model() -> None:
     assert torch.equal(server.x, torch.ones(4))  # only the good push was applied
 
 
-@pytest.mark.parametrize("rule", ["async", "fedavg"])
+# The async rule: test_gossipdl_run_carries_on_when_an_async_worker_dies, through the CLI.
+@pytest.mark.parametrize("rule", ["fedavg"])
 def test_a_killed_worker_does_not_stop_the_others(rule: str, tmp_path: Path) -> None:
     """kill -9 worker 1 mid-run: the shard declares it dead after round_timeout and the other
     workers finish every step."""
@@ -259,7 +260,7 @@ def test_gossipdl_run_carries_on_when_an_async_worker_dies(tmp_path: Path) -> No
     proc = subprocess.Popen(
         gossipdl_cmd(
             "run", "--mode", "ps", "--ps", "async", "--peers", "3", "--dataset", "synthetic",
-            "--model", "logistic", "--steps", "1500", "--eval-every", "0", "--threads", "1",
+            "--model", "logistic", "--steps", "1000", "--eval-every", "0", "--threads", "1",
             "--slowdown", "0:20,1:20,2:20", "--round-timeout", "3", "--out", str(out),
             "--no-progress",
         ),
