@@ -119,22 +119,24 @@ def plot_timeline(records: Mapping[int, Records], path: Path, title: str) -> Pat
     for peer_id, lines in sorted(records.items()):
         spans = [(a, b) for a, b in itertools.pairwise(lines) if b["time"] > a["time"]]
         bars = [(a["time"], b["time"] - a["time"]) for a, b in spans]
-        offline = [
-            bar for bar, (_, b) in zip(bars, spans, strict=True) if not b.get("online", True)
-        ]
+        away = [not b.get("online", True) for _, b in spans]
+        offline = [bar for bar, off in zip(bars, away, strict=True) if off]
         up.broken_barh(bars, (peer_id - 0.4, 0.8), facecolors="tab:green")
         up.broken_barh(offline, (peer_id - 0.4, 0.8), facecolors="tab:red")
         shares = [
             1 - min(1.0, max(0.0, (b.get("idle_s", 0) - a.get("idle_s", 0)) / width))
             for (a, b), (_, width) in zip(spans, bars, strict=True)
         ]
-        busy.broken_barh(bars, (peer_id - 0.4, 0.8), facecolors=[colormap(x) for x in shares])
+        colours = [
+            "lightgrey" if off else colormap(x) for x, off in zip(shares, away, strict=True)
+        ]
+        busy.broken_barh(bars, (peer_id - 0.4, 0.8), facecolors=colours)
         sent.plot(
             [r["time"] for r in lines], [r.get("bytes_sent", 0) / 1e6 for r in lines],
             label=f"peer {peer_id}",
         )  # fmt: skip
     up.set_title("online (green) / offline (red)")
-    busy.set_title("busy share of each interval (the rest: waiting for other peers)")
+    busy.set_title("busy share of each interval (the rest: waiting for other peers; grey: away)")
     for ax in (up, busy):
         ax.set_ylabel("peer")
         ax.set_yticks(sorted(records))
