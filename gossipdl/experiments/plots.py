@@ -127,9 +127,7 @@ def plot_timeline(records: Mapping[int, Records], path: Path, title: str) -> Pat
             1 - min(1.0, max(0.0, (b.get("idle_s", 0) - a.get("idle_s", 0)) / width))
             for (a, b), (_, width) in zip(spans, bars, strict=True)
         ]
-        colours = [
-            "lightgrey" if off else colormap(x) for x, off in zip(shares, away, strict=True)
-        ]
+        colours = ["lightgrey" if off else colormap(x) for x, off in zip(shares, away, strict=True)]
         busy.broken_barh(bars, (peer_id - 0.4, 0.8), facecolors=colours)
         sent.plot(
             [r["time"] for r in lines], [r.get("bytes_sent", 0) / 1e6 for r in lines],
