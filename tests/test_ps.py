@@ -179,7 +179,7 @@ def test_a_killed_worker_does_not_stop_the_others(rule: str, tmp_path: Path) -> 
     """kill -9 worker 1 mid-run: the shard declares it dead after round_timeout and the other
     workers finish every step."""
     config = small_config(
-        tmp_path, mode="ps", ps=rule, peers=3, steps=2000, round_timeout=3.0,
+        tmp_path, mode="ps", ps=rule, peers=3, steps=1000, round_timeout=3.0,
         slowdown="0:20,1:20,2:20",  # a few ms per step, so the kill lands mid-run
     )  # fmt: skip
     path = write_config(tmp_path / "ps.toml", config)
