@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,16 +19,22 @@ class CheckpointError(RuntimeError):
 def save_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int
 ) -> None:
-    """Write ``path`` via a temporary file and a rename: readers see the old or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Write the checkpoint of ``step`` to ``path`` (atomically, see :func:`save_atomic`)."""
     state = {
         "format": FORMAT,
         "step": step,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
     }
-    torch.save(state, tmp)
+    save_atomic(state, path)
+
+
+def save_atomic(value: Any, path: Path) -> None:
+    """``torch.save`` via a temporary file and a rename: a reader (another peer summarising
+    the run) sees the old file or the new one, never half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(value, tmp)
     os.replace(tmp, path)
 
 

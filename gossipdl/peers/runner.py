@@ -26,7 +26,12 @@ from gossipdl.coordinator.server import ShardServer, fedavg_local_steps, fedavg_
 from gossipdl.coordinator.worker import ServerWorker
 from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
 from gossipdl.models import build_model
-from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from gossipdl.peers.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    save_atomic,
+    save_checkpoint,
+)
 from gossipdl.peers.conditions import Drift, device_of, parse_drift
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
@@ -349,7 +354,7 @@ def _loop(
             elif peer.steps % config.log_every == 0:
                 record()
         accuracy, test_loss = evaluate(model, x_test, y_test)
-        torch.save(model.state_dict(), run.model(peer.id))
+        save_atomic(model.state_dict(), run.model(peer.id))
         peer.transport.flush()  # the final line counts the last messages sent, too
         final = record(
             accuracy=round(accuracy, 6),
