@@ -252,10 +252,11 @@ class Transport:
                 while held and held[0][0] <= time.monotonic():
                     _, _, address, frames = heapq.heappop(held)
                     self._send_now(dealers, address, frames)
-                oldest = min((o for _, o, _, _ in held), default=math.inf)
-                for flush in [f for f in flushes if f[0] < oldest]:
-                    flushes.remove(flush)
-                    flush[1].set()
+                if flushes:  # rare (a peer's last line): keep the per-message path bare
+                    oldest = min((o for _, o, _, _ in held), default=math.inf)
+                    for flush in [f for f in flushes if f[0] < oldest]:
+                        flushes.remove(flush)
+                        flush[1].set()
                 wait = max(0.0, held[0][0] - time.monotonic()) if held else None
                 try:
                     item = self._outbox.get(timeout=wait)
