@@ -39,6 +39,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -46,6 +47,14 @@ import torch
 from _common import Column, add_json_option, report
 
 from gossipdl.compression import build_codec
+from gossipdl.compression._kernels import native_kernels, numpy_kernels
+
+
+def native_isa() -> str | None:
+    """The instruction set of the C kernels that run on CPU, or None when they are not built."""
+    native = native_kernels(torch.device("cpu"))
+    return None if native is None else native.use_isa()
+
 
 CODECS = (
     "none",
@@ -71,6 +80,9 @@ CODECS = (
     "powersgd:2",
     "powersgd:2+ef",
 )
+# Also timed with the numpy kernels (what runs when the C kernels could not be built).
+NUMPY_ROWS = ("sign",)
+NUMPY_SUFFIX = " (numpy kernels)"
 TOPK_REFERENCE = "torch.topk 1% (reference)"
 FP16_REFERENCE = "fp16 cast (reference)"
 TOPK_TARGET = "topk:0.01+delta-golomb+ef"
@@ -107,26 +119,34 @@ def main() -> None:
     device = torch.device(args.device)
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.seed)).to(device)
     k = max(1, args.numel // 100)
-    codecs = {spec: build_codec(spec, seed=args.seed) for spec in CODECS}
-    names = {spec: codec.spec for spec, codec in codecs.items()}
+    labels = [*CODECS, *(spec + NUMPY_SUFFIX for spec in NUMPY_ROWS)]
+    codecs = {
+        label: build_codec(label.removesuffix(NUMPY_SUFFIX), seed=args.seed) for label in labels
+    }
+
+    def kernels(label: str) -> AbstractContextManager[None]:
+        return numpy_kernels() if label.endswith(NUMPY_SUFFIX) else nullcontext()
+
     rows: dict[str, dict[str, Any]] = {}
     for spec, codec in codecs.items():
-        payload, sent = codec.encode(x)
-        decoded = codec.decode(payload, x.numel(), x.device)
+        with kernels(spec):
+            payload, sent = codec.encode(x)
+            decoded = codec.decode(payload, x.numel(), x.device)
         assert torch.equal(decoded, sent), f"{spec}: decode differs from the sender's estimate"
         rows[spec] = {
-            "codec": names[spec],
+            "codec": codec.spec + (NUMPY_SUFFIX if spec.endswith(NUMPY_SUFFIX) else ""),
             "bytes": payload.nbytes,
             "ratio": 4 * x.numel() / payload.nbytes,
             "rel_error": float((x - decoded).norm() / x.norm()),
         }
     times: dict[str, dict[str, list[float]]] = {
-        name: {"encode": [], "decode": []} for name in [*CODECS, TOPK_REFERENCE, FP16_REFERENCE]
+        name: {"encode": [], "decode": []} for name in [*labels, TOPK_REFERENCE, FP16_REFERENCE]
     }
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for spec, codec in codecs.items():
-            encode_ms, (payload, _) = _timed(partial(codec.encode, x), device)
-            decode_ms, _ = _timed(partial(codec.decode, payload, x.numel(), device), device)
+            with kernels(spec):
+                encode_ms, (payload, _) = _timed(partial(codec.encode, x), device)
+                decode_ms, _ = _timed(partial(codec.decode, payload, x.numel(), device), device)
             if round_:
                 times[spec]["encode"].append(encode_ms)
                 times[spec]["decode"].append(decode_ms)
@@ -139,7 +159,7 @@ def main() -> None:
                 times[name]["encode"].append(elapsed)
 
     table = []
-    for spec in CODECS:
+    for spec in labels:
         row = rows[spec]
         row["encode_ms"] = statistics.median(times[spec]["encode"])
         row["decode_ms"] = statistics.median(times[spec]["decode"])
@@ -184,6 +204,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "seed": args.seed,
         "device": str(device),
+        "c_kernels": native_isa(),
         "method": "median of interleaved rounds after one warm-up round; encode includes "
         "the sender's estimate; rel_error of the first message",
         "targets": targets,
@@ -199,7 +220,7 @@ def main() -> None:
         f"target 2: sign round trip {sign['roundtrip_ms']:.1f} ms vs {SIGN_FACTOR:g} x fp16 cast "
         f"= {sign['limit_ms']:.1f} ms — {verdict(sign['met'])}",
         f"{args.numel:,} float32 on {device}, torch threads {torch.get_num_threads()}, "
-        f"median of {args.rounds} interleaved rounds",
+        f"C kernels: {native_isa() or 'not built'}, median of {args.rounds} interleaved rounds",
     ]
     columns = [
         Column("codec", "codec"),
