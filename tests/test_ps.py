@@ -279,3 +279,23 @@ def test_gossipdl_run_carries_on_when_an_async_worker_dies(tmp_path: Path) -> No
     summary = json.loads((out / "summary.json").read_text())
     finished = {p["id"] for p in summary["peers"] if p["finished"]}
     assert finished == {0, 2} and 1 in summary["servers"][0]["dead_workers"]
+
+
+def test_a_sync_run_ended_early_lets_every_worker_finish_its_step_and_report(
+    tmp_path: Path,
+) -> None:
+    """Ending a run (Ctrl-C, or ``until`` as the edge benchmark does) stops the workers before
+    the shard: a sync worker finishing its step needs the shard's answer, so a shard stopped
+    first left it waiting until it was killed, without its final line."""
+    config = small_config(  # 200 ms each way: the stop lands while the workers wait
+        tmp_path, mode="ps", ps="sync", steps=1_000_000, round_timeout=60.0,
+        link="latency=200ms",
+    )  # fmt: skip
+    reached = lambda run: any(  # noqa: E731
+        (last_record(run.metrics(i)) or {}).get("step", 0) >= 5 for i in range(3)
+    )
+    summary = launch(config, progress=False, until=reached)
+    assert len(summary["peers"]) == 3
+    for i in range(3):
+        last = last_record(Path(config.out) / "peers" / f"{i}.jsonl")
+        assert last is not None and last["final"] and last["stopped_early"]

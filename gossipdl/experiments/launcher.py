@@ -266,19 +266,20 @@ class Swarm:
         return any(p.poll() is None for p in self.procs.values())
 
     def stop(self, grace: float = _STOP_GRACE_S) -> None:
-        """Ask every live peer (and server) to stop (SIGINT: finish the step, save, report),
-        then kill."""
-        procs = [*self.procs.values(), *self.servers.values()]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
+        """Ask every live peer to stop (SIGINT: finish the step, save, report), then the
+        servers, then kill what is left after ``grace`` seconds. Servers go last: a sync ps
+        worker finishing its step waits for their answer."""
         deadline = time.monotonic() + grace
-        for proc in procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        for procs in (list(self.procs.values()), list(self.servers.values())):
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+            for proc in procs:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
     def close(self) -> None:
         """Kill anything left (servers get a moment to see the workers leave) and close the
