@@ -29,6 +29,7 @@ Target
 Run
     python benchmarks/triggers.py --json runs/bench-triggers.json
     python benchmarks/triggers.py --quick       # 3 peers, 60 steps, synthetic data: a smoke test
+    python benchmarks/triggers.py --only always,periodic:10 --dynamic dynamic:1%:10
 
     On a 2-core machine the defaults take about 5 minutes (eleven runs of 8 processes).
 
@@ -48,7 +49,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from _common import Column, add_json_option, fresh_run_dir, report
+from _common import Column, add_json_option, add_only_option, fresh_run_dir, report
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
@@ -121,8 +122,11 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=None, help="base TOML config")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-triggers"))
     parser.add_argument("--quick", action="store_true", help="3 peers, 60 steps, synthetic data")
+    add_only_option(parser, TRIGGERS)
     add_json_option(parser)
     args = parser.parse_args()
+    if REFERENCE not in args.only:
+        parser.error(f"--only must include {REFERENCE}: every row is compared with it")
     args.steps = args.steps or (60 if args.quick else 1500)
     args.peers = args.peers or (3 if args.quick else 8)
     args.model = args.model or ("logistic" if args.quick else "cnn1d")
@@ -131,7 +135,7 @@ def main() -> None:
 
     console = Console(stderr=True)
     rows = []
-    for trigger in TRIGGERS + dynamic:
+    for trigger in args.only + dynamic:
         console.print(f"running {trigger} …")
         name = trigger.replace(":", "-").replace("%", "pct")
         summary, _ = run(config_for(trigger, args, name))

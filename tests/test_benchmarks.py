@@ -44,6 +44,8 @@ def test_codec_benchmark_reports_every_codec_with_its_keys(tmp_path: Path) -> No
     result = run_benchmark("codecs", tmp_path, "--quick")
     rows = {row["codec"]: row for row in result["rows"]}
     assert "torch.topk 1% (reference)" in rows and "sign" in rows
+    assert "sign (numpy kernels)" in rows  # the fallback of a build without a C compiler
+    assert "c_kernels" in result["meta"]
     for name, row in rows.items():
         if "reference" in name:
             continue
@@ -72,16 +74,17 @@ def test_convergence_benchmark_compares_with_dense_and_plots(tmp_path: Path) -> 
 def test_triggers_benchmark_counts_transmissions_and_plots_the_drift(tmp_path: Path) -> None:
     result = run_benchmark(
         "triggers", tmp_path, "--quick", "--peers", "2", "--steps", "40",
-        "--dynamic", "dynamic:1%:10", "--out", str(tmp_path / "t"),
+        "--only", "always,periodic:10,periodic:50", "--dynamic", "dynamic:1%:10",
+        "--out", str(tmp_path / "t"),
     )  # fmt: skip
     rows = {row["trigger"]: row for row in result["rows"]}
-    fixed = ["always", "periodic:5", "periodic:10", "periodic:20", "periodic:50"]
+    fixed = ["always", "periodic:10", "periodic:50"]
     assert list(rows) == [*fixed, "dynamic:1%:10"]
     for row in rows.values():
         assert {"trigger", "accuracy", "transmissions", "bytes"} <= row.keys()
         assert row["accuracy"] is not None and row["bytes"] > 0
-    # Two peers (one edge) send one model each per round: 40, 8, 4, 2 and no rounds.
-    assert [rows[t]["transmissions"] for t in fixed] == [80, 16, 8, 4, 0]
+    # Two peers (one edge) send one model each per round: 40 rounds, 4 and none.
+    assert [rows[t]["transmissions"] for t in fixed] == [80, 8, 0]
     assert rows["periodic:10"]["fewer_than_periodic10"] == 1.0
     assert rows["dynamic:1%:10"]["transmissions"] <= rows["periodic:10"]["transmissions"]
     assert set(result["meta"]["drift"]) == {"periodic:10", "dynamic:1%:10"}
@@ -128,7 +131,7 @@ def test_faults_benchmark_kills_peers_and_reports_recovery(tmp_path: Path) -> No
 def test_edge_benchmark_times_each_setting_to_the_target(tmp_path: Path) -> None:
     result = run_benchmark(
         "edge", tmp_path, "--quick", "--only", "choco,ring,ps", "--no-progress",
-        "--out", str(tmp_path / "e"),
+        "--budget", "6", "--out", str(tmp_path / "e"),
     )  # fmt: skip
     rows = {row["setting"]: row for row in result["rows"]}
     assert set(rows) == {"CHOCO top-1%", "ring all-reduce (dense)", "ps sync (dense)"}
