@@ -3,7 +3,8 @@
 Layout (keys are only ever added, never renamed)::
 
     config.toml        the fully resolved config
-    peers.json         [{"id", "address"}, ...] once the swarm is up (rewritten on joins)
+    peers.json         [{"id", "address"}, ...] once the swarm is up (rewritten on joins;
+                       mode ps: the workers shard 0 has heard from)
     peers/<id>.jsonl   one metrics object per line
     peers/<id>.log     the peer's log
     servers/<k>.json   parameter-server shard k's counters (mode ps), rewritten as it runs
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,10 @@ class RunDir:
 
     def checkpoint(self, peer_id: int) -> Path:
         return self.root / "checkpoints" / f"{peer_id}.pt"
+
+    def write_members(self, members: Iterable[tuple[int, str]]) -> None:
+        """Rewrite ``peers.json`` with these ``(id, address)`` pairs, sorted by id."""
+        write_json_atomic(self.peers_json, [{"id": i, "address": a} for i, a in sorted(members)])
 
     def member_addresses(self) -> dict[int, str]:
         """Id -> address of the members ``peers.json`` lists ({} if there is none yet)."""

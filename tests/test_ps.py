@@ -251,6 +251,10 @@ def test_sharded_async_with_a_sparse_codec_trains_on_fewer_bytes(tmp_path: Path)
         for name, run in [("d", dense), ("s", sparse)]
     }
     assert worker_bytes["s"] < worker_bytes["d"] / 3  # pushes shrink; answers stay dense
+    # The run directory contract: peers.json lists the workers, as in the other modes.
+    members = json.loads((tmp_path / "sparse" / "peers.json").read_text())
+    assert [m["id"] for m in members] == [0, 1, 2]
+    assert all(m["address"].startswith("tcp://127.0.0.1:") for m in members)
 
 
 def test_gossipdl_run_carries_on_when_an_async_worker_dies(tmp_path: Path) -> None:

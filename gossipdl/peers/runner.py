@@ -130,7 +130,7 @@ def train_peer(
             raise PeerError(str(exc)) from None
 
     def write_members(members: list[Member]) -> None:
-        write_json_atomic(run.peers_json, [{"id": m.id, "address": m.address} for m in members])
+        run.write_members((m.id, m.address) for m in members)
 
     peer: Peer | ServerWorker
     if config.mode == "ps":
@@ -252,8 +252,15 @@ def run_shard(
     path.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
 
+    written: dict[int, str] = {}
+
     def save(stats: dict[str, Any]) -> None:
         write_json_atomic(path, {**stats, "time": round(time.monotonic() - start, 3)})
+        workers = {w: state.address for w, state in server.known.items()}
+        if shard == 0 and workers != written:  # every worker talks to every shard: one writes
+            run.write_members(workers.items())
+            written.clear()
+            written.update(workers)
 
     stop = stop or threading.Event()
     log.info("shard %d of %d: %d parameters, rule %s", shard, config.ps_shards, b - a, config.ps)
