@@ -303,3 +303,32 @@ def test_a_sync_run_ended_early_lets_every_worker_finish_its_step_and_report(
     for i in range(3):
         last = last_record(Path(config.out) / "peers" / f"{i}.jsonl")
         assert last is not None and last["final"] and last["stopped_early"]
+
+
+def test_a_fedavg_worker_starts_each_round_with_a_fresh_optimizer_state() -> None:
+    """McMahan et al.'s ClientUpdate starts from the global model alone: momentum built up in
+    one round must not push the next round's local steps."""
+    import threading
+
+    address = _free_address()
+    flat = torch.nn.utils.parameters_to_vector(_model().parameters()).detach()
+    server = ShardServer(flat, rule="fedavg", workers=1, rounds=3)
+    thread = threading.Thread(target=serve, args=(server, address), daemon=True)
+    thread.start()
+    model = _model()
+    optimizer = _optimizer(model)
+    momentum_seen = []
+    with ServerWorker(
+        model, optimizer, rank=0, servers=[address], rule="fedavg", local_steps=2
+    ) as worker:
+        for step in range(6):
+            x, y = _batch(0, step)
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            worker.step()
+            momentum_seen.append(len(optimizer.state))
+    thread.join(30)
+    assert not thread.is_alive()
+    # After the first local step of a round the buffers exist; a round's last step ends in a
+    # new global model, and the state goes with the old one.
+    assert momentum_seen == [4, 0, 4, 0, 4, 0]

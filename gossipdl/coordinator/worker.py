@@ -234,11 +234,15 @@ class ServerWorker:
 
     def _next_picked_round(self, round: int) -> None:
         """FedAvg: pull rounds from ``round`` on until this worker is picked or the run is done;
-        a round it sits out still counts its steps, so every worker keeps the same schedule."""
+        a round it sits out still counts its steps, so every worker keeps the same schedule.
+        A picked round starts from the global model with a fresh optimizer state, as
+        ClientUpdate does (McMahan et al. 2017, Algorithm 1): no momentum from the last one."""
         while True:
             self._pull(round)
             self._adopt(round, "pull")
             if self.done or self._picked:
+                if self.optimizer is not None:
+                    self.optimizer.state.clear()
                 return
             self.steps += self.local_steps
             round = self.round + 1
