@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import types
 from collections.abc import Iterator, Sequence
@@ -896,3 +897,20 @@ def test_powersgd_warm_start_lives_on_the_sender() -> None:
     assert not zeros.any()
     _, again = sender.encode(low_rank)
     assert float((again - low_rank).norm() / low_rank.norm()) < 0.5  # not stuck at zero
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_recycled_memory_is_private_to_a_forked_process() -> None:
+    """A fork (a data-loader worker, say) that reuses a pooled block must not write into its
+    parent's memory."""
+    recycler = kernels._Recycler(min_bytes=1 << 20)
+    count = (1 << 20) // 4
+    block = recycler.empty(count)
+    block[:] = 1.0
+    del block  # back in the pool, in parent and child alike
+    pid = os.fork()
+    if pid == 0:  # the child takes the same block and overwrites it
+        recycler.empty(count)[:] = 7.0
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert recycler.empty(count)[0] == 1.0
