@@ -68,6 +68,9 @@ def test_a_peer_offline_in_its_window_sends_and_hears_nothing_then_rejoins(
     # The device was away: no steps, nothing crossed its link; the counters stand still.
     assert len({(r["step"], r["bytes_sent"], r["bytes_received"]) for r in offline}) == 1
     assert flaky[-1]["dropped_reasons"].get("offline", 0) > 0
+    # Its own silence while away is no sign that the others died: it declares nobody dead
+    # (it used to drop both on its return, then train alone until told it was dropped).
+    assert flaky[-1]["declared_dead"] == 0
     for peer_id in (0, 1):  # the others dropped it meanwhile
         assert any(r["members"] == 2 for r in run.records(peer_id))
     # Back online: it was told it had been dropped, rejoined, and traffic flows again.

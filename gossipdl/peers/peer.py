@@ -209,6 +209,7 @@ class Peer:
         self.rejoins = 0
         self._known_at: dict[int, float] = {}  # id -> when the watch thread first saw it
         self._heard: dict[int, float] = {}  # id -> when its last accepted message came
+        self._away_until = 0.0  # the last moment the device was offline: it heard nothing then
         self._sent: dict[int, float] = {}  # id -> when we last sent it anything
         self._rejoin_via: str | None = None  # a live member that says we were dropped
         self._sent_round = -1  # the last round whose messages all went out (heartbeats say it)
@@ -529,8 +530,9 @@ class Peer:
         if first:
             timeout, self._first_wait = self._first_wait or self.round_timeout, 0.0
 
-        def waiting_for() -> set[int]:  # nobody, once we know we must rejoin
-            return set() if self._rejoin_via is not None else set(self._live(expected))
+        def waiting_for() -> set[int]:  # nobody, once we know we must rejoin or are away
+            away = self._rejoin_via is not None or not self.transport.online
+            return set() if away else set(self._live(expected))
 
         got = inbox.wait(t, waiting_for, timeout)
         waited = time.monotonic() - started
@@ -936,6 +938,8 @@ class Peer:
             if self.id < 0:
                 continue
             now = time.monotonic()
+            if not self.transport.online:  # away (churn): silence is ours, not the others'
+                self._away_until = now
             me = self.membership.get(self.id)
             life = me.since if me is not None else 0  # which of our lives the heartbeat speaks for
             for member in self.membership.members():
@@ -949,7 +953,7 @@ class Peer:
                 if now - known >= self.heartbeat and now - self._sent.get(j, 0.0) >= every:
                     self._sent[j] = now
                     self._reply(member.address, "alive", sent=self._sent_round, life=life)
-                silent = now - max(self._heard.get(j, 0.0), known)
+                silent = now - max(self._heard.get(j, 0.0), known, self._away_until)
                 if (
                     self.started
                     and not self.ring  # a ring stops on its own timeout, naming the dead peer
