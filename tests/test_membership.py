@@ -44,6 +44,19 @@ def test_merging_keeps_the_newest_life_and_the_earliest_end_in_any_order() -> No
     assert not table.gone(1) and table.active(50) == [0, 1]
 
 
+def test_two_newcomers_given_one_id_leave_the_one_with_the_smaller_address_in_any_order() -> None:
+    entries = [
+        Member(2, "tcp://b:1", 5),
+        Member(2, "tcp://a:1", 5),  # let in by another member at the same moment
+        Member(2, "tcp://b:1", 5, until=9),
+    ]
+    for order in (entries, entries[::-1], [entries[2], entries[1], entries[0]]):
+        table = Membership()
+        for entry in order:
+            table.merge([entry])
+        assert table.get(2) == Member(2, "tcp://a:1", 5)
+
+
 def test_member_lists_from_the_wire_are_checked() -> None:
     assert parse_members([[0, "tcp://h:1", 0], [1, "tcp://h:2", 3, None], [2, "tcp://h:3", 0, 9]])
     for bad in (

@@ -12,7 +12,9 @@ import torch
 from conftest import wait_for
 
 from gossipdl import Peer
+from gossipdl.peers.membership import Member
 from gossipdl.topologies import build_topology
+from gossipdl.transport.shaping import LinkProfile
 
 
 def make_swarm(
@@ -169,6 +171,114 @@ def test_a_newcomer_joins_a_running_swarm_with_a_neighbours_model() -> None:
         for p in [*peers, joiner]:
             if p is not None:
                 p.close()
+
+
+def tables(peers: list[Peer]) -> list[dict[int, str]]:
+    """Each peer's view of the swarm: id -> address of the members still in."""
+    return [{m.id: m.address for m in p.membership.members() if m.until is None} for p in peers]
+
+
+@pytest.mark.parametrize("ranks", [(None, None), (7, 7)], ids=["any-id", "same-rank"])
+def test_two_newcomers_let_in_at_once_by_different_members_end_with_different_ids(
+    ranks: tuple[int | None, int | None], caplog: pytest.LogCaptureFixture
+) -> None:
+    # News between members takes 0.3 s, so members 1 and 2 both hand out the next id.
+    slow = LinkProfile(latency_s=0.3)
+    peers = make_swarm(3, "complete", [0.0, 10.0, 20.0], round_timeout=2, link=slow)
+    stop = threading.Event()
+    joiners: dict[int, Peer] = {}
+    errors: dict[int, BaseException] = {}
+
+    def train(peer: Peer) -> None:
+        while not stop.is_set():
+            peer.gossip()
+
+    def join(i: int) -> None:
+        try:
+            joiners[i] = Peer(
+                torch.nn.Linear(3, 2),
+                rank=ranks[i],
+                bootstrap=peers[1 + i].address,
+                topology="complete",
+                round_timeout=2,
+            )
+            train(joiners[i])
+        except BaseException as exc:  # checked below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=train, args=(p,)) for p in peers]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: all(p.round >= 3 for p in peers), 30, "the swarm to run")
+        threads += [threading.Thread(target=join, args=(i,)) for i in range(2)]
+        for t in threads[3:]:
+            t.start()
+        wait_for(lambda: len(joiners) + len(errors) == 2, 60, "both joiners to start or fail")
+        if ranks[0] is None:
+            assert not errors
+            assert "let in at the same moment; asking for an id again" in caplog.text
+            everyone = [*peers, *joiners.values()]
+            wait_for(
+                lambda: all(t == tables(everyone)[0] for t in tables(everyone)), 30, "agreement"
+            )
+            table = tables(everyone)[0]
+            assert sorted(table) == [0, 1, 2, 3, 4]
+            assert {table[j.id] for j in joiners.values()} == {j.address for j in joiners.values()}
+            first = max(j.round for j in joiners.values())
+            wait_for(lambda: all(p.round >= first + 5 for p in everyone), 60, "rounds together")
+            assert all(sorted(p.neighbours()) == sorted(set(table) - {p.id}) for p in everyone)
+        else:
+            (error,) = errors.values()
+            assert "id 7 is taken; choose another rank or leave it out" in str(error)
+            (joiner,) = joiners.values()
+            assert all(t[7] == joiner.address for t in tables([*peers, joiner]))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        for p in [*peers, *joiners.values()]:
+            p.close()
+
+
+def test_a_peer_that_learns_late_its_id_went_to_another_asks_again_and_keeps_its_model() -> None:
+    peers = make_swarm(3, "complete", [0.0, 10.0, 20.0], round_timeout=1, dead_after=2)
+    stop = threading.Event()
+
+    def train(peer: Peer) -> None:
+        while not stop.is_set():
+            peer.gossip()
+
+    threads = [threading.Thread(target=train, args=(p,)) for p in peers]
+    for t in threads:
+        t.start()
+    joiner = Peer(torch.nn.Linear(3, 2), bootstrap=peers[0].address, topology="complete")
+    try:
+        for _ in range(5):
+            joiner.gossip()
+        assert joiner.id == 3 and value_of(joiner) == pytest.approx(10.0)
+        with torch.no_grad():
+            for p in joiner.model.parameters():
+                p.fill_(11.0)  # its own progress, which it must keep
+        # Another newcomer (a smaller address) was let in as peer 3 from the same round.
+        me = joiner.membership.get(3)
+        assert me is not None
+        for p in peers:
+            p._merge([Member(3, "tcp://127.0.0.1:1", me.since)])
+        wait_for(joiner._lost_id, 10, "the members to tell the joiner")
+        joiner.gossip()
+        assert joiner.id == 4 and joiner.rejoins == 1
+        assert all(t[4] == joiner.address for t in tables([*peers, joiner]))
+        assert 10.1 < value_of(joiner) < 11.0  # its 11 averaged with the others' 10 once
+        for _ in range(3):
+            joiner.gossip()
+        assert 4 in peers[0].neighbours(joiner.round)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        for p in [*peers, joiner]:
+            p.close()
 
 
 def test_asking_for_a_taken_id_is_refused_with_the_reason() -> None:

@@ -7,7 +7,10 @@ switches to the topology over the remaining members at the same round.
 
 Entries are merged so that peers hearing announcements in any order agree: a
 later life of a peer (larger ``since``, after it rejoined) replaces an earlier
-one, and within one life the earliest announced ``until`` wins.
+one, and within one life the earliest announced ``until`` wins. Two newcomers
+let in at the same moment by different members can get the same id and
+``since``; then the entry with the smaller address keeps the id everywhere,
+and the other newcomer joins again (see ``Peer``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class Member:
         """Whether this entry should replace ``other`` (same id) when the two are merged."""
         if self.since != other.since:
             return self.since > other.since
+        if self.address != other.address:  # two newcomers given one id at once
+            return self.address < other.address
         return self.until is not None and (other.until is None or self.until < other.until)
 
 

@@ -212,6 +212,7 @@ class Peer:
         self._away_until = 0.0  # the last moment the device was offline: it heard nothing then
         self._sent: dict[int, float] = {}  # id -> when we last sent it anything
         self._rejoin_via: str | None = None  # a live member that says we were dropped
+        self._wanted_id = rank  # the id asked for (None: any); asked again if ours goes to another
         self._sent_round = -1  # the last round whose messages all went out (heartbeats say it)
         self._resuming = resume_step is not None
         self.curve = curve
@@ -271,6 +272,7 @@ class Peer:
             seed=seed * 7919 + (rank or 0),
         )
         self.address = self.transport.address
+        self._entry_address = self.address  # ours in the member table (a given list may differ)
         self._watcher = threading.Thread(target=self._watch, name="peer-watch", daemon=True)
         self._watcher.start()
         try:
@@ -311,7 +313,9 @@ class Peer:
     @torch.no_grad()
     def gossip(self) -> None:
         """One gossip round: synchronous with this round's neighbours, or one step of a walk."""
-        if self._rejoin_via is not None:
+        if self._lost_id():
+            self._join_again()
+        elif self._rejoin_via is not None:
             self._rejoin()
         t = self.round
         if not self.reduces_gradients:  # gradients were averaged before the local step
@@ -531,7 +535,7 @@ class Peer:
             timeout, self._first_wait = self._first_wait or self.round_timeout, 0.0
 
         def waiting_for() -> set[int]:  # nobody, once we know we must rejoin or are away
-            away = self._rejoin_via is not None or not self.transport.online
+            away = self._rejoin_via is not None or self._lost_id() or not self.transport.online
             return set() if away else set(self._live(expected))
 
         got = inbox.wait(t, waiting_for, timeout)
@@ -612,26 +616,31 @@ class Peer:
     ) -> None:
         if peers is not None:
             assert rank is not None
-            self.id = rank
+            self.id, self._entry_address = rank, peers[rank]
             self._merge([Member(i, a, 0) for i, a in enumerate(peers)])
             min_peers = len(peers)
         elif bootstrap is None:
             self.id = rank or 0
             self._merge([Member(self.id, self.address, 0, key=self._key)])
         else:
-            welcome = self._join(bootstrap, rank)
-            self.id = int(welcome.meta["id"])
-            self._merge(parse_members(welcome.meta["members"]))
-            me = self.membership.get(self.id)
-            if me is not None and me.since > 0:
+            while True:  # again if our id goes to another newcomer meanwhile
+                self.id = -1
+                welcome = self._join(bootstrap, rank, rejoin=self._resuming)
+                self.id = int(welcome.meta["id"])
+                self._merge(parse_members(welcome.meta["members"]))
+                me = self.membership.get(self.id)
+                if me is None or me.since == 0:
+                    break
                 self._start_late(me.since, take_model=not self._resuming)
-                return
+                if not self._lost_id():
+                    return
         self._await_formation(min_peers or 2)
 
     def _await_formation(self, min_peers: int) -> None:
         deadline = time.monotonic() + self.startup_timeout
         with self._changed:
             while len(self.membership.active(0)) < min_peers:
+                self._fail_if_lost()
                 if not self._changed.wait(max(0.0, deadline - time.monotonic())):
                     raise PeerError(
                         f"only {len(self.membership.active(0))} of {min_peers} peers joined within "
@@ -644,6 +653,7 @@ class Peer:
             self._send(j, "ready", meta={"members": self.membership.wire()})
         with self._changed:
             while not neighbours <= self._ready_from:
+                self._fail_if_lost()
                 if not self._changed.wait(max(0.0, deadline - time.monotonic())):
                     absent = sorted(neighbours - self._ready_from)
                     where = ", ".join(f"{j} at {self.membership.get(j)}" for j in absent)
@@ -655,11 +665,26 @@ class Peer:
             "peer %d: swarm of %d formed; neighbours %s", self.id, min_peers, sorted(neighbours)
         )
 
-    def _join(self, addresses: str, want_id: int | None, timeout: float | None = None) -> Message:
+    def _fail_if_lost(self) -> None:
+        """While the swarm forms, losing our id to another newcomer ends this peer."""
+        if self._lost_id():
+            raise PeerError(
+                f"peer {self.id}: another peer joining at the same moment took id {self.id} "
+                "while the swarm formed; start this one again"
+            )
+
+    def _join(
+        self,
+        addresses: str,
+        want_id: int | None,
+        timeout: float | None = None,
+        rejoin: bool = False,
+    ) -> Message:
         """Ask a member (the first of the comma-separated ``addresses`` that answers) to let
-        us in, or back in after a restart or after we were dropped; returns its welcome."""
+        us in, or back in (``rejoin``) after a restart or after we were dropped; returns its
+        welcome."""
         meta: dict[str, Any] = {"address": self.address, "want_id": want_id, "key": self._key}
-        if self._resuming or self.started:
+        if rejoin:
             meta["rejoin"] = True
         candidates = [a.strip() for a in addresses.split(",") if a.strip()]
         each = (timeout or self.startup_timeout) / max(1, len(candidates))
@@ -681,12 +706,28 @@ class Peer:
         assert address is not None
         self._sent_round = -1  # our heartbeats no longer vouch for rounds we count anew
         try:
-            welcome = self._join(address, self.id, timeout=self.round_timeout)
+            welcome = self._join(address, self.id, timeout=self.round_timeout, rejoin=True)
         except PeerError as exc:
             log.warning("peer %d: could not rejoin through %s: %s", self.id, address, exc)
             return
         finally:
             self._rejoin_via = None
+        self._start_again(welcome)
+
+    def _join_again(self) -> None:
+        """Our id went to another newcomer let in at the same moment by another member: ask
+        the members for an id again (the one we asked for first, or any); our own model.
+        A PeerError (that id is taken for good) ends this peer."""
+        members = self.membership.members()
+        via = ",".join(m.address for m in members if m.until is None and m.id != self.id)
+        self.id, self._sent_round = -1, -1  # a newcomer again
+        welcome = self._join(via, self._wanted_id, timeout=self.startup_timeout)
+        self._start_again(welcome)
+
+    def _start_again(self, welcome: Message) -> None:
+        """Take up the id, table, round and step count a member's welcome gives a peer that
+        trained before; it keeps its model."""
+        self.id = int(welcome.meta["id"])
         self.membership.replace_all(parse_members(welcome.meta["members"]))
         self._learn_keys(self.membership.members())
         now = time.monotonic()
@@ -710,6 +751,8 @@ class Peer:
             try:
                 reply = self._request(member.address, "model_request", {}, "model", timeout=10.0)
             except PeerError as exc:
+                if self._lost_id():
+                    return  # the caller asks for another id
                 log.warning("peer %d: neighbour %d did not send its model: %s", self.id, j, exc)
                 continue
             self.round = self._first_round = max(since, reply.round)
@@ -764,10 +807,13 @@ class Peer:
             wait = _RETRY_S / 3 if keys else _RETRY_S
             with self._changed:
                 self._changed.wait_for(
-                    lambda: reply in self._replies, min(wait, deadline - time.monotonic())
+                    lambda: reply in self._replies or self._lost_id(),
+                    min(wait, deadline - time.monotonic()),
                 )
                 if reply in self._replies:
                     return self._replies.pop(reply)
+            if self._lost_id():
+                raise PeerError(f"peer {self.id}: our id went to another newcomer")
         raise PeerError(
             f"no {reply!r} from {address} within the timeout; is a gossipdl peer listening there?"
         )
@@ -807,7 +853,7 @@ class Peer:
         """Send one message, ``meta`` next to the payload's own; model messages may be
         dropped on purpose (``loss``)."""
         member = self.membership.get(peer_id)
-        if member is None:
+        if member is None or self._lost_id():
             return
         self._sent[peer_id] = time.monotonic()  # it needs no heartbeat for a while
         with self._seq_lock:
@@ -899,6 +945,7 @@ class Peer:
         log.info("peer %d: resync with its neighbours at round %d", self.id, target)
 
     def _merge(self, members: list[Member]) -> None:
+        before = {m.id: self.membership.get(m.id) for m in members}
         changed = self.membership.merge(members)
         self._learn_keys(changed)
         now = time.monotonic()
@@ -906,8 +953,30 @@ class Peer:
             if member.until is None:  # new, or back: its rounds and its silence start over
                 self._inbox.forget(member.id)
                 self._heard[member.id] = now
+            old = before[member.id]
+            if old is not None and old.until is None and old.address != member.address:
+                self._lost_to(old, member)
         if changed:
             self._members_changed()
+
+    def _lost_id(self) -> bool:
+        """Whether our id went to another newcomer let in at the same moment by another
+        member (the smaller address keeps it): we send nothing as that id and join again."""
+        me = self.membership.get(self.id) if self.id >= 0 else None
+        return me is not None and me.address != self._entry_address
+
+    def _lost_to(self, old: Member, new: Member) -> None:
+        """``new`` took the id of ``old``, a live entry at another address: if ``old`` is
+        us, say so; else tell it (its member may not have heard of ``new``)."""
+        if old.address == self._entry_address:
+            log.warning(
+                "peer %d: id %d went to %s, let in at the same moment; asking for an id again",
+                self.id,
+                new.id,
+                new.address,
+            )
+        elif new.since == old.since:  # not a later life of the same peer
+            self._reply(old.address, "members", members=self.membership.wire())
 
     def _learn_keys(self, members: list[Member]) -> None:
         """Tell the transport each member's public key, so CURVE can connect to it."""
@@ -935,7 +1004,7 @@ class Peer:
         """Every half heartbeat: a heartbeat to each member that heard nothing from us for a
         while, and a death sentence for each member silent past ``dead_after``."""
         while not self._watch_stop.wait(self.heartbeat / 2):
-            if self.id < 0:
+            if self.id < 0 or self._lost_id():
                 continue
             now = time.monotonic()
             if not self.transport.online:  # away (churn): silence is ours, not the others'
