@@ -464,6 +464,9 @@ def join(
     out: str | None = typer.Option(None, help="Run directory [default: runs/<timestamp>]."),
     threads: int | None = typer.Option(None, help="torch threads [default: torch's choice]."),
     timeout: float = typer.Option(30.0, help="Seconds to wait for the member to answer."),
+    secure: bool = typer.Option(False, help="CURVE: encrypt, and admit only --allow's keys."),
+    keys: Path | None = typer.Option(None, help="--secure: directory with this peer's key pair."),
+    allow: Path | None = typer.Option(None, help="--secure: file of allowed public keys."),
 ) -> None:
     """Join a running swarm: fetch its config, take a neighbour's model, train."""
     from gossipdl.peers.bootstrap import fetch_swarm_info
@@ -471,9 +474,10 @@ def join(
 
     _setup_logging(rich=False)
     try:
-        info = fetch_swarm_info(address, listen=listen, timeout=timeout)
+        curve = _curve(secure, keys, allow)
+        info = fetch_swarm_info(address, listen=listen, timeout=timeout, curve=curve)
         config = from_dict({**info["config"], "out": ""})
-    except (PeerError, ConfigError) as exc:
+    except (PeerError, ConfigError, CurveError) as exc:
         _fail(str(exc))
     _train(
         config,
@@ -484,6 +488,7 @@ def join(
         local_index=0,
         threads=threads,
         summary=True,
+        curve=curve,
     )
 
 

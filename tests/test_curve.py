@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import gossipdl_cmd, wait_for
+from conftest import gossipdl_cmd, last_record, small_config, start_peer, wait_for, write_config
 
 from gossipdl import Peer
 from gossipdl.peers.peer import PeerError
@@ -75,6 +75,59 @@ def test_only_listed_keys_get_in_and_a_stranger_gets_nothing_accepted(tmp_path: 
     finally:
         member.close()
         founder.close()
+
+
+@pytest.mark.parametrize("mode", ["gossip", "ring"])
+def test_join_from_the_cli_with_secure_gets_in_and_a_stranger_does_not(
+    mode: str, tmp_path: Path
+) -> None:
+    (dir_a, key_a), (dir_b, key_b), (dir_s, key_s) = (_keys(tmp_path, n) for n in "abs")
+    allow = _allow(tmp_path / "allow.txt", key_a, key_b)
+    config = small_config(tmp_path, mode=mode, peers=2, steps=200)
+    config = write_config(tmp_path / "exp.toml", config)
+    founder, address = start_peer(
+        "--config", str(config), "--out", str(tmp_path / "run"),
+        "--secure", "--keys", str(dir_a), "--allow", str(allow), log=tmp_path / "founder.log",
+    )  # fmt: skip
+    try:
+        stranger = subprocess.run(
+            gossipdl_cmd("join", address, "--timeout", "2", "--out", str(tmp_path / "s"),
+                         "--secure", "--keys", str(dir_s),
+                         "--allow", str(_allow(tmp_path / "s.txt", key_a, key_s))),
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert stranger.returncode == 2
+        assert "is our public key on its allow-list?" in " ".join(stranger.stderr.split())
+        joined = subprocess.run(
+            gossipdl_cmd("join", address, "--out", str(tmp_path / "b"), "--threads", "1",
+                         "--secure", "--keys", str(dir_b), "--allow", str(allow)),
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert joined.returncode == 0, joined.stderr
+        assert founder.wait(60) == 0
+    finally:
+        if founder.poll() is None:
+            founder.kill()
+    final = last_record(tmp_path / "b" / "peers" / "1.jsonl") or {}
+    assert final["final"] and final["step"] == 200 and final["neighbour_misses"] == 0
+    assert final["members"] == 2
+    founder_final = last_record(tmp_path / "run" / "peers" / "0.jsonl") or {}
+    assert founder_final["handshakes_refused"] >= 1  # the stranger, refused at the handshake
+
+
+def test_secure_in_a_mode_without_curve_fails_naming_the_mode(tmp_path: Path) -> None:
+    directory, key = _keys(tmp_path, "a")
+    config = write_config(tmp_path / "ps.toml", small_config(tmp_path, mode="ps"))
+    done = subprocess.run(
+        gossipdl_cmd("peer", "--config", str(config), "--servers", "tcp://127.0.0.1:9",
+                     "--secure", "--keys", str(directory),
+                     "--allow", str(_allow(tmp_path / "allow.txt", key))),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--secure works for gossip and ring peers; mode 'ps' has no CURVE yet" in " ".join(
+        done.stderr.split()
+    )
 
 
 def test_allow_lists_and_key_directories_are_checked(tmp_path: Path) -> None:

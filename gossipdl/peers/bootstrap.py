@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from gossipdl.peers.peer import PeerError
 from gossipdl.transport import Message, Transport, WireError, encode
+from gossipdl.transport.curve import Curve
 
 
 def fetch_swarm_info(
-    address: str, *, listen: str = "tcp://127.0.0.1:0", timeout: float = 30.0
+    address: str,
+    *,
+    listen: str = "tcp://127.0.0.1:0",
+    timeout: float = 30.0,
+    curve: Curve | None = None,
 ) -> dict[str, Any]:
     """The ``{"config", "members"}`` a member at ``address`` answers with.
 
-    Binds a throwaway endpoint at ``listen`` for the answer and retries every
-    second until ``timeout``.
+    Binds a throwaway endpoint at ``listen`` for the answer and asks again
+    until ``timeout``: every second, or with CURVE every third of a second with
+    the next key of the allow-list (the member's key is not known yet; only
+    the right one gets through the handshake).
     """
     answer: list[Message] = []
     arrived = threading.Event()
@@ -26,19 +34,26 @@ def fetch_swarm_info(
         answer.append(msg)
         arrived.set()
 
-    transport = Transport(listen, on_message, name="join")
+    keys = sorted(curve.allowed) if curve is not None else []
+    every = 1.0 / 3 if keys else 1.0
+    transport = Transport(listen, on_message, name="join", curve=curve)
     try:
-        waited = 0.0
-        while waited < timeout and not arrived.is_set():
+        deadline = time.monotonic() + timeout
+        tries = 0
+        while not arrived.is_set() and (left := deadline - time.monotonic()) > 0:
+            if keys:
+                transport.set_key(address, keys[tries % len(keys)])
+            tries += 1
             transport.send(
                 address, encode("info_request", -1, 0, 0, meta={"address": transport.address})
             )
-            arrived.wait(min(1.0, timeout - waited))
-            waited += 1.0
+            arrived.wait(min(every, left))
     finally:
         transport.close(flush_timeout=0.5)
     if not answer:
+        hint = ", and is our public key on its allow-list" if curve is not None else ""
         raise PeerError(
-            f"no answer from {address} within {timeout:.0f}s; is a gossipdl peer listening there?"
+            f"no answer from {address} within {timeout:.0f}s; is a gossipdl peer listening "
+            f"there{hint}?"
         )
     return {"config": answer[0].meta["config"], "members": answer[0].meta.get("members", [])}

@@ -115,8 +115,10 @@ def train_peer(
     ).to(device)
     optimizer = make_optimizer(config, model)
     single = config.mode == "single"
-    if curve is not None and config.mode != "gossip":
-        raise PeerError(f"--secure works for gossip peers; mode {config.mode!r} has no CURVE yet")
+    if curve is not None and config.mode not in ("gossip", "ring"):
+        raise PeerError(
+            f"--secure works for gossip and ring peers; mode {config.mode!r} has no CURVE yet"
+        )
     resume_step = None
     if resume:
         if config.mode != "gossip" or rank is None or bootstrap is None:
