@@ -430,6 +430,9 @@ def server(
     shard: int = typer.Option(0, help="Which shard of the parameters this server holds."),
     listen: str = typer.Option("tcp://127.0.0.1:0", help="Address to bind (port 0: any free)."),
     out: str | None = typer.Option(None, help="Run directory [default: the config's out]."),
+    secure: bool = typer.Option(False, help="CURVE: encrypt, and admit only --allow's keys."),
+    keys: Path | None = typer.Option(None, help="--secure: directory with this server's key pair."),
+    allow: Path | None = typer.Option(None, help="--secure: file of allowed public keys."),
 ) -> None:
     """Run one parameter-server shard (``--mode ps``); workers find it with --servers."""
     from gossipdl.peers.runner import run_shard
@@ -437,6 +440,7 @@ def server(
 
     _setup_logging(rich=False)
     try:
+        curve = _curve(secure, keys, allow)
         config = load_config(config_file)
         if config.mode != "ps" or not 0 <= shard < config.ps_shards:
             raise ConfigError(
@@ -451,8 +455,8 @@ def server(
         def announce(address: str) -> None:
             print(f"listening on {address}", flush=True)
 
-        run_shard(config, shard, listen, run_dir, on_listening=announce, stop=stop)
-    except (ConfigError, TransportError) as exc:
+        run_shard(config, shard, listen, run_dir, on_listening=announce, stop=stop, curve=curve)
+    except (ConfigError, TransportError, CurveError) as exc:
         _fail(str(exc))
 
 

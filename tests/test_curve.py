@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 from pathlib import Path
@@ -115,19 +116,51 @@ def test_join_from_the_cli_with_secure_gets_in_and_a_stranger_does_not(
     assert founder_final["handshakes_refused"] >= 1  # the stranger, refused at the handshake
 
 
-def test_secure_in_a_mode_without_curve_fails_naming_the_mode(tmp_path: Path) -> None:
-    directory, key = _keys(tmp_path, "a")
-    config = write_config(tmp_path / "ps.toml", small_config(tmp_path, mode="ps"))
-    done = subprocess.run(
-        gossipdl_cmd("peer", "--config", str(config), "--servers", "tcp://127.0.0.1:9",
-                     "--secure", "--keys", str(directory),
-                     "--allow", str(_allow(tmp_path / "allow.txt", key))),
-        capture_output=True, text=True, timeout=60,
+def test_a_secure_parameter_server_serves_listed_workers_and_refuses_a_stranger(
+    tmp_path: Path,
+) -> None:
+    (dir_s, key_s), (dir_w, key_w), (dir_x, key_x) = (_keys(tmp_path, n) for n in "swx")
+    allow = _allow(tmp_path / "allow.txt", key_s, key_w)  # both workers use key pair w
+    config = small_config(tmp_path, mode="ps", peers=2, steps=40, round_timeout=4.0)
+    path = write_config(tmp_path / "ps.toml", config)
+    out = tmp_path / "run"
+    server = subprocess.Popen(
+        gossipdl_cmd("server", "--config", str(path), "--out", str(out),
+                     "--secure", "--keys", str(dir_s), "--allow", str(allow)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert done.returncode == 2
-    assert "--secure works for gossip and ring peers; mode 'ps' has no CURVE yet" in " ".join(
-        done.stderr.split()
-    )
+    assert server.stdout is not None
+
+    def worker(rank: int, keys: Path, allowed: Path) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            gossipdl_cmd("peer", "--config", str(path), "--servers", address, "--rank", str(rank),
+                         "--out", str(out), "--secure", "--keys", str(keys),
+                         "--allow", str(allowed)),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    workers: list[subprocess.Popen[str]] = []
+    try:
+        address = server.stdout.readline().split()[-1]
+        stranger = worker(1, dir_x, _allow(tmp_path / "x.txt", key_s, key_x))
+        _, stderr = stranger.communicate(timeout=60)
+        assert stranger.returncode == 2
+        assert "did not answer within 4s with any key of the allow-list" in " ".join(stderr.split())
+        workers += [worker(rank, dir_w, allow) for rank in (0, 1)]
+        for proc in workers:
+            _, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 0, stderr
+        assert server.wait(30) == 0
+    finally:
+        for proc in [server, *workers]:
+            if proc.poll() is None:
+                proc.kill()
+    for rank in (0, 1):
+        final = last_record(out / "peers" / f"{rank}.jsonl") or {}
+        assert final["final"] and final["step"] == 40 and final["accuracy"] > 0.5
+    shard = json.loads((out / "servers" / "0.json").read_text())
+    assert shard["handshakes_refused"] >= 1  # the stranger, refused before any message was read
+    assert shard["messages_dropped"] == {}
 
 
 def test_allow_lists_and_key_directories_are_checked(tmp_path: Path) -> None:

@@ -166,6 +166,7 @@ def test_a_shard_drops_malformed_pushes_and_keeps_its_model() -> None:
         (push(arrays=[torch.ones(3).numpy()]), "bad_payload"),
         (push(codec="fp16"), "bad_codec"),
         (Message("params", 0, 0, 0, "none", [], ok), "unexpected"),
+        (Message("push", 0, 0, 0, "none", [torch.ones(4).numpy()], ok, key="K" * 40), "wrong_key"),
     ]:
         with pytest.raises(WireError) as err:
             server.handle(bad, 0.0)

@@ -37,6 +37,7 @@ import torch
 from gossipdl.compression import CodecError, Payload, build_codec
 from gossipdl.coordinator.staleness import StalenessTally, parse_staleness
 from gossipdl.transport import Message, Transport, WireError, encode
+from gossipdl.transport.curve import Curve
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
 from gossipdl.transport.wire import meta_int
 
@@ -57,6 +58,7 @@ class WorkerState:
     base: int = 0  # the shard version the worker last pulled
     alive: bool = True
     left: bool = False  # said goodbye (a dead worker is not alive and did not leave)
+    key: str = ""  # CURVE: the public key its messages come over ("" without CURVE)
 
 
 @dataclass
@@ -134,8 +136,10 @@ class ShardServer:
             raise WireError("bad_meta", f"reply address {address!r} is not a tcp:// address")
         if self.first_heard is None:
             self.first_heard = now
-        state = self.known.setdefault(worker, WorkerState(address, now))
-        state.heard, state.address = now, address
+        state = self.known.setdefault(worker, WorkerState("", now))
+        if state.address and state.key != msg.key:  # CURVE: one worker cannot speak for another
+            raise WireError("wrong_key", f"{msg.kind} claims to be worker {worker}")
+        state.heard, state.address, state.key = now, address, msg.key
         if not state.alive and not state.left:
             log.info("shard %d: worker %d is back", self.shard, worker)
             state.alive = True
@@ -298,12 +302,14 @@ def serve(
     should_stop: Callable[[], bool] = lambda: False,
     report: Callable[[dict[str, Any]], None] | None = None,
     report_every: float = 1.0,
+    curve: Curve | None = None,
 ) -> dict[str, Any]:
     """Run ``server`` on ``listen`` until every worker left (or ``should_stop``); returns stats.
 
     The receive thread only queues messages; this thread applies them, so the
     shard's state has one writer. ``report`` gets the stats every ``report_every``
-    seconds and once at the end.
+    seconds and once at the end. With ``curve``, only the allow-list's keys get
+    in, and a worker is answered over the key its messages came with.
     """
     inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
     transport = Transport(
@@ -312,6 +318,7 @@ def serve(
         max_message_bytes=max_message_bytes,
         name="server",
         max_message_rate=max_message_rate,
+        curve=curve,
     )
     if on_listening is not None:
         on_listening(transport.address)
@@ -326,6 +333,8 @@ def serve(
             if msg is not None:
                 try:
                     server.handle(msg, now)
+                    if msg.key:
+                        transport.set_key(server.known[msg.sender].address, msg.key)
                 except WireError as exc:
                     transport.stats.drop(exc.reason)
                     log.warning(

@@ -25,9 +25,12 @@ from gossipdl.coordinator.ring import chunk_bounds
 from gossipdl.coordinator.server import HEARTBEAT_S, PS_RULES
 from gossipdl.coordinator.staleness import StalenessTally
 from gossipdl.transport import Message, Transport, WireError, encode
+from gossipdl.transport.curve import Curve
 from gossipdl.transport.shaping import LinkProfile
 
 log = logging.getLogger(__name__)
+
+_KEY_TRY_S = 1 / 3  # how long one key of the allow-list gets to reach a shard
 
 
 class ServerError(RuntimeError):
@@ -42,6 +45,8 @@ class ServerWorker:
     shards hold) or ``fedavg`` (train ``local_steps`` steps in each round this
     worker is picked for; ``samples`` weighs its update). ``link`` emulates the
     worker's access link (the shards' links are not shaped: a server in a data centre).
+    With ``curve`` every message is encrypted; each shard's public key is found
+    on the allow-list first (:meth:`_find_server_keys`).
     """
 
     def __init__(
@@ -61,6 +66,7 @@ class ServerWorker:
         max_message_bytes: int = 1 << 30,
         seed: int = 0,
         link: LinkProfile | None = None,
+        curve: Curve | None = None,
     ) -> None:
         if rule not in PS_RULES:
             raise ValueError(f"ps rule {rule!r}; choose one of {', '.join(PS_RULES)}")
@@ -100,8 +106,15 @@ class ServerWorker:
             name="worker",
             link=link,
             seed=seed * 7919 + rank,
+            curve=curve,
         )
         self.address = self.transport.address
+        if curve is not None:
+            try:
+                self._find_server_keys(sorted(curve.allowed))
+            except BaseException:
+                self.transport.close(flush_timeout=0.5)
+                raise
         self._global = self._flat()
         self._stop_beat = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
@@ -188,6 +201,29 @@ class ServerWorker:
             frames = self._frames("push", k, meta, payload.arrays, round)
             self.transport.send(self.servers[k], frames)
             self.model_messages_sent += 1
+
+    def _find_server_keys(self, keys: list[str]) -> None:
+        """CURVE: which listed key each shard has. We pull with each key in turn (only the
+        right one gets through the handshake) and keep the key the answer came over; the
+        answers, the model we start from anyway, are dropped."""
+        deadline = time.monotonic() + self.timeout
+        for k, address in enumerate(self.servers):
+            tries = 0
+            with self._arrived:
+                while k not in self._replies:
+                    if time.monotonic() > deadline:
+                        raise ServerError(
+                            f"worker {self.id}: shard {k} at {address} did not answer within "
+                            f"{self.timeout:.0f}s with any key of the allow-list; is it "
+                            "running, and is each side's public key on the other's allow-list?"
+                        )
+                    self.transport.set_key(address, keys[tries % len(keys)])
+                    tries += 1
+                    self.transport.send(address, self._frames("pull", k, {}, (), 0))
+                    self._arrived.wait(_KEY_TRY_S)
+                self.transport.set_key(address, self._replies[k].key)
+        with self._arrived:
+            self._replies.clear()
 
     def _pull(self, round: int) -> None:
         for k, address in enumerate(self.servers):

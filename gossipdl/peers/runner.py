@@ -115,10 +115,6 @@ def train_peer(
     ).to(device)
     optimizer = make_optimizer(config, model)
     single = config.mode == "single"
-    if curve is not None and config.mode not in ("gossip", "ring"):
-        raise PeerError(
-            f"--secure works for gossip and ring peers; mode {config.mode!r} has no CURVE yet"
-        )
     resume_step = None
     if resume:
         if config.mode != "gossip" or rank is None or bootstrap is None:
@@ -136,7 +132,7 @@ def train_peer(
 
     peer: Peer | ServerWorker
     if config.mode == "ps":
-        peer = _server_worker(config, dataset, model, optimizer, rank, listen, servers)
+        peer = _server_worker(config, dataset, model, optimizer, rank, listen, servers, curve)
         if on_listening is not None:
             on_listening(peer.address)
     else:
@@ -184,6 +180,7 @@ def _server_worker(
     rank: int | None,
     listen: str,
     servers: list[str] | None,
+    curve: Curve | None,
 ) -> ServerWorker:
     """A worker of the parameter server at ``servers`` (one address per shard)."""
     if rank is None or not servers or len(servers) != config.ps_shards:
@@ -207,6 +204,7 @@ def _server_worker(
         max_message_bytes=int(config.max_message_mb * 2**20),
         seed=config.seed,
         link=_device(config, rank)[0],
+        curve=curve,
     )
 
 
@@ -224,6 +222,7 @@ def run_shard(
     *,
     on_listening: Callable[[str], None] | None = None,
     stop: threading.Event | None = None,
+    curve: Curve | None = None,
 ) -> dict[str, Any]:
     """Serve parameter-server shard ``shard`` until every worker left; its counters go to
     ``servers/<shard>.json`` (rewritten about once a second and at the end)."""
@@ -274,6 +273,7 @@ def run_shard(
         on_listening=on_listening,
         should_stop=stop.is_set,
         report=save,
+        curve=curve,
     )
 
 
