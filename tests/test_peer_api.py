@@ -81,6 +81,19 @@ def run_rounds(
         t.join(60)
 
 
+def train_in_background(peers: list[Peer], stop: threading.Event) -> list[threading.Thread]:
+    """Gossip rounds on each of ``peers``, each in its own thread, until ``stop`` is set."""
+
+    def train(peer: Peer) -> None:
+        while not stop.is_set():
+            peer.gossip()
+
+    threads = [threading.Thread(target=train, args=(p,)) for p in peers]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def value_of(peer: Peer) -> float:
     flat = torch.cat([p.detach().reshape(-1) for p in peer.model.parameters()])
     assert torch.allclose(flat, flat[0].expand_as(flat))
@@ -139,14 +152,7 @@ def test_a_peer_that_left_is_not_waited_for() -> None:
 def test_a_newcomer_joins_a_running_swarm_with_a_neighbours_model() -> None:
     peers = make_swarm(3, "complete", [0.0, 10.0, 20.0], round_timeout=2)
     stop = threading.Event()
-
-    def train(peer: Peer) -> None:
-        while not stop.is_set():
-            peer.gossip()
-
-    threads = [threading.Thread(target=train, args=(p,)) for p in peers]
-    for t in threads:
-        t.start()
+    threads = train_in_background(peers, stop)
     wait_for(lambda: all(p.round >= 5 for p in peers), 30, "the swarm to run a few rounds")
     model = torch.nn.Linear(3, 2)
     with torch.no_grad():
@@ -189,10 +195,6 @@ def test_two_newcomers_let_in_at_once_by_different_members_end_with_different_id
     joiners: dict[int, Peer] = {}
     errors: dict[int, BaseException] = {}
 
-    def train(peer: Peer) -> None:
-        while not stop.is_set():
-            peer.gossip()
-
     def join(i: int) -> None:
         try:
             joiners[i] = Peer(
@@ -202,13 +204,12 @@ def test_two_newcomers_let_in_at_once_by_different_members_end_with_different_id
                 topology="complete",
                 round_timeout=2,
             )
-            train(joiners[i])
+            while not stop.is_set():
+                joiners[i].gossip()
         except BaseException as exc:  # checked below
             errors[i] = exc
 
-    threads = [threading.Thread(target=train, args=(p,)) for p in peers]
-    for t in threads:
-        t.start()
+    threads = train_in_background(peers, stop)
     try:
         wait_for(lambda: all(p.round >= 3 for p in peers), 30, "the swarm to run")
         threads += [threading.Thread(target=join, args=(i,)) for i in range(2)]
@@ -244,14 +245,7 @@ def test_two_newcomers_let_in_at_once_by_different_members_end_with_different_id
 def test_a_peer_that_learns_late_its_id_went_to_another_asks_again_and_keeps_its_model() -> None:
     peers = make_swarm(3, "complete", [0.0, 10.0, 20.0], round_timeout=1, dead_after=2)
     stop = threading.Event()
-
-    def train(peer: Peer) -> None:
-        while not stop.is_set():
-            peer.gossip()
-
-    threads = [threading.Thread(target=train, args=(p,)) for p in peers]
-    for t in threads:
-        t.start()
+    threads = train_in_background(peers, stop)
     joiner = Peer(torch.nn.Linear(3, 2), bootstrap=peers[0].address, topology="complete")
     try:
         for _ in range(5):
