@@ -132,7 +132,7 @@ def run(
 
 def _launch(config: Config, progress: bool) -> dict[str, Any]:
     """Announce, run and tabulate one local swarm; a bad config or launch exits with code 2."""
-    from gossipdl.experiments.display import profiles_table, summary_table
+    from gossipdl.experiments.display import profiles_table, summary_table, unreached_windows
     from gossipdl.experiments.launcher import LaunchError, launch
 
     try:
@@ -149,6 +149,8 @@ def _launch(config: Config, progress: bool) -> dict[str, Any]:
     except (ConfigError, LaunchError) as exc:
         _fail(str(exc))
     Console().print(summary_table(summary, title=f"gossipdl run · {config.out}"))
+    for line in unreached_windows(config, summary):
+        console.print(f"[yellow]warning:[/] {line}")
     return summary
 
 

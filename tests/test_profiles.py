@@ -11,6 +11,7 @@ import pytest
 import tomllib
 
 from gossipdl.config import Config, ConfigError, from_dict, load_config, to_toml
+from gossipdl.experiments.display import unreached_windows
 from gossipdl.peers.conditions import (
     ConditionError,
     device_of,
@@ -92,6 +93,23 @@ def test_profiles_round_trip_through_the_run_directory_toml() -> None:
         profiles={"old phone": {"peers": "2-3", "up": "1mbit", "offline": ["1s-2s"]}},
     )
     assert from_dict(tomllib.loads(to_toml(config))) == config
+
+
+def test_windows_the_training_ended_before_or_during_are_named_after_the_run() -> None:
+    config = Config(
+        peers=3,
+        profiles={
+            "commuter": {"peers": "1", "offline": ["2s-4s", "8s-12s", "30s-35s"]},
+            "laptop": {"peers": "2", "offline": ["1s-2s"]},
+        },
+    )
+    summary = {"peers": [{"id": 0, "time_s": 19.5}, {"id": 1, "time_s": 10.0}]}  # 2 died early
+    assert unreached_windows(config, summary) == [
+        "peer 1: offline window 8-12 s (commuter) was cut short: it trained for 10.0 s; "
+        "add steps or move the window",
+        "peer 1: offline window 30-35 s (commuter) never came: it trained for 10.0 s; "
+        "add steps or move the window",
+    ]
 
 
 def test_bad_profiles_fail_as_config_errors(tmp_path: Path) -> None:

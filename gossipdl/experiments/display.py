@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gossipdl.config import Config
-from gossipdl.peers.conditions import parse_profile
+from gossipdl.peers.conditions import parse_profile, parse_profiles
 from gossipdl.rundir import RunDir
 
 
@@ -116,6 +116,30 @@ def summary_table(summary: dict[str, Any], title: str = "gossipdl run") -> Table
         f"{summary['peers_finished']}/{len(summary['peers'])} peers finished"
     )
     return table
+
+
+def unreached_windows(config: Config, summary: dict[str, Any]) -> list[str]:
+    """A line for each offline window that training ended before or during: a churn
+    experiment whose windows never came tests nothing (the run is counted in steps, so
+    this is known only afterwards)."""
+    trained = {p["id"]: p["time_s"] for p in summary["peers"]}
+    lines = []
+    for peer_id, profile in sorted(parse_profiles(config.profiles, config.peers).items()):
+        if peer_id not in trained:
+            continue
+        end = trained[peer_id]
+        for a, b in profile.link.offline:
+            if end <= a:
+                what = "never came"
+            elif end < b:
+                what = "was cut short"
+            else:
+                continue
+            lines.append(
+                f"peer {peer_id}: offline window {a:g}-{b:g} s ({profile.name}) {what}: it "
+                f"trained for {end:.1f} s; add steps or move the window"
+            )
+    return lines
 
 
 def profiles_table(config: Config) -> Table:
