@@ -49,6 +49,7 @@ COMBOS = [
     "dense",
     "bf16",
     "sign:5",
+    "sign:16",
     "uniform:1",
     "uniform:3:7",
     "uniform:8:16",
@@ -209,9 +210,30 @@ def test_c_sign_kernels_match_numpy(native_isa: Any, count: int) -> None:
     np.testing.assert_array_equal(bits, np.packbits(np.signbit(x), bitorder="little"))
     assert l1 == pytest.approx(float(np.abs(x.astype(np.float64)).sum()), rel=1e-5, abs=1e-30)
     out = np.full(count, np.nan, np.float32)
-    native_isa.sign_expand(bits, np.float32(0.75), out)
+    native_isa.sign_expand(bits, np.array([0.75], np.float32), out)
     expected = np.where(np.signbit(x), np.float32(-0.75), np.float32(0.75))
     np.testing.assert_array_equal(out.view(np.int32), expected.view(np.int32))
+
+
+@pytest.mark.parametrize("block", [8, 16, 24, 4096, 8192])
+@pytest.mark.parametrize("count", [0, 5, 8, 100, 4097, 20_001])
+def test_c_sign_kernels_by_block_match_numpy(native_isa: Any, count: int, block: int) -> None:
+    rng = np.random.default_rng(count + block)
+    x = rng.standard_normal(count).astype(np.float32)
+    bits = np.full((count + 7) // 8, 0xAB, np.uint8)
+    blocks = -(-count // block)
+    sums = np.full(blocks, np.nan)
+    total = native_isa.sign_encode(x, bits, block, sums)
+    np.testing.assert_array_equal(bits, np.packbits(np.signbit(x), bitorder="little"))
+    magnitude = np.abs(x.astype(np.float64))
+    want = [magnitude[i : i + block].sum() for i in range(0, count, block)]
+    np.testing.assert_allclose(sums, want, rtol=1e-5)
+    assert total == pytest.approx(sum(want), rel=1e-5, abs=1e-30)
+    scales = np.arange(1, blocks + 1, dtype=np.float32)
+    out = np.full(count, np.nan, np.float32)
+    native_isa.sign_expand(bits, scales, out, block)
+    per_value = np.repeat(scales, block)[:count]
+    np.testing.assert_array_equal(out, np.where(np.signbit(x), -per_value, per_value))
 
 
 def test_c_sign_expand_streams_large_aligned_outputs(native_isa: Any) -> None:
@@ -222,8 +244,10 @@ def test_c_sign_expand_streams_large_aligned_outputs(native_isa: Any) -> None:
     native_isa.sign_encode(x, bits)
     out = kernels.host_empty(count)
     assert out.ctypes.data % 64 == 0
-    native_isa.sign_expand(bits, np.float32(2.0), out)
-    np.testing.assert_array_equal(out, np.where(np.signbit(x), np.float32(-2), np.float32(2)))
+    for block, scales in ((0, [2.0]), (4096, [2.0] * -(-count // 4096))):
+        out[:] = np.nan
+        native_isa.sign_expand(bits, np.array(scales, np.float32), out, block)
+        np.testing.assert_array_equal(out, np.where(np.signbit(x), np.float32(-2), np.float32(2)))
 
 
 def test_c_sign_kernels_name_a_size_mismatch() -> None:
@@ -232,8 +256,15 @@ def test_c_sign_kernels_name_a_size_mismatch() -> None:
         pytest.skip("the C kernels are not built")
     with pytest.raises(ValueError, match="3 values need 1 bytes of sign bits, got 2"):
         native.sign_encode(np.zeros(3, np.float32), np.zeros(2, np.uint8))
+    one = np.ones(1, np.float32)
     with pytest.raises(ValueError, match="5 bytes is not whole values"):
-        native.sign_expand(np.zeros(1, np.uint8), 1.0, np.zeros(5, np.uint8))
+        native.sign_expand(np.zeros(1, np.uint8), one, np.zeros(5, np.uint8))
+    with pytest.raises(ValueError, match=r"block 12 must be 0 \(whole tensor\) or a positive"):
+        native.sign_encode(np.zeros(16, np.float32), np.zeros(2, np.uint8), 12)
+    with pytest.raises(ValueError, match="2 blocks need 16 bytes of sums, got 8"):
+        native.sign_encode(np.zeros(16, np.float32), np.zeros(2, np.uint8), 8, np.zeros(1))
+    with pytest.raises(ValueError, match="2 blocks need 8 bytes of scales, got 4"):
+        native.sign_expand(np.zeros(2, np.uint8), one, np.zeros(16, np.float32), 8)
     with pytest.raises(TypeError, match="read-write"):
         native.sign_encode(np.zeros(8, np.float32), np.frombuffer(b"x", np.uint8))
     with pytest.raises(ValueError, match="sse9 is unknown or not on this CPU"):

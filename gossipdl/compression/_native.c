@@ -5,14 +5,20 @@
  * these do it in one read pass (bits and L1 together) plus one write pass
  * (±scale), with AVX-512 or AVX2 where the CPU has them.
  *
- *   sign_encode(x, bits) -> float
+ *   sign_encode(x, bits, block=0, sums=None) -> float
  *       bits[i // 8] bit (i % 8) = sign bit of x[i] (-0.0 counts as negative),
  *       least significant bit first, unused bits of the last byte 0 — the
  *       bytes of np.packbits(np.signbit(x), bitorder="little"). Returns Σ|x_i|,
- *       summed in float32 lanes over blocks of at most 4096 values and in
- *       double across blocks.
- *   sign_expand(bits, scale, out) -> None
- *       out[i] = -scale if bit i is set else scale.
+ *       summed in float32 lanes over runs of at most 4096 values and in
+ *       double across runs. With sums (float64, one per block of `block`
+ *       values, the last block shorter; one for block 0 = the whole tensor),
+ *       each block's Σ|x_i| goes there too.
+ *   sign_expand(bits, scales, out, block=0) -> None
+ *       out[i] = -s if bit i is set else s, s = scales[i // block] (float32;
+ *       block 0: scales[0] for all).
+ *
+ * A block must be a multiple of 8 values, so that each starts on a byte of
+ * bits (the codec runs numpy for other blocks).
  *   use_isa([name]) -> str
  *       Run the "avx512f", "avx2" or "generic" kernels from now on (the best
  *       the CPU has is picked at import; tests compare them) and return the
@@ -202,6 +208,55 @@ static int pick_kernels(const char *name) {
 
 /* --- Python entry points --- */
 
+/* Blocks of `block` values (0: all n in one), each through the kernel on its own. */
+static double encode_blocks(const float *x, uint8_t *bits, int64_t n, int64_t block,
+                            double *sums) {
+    int64_t size = block ? block : n;
+    double total = 0.0;
+    if (size == 0) { /* an empty tensor is one block of nothing */
+        if (sums != NULL)
+            sums[0] = 0.0;
+        return 0.0;
+    }
+    for (int64_t start = 0, b = 0; start < n; start += size, b++) {
+        double l1 = encode_kernel(x + start, bits + start / 8, n - start < size ? n - start : size);
+        if (sums != NULL)
+            sums[b] = l1;
+        total += l1;
+    }
+    return total;
+}
+
+static void expand_blocks(const uint8_t *bits, const float *scales, float *out, int64_t n,
+                          int64_t block, int stream) {
+    int64_t size = block ? block : n;
+    for (int64_t start = 0, b = 0; start < n; start += size, b++)
+        expand_kernel(bits + start / 8, scales[b], out + start, n - start < size ? n - start : size,
+                      stream);
+}
+
+/* Blocks in a buffer of n values: 1 for block 0 (the whole tensor), else ceil(n / block);
+   -1 (ValueError set) for a block that is negative or not a multiple of 8. */
+static Py_ssize_t count_blocks(Py_ssize_t n, Py_ssize_t block, const char *what) {
+    if (block < 0 || block % 8 != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: block %zd must be 0 (whole tensor) or a positive multiple of 8", what,
+                     block);
+        return -1;
+    }
+    return block == 0 ? 1 : (n + block - 1) / block;
+}
+
+static int check_entries(Py_ssize_t bytes, Py_ssize_t item, Py_ssize_t want, const char *what,
+                         const char *name) {
+    if (bytes != want * item) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd blocks need %zd bytes of %s, got %zd", what, want,
+                     want * item, name, bytes);
+        return -1;
+    }
+    return 0;
+}
+
 static int check_sizes(Py_ssize_t value_bytes, Py_ssize_t bit_bytes, const char *what) {
     if (value_bytes % 4 != 0) {
         PyErr_Format(PyExc_ValueError, "%s: a float32 buffer of %zd bytes is not whole values",
@@ -218,34 +273,45 @@ static int check_sizes(Py_ssize_t value_bytes, Py_ssize_t bit_bytes, const char 
 }
 
 static PyObject *sign_encode(PyObject *self, PyObject *args) {
-    Py_buffer x, bits;
+    Py_buffer x, bits, sums = {0};
+    Py_ssize_t block = 0;
     double l1 = 0.0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*w*:sign_encode", &x, &bits))
+    if (!PyArg_ParseTuple(args, "y*w*|nw*:sign_encode", &x, &bits, &block, &sums))
         return NULL;
     int ok = check_sizes(x.len, bits.len, "sign_encode") == 0;
+    Py_ssize_t blocks = ok ? count_blocks(x.len / 4, block, "sign_encode") : -1;
+    ok = blocks >= 0 &&
+         (sums.buf == NULL || check_entries(sums.len, 8, blocks, "sign_encode", "sums") == 0);
     if (ok) {
-        Py_BEGIN_ALLOW_THREADS l1 = encode_kernel(x.buf, bits.buf, x.len / 4);
+        Py_BEGIN_ALLOW_THREADS l1 = encode_blocks(x.buf, bits.buf, x.len / 4, block, sums.buf);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&x);
     PyBuffer_Release(&bits);
+    if (sums.buf != NULL)
+        PyBuffer_Release(&sums);
     return ok ? PyFloat_FromDouble(l1) : NULL;
 }
 
 static PyObject *sign_expand(PyObject *self, PyObject *args) {
-    Py_buffer bits, out;
-    float scale;
+    Py_buffer bits, scales, out;
+    Py_ssize_t block = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*fw*:sign_expand", &bits, &scale, &out))
+    if (!PyArg_ParseTuple(args, "y*y*w*|n:sign_expand", &bits, &scales, &out, &block))
         return NULL;
     int ok = check_sizes(out.len, bits.len, "sign_expand") == 0;
+    Py_ssize_t blocks = ok ? count_blocks(out.len / 4, block, "sign_expand") : -1;
+    ok = blocks >= 0 && check_entries(scales.len, 4, blocks, "sign_expand", "scales") == 0;
     if (ok) {
-        int stream = out.len >= STREAM_BYTES && (uintptr_t)out.buf % 64 == 0;
-        Py_BEGIN_ALLOW_THREADS expand_kernel(bits.buf, scale, out.buf, out.len / 4, stream);
+        /* every block starts on a 64-byte boundary too when the block is a multiple of 16 */
+        int stream = out.len >= STREAM_BYTES && (uintptr_t)out.buf % 64 == 0 && block % 16 == 0;
+        Py_BEGIN_ALLOW_THREADS expand_blocks(bits.buf, scales.buf, out.buf, out.len / 4, block,
+                                             stream);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&bits);
+    PyBuffer_Release(&scales);
     PyBuffer_Release(&out);
     if (!ok)
         return NULL;
@@ -269,10 +335,12 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"sign_encode", sign_encode, METH_VARARGS,
-     "sign_encode(x, bits) -> float: write the packed sign bits of float32 x into bits "
-     "(LSB first) and return the sum of |x|."},
+     "sign_encode(x, bits, block=0, sums=None) -> float: write the packed sign bits of "
+     "float32 x into bits (LSB first) and return the sum of |x|; with sums (float64), the "
+     "sum of each block of `block` values (0: the whole tensor) too."},
     {"sign_expand", sign_expand, METH_VARARGS,
-     "sign_expand(bits, scale, out): out[i] = -scale if sign bit i is set, else scale."},
+     "sign_expand(bits, scales, out, block=0): out[i] = -s if sign bit i is set, else s, "
+     "with s = scales[i // block] (float32; block 0: scales[0])."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa([name]) -> str: run the avx512f, avx2 or generic kernels from now on (tests "
      "compare them); returns the previous choice (without a name: the current one). "

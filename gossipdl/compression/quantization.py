@@ -102,18 +102,21 @@ def _scale_blocks(values: np.ndarray, scales: np.ndarray, block: int) -> np.ndar
     return values
 
 
-def _block_lengths(count: int, block: int) -> torch.Tensor:
+def _block_lengths(count: int, block: int) -> np.ndarray:
+    """Values in each block (float64; 1 for an empty tensor, so a scale is 0, not NaN)."""
     size = count if block == 0 else block
-    lengths = torch.full((_num_blocks(count, block),), float(max(size, 1)))
+    lengths = np.full(_num_blocks(count, block), float(max(size, 1)))
     if block and count % block:
         lengths[-1] = float(count % block)
     return lengths
 
 
-def _expand_signs(native: ModuleType, bits: np.ndarray, scale: float, count: int) -> torch.Tensor:
+def _expand_signs(
+    native: ModuleType, bits: np.ndarray, scales: np.ndarray, block: int, count: int
+) -> torch.Tensor:
     """``±scale`` per sign bit (set: negative), by the C kernel into recycled host memory."""
     out = host_empty(count)
-    native.sign_expand(bits, scale, out)
+    native.sign_expand(bits, scales, out, block)
     return torch.from_numpy(out)
 
 
@@ -137,12 +140,14 @@ class Sign(ValueCodec):
     (1 for the whole tensor, ``ceil(n/BLOCK)`` with a block), empty meta:
     ``ceil(n/8) + 4·blocks + 1`` bytes.
 
-    On CPU the whole-tensor case runs the C kernels (``_native.c``): one read
-    of ``p`` for the bits and ``‖p‖₁`` together, one write of ``±scale``, into
-    recycled memory (:func:`~gossipdl.compression._kernels.host_empty`). Without
-    them it runs in numpy: ``np.packbits(np.signbit(x))`` for the bits, a 256-row
-    table of ±1 expanded from the bits, ``np.dot`` of that with ``x`` for
-    ``‖p‖₁``, and the table scaled in place. ``benchmarks/codecs.py`` times both.
+    On CPU, for the whole tensor or blocks of a multiple of 8 values, the C
+    kernels run (``_native.c``): one read of ``p`` for the bits and the
+    ``‖p‖₁`` of each block together, one write of ``±scale``, into recycled
+    memory (:func:`~gossipdl.compression._kernels.host_empty`). Otherwise (or
+    built without a compiler) it runs in numpy: ``np.packbits(np.signbit(x))``
+    for the bits, a 256-row table of ±1 expanded from the bits, ``np.dot`` of
+    that with ``x`` for ``‖p‖₁`` (per block: ``|p|`` summed by rows), and the
+    table scaled in place. ``benchmarks/codecs.py`` times both.
     """
 
     n_arrays = 2
@@ -160,7 +165,8 @@ class Sign(ValueCodec):
         ones = 1.0 - 2.0 * negative.float()
         # 1. scale = ‖p‖₁ / d per tensor or block.
         l1 = _reduce(p.abs(), self.block, lambda rows: rows.double().sum(dim=1))
-        scales = (l1.double() / _block_lengths(count, self.block).to(p.device).double()).float()
+        lengths = torch.from_numpy(_block_lengths(count, self.block)).to(p.device)
+        scales = (l1.double() / lengths).float()
         # 2. sign(p) as packed bits.
         bits = pack_bits(negative.to(torch.uint8), 1)
         # 3. the receiver's value: ±scale.
@@ -170,11 +176,14 @@ class Sign(ValueCodec):
     def _encode_numpy(self, p: np.ndarray) -> tuple[Payload, torch.Tensor]:
         count = p.size
         native = native_kernels(torch.device("cpu"))
-        if native is not None and self.block == 0:
+        if native is not None and self.block % 8 == 0:
             bits = np.empty(packed_size(count, 1), np.uint8)
-            l1 = native.sign_encode(p, bits)
-            scales = np.array([l1 / max(count, 1)], np.float32)
-            return Payload((bits, scales), {}), _expand_signs(native, bits, scales[0], count)
+            sums = np.empty(_num_blocks(count, self.block), np.float64)
+            native.sign_encode(p, bits, self.block, sums)
+            scales = (sums / _block_lengths(count, self.block)).astype(np.float32)
+            return Payload((bits, scales), {}), _expand_signs(
+                native, bits, scales, self.block, count
+            )
         bits = np.packbits(np.signbit(p), bitorder="little")
         ones = np.take(_SIGN_TABLE, bits, axis=0).reshape(-1)[:count]  # ±1.0, fresh buffer
         if self.block == 0:
@@ -188,7 +197,7 @@ class Sign(ValueCodec):
             sums = np.add.reduce(magnitude[:full].reshape(-1, self.block), axis=1)
             if full < count:
                 sums = np.append(sums, magnitude[full:].sum(dtype=np.float32))
-            scales = (sums / _block_lengths(count, self.block).numpy()).astype(np.float32)
+            scales = (sums / _block_lengths(count, self.block)).astype(np.float32)
             estimate = _scale_blocks(ones, scales, self.block)
         return Payload((bits, scales), {}), torch.from_numpy(estimate)
 
@@ -204,8 +213,8 @@ class Sign(ValueCodec):
         check_scales(scales, self.spec)
         device = torch.device(device)
         native = native_kernels(device)
-        if native is not None and self.block == 0:
-            return _expand_signs(native, bits, scales[0], count)
+        if native is not None and self.block % 8 == 0:
+            return _expand_signs(native, bits, scales, self.block, count)
         if use_numpy(device):
             if self.block == 0:
                 table = _SIGN_TABLE * scales[0]
