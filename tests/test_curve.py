@@ -84,7 +84,7 @@ def test_join_from_the_cli_with_secure_gets_in_and_a_stranger_does_not(
 ) -> None:
     (dir_a, key_a), (dir_b, key_b), (dir_s, key_s) = (_keys(tmp_path, n) for n in "abs")
     allow = _allow(tmp_path / "allow.txt", key_a, key_b)
-    config = small_config(tmp_path, mode=mode, peers=2, steps=200)
+    config = small_config(tmp_path, mode=mode, peers=2, steps=60)
     config = write_config(tmp_path / "exp.toml", config)
     founder, address = start_peer(
         "--config", str(config), "--out", str(tmp_path / "run"),
@@ -110,7 +110,7 @@ def test_join_from_the_cli_with_secure_gets_in_and_a_stranger_does_not(
         if founder.poll() is None:
             founder.kill()
     final = last_record(tmp_path / "b" / "peers" / "1.jsonl") or {}
-    assert final["final"] and final["step"] == 200 and final["neighbour_misses"] == 0
+    assert final["final"] and final["step"] == 60 and final["neighbour_misses"] == 0
     assert final["members"] == 2
     founder_final = last_record(tmp_path / "run" / "peers" / "0.jsonl") or {}
     assert founder_final["handshakes_refused"] >= 1  # the stranger, refused at the handshake

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zmq
 from conftest import wait_for
 
 from gossipdl import Peer
@@ -190,7 +191,9 @@ def test_two_newcomers_let_in_at_once_by_different_members_end_with_different_id
 ) -> None:
     # News between members takes 0.3 s, so members 1 and 2 both hand out the next id.
     slow = LinkProfile(latency_s=0.3)
-    peers = make_swarm(3, "complete", [0.0, 10.0, 20.0], round_timeout=2, link=slow)
+    peers = make_swarm(
+        3, "complete", [0.0, 10.0, 20.0], round_timeout=2, link=slow, join_margin_rounds=3
+    )
     stop = threading.Event()
     joiners: dict[int, Peer] = {}
     errors: dict[int, BaseException] = {}
@@ -243,10 +246,22 @@ def test_two_newcomers_let_in_at_once_by_different_members_end_with_different_id
 
 
 def test_a_peer_that_learns_late_its_id_went_to_another_asks_again_and_keeps_its_model() -> None:
-    peers = make_swarm(3, "complete", [0.0, 10.0, 20.0], round_timeout=1, dead_after=2)
+    peers = make_swarm(
+        3, "complete", [0.0, 10.0, 20.0], round_timeout=1, heartbeat=0.2, dead_after=1
+    )
     stop = threading.Event()
     threads = train_in_background(peers, stop)
-    joiner = Peer(torch.nn.Linear(3, 2), bootstrap=peers[0].address, topology="complete")
+    # The other newcomer listens on 127.0.0.1, a smaller address than the joiner's 127.0.0.2
+    # (a socket that takes messages, so that closing the peers does not wait for it).
+    other = zmq.Context.instance().socket(zmq.ROUTER)
+    other.bind("tcp://127.0.0.1:0")
+    wait_for(lambda: all(p.round >= 3 for p in peers), 30, "the swarm to agree on 10")
+    joiner = Peer(
+        torch.nn.Linear(3, 2),
+        bootstrap=peers[0].address,
+        topology="complete",
+        listen="tcp://127.0.0.2:0",
+    )
     try:
         for _ in range(5):
             joiner.gossip()
@@ -254,11 +269,11 @@ def test_a_peer_that_learns_late_its_id_went_to_another_asks_again_and_keeps_its
         with torch.no_grad():
             for p in joiner.model.parameters():
                 p.fill_(11.0)  # its own progress, which it must keep
-        # Another newcomer (a smaller address) was let in as peer 3 from the same round.
+        # The other newcomer was let in as peer 3 from the same round.
         me = joiner.membership.get(3)
         assert me is not None
         for p in peers:
-            p._merge([Member(3, "tcp://127.0.0.1:1", me.since)])
+            p._merge([Member(3, other.getsockopt_string(zmq.LAST_ENDPOINT), me.since)])
         wait_for(joiner._lost_id, 10, "the members to tell the joiner")
         joiner.gossip()
         assert joiner.id == 4 and joiner.rejoins == 1
@@ -273,6 +288,7 @@ def test_a_peer_that_learns_late_its_id_went_to_another_asks_again_and_keeps_its
             t.join(10)
         for p in [*peers, joiner]:
             p.close()
+        other.close(linger=0)
 
 
 def test_asking_for_a_taken_id_is_refused_with_the_reason() -> None:
