@@ -16,13 +16,13 @@
  *   sign_expand(bits, scales, out, block=0) -> None
  *       out[i] = -s if bit i is set else s, s = scales[i // block] (float32;
  *       block 0: scales[0] for all).
- *
- * A block must be a multiple of 8 values, so that each starts on a byte of
- * bits (the codec runs numpy for other blocks).
  *   use_isa([name]) -> str
  *       Run the "avx512f", "avx2" or "generic" kernels from now on (the best
  *       the CPU has is picked at import; tests compare them) and return the
  *       previous choice; without a name, return the current one.
+ *
+ * A block must be a multiple of 8 values, so that each starts on a byte of
+ * bits (the codec runs numpy for other blocks).
  *
  * Arguments are contiguous buffers (numpy arrays): x and out float32, bits
  * uint8 of ceil(n / 8) bytes; sizes are checked and a mismatch raises
