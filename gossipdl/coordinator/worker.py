@@ -25,12 +25,10 @@ from gossipdl.coordinator.ring import chunk_bounds
 from gossipdl.coordinator.server import HEARTBEAT_S, PS_RULES
 from gossipdl.coordinator.staleness import StalenessTally
 from gossipdl.transport import Message, Transport, WireError, encode
-from gossipdl.transport.curve import Curve
+from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
 from gossipdl.transport.shaping import LinkProfile
 
 log = logging.getLogger(__name__)
-
-_KEY_TRY_S = 1 / 3  # how long one key of the allow-list gets to reach a shard
 
 
 class ServerError(RuntimeError):
@@ -111,7 +109,7 @@ class ServerWorker:
         self.address = self.transport.address
         if curve is not None:
             try:
-                self._find_server_keys(sorted(curve.allowed))
+                self._find_server_keys(curve)
             except BaseException:
                 self.transport.close(flush_timeout=0.5)
                 raise
@@ -202,7 +200,7 @@ class ServerWorker:
             self.transport.send(self.servers[k], frames)
             self.model_messages_sent += 1
 
-    def _find_server_keys(self, keys: list[str]) -> None:
+    def _find_server_keys(self, curve: Curve) -> None:
         """CURVE: which listed key each shard has. We pull with each key in turn (only the
         right one gets through the handshake) and keep the key the answer came over; the
         answers, the model we start from anyway, are dropped."""
@@ -217,10 +215,10 @@ class ServerWorker:
                             f"{self.timeout:.0f}s with any key of the allow-list; is it "
                             "running, and is each side's public key on the other's allow-list?"
                         )
-                    self.transport.set_key(address, keys[tries % len(keys)])
+                    self.transport.set_key(address, listed_key(curve, tries))
                     tries += 1
                     self.transport.send(address, self._frames("pull", k, {}, (), 0))
-                    self._arrived.wait(_KEY_TRY_S)
+                    self._arrived.wait(KEY_TRY_S)
                 self.transport.set_key(address, self._replies[k].key)
         with self._arrived:
             self._replies.clear()

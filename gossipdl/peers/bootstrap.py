@@ -8,7 +8,7 @@ from typing import Any
 
 from gossipdl.peers.peer import PeerError
 from gossipdl.transport import Message, Transport, WireError, encode
-from gossipdl.transport.curve import Curve
+from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
 
 
 def fetch_swarm_info(
@@ -34,15 +34,14 @@ def fetch_swarm_info(
         answer.append(msg)
         arrived.set()
 
-    keys = sorted(curve.allowed) if curve is not None else []
-    every = 1.0 / 3 if keys else 1.0
+    every = KEY_TRY_S if curve is not None else 1.0
     transport = Transport(listen, on_message, name="join", curve=curve)
     try:
         deadline = time.monotonic() + timeout
         tries = 0
         while not arrived.is_set() and (left := deadline - time.monotonic()) > 0:
-            if keys:
-                transport.set_key(address, keys[tries % len(keys)])
+            if curve is not None:
+                transport.set_key(address, listed_key(curve, tries))
             tries += 1
             transport.send(
                 address, encode("info_request", -1, 0, 0, meta={"address": transport.address})

@@ -37,7 +37,7 @@ from gossipdl.peers.inbox import Inbox
 from gossipdl.peers.membership import Member, Membership, parse_members
 from gossipdl.topologies import Topology, build_topology
 from gossipdl.transport import Message, Transport, WireError, encode
-from gossipdl.transport.curve import Curve
+from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
 from gossipdl.transport.shaping import LinkProfile
 from gossipdl.transport.wire import meta_int
@@ -796,15 +796,15 @@ class Peer:
         deadline = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
         with self._changed:
             self._replies.pop(reply, None)
-        keys = sorted(self.curve.allowed) if self.curve is not None and try_keys else []
+        rotate = self.curve if try_keys else None
         tries = 0
         while time.monotonic() < deadline:
-            if keys:
-                self.transport.set_key(address, keys[tries % len(keys)])
+            if rotate is not None:
+                self.transport.set_key(address, listed_key(rotate, tries))
             tries += 1
             frames = encode(kind, self.id, 0, self.round, meta=meta)
             self.transport.send(address, frames)
-            wait = _RETRY_S / 3 if keys else _RETRY_S
+            wait = KEY_TRY_S if rotate is not None else _RETRY_S
             with self._changed:
                 self._changed.wait_for(
                     lambda: reply in self._replies or self._lost_id(),
