@@ -15,6 +15,7 @@ from conftest import wait_for
 from gossipdl import Peer
 from gossipdl.peers.membership import Member
 from gossipdl.topologies import build_topology
+from gossipdl.transport import encode
 from gossipdl.transport.shaping import LinkProfile
 
 
@@ -292,6 +293,36 @@ def test_a_peer_that_learns_late_its_id_went_to_another_asks_again_and_keeps_its
         for p in [*peers, joiner]:
             p.close()
         other.close(linger=0)
+
+
+def test_a_table_a_peer_sent_before_it_rejoined_ends_nobody() -> None:
+    """Peer 2 thought peer 0 dead while cut off; its table saying so was queued and arrives
+    after peer 2 rejoined. Taken in, it ended peer 0 everywhere (CI saw the cascade)."""
+    peers = make_swarm(3, "complete", [0.0, 1.0, 2.0])
+    ctx = zmq.Context.instance()
+    old_life, newcomer = ctx.socket(zmq.DEALER), ctx.socket(zmq.ROUTER)
+    newcomer.bind("tcp://127.0.0.1:0")
+    a = [p.address for p in peers]
+    try:
+        for p in peers[:2]:  # peer 2 was dropped and let back in from round 5
+            p._merge([Member(2, a[2], since=5)])
+        stale = [[0, a[0], 0, 3, ""], [1, a[1], 0, None, ""], [2, a[2], 0, None, ""]]
+        fresh = [[0, a[0], 0], [1, a[1], 0], [2, a[2], 5], [3, newcomer.LAST_ENDPOINT.decode(), 9]]
+        for i in (0, 1):  # in order on one connection: the fresh table shows the stale one came
+            old_life.connect(a[i])
+            for kind, table in (("dropped", stale), ("members", stale), ("members", fresh)):
+                old_life.send_multipart(encode(kind, 2, 0, 0, meta={"members": table}))
+            wait_for(
+                lambda i=i: peers[i].membership.get(3), 10, f"peer {i} to hear the fresh table"
+            )
+            old_life.disconnect(a[i])
+        assert [[m.until for m in p.membership.members()] for p in peers[:2]] == [[None] * 4] * 2
+        assert all(p._rejoin_via is None for p in peers)
+    finally:
+        for p in peers:
+            p.close()
+        old_life.close(linger=0)
+        newcomer.close(linger=0)
 
 
 def test_asking_for_a_taken_id_is_refused_with_the_reason() -> None:

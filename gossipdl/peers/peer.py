@@ -1054,14 +1054,18 @@ class Peer:
 
         A table from a member we dropped is not merged: its view of who is alive is
         stale (the other side of a partition, or messages it sent before a cut that
-        arrive after it). A table that says we are out makes us rejoin through the
-        sender if our own table has the sender alive, or if the sender's side of the
-        swarm outranks ours (:func:`outranks`); otherwise we ignore it, and the
-        sender's side will rejoin ours.
+        arrive after it). Nor is one the sender wrote in an earlier life than the one
+        we know (sent before a cut, delivered after it rejoined): it would end members
+        the sender thought dead then. A table that says we are out makes us rejoin
+        through the sender if our own table has the sender alive, or if the sender's
+        side of the swarm outranks ours (:func:`outranks`); otherwise we ignore it, and
+        the sender's side will rejoin ours.
         """
         theirs = {m.id: m for m in members}
         me, own = theirs.get(self.id), self.membership.get(self.id)
-        known = self.membership.get(sender)
+        known, said = self.membership.get(sender), theirs.get(sender)
+        if known is not None and (said is None or said.since < known.since):
+            return
         sender_out = known is not None and known.until is not None
         stale_about_us = own is not None and me is not None and own.since > me.since
         if me is None or me.until is None or stale_about_us:
