@@ -47,8 +47,11 @@ class Column:
         return self.fmt.format(value)
 
 
-def add_json_option(parser: argparse.ArgumentParser) -> None:
-    """Add ``--json FILE`` to a script's parser."""
+def benchmark_parser(doc: str, quick: str) -> argparse.ArgumentParser:
+    """A script's parser: the first paragraph of its docstring as the description, ``--quick``
+    (``quick`` says what the run shrinks to) and ``--json FILE``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument(
         "--json",
         metavar="FILE",
@@ -56,6 +59,23 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='also write {"benchmark", "rows", "meta"} as JSON to FILE',
     )
+    return parser
+
+
+def add_swarm_options(
+    parser: argparse.ArgumentParser, name: str, peers: str = "default 8", steps: str = ""
+) -> None:
+    """The options of a script that launches swarms: ``--peers`` (``peers``: its help),
+    ``--steps`` (when ``steps`` gives its help), ``--seed``, ``--config`` (a base TOML
+    config) and ``--out`` (default ``runs/bench-NAME``)."""
+    parser.add_argument("--peers", type=int, default=None, help=peers)
+    if steps:
+        parser.add_argument("--steps", type=int, default=None, help=steps)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--config", type=Path, default=None, help="base TOML config (lr, batch_size, ...)"
+    )
+    parser.add_argument("--out", type=Path, default=Path(f"runs/bench-{name}"))
 
 
 def add_only_option(parser: argparse.ArgumentParser, known: Sequence[str]) -> None:

@@ -66,7 +66,7 @@ import time
 from typing import Any
 
 import torch
-from _common import Column, add_json_option, report
+from _common import Column, benchmark_parser, report
 
 IMPLS = ("gossipdl", "gloo")
 TARGET_PROCS, TARGET_NUMEL, TARGET_RATIO = 4, 25_000_000, 1.25
@@ -226,7 +226,7 @@ def run_config(ctx: Any, procs: int, numel: int, warmup: int, repeats: int) -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser(__doc__, quick="2 processes, 100k floats, 1 + 3")
     parser.add_argument(
         "--procs", type=_int_list, default=[2, 4], help="comma-separated process counts (2,4)"
     )
@@ -238,8 +238,6 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
-    parser.add_argument("--quick", action="store_true", help="2 processes, 100k floats, 1 + 3")
-    add_json_option(parser)
     args = parser.parse_args()
     if args.quick:
         args.procs, args.sizes, args.repeats, args.warmup = [2], [100_000], 3, 1

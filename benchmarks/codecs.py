@@ -35,7 +35,6 @@ whether it is met, and the environment.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from _common import Column, add_json_option, report
+from _common import Column, benchmark_parser, report
 
 from gossipdl.compression import build_codec
 from gossipdl.compression._kernels import native_kernels, numpy_kernels
@@ -102,14 +101,12 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser(__doc__, quick="200k elements, 3 rounds")
     parser.add_argument("--numel", type=int, default=10_000_000, help="float32 elements")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (median of these)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where the tensor lives: cpu, cuda")
-    parser.add_argument("--quick", action="store_true", help="200k elements, 3 rounds")
-    add_json_option(parser)
     args = parser.parse_args()
     if args.quick:
         args.numel, args.rounds = 200_000, 3

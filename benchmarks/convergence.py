@@ -53,7 +53,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import Column, add_json_option, add_only_option, fresh_run_dir, report
+from _common import (
+    Column,
+    add_only_option,
+    add_swarm_options,
+    benchmark_parser,
+    fresh_run_dir,
+    report,
+)
 from rich.console import Console
 
 from gossipdl.averaging import default_gamma
@@ -141,11 +148,11 @@ def parameter_count(hidden: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help=f"default {DEFAULT_STEPS}")
-    parser.add_argument("--peers", type=int, default=None, help="default 8")
+    parser = benchmark_parser(
+        __doc__, quick=f"{QUICK_PEERS} peers, MLP {QUICK_HIDDEN}, {QUICK_STEPS} steps"
+    )
+    add_swarm_options(parser, "convergence", steps=f"default {DEFAULT_STEPS}")
     parser.add_argument("--hidden", default=None, help=f"MLP widths, default {DEFAULT_HIDDEN}")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--lr-schedule",
         default="cosine",
@@ -153,16 +160,6 @@ def main() -> None:
         "or constant",
     )
     add_only_option(parser, [s.key for s in SETTINGS])
-    parser.add_argument(
-        "--config", type=Path, default=None, help="base TOML config (lr, batch_size, ...)"
-    )
-    parser.add_argument("--out", type=Path, default=Path("runs/bench-convergence"))
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"{QUICK_PEERS} peers, MLP {QUICK_HIDDEN}, {QUICK_STEPS} steps",
-    )
-    add_json_option(parser)
     args = parser.parse_args()
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     args.peers = args.peers or (QUICK_PEERS if args.quick else 8)

@@ -49,10 +49,16 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 from typing import Any
 
-from _common import Column, add_json_option, add_only_option, fresh_run_dir, report
+from _common import (
+    Column,
+    add_only_option,
+    add_swarm_options,
+    benchmark_parser,
+    fresh_run_dir,
+    report,
+)
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
@@ -161,21 +167,16 @@ def run_setting(key: str, args: argparse.Namespace, console: Console) -> dict[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peers", type=int, default=None, help="default 8 (--quick: 3)")
+    parser = benchmark_parser(__doc__, quick="3 peers, synthetic, MLP 64")
+    add_swarm_options(parser, "edge", peers="default 8 (--quick: 3)")
     parser.add_argument("--target", type=float, default=None, help="default 0.45 (--quick 0.6)")
     parser.add_argument(
         "--budget", type=float, default=None, help="seconds per setting, default 600 (--quick 20)"
     )
     parser.add_argument("--delta", default="0.01%:10", help="dynamic trigger DELTA[%%][:B]")
     parser.add_argument("--link", default="up=10mbit,down=10mbit,latency=20ms")
-    parser.add_argument("--seed", type=int, default=0)
-    add_only_option(parser, list(SETTINGS))
-    parser.add_argument("--config", type=Path, default=None, help="base TOML config")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench-edge"))
-    parser.add_argument("--quick", action="store_true", help="3 peers, synthetic, MLP 64")
     parser.add_argument("--no-progress", action="store_true", help="no live progress bars")
-    add_json_option(parser)
+    add_only_option(parser, list(SETTINGS))
     args = parser.parse_args()
     args.peers = args.peers or (3 if args.quick else 8)
     args.target = args.target or (0.6 if args.quick else 0.45)

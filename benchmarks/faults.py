@@ -43,10 +43,16 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-from _common import Column, add_json_option, add_only_option, fresh_run_dir, report
+from _common import (
+    Column,
+    add_only_option,
+    add_swarm_options,
+    benchmark_parser,
+    fresh_run_dir,
+    report,
+)
 from rich.console import Console
 
 from gossipdl.config import Config, load_config, to_toml
@@ -213,18 +219,12 @@ def _last(run: RunDir, peer_id: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help=f"default {DEFAULT_STEPS}")
-    parser.add_argument("--peers", type=int, default=None, help="default 8")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = benchmark_parser(__doc__, quick="4 peers, logistic, 600 steps")
+    add_swarm_options(parser, "faults", steps=f"default {DEFAULT_STEPS}")
     parser.add_argument("--down", type=float, default=None, help="restart: seconds dead (10)")
     parser.add_argument("--cut", type=float, default=None, help="partition: seconds cut (20)")
     parser.add_argument("--loopback", action="store_true", help="no namespaces, even as root")
     add_only_option(parser, list(SCENARIOS))
-    parser.add_argument("--config", type=Path, default=None, help="base TOML config")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench-faults"))
-    parser.add_argument("--quick", action="store_true", help="4 peers, logistic, 600 steps")
-    add_json_option(parser)
     args = parser.parse_args()
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     args.peers = args.peers or (4 if args.quick else 8)

@@ -39,7 +39,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from _common import Column, add_json_option, add_only_option, fresh_run_dir, report
+from _common import (
+    Column,
+    add_only_option,
+    add_swarm_options,
+    benchmark_parser,
+    fresh_run_dir,
+    report,
+)
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
@@ -107,15 +114,9 @@ def run_setting(key: str, config: Config) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help=f"default {DEFAULT_STEPS}")
-    parser.add_argument("--peers", type=int, default=None, help="workers, default 8")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = benchmark_parser(__doc__, quick="3 workers, 40 steps, logistic")
+    add_swarm_options(parser, "modes", peers="workers, default 8", steps=f"default {DEFAULT_STEPS}")
     add_only_option(parser, list(SETTINGS))
-    parser.add_argument("--config", type=Path, default=None, help="base TOML config")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench-modes"))
-    parser.add_argument("--quick", action="store_true", help="3 workers, 40 steps, logistic")
-    add_json_option(parser)
     args = parser.parse_args()
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     args.peers = args.peers or (3 if args.quick else 8)

@@ -44,7 +44,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from _common import Column, add_json_option, fresh_run_dir, report
+from _common import Column, add_swarm_options, benchmark_parser, fresh_run_dir, report
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
@@ -97,20 +97,10 @@ def row(name: str, config: Config, summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help=f"default {DEFAULT_STEPS}")
-    parser.add_argument("--peers", type=int, default=None, help="default 8")
+    parser = benchmark_parser(__doc__, quick=f"{QUICK_PEERS} peers, {QUICK_STEPS} steps")
+    add_swarm_options(parser, "parity", steps=f"default {DEFAULT_STEPS}")
     parser.add_argument("--model", default="cnn1d")
     parser.add_argument("--dataset", default="mnist1d")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--config", type=Path, default=None, help="base TOML config (lr, batch_size, ...)"
-    )
-    parser.add_argument("--out", type=Path, default=Path("runs/bench-parity"))
-    parser.add_argument(
-        "--quick", action="store_true", help=f"{QUICK_PEERS} peers, {QUICK_STEPS} steps"
-    )
-    add_json_option(parser)
     args = parser.parse_args()
     if args.steps is None:
         args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS

@@ -45,7 +45,6 @@ gossipdl row, ``ratio``; ``meta`` holds the settings, ``ratio``, ``target``,
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import struct
 import time
@@ -54,7 +53,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from _common import Column, add_json_option, report
+from _common import Column, benchmark_parser, report
 
 from gossipdl.transport import Message, Transport, decode, encode
 
@@ -240,12 +239,10 @@ def decode_ms(numel: int, repeats: int = 5) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser(__doc__, quick="1M elements, 1 + 5 messages")
     parser.add_argument("--numel", type=int, default=10_000_000, help="float32 elements/message")
     parser.add_argument("--messages", type=int, default=50, help="timed messages per impl")
     parser.add_argument("--warmup", type=int, default=5, help="untimed messages per impl first")
-    parser.add_argument("--quick", action="store_true", help="1M elements, 1 + 5 messages")
-    add_json_option(parser)
     args = parser.parse_args()
     if args.quick:
         args.numel, args.messages, args.warmup = 1_000_000, 5, 1

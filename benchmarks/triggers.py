@@ -49,7 +49,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from _common import Column, add_json_option, add_only_option, fresh_run_dir, report
+from _common import (
+    Column,
+    add_only_option,
+    add_swarm_options,
+    benchmark_parser,
+    fresh_run_dir,
+    report,
+)
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
@@ -107,23 +114,17 @@ def drift_figures(curve: list[dict[str, float]], step: int, window: int) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="default 1500")
-    parser.add_argument("--peers", type=int, default=None, help="default 8")
+    parser = benchmark_parser(__doc__, quick="3 peers, 60 steps, synthetic data")
+    add_swarm_options(parser, "triggers", steps="default 1500")
     parser.add_argument("--model", default=None, help="default cnn1d")
     parser.add_argument("--dataset", default=None, help="default mnist1d")
     parser.add_argument(
         "--dynamic",
         default=None,
-        help="comma-separated dynamic triggers, default " + ",".join(DYNAMIC),
+        help="comma-separated dynamic triggers, default " + ",".join(DYNAMIC).replace("%", "%%"),
     )
     parser.add_argument("--topology", default="complete", help="default complete")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--config", type=Path, default=None, help="base TOML config")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench-triggers"))
-    parser.add_argument("--quick", action="store_true", help="3 peers, 60 steps, synthetic data")
     add_only_option(parser, TRIGGERS)
-    add_json_option(parser)
     args = parser.parse_args()
     if REFERENCE not in args.only:
         parser.error(f"--only must include {REFERENCE}: every row is compared with it")

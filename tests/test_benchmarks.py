@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,6 +20,17 @@ def run_benchmark(name: str, tmp_path: Path, *args: str) -> dict:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "benchmarks").glob("[a-z]*.py")))
+def test_every_benchmark_explains_its_options(name: str) -> None:
+    """``--help`` works (a ``%`` in a help text once crashed it) and lists the shared ones."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--help"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "--quick" in done.stdout and "--json FILE" in done.stdout
 
 
 def test_transport_benchmark_compares_with_raw_pyzmq(tmp_path: Path) -> None:
