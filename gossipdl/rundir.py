@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -36,10 +37,17 @@ def default_run_dir() -> Path:
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
-    """Write JSON so readers never see a half-written file (tmp + rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
+    """Write JSON so readers never see a half-written file (tmp + rename). Each call has
+    its own tmp file: a peer's threads and the peers of a run rewrite one file at once."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(value, indent=2) + "\n")
+        os.chmod(tmp, 0o644)  # as a plain write would make it; mkstemp makes it 0o600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class RunDir:
