@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -387,6 +388,30 @@ def test_a_dead_peer_is_declared_dead_and_the_ring_repairs_itself() -> None:
         values = [value_of(p) for p in survivors]
         assert max(values) - min(values) < 1e-4  # a 3-ring averages everyone exactly
         assert all(p.stats()["members"] == 3 for p in survivors)
+    finally:
+        for p in peers:
+            p.close()
+
+
+def test_an_error_in_one_heartbeat_pass_does_not_stop_the_heartbeats(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Peer 0's member callback fails (as writing peers.json once did) when it declares peer 2
+    dead; its watch thread must go on, or peer 1 would soon declare peer 0 dead too."""
+    peers = make_swarm(3, "complete", [0.0, 1.0, 2.0], heartbeat=0.1, dead_after=0.6)
+
+    def disk_full(members: list[Member]) -> None:
+        raise OSError("No space left on device")
+
+    peers[0]._on_members = disk_full
+    peers[1].dead_after = 2.0  # peer 0 notices first, in its watch thread
+    try:
+        run_rounds(peers, 2)
+        crash(peers[2])
+        wait_for(lambda: peers[1].membership.gone(2), 10, "peer 1 to declare peer 2 dead")
+        time.sleep(2.5)  # longer than peer 1 waits before it declares a silent member dead
+        assert not peers[1].membership.gone(0)
+        assert "error in the heartbeat thread; carrying on" in caplog.text
     finally:
         for p in peers:
             p.close()

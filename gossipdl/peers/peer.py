@@ -1004,33 +1004,40 @@ class Peer:
         """Every half heartbeat: a heartbeat to each member that heard nothing from us for a
         while, and a death sentence for each member silent past ``dead_after``."""
         while not self._watch_stop.wait(self.heartbeat / 2):
-            if self.id < 0 or self._lost_id():
+            try:
+                self._watch_once()
+            except Exception:  # a bug in one pass must not end heartbeats and death sentences
+                log.exception("peer %d: error in the heartbeat thread; carrying on", self.id)
+
+    def _watch_once(self) -> None:
+        """One pass of the watch thread: heartbeats due, members silent too long."""
+        if self.id < 0 or self._lost_id():
+            return
+        now = time.monotonic()
+        if not self.transport.online:  # away (churn): silence is ours, not the others'
+            self._away_until = now
+        me = self.membership.get(self.id)
+        life = me.since if me is not None else 0  # which of our lives the heartbeat speaks for
+        for member in self.membership.members():
+            j = member.id
+            known = self._known_at.setdefault(j, now)
+            if j == self.id or self.membership.why_left(j) is not None:
                 continue
-            now = time.monotonic()
-            if not self.transport.online:  # away (churn): silence is ours, not the others'
-                self._away_until = now
-            me = self.membership.get(self.id)
-            life = me.since if me is not None else 0  # which of our lives the heartbeat speaks for
-            for member in self.membership.members():
-                j = member.id
-                known = self._known_at.setdefault(j, now)
-                if j == self.id or self.membership.why_left(j) is not None:
-                    continue
-                ended = member.until is not None
-                every = self.heartbeat * (_DEAD_HEARTBEAT_EVERY if ended else 1)
-                # New members get a moment for the news of them to reach everyone.
-                if now - known >= self.heartbeat and now - self._sent.get(j, 0.0) >= every:
-                    self._sent[j] = now
-                    self._reply(member.address, "alive", sent=self._sent_round, life=life)
-                silent = now - max(self._heard.get(j, 0.0), known, self._away_until)
-                if (
-                    self.started
-                    and not self.ring  # a ring stops on its own timeout, naming the dead peer
-                    and not ended
-                    and member.since <= self.round
-                    and silent > self.dead_after
-                ):
-                    self._declare_dead(j, silent)
+            ended = member.until is not None
+            every = self.heartbeat * (_DEAD_HEARTBEAT_EVERY if ended else 1)
+            # New members get a moment for the news of them to reach everyone.
+            if now - known >= self.heartbeat and now - self._sent.get(j, 0.0) >= every:
+                self._sent[j] = now
+                self._reply(member.address, "alive", sent=self._sent_round, life=life)
+            silent = now - max(self._heard.get(j, 0.0), known, self._away_until)
+            if (
+                self.started
+                and not self.ring  # a ring stops on its own timeout, naming the dead peer
+                and not ended
+                and member.since <= self.round
+                and silent > self.dead_after
+            ):
+                self._declare_dead(j, silent)
 
     def _declare_dead(self, peer_id: int, silent: float) -> None:
         """Drop a silent member from the topology a few rounds ahead and tell the others."""
