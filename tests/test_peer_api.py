@@ -250,6 +250,65 @@ def test_two_newcomers_let_in_at_once_by_different_members_end_with_different_id
             p.close()
 
 
+def test_two_newcomers_let_in_at_once_while_the_swarm_forms_end_with_different_ids(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same race before round 0: the newcomer that lost the id asks again, and the swarm
+    of five forms (it used to stop with "start this one again")."""
+    slow = LinkProfile(latency_s=0.5)  # members 1 and 2 both hand out id 3
+    settings: dict[str, Any] = dict(topology="complete", min_peers=5, link=slow, round_timeout=2)
+    peers: dict[str, Peer] = {}
+    errors: list[BaseException] = []
+    addresses: dict[str, str] = {}
+    let_in = {name: threading.Event() for name in ("founder", "a", "b")}
+
+    def start(name: str, via: str | None) -> None:
+        def listening(address: str) -> None:
+            addresses[name] = address
+
+        def members(table: list[Member]) -> None:
+            if any(m.address == addresses.get(name) for m in table):
+                let_in[name].set()  # it has its own entry: it can let others in
+
+        try:
+            bootstrap = addresses[via] if via else None
+            peers[name] = Peer(torch.nn.Linear(3, 2), bootstrap=bootstrap, on_listening=listening,
+                               on_members=members, **settings)  # fmt: skip
+        except BaseException as exc:  # checked below
+            errors.append(exc)
+
+    threads: list[threading.Thread] = []
+
+    def launch(name: str, via: str | None) -> None:
+        threads.append(threading.Thread(target=start, args=(name, via)))
+        threads[-1].start()
+
+    stop = threading.Event()
+    try:
+        launch("founder", None)
+        assert let_in["founder"].wait(30)
+        launch("a", "founder")
+        launch("b", "founder")
+        assert let_in["a"].wait(30) and let_in["b"].wait(30)
+        launch("x", "a")
+        launch("y", "b")
+        wait_for(lambda: len(peers) + len(errors) == 5, 60, "all five to form or fail")
+        assert not errors, errors
+        assert "let in at the same moment; asking for an id again" in caplog.text
+        everyone = list(peers.values())
+        assert sorted(p.id for p in everyone) == [0, 1, 2, 3, 4]
+        wait_for(lambda: all(t == tables(everyone)[0] for t in tables(everyone)), 30, "one table")
+        threads += train_in_background(everyone, stop)
+        wait_for(lambda: all(p.round >= 3 for p in everyone), 60, "rounds together")
+        assert all(len(p.neighbours()) == 4 for p in everyone)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        for p in peers.values():
+            p.close()
+
+
 def test_a_peer_that_learns_late_its_id_went_to_another_asks_again_and_keeps_its_model() -> None:
     peers = make_swarm(
         3, "complete", [0.0, 10.0, 20.0], round_timeout=1, heartbeat=0.2, dead_after=1

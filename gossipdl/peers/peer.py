@@ -624,23 +624,27 @@ class Peer:
             self._merge([Member(self.id, self.address, 0, key=self._key)])
         else:
             while True:  # again if our id goes to another newcomer meanwhile
-                self.id = -1
+                self.id, self.started = -1, False
                 welcome = self._join(bootstrap, rank, rejoin=self._resuming)
                 self.id = int(welcome.meta["id"])
                 self._merge(parse_members(welcome.meta["members"]))
                 me = self.membership.get(self.id)
                 if me is None or me.since == 0:
-                    break
-                self._start_late(me.since, take_model=not self._resuming)
+                    self._await_formation(min_peers or 2)
+                else:
+                    self._start_late(me.since, take_model=not self._resuming)
                 if not self._lost_id():
                     return
         self._await_formation(min_peers or 2)
 
     def _await_formation(self, min_peers: int) -> None:
+        """Wait until ``min_peers`` members are in and our neighbours say they are ready;
+        returns early if our id went to another newcomer let in at the same moment."""
         deadline = time.monotonic() + self.startup_timeout
         with self._changed:
             while len(self.membership.active(0)) < min_peers:
-                self._fail_if_lost()
+                if self._lost_id():
+                    return
                 if not self._changed.wait(max(0.0, deadline - time.monotonic())):
                     raise PeerError(
                         f"only {len(self.membership.active(0))} of {min_peers} peers joined within "
@@ -653,7 +657,8 @@ class Peer:
             self._send(j, "ready", meta={"members": self.membership.wire()})
         with self._changed:
             while not neighbours <= self._ready_from:
-                self._fail_if_lost()
+                if self._lost_id():
+                    return
                 if not self._changed.wait(max(0.0, deadline - time.monotonic())):
                     absent = sorted(neighbours - self._ready_from)
                     where = ", ".join(f"{j} at {self.membership.get(j)}" for j in absent)
@@ -664,14 +669,6 @@ class Peer:
         log.info(
             "peer %d: swarm of %d formed; neighbours %s", self.id, min_peers, sorted(neighbours)
         )
-
-    def _fail_if_lost(self) -> None:
-        """While the swarm forms, losing our id to another newcomer ends this peer."""
-        if self._lost_id():
-            raise PeerError(
-                f"peer {self.id}: another peer joining at the same moment took id {self.id} "
-                "while the swarm formed; start this one again"
-            )
 
     def _join(
         self,
