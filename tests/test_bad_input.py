@@ -25,6 +25,7 @@ from conftest import (
 from gossipdl import Peer
 from gossipdl.compression import build_codec
 from gossipdl.models import build_model
+from gossipdl.rundir import RunDir
 from gossipdl.transport import encode
 
 NUMEL = 32 * 10 + 10  # logistic regression on the synthetic blobs
@@ -162,7 +163,7 @@ def test_join_from_the_cli_takes_a_neighbours_model_and_trains(tmp_path: Path) -
     finally:
         if swarm.poll() is None:
             swarm.kill()
-    records = [json.loads(line) for line in (joined / "peers" / "3.jsonl").read_text().splitlines()]
+    records = list(RunDir(joined).records(3))
     first, final = records[0], records[-1]
     assert first["start"] and 100 <= first["step"] < steps
     assert first["accuracy"] > 0.6  # a trained neighbour's model; a fresh one is near 0.1

@@ -13,6 +13,7 @@ from conftest import gossipdl_cmd, last_record, small_config, start_peer, wait_f
 
 from gossipdl import Peer
 from gossipdl.peers.peer import PeerError
+from gossipdl.rundir import RunDir
 from gossipdl.transport.curve import (
     CurveError,
     generate_keys,
@@ -109,8 +110,8 @@ def test_join_from_the_cli_with_secure_gets_in_and_a_stranger_does_not(
     finally:
         if founder.poll() is None:
             founder.kill()
-    lines = (tmp_path / "b" / "peers" / "1.jsonl").read_text().splitlines()
-    first, final = json.loads(lines[0]), json.loads(lines[-1])
+    records = list(RunDir(tmp_path / "b").records(1))
+    first, final = records[0], records[-1]
     assert first["members"] == 2  # in the swarm with the founder (at the end it may have left)
     assert final["final"] and final["step"] == 60 and final["neighbour_misses"] == 0
     founder_final = last_record(tmp_path / "run" / "peers" / "0.jsonl") or {}
