@@ -20,8 +20,8 @@ from gossipdl.config import (
     FIELDS,
     Config,
     ConfigError,
-    from_dict,
     load_config,
+    read_config_file,
     to_toml,
 )
 from gossipdl.rundir import RunDir, default_run_dir
@@ -470,19 +470,31 @@ def join(
     out: str | None = typer.Option(None, help="Run directory [default: runs/<timestamp>]."),
     threads: int | None = typer.Option(None, help="torch threads [default: torch's choice]."),
     timeout: float = typer.Option(30.0, help="Seconds to wait for the member to answer."),
+    config_file: Path | None = typer.Option(
+        None,
+        "--config",
+        help="Your own TOML file: its keys win over the swarm's. A plug-in (module:function) "
+        "or edge file the swarm names runs only if this file names it too.",
+    ),
     secure: bool = typer.Option(False, help="CURVE: encrypt, and admit only --allow's keys."),
     keys: Path | None = typer.Option(None, help="--secure: directory with this peer's key pair."),
     allow: Path | None = typer.Option(None, help="--secure: file of allowed public keys."),
 ) -> None:
-    """Join a running swarm: fetch its config, take a neighbour's model, train."""
+    """Join a running swarm: fetch its config, take a neighbour's model, train.
+
+    The swarm's config may name only gossipdl's built-in parts; this machine's own settings
+    (run directory, device, limits) come from --config or the defaults, never from the swarm.
+    """
     from gossipdl.peers.bootstrap import fetch_swarm_info
     from gossipdl.peers.peer import PeerError
+    from gossipdl.trust import config_from_peer
 
     _setup_logging(rich=False)
     try:
         curve = _curve(secure, keys, allow)
+        local = read_config_file(config_file) if config_file is not None else {}
         info = fetch_swarm_info(address, listen=listen, timeout=timeout, curve=curve)
-        config = from_dict({**info["config"], "out": ""})
+        config = config_from_peer(info["config"], address, local)
     except (PeerError, ConfigError, CurveError) as exc:
         _fail(str(exc))
     _train(

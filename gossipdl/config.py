@@ -158,6 +158,18 @@ class Config:
         default=20_000.0,
         metadata={"help": "messages per second a peer accepts from one connection (0: no limit)"},
     )
+    max_members: int = field(
+        default=512,
+        metadata={"help": "entries a peer's member table holds (live, dead or left); no more join"},
+    )
+    forget_after: float = field(
+        default=600.0,
+        metadata={"help": "seconds after which a dead or departed member is forgotten"},
+    )
+    max_queued_mb: float = field(
+        default=256.0,
+        metadata={"help": "MiB a peer queues for one slow receiver before dropping messages"},
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "address launched peers listen on"})
     out: str = field(default="", metadata={"help": "run directory (default runs/<timestamp>)"})
 
@@ -216,17 +228,20 @@ def from_dict(values: dict[str, Any]) -> Config:
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> Config:
     """Read ``path`` (TOML) if given, then apply ``overrides`` whose value is not None."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            values = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    values = read_config_file(path) if path is not None else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
     return from_dict(values)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The values a TOML config file sets, unchecked (``from_dict`` checks them)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
 def to_dict(config: Config) -> dict[str, Any]:
@@ -373,7 +388,19 @@ def _validate(c: Config) -> None:
     )
     for name in ("eval_every", "threads", "weight_decay", "max_message_rate", "checkpoint_every"):
         _check(getattr(c, name) >= 0, f"{name} = {getattr(c, name)}; must not be negative")
-    for name in ("lr", "round_timeout", "startup_timeout", "max_message_mb"):
+    _check(c.max_members >= 2, f"max_members = {c.max_members}; a swarm needs at least 2")
+    _check(
+        c.max_members >= c.peers,
+        f"max_members = {c.max_members} is below peers = {c.peers}; raise max_members",
+    )
+    for name in (
+        "lr",
+        "round_timeout",
+        "startup_timeout",
+        "max_message_mb",
+        "forget_after",
+        "max_queued_mb",
+    ):
         _check(getattr(c, name) > 0, f"{name} = {getattr(c, name)}; must be positive")
     _check(0 <= c.momentum < 1, f"momentum = {c.momentum}; must be in [0, 1)")
     _check(all(h >= 1 for h in c.hidden), f"hidden = {list(c.hidden)}; widths must be >= 1")

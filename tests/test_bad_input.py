@@ -47,7 +47,8 @@ def bad_messages() -> dict[str, list]:
         ),
         "bad_shape": with_header(encode("params", 1, 1, 0, [good]), arrays=[["float32", [-1]]]),
         "bad_codec": encode("params", 1, 1, 0, [good], codec="topk:0.5"),
-        "bad_payload": encode("params", 1, 1, 0, [np.zeros(NUMEL + 1, np.float32)]),
+        # for a round the peer will take (a late one is refused as late, before decoding)
+        "bad_payload": encode("params", 1, 1, 10_000, [np.zeros(NUMEL + 1, np.float32)]),
         "non_finite": encode("params", 1, 1, 0, [nan]),
         "bad_meta": encode("quiet", 1, 1, 0, meta={"_sync_at": [3, "soon"]}),
         "unknown_sender": encode("params", 77, 1, 0, [good]),

@@ -260,7 +260,7 @@ def test_two_newcomers_let_in_at_once_while_the_swarm_forms_end_with_different_i
     peers: dict[str, Peer] = {}
     errors: list[BaseException] = []
     addresses: dict[str, str] = {}
-    let_in = {name: threading.Event() for name in ("founder", "a", "b")}
+    let_in = {name: threading.Event() for name in ("founder", "a", "b", "x", "y")}
 
     def start(name: str, via: str | None) -> None:
         def listening(address: str) -> None:

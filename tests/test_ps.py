@@ -161,7 +161,7 @@ def test_a_shard_drops_malformed_pushes_and_keeps_its_model() -> None:
     server.handle(push(), 0.0)
     for bad, reason in [
         (push(sender=2), "unknown_sender"),
-        (push(meta={"clock": 1}), "bad_meta"),
+        (push(meta={"clock": 1}), "bad_address"),
         (push(meta={**ok, "clock": -1}), "bad_meta"),
         (push(arrays=[torch.ones(3).numpy()]), "bad_payload"),
         (push(codec="fp16"), "bad_codec"),

@@ -28,6 +28,7 @@ from gossipdl.compression.registry import (
     CodecFactory,
     available_codecs,
     build_codec,
+    builtin_codec,
     register_codec,
     stage_names,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "ValueCodec",
     "available_codecs",
     "build_codec",
+    "builtin_codec",
     "register_codec",
     "stage_names",
 ]

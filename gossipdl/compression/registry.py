@@ -249,6 +249,20 @@ def available_codecs() -> list[str]:
     return [*forms, "module.path:ClassName", "ef"]
 
 
+def builtin_codec(spec: str) -> bool:
+    """Whether every stage of ``spec`` is registered in this process (so building it
+    imports nothing): the only codecs a config from another peer may name.
+
+    Example::
+
+        >>> builtin_codec("topk:0.01+fp16+ef"), builtin_codec("mymodule:MyCodec")
+        (True, False)
+    """
+    return all(
+        part.split(":")[0].strip().lower() in (*_STAGES, "ef") for part in spec.split("+")
+    )
+
+
 def stage_names(spec: str) -> list[str]:
     """The stage names of a spec, without their arguments (what averagers pick defaults by).
 

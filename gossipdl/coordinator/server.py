@@ -37,6 +37,7 @@ import torch
 from gossipdl.compression import CodecError, Payload, build_codec
 from gossipdl.coordinator.staleness import StalenessTally, parse_staleness
 from gossipdl.transport import Message, Transport, WireError, encode
+from gossipdl.transport.addresses import check_address
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
 from gossipdl.transport.wire import meta_int
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 PS_RULES = ("sync", "async", "fedavg")
 HEARTBEAT_S = 1.0
 _TICK_S = 0.1
+# Messages received and not yet applied, per worker of the run (plus a few for strangers): a
+# worker waits for each answer, so more means a flood; drop reason ``too_many_pending``.
+MAX_QUEUED_PER_WORKER = 8
 
 
 @dataclass
@@ -114,6 +118,7 @@ class ShardServer:
         self.timeout = timeout
         self.startup_timeout = startup_timeout
         self.version = 0  # updates applied (async) or rounds completed (sync, fedavg)
+        self._snapshot: tuple[int, np.ndarray] | None = None  # (version, a copy of x then)
         self.round = 0
         self.known: dict[int, WorkerState] = {}
         self.updates: dict[int, tuple[torch.Tensor, float]] = {}  # this round's, by worker
@@ -131,9 +136,7 @@ class ShardServer:
         worker = msg.sender
         if not 0 <= worker < self.workers:
             raise WireError("unknown_sender", f"worker id {worker} outside 0..{self.workers - 1}")
-        address = msg.meta.get("address")
-        if not (isinstance(address, str) and address.startswith("tcp://") and len(address) < 300):
-            raise WireError("bad_meta", f"reply address {address!r} is not a tcp:// address")
+        address = check_address(msg.meta.get("address"), "reply address")
         if self.first_heard is None:
             self.first_heard = now
         state = self.known.setdefault(worker, WorkerState("", now))
@@ -274,10 +277,18 @@ class ShardServer:
                 )
                 meta["done"] = self.done
         state.base = self.version
-        values = np.ascontiguousarray(self.x.numpy())
-        frames = encode("shard", -1 - self.shard, 0, self.round, [values], meta)
+        frames = encode("shard", -1 - self.shard, 0, self.round, [self.snapshot()], meta)
         self.outbox.append((state.address, frames))
         return True
+
+    def snapshot(self) -> np.ndarray:
+        """The shard's model at the current version, as a copy nothing writes to: ZeroMQ
+        sends a reply's frame after ``handle`` returns, without copying it, while the next
+        update is added to ``x``. One copy per version (``x`` changes only with it), shared
+        by every reply of that version."""
+        if self._snapshot is None or self._snapshot[0] != self.version:
+            self._snapshot = (self.version, self.x.numpy().copy())
+        return self._snapshot[1]
 
     def stats(self) -> dict[str, Any]:
         """What a shard reports in its metrics."""
@@ -306,15 +317,23 @@ def serve(
 ) -> dict[str, Any]:
     """Run ``server`` on ``listen`` until every worker left (or ``should_stop``); returns stats.
 
-    The receive thread only queues messages; this thread applies them, so the
-    shard's state has one writer. ``report`` gets the stats every ``report_every``
-    seconds and once at the end. With ``curve``, only the allow-list's keys get
-    in, and a worker is answered over the key its messages came with.
+    The receive thread only queues messages (at most ``MAX_QUEUED_PER_WORKER``
+    per worker of the run); this thread applies them, so the shard's state has
+    one writer. ``report`` gets the stats every ``report_every`` seconds and once
+    at the end. With ``curve``, only the allow-list's keys get in, and a worker
+    is answered over the key its messages came with.
     """
-    inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+    inbox: queue.Queue[Message] = queue.Queue(MAX_QUEUED_PER_WORKER * (server.workers + 1))
+
+    def queue_message(msg: Message) -> None:
+        try:
+            inbox.put_nowait(msg)
+        except queue.Full:
+            raise WireError("too_many_pending", f"{inbox.maxsize} messages wait already") from None
+
     transport = Transport(
         listen,
-        inbox.put,
+        queue_message,
         max_message_bytes=max_message_bytes,
         name="server",
         max_message_rate=max_message_rate,

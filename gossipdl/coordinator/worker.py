@@ -95,6 +95,7 @@ class ServerWorker:
         self._step_times: deque[float] = deque(maxlen=32)
         self._last_step_at: float | None = None
         self.residuals: list[torch.Tensor | None] = [None] * len(self.servers)
+        self._shard_keys: list[str] = [""] * len(self.servers)  # CURVE: each shard's key
         self._arrived = threading.Condition()
         self._closed = False
         self.transport = Transport(
@@ -105,6 +106,7 @@ class ServerWorker:
             link=link,
             seed=seed * 7919 + rank,
             curve=curve,
+            on_failure=self._wake,
         )
         self.address = self.transport.address
         if curve is not None:
@@ -219,6 +221,7 @@ class ServerWorker:
                     tries += 1
                     self.transport.send(address, self._frames("pull", k, {}, (), 0))
                     self._arrived.wait(KEY_TRY_S)
+                self._shard_keys[k] = self._replies[k].key
                 self.transport.set_key(address, self._replies[k].key)
         with self._arrived:
             self._replies.clear()
@@ -238,6 +241,11 @@ class ServerWorker:
             timeout += 3 * self.local_steps * float(np.median(self._step_times))
         with self._arrived:
             while len(self._replies) < len(self.servers):
+                if self.transport.failure is not None:
+                    raise ServerError(
+                        f"worker {self.id}: stopped, because handling a message failed with "
+                        f"{self.transport.failure!r} (traceback in the log above)"
+                    )
                 left = started + timeout - time.monotonic()
                 if left <= 0:
                     missing = [k for k in range(len(self.servers)) if k not in self._replies]
@@ -298,12 +306,19 @@ class ServerWorker:
                 self.transport.send(address, self._frames("alive", k, {}))
 
     # ----------------------------------------------------------------- receive thread
+    def _wake(self, _failure: BaseException) -> None:
+        """The receive thread stopped on an error: wake ``_adopt`` so it says so."""
+        with self._arrived:
+            self._arrived.notify_all()
+
     def _on_message(self, msg: Message) -> None:
         if msg.kind != "shard":
             raise WireError("unexpected", f"a worker takes shard messages, got {msg.kind}")
         shard = msg.meta.get("shard")
         if not isinstance(shard, int) or not 0 <= shard < len(self.servers):
             raise WireError("bad_meta", f"shard {shard!r} is not one of this run's shards")
+        if self._shard_keys[shard] and msg.key != self._shard_keys[shard]:
+            raise WireError("wrong_key", f"a shard {shard} answer over another key than its own")
         a, b = self.bounds[shard]
         if len(msg.arrays) != 1 or msg.arrays[0].dtype != np.float32 or msg.arrays[0].size != b - a:
             raise WireError("bad_payload", f"shard {shard} sends one float32 array of {b - a}")

@@ -6,7 +6,10 @@ as is one that arrives for the current round after the peer stopped waiting
 for it. Messages for
 future rounds are kept (a neighbour may be a round or many ahead, e.g. a
 newcomer waiting at its first round), but at most ``max_pending`` rounds per
-sender, so a runaway sender cannot grow memory without bound.
+sender, and at most ``max_pending`` late ones per sender until the peer takes
+them, so a runaway sender cannot grow memory without bound. ``admit`` says
+whether a message would be kept before the caller decodes its payload to full
+size.
 """
 
 from __future__ import annotations
@@ -31,29 +34,43 @@ class Inbox:
         self._max_pending = max_pending
         self._keep_late = keep_late
         self._late: list[tuple[int, int, Any]] = []
+        self._late_from: Counter[int] = Counter()  # sender -> its entries in _late
         self._taken: dict[int, set[int]] = {}  # round -> senders already handed to the peer
         self._sent_by: dict[int, int] = {}  # sender -> last round it says it sent
+
+    def admit(self, sender: int, round: int) -> None:
+        """Raise the WireError ``put`` would raise for ``sender``'s message for ``round``, so
+        a message that will be refused is refused before its payload is decoded."""
+        with self._cond:
+            self._admitted_late(sender, round)
 
     def put(self, sender: int, round: int, payload: Any) -> None:
         """Store a payload; raises WireError('late' / 'too_many_pending' / 'duplicate')."""
         with self._cond:
-            if round < self._floor:
-                if self._keep_late and len(self._late) < 64 * self._max_pending:
-                    self._late.append((sender, round, payload))
-                    return
-                raise WireError("late", f"round {round} arrived after round {self._floor} began")
-            slot = self._rounds.setdefault(round, {})
-            if sender in slot:
-                raise WireError("duplicate", f"second message for round {round}")
-            if self._pending[sender] >= self._max_pending:
-                raise WireError(
-                    "too_many_pending",
-                    f"already {self._max_pending} future rounds queued (this peer is at "
-                    f"{self._floor}, the message is for {round})",
-                )
-            slot[sender] = payload
+            if self._admitted_late(sender, round):
+                self._late.append((sender, round, payload))
+                self._late_from[sender] += 1
+                return
+            self._rounds.setdefault(round, {})[sender] = payload
             self._pending[sender] += 1
             self._cond.notify_all()
+
+    def _admitted_late(self, sender: int, round: int) -> bool:
+        """Whether the message is kept as a late one (False: for its round); WireError if it
+        is not kept at all. The lock is held."""
+        if round < self._floor:
+            if self._keep_late and self._late_from[sender] < self._max_pending:
+                return True
+            raise WireError("late", f"round {round} arrived after round {self._floor} began")
+        if sender in self._rounds.get(round, {}):
+            raise WireError("duplicate", f"second message for round {round}")
+        if self._pending[sender] >= self._max_pending:
+            raise WireError(
+                "too_many_pending",
+                f"already {self._max_pending} future rounds queued (this peer is at "
+                f"{self._floor}, the message is for {round})",
+            )
+        return False
 
     def wait(self, round: int, expected: Callable[[], set[int]], timeout: float) -> dict[int, Any]:
         """Block until every id in ``expected()`` has sent ``round`` or ``timeout`` passes.
@@ -96,11 +113,13 @@ class Inbox:
                     self._pending[sender] -= 1
                     if self._keep_late and sender not in taken:
                         self._late.append((sender, r, payload))
+                        self._late_from[sender] += 1
             for r in [r for r in self._taken if r < self._floor]:
                 del self._taken[r]
 
     def forget(self, sender: int) -> None:
-        """Drop what ``sender`` said it sent: it rejoined and counts rounds anew."""
+        """Drop what ``sender`` said it sent: it rejoined and counts rounds anew (or it was
+        forgotten)."""
         with self._cond:
             self._sent_by.pop(sender, None)
 
@@ -115,6 +134,7 @@ class Inbox:
             self._pending.clear()
             self._taken.clear()
             self._late.clear()
+            self._late_from.clear()
             self._sent_by.clear()
             self._floor = round
 
@@ -122,6 +142,7 @@ class Inbox:
         """``(sender, round, payload)`` of messages kept after their round had passed."""
         with self._cond:
             late, self._late = self._late, []
+            self._late_from.clear()
         return late
 
     def notify(self) -> None:

@@ -11,15 +11,26 @@ one, and within one life the earliest announced ``until`` wins. Two newcomers
 let in at the same moment by different members can get the same id and
 ``since``; then the entry with the smaller address keeps the id everywhere,
 and the other newcomer joins again (see ``Peer``).
+
+A table holds at most ``limit`` entries (``MAX_MEMBERS``): a message that
+would grow it further is refused whole (reason ``too_many_members``), so a
+sender cannot make a peer track, dial and heartbeat without bound. An entry
+that ended long ago can be forgotten; its id keeps a tombstone so that a
+stale table cannot bring that life back.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gossipdl.transport.addresses import address_problem
 from gossipdl.transport.wire import WireError
+
+MAX_MEMBERS = 512  # entries in a member table, live or ended; drop reason ``too_many_members``
+MAX_ID = 2**31 - 1  # the largest peer id (ids name files in the run directory)
 
 
 @dataclass(frozen=True)
@@ -49,20 +60,24 @@ def _round(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def parse_members(value: Any) -> list[Member]:
+def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
     """Validate a member list received on the wire (``[[id, address, since, until, key],
-    ...]``; ``until`` may be left out or ``None``, ``key`` left out or ``""``)."""
-    if not isinstance(value, list) or len(value) > 100_000:
+    ...]``; ``until`` may be left out or ``None``, ``key`` left out or ``""``): at most
+    ``limit`` entries, ids up to ``MAX_ID``, addresses a peer may dial."""
+    if not isinstance(value, list):
         raise WireError("bad_meta", f"member list is {type(value).__name__}, expected a list")
+    if len(value) > limit:
+        raise WireError(
+            "too_many_members", f"a member list of {len(value)} entries; the limit is {limit}"
+        )
     members = []
     for entry in value:
         if not (
             isinstance(entry, list)
             and len(entry) in (3, 4, 5)
             and _round(entry[0])
-            and isinstance(entry[1], str)
-            and entry[1].startswith("tcp://")
-            and len(entry[1]) < 300
+            and entry[0] <= MAX_ID
+            and address_problem(entry[1]) is None
             and _round(entry[2])
             and (len(entry) == 3 or entry[3] is None or (_round(entry[3]) and entry[3] > entry[2]))
             and (len(entry) < 5 or (isinstance(entry[4], str) and len(entry[4]) in (0, 40)))
@@ -75,33 +90,65 @@ def parse_members(value: Any) -> list[Member]:
 
 
 class Membership:
-    """Thread-safe member table shared by the training, receive and watch threads."""
+    """Thread-safe member table shared by the training, receive and watch threads; at most
+    ``limit`` entries."""
 
-    def __init__(self, members: list[Member] | None = None) -> None:
+    def __init__(self, members: list[Member] | None = None, limit: int = MAX_MEMBERS) -> None:
         self._lock = threading.Lock()
+        self.limit = limit
         self._members: dict[int, Member] = {}
         self._left: dict[int, str] = {}  # id -> why it stopped, as it announced
+        self._forgotten: OrderedDict[int, int] = OrderedDict()  # id -> until of its last life
         if members:
             self.merge(members)
 
     def merge(self, members: list[Member]) -> list[Member]:
-        """Take in announced entries; returns those that added or changed something."""
+        """Take in announced entries; returns those that added or changed something.
+        ``too_many_members`` (nothing taken) if the table would outgrow its limit."""
         changed = []
         with self._lock:
-            for member in members:
+            fresh = [m for m in members if not self._stale(m)]
+            new = {m.id for m in fresh} - self._members.keys()
+            if len(self._members) + len(new) > self.limit:
+                raise WireError(
+                    "too_many_members",
+                    f"{len(new)} new member(s) would outgrow the table's limit of {self.limit}",
+                )
+            for member in fresh:
                 known = self._members.get(member.id)
                 if known is None or member.newer_than(known):
                     if known is not None and member.since > known.since:
                         self._left.pop(member.id, None)  # a new life: it is back
+                    self._forgotten.pop(member.id, None)
                     self._members[member.id] = member
                     changed.append(member)
         return changed
 
+    def _stale(self, member: Member) -> bool:
+        """Whether ``member`` is a life that ended before we forgot it (lock held)."""
+        return member.since < self._forgotten.get(member.id, -1)
+
     def replace_all(self, members: list[Member]) -> None:
         """Adopt another peer's table wholesale (rejoining after this peer was dropped)."""
         with self._lock:
-            self._members = {m.id: m for m in members}
+            self._members = {m.id: m for m in members[: self.limit]}
             self._left = {i: why for i, why in self._left.items() if i in self._members}
+            for i in self._members:
+                self._forgotten.pop(i, None)
+
+    def forget(self, peer_id: int) -> Member | None:
+        """Remove an ended entry (no heartbeats, no socket for it any more) and keep a
+        tombstone, so a stale table cannot bring that life back; returns the entry."""
+        with self._lock:
+            member = self._members.get(peer_id)
+            if member is None or member.until is None:
+                return None
+            del self._members[peer_id]
+            self._left.pop(peer_id, None)
+            self._forgotten[peer_id] = member.until
+            while len(self._forgotten) > self.limit:
+                self._forgotten.popitem(last=False)
+            return member
 
     def end(self, peer_id: int, until: int) -> Member | None:
         """Take ``peer_id`` out of the topology from round ``until``; returns the changed

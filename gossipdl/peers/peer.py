@@ -13,7 +13,7 @@ import math
 import random
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -34,12 +34,15 @@ from gossipdl.coordinator.ring import (
 )
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
 from gossipdl.peers.inbox import Inbox
-from gossipdl.peers.membership import Member, Membership, parse_members
+from gossipdl.peers.membership import MAX_ID, MAX_MEMBERS, Member, Membership, parse_members
 from gossipdl.topologies import Topology, build_topology
 from gossipdl.transport import Message, Transport, WireError, encode
+from gossipdl.transport.addresses import check_address
+from gossipdl.transport.asked import NONCE, Asked, echoed_nonce
 from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
-from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
+from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import LinkProfile
+from gossipdl.transport.sockets import MAX_QUEUED_BYTES
 from gossipdl.transport.wire import meta_int
 
 log = logging.getLogger(__name__)
@@ -51,9 +54,18 @@ LOSSY_KINDS = frozenset({"params", "public", "reply", "walk"})  # ``loss`` may d
 COMPRESSED_KINDS = frozenset({"params", "reply", "walk"})  # travel through the swarm's codec
 WALK_AGE = "_age"  # meta key of a walking model's age, next to the codec's own meta
 SYNC_AT = "_sync_at"  # meta key of the sync rounds a dynamic-trigger message announces
-PEER_META = frozenset({WALK_AGE, SYNC_AT})  # the peer's meta keys, not the codec's
+PEER_META = frozenset({WALK_AGE, SYNC_AT, NONCE})  # the peer's meta keys, not the codec's
 MAX_ALARMS = 64  # more pending syncs than this in one message is a malformed message
 MAX_WALKS = 64  # walking models queued for the next merge; more are dropped
+# Limits on what a remote sender can make a peer hold or do; each drop is counted by reason.
+MAX_RESYNC_AHEAD = 100_000  # a resync asked for a round further ahead: ``resync_too_far``
+MAX_RESYNCS_PER_SENDER = 8  # resyncs one neighbour may have pending: ``too_many_pending``
+MAX_ANSWER_RATE = 20.0  # answers to join/info requests per second, all senders together:
+#                         a request names its reply address, so this bounds how hard a stream
+#                         of requests can make a peer dial a third party (``answer_rate``)
+MAX_STRANGER_SOCKETS = 64  # connections beyond one per member (replies to joiners, probes)
+FORGET_AFTER_S = 600.0  # an ended member silent this long is forgotten: no more heartbeats
+MAX_TOPOLOGIES = 16  # topologies kept built, one per member set seen (churn makes new ones)
 
 
 class PeerError(RuntimeError):
@@ -73,12 +85,6 @@ def outranks(side: set[int], other: set[int]) -> bool:
     if not other:
         return True
     return (len(side), -min(side)) > (len(other), -min(other))
-
-
-def _address(value: Any, what: str) -> str:
-    if not (isinstance(value, str) and value.startswith("tcp://") and len(value) < 300):
-        raise WireError("bad_meta", f"{what} {value!r} is not a tcp:// address")
-    return value
 
 
 class Peer:
@@ -116,6 +122,12 @@ class Peer:
     admits only the allow-listed keys. ``link`` emulates a slow access link
     (bandwidth, latency, jitter, loss, offline windows counted from the moment
     the swarm formed) in user space.
+
+    Nothing a remote sender says can grow the peer without bound: the member
+    table holds at most ``max_members`` entries, an ended member silent for
+    ``forget_after`` seconds is forgotten, at most ``max_queued_bytes`` wait
+    to go to any one destination, and the module's ``MAX_*`` limits bound the
+    rest; each refused message is counted by its reason in ``stats()``.
 
     Example (run once per rank, e.g. ``python train.py 0`` .. ``python train.py 3``)::
 
@@ -160,6 +172,9 @@ class Peer:
         swarm_config: dict[str, Any] | None = None,
         on_members: Callable[[list[Member]], None] | None = None,
         on_listening: Callable[[str], None] | None = None,
+        max_members: int = MAX_MEMBERS,
+        forget_after: float = FORGET_AFTER_S,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
     ) -> None:
         if peers is not None and (rank is None or not 0 <= rank < len(peers)):
             raise ValueError(f"rank must be in 0..{len(peers) - 1} when peers is given, got {rank}")
@@ -174,6 +189,11 @@ class Peer:
             raise ValueError(
                 f"heartbeat = {heartbeat}s, dead_after = {dead_after}s: a peer is declared dead "
                 "after several missed heartbeats, so 0 < heartbeat < dead_after"
+            )
+        if max_members < 1 or forget_after <= 0:
+            raise ValueError(
+                f"max_members = {max_members}, forget_after = {forget_after}s; "
+                "both must be positive"
             )
         self.model = model
         self.optimizer = optimizer
@@ -205,56 +225,76 @@ class Peer:
         self.join_margin_rounds = join_margin_rounds
         self.heartbeat = heartbeat
         self.dead_after = dead_after
-        self.declared_dead = 0
-        self.rejoins = 0
-        self._known_at: dict[int, float] = {}  # id -> when the watch thread first saw it
-        self._heard: dict[int, float] = {}  # id -> when its last accepted message came
-        self._away_until = 0.0  # the last moment the device was offline: it heard nothing then
-        self._sent: dict[int, float] = {}  # id -> when we last sent it anything
-        self._rejoin_via: str | None = None  # a live member that says we were dropped
-        self._wanted_id = rank  # the id asked for (None: any); asked again if ours goes to another
-        self._sent_round = -1  # the last round whose messages all went out (heartbeats say it)
-        self._resuming = resume_step is not None
+        self.forget_after = forget_after
         self.curve = curve
         self._key = curve.public if curve is not None else ""
         self.swarm_config = swarm_config or {}
-        self.membership = Membership()
+        self._on_members = on_members
+        self._loss = loss
+        # Who owns what. Four threads touch a peer: training (step, gossip, forming), receive
+        # (the transport's, running _on_message), watch (heartbeats, deaths) and send (the
+        # transport's, owning the sockets). Each field below is either owned by one thread,
+        # guarded by the lock named next to it, or an object with a lock of its own
+        # (Membership, Inbox, Asked, the transport's stats). Ints and references other
+        # threads only read (round, id, started, _sent_round, _published) are written whole
+        # by their owner; a reader sees the old or the new value, never a mix.
+        self.membership = Membership(limit=max_members)  # own lock
+        self._inbox = Inbox(keep_late=self.averager.accepts_late)  # own lock
+        self._answers = Inbox(keep_late=self.averager.accepts_late)  # own lock; dynamic, phase 2
+        self._asked = Asked()  # own lock: nonces of our requests and their answers
+        # -- written by the training thread (others read) --
         self.id = -1
         self.round = 0
         self.steps = resume_step or 0
-        self.syncs = 0
-        self.model_messages_sent = 0
-        self.age = self.steps
         self.started = False
+        self._sent_round = -1  # the last round whose messages all went out (heartbeats say it)
+        self._first_round = 0
+        self._first_wait = 0.0
+        # -- training thread only --
+        self.syncs = 0
+        self.age = self.steps
         self.neighbour_misses = 0
         self.idle_s = 0.0
-        self._on_members = on_members
-        self._inbox = Inbox(keep_late=self.averager.accepts_late)
-        self._answers = Inbox(keep_late=self.averager.accepts_late)  # dynamic trigger, phase 2
-        self._walks: deque[tuple[torch.Tensor, int]] = deque()
-        self._walk_rng = random.Random(seed * 104729 + (rank or 0))
-        self._loss = loss
-        self._loss_rng = random.Random(seed * 7919 + (rank or 0))
         self.resyncs = 0
-        self._first_round = 0
+        self.rejoins = 0
+        self._wanted_id = rank  # the id asked for (None: any); asked again if ours goes to another
+        self._resuming = resume_step is not None
         self._resync_at: set[int] = set()
-        self._dense_for: dict[int, set[int]] = {}
-        self._dense_lock = threading.Lock()
-        self._last_seq: dict[int, int] = {}
-        self._gap = False
         self._last_ids: tuple[int, ...] | None = None
-        self._ready_from: set[int] = set()
-        self._replies: dict[str, Message] = {}
-        self._changed = threading.Condition()
-        self._seq: Counter[int] = Counter()
+        self._topologies: OrderedDict[tuple[int, ...], Topology] = OrderedDict()
+        self._walk_rng = random.Random(seed * 104729 + (rank or 0))
+        self._loss_rng = random.Random(seed * 7919 + (rank or 0))
+        self._round_times: deque[float] = deque(maxlen=32)  # read by others as a copy
+        self._reference = self._flat()  # dynamic trigger: the model agreed at the last sync
+        # (round, model at its start): what a model request gets, a tensor nobody writes to
+        self._published: tuple[int, torch.Tensor] = (0, self._reference.clone())
+        # -- receive thread only --
+        self._answer_budget = RateLimiter(MAX_ANSWER_RATE)
+        self._walks: deque[tuple[torch.Tensor, int]] = deque()  # deque: thread-safe handoff
+        # -- watch thread only --
+        self.declared_dead = 0
+        self._known_at: dict[int, float] = {}  # id -> when the watch thread first saw it
+        self._away_until = 0.0  # the last moment the device was offline: it heard nothing then
+        # -- guarded by _lock (written by several threads) --
+        self._lock = threading.Lock()
+        self._heard: dict[int, float] = {}  # id -> when its last accepted message came
+        self._sent: dict[int, float] = {}  # id -> when we last sent it anything
+        self._last_seq: dict[int, int] = {}  # id -> the last sequence number accepted from it
+        self._gap = False  # a message was lost: resync (set by receive, taken by training)
+        # -- handoffs: set once by the receive thread, acted on by the training thread --
+        self._rejoin_via: str | None = None  # a live member that says we were dropped; set
+        #                                      only while None, cleared once the rejoin is done
+        self._failure: BaseException | None = None  # why the receive thread stopped: stop too
+        # -- guarded by the lock next to them --
+        self._seq: Counter[int] = Counter()  # _seq_lock, with model_messages_sent
         self._seq_lock = threading.Lock()
-        self._topologies: dict[tuple[int, ...], Topology] = {}
-        self._latest = self._flat()
-        self._reference = self._latest.clone()  # dynamic trigger: the model agreed at the last sync
-        self._alarms: set[int] = set()  # dynamic trigger: rounds at which the swarm syncs
+        self.model_messages_sent = 0
+        self._dense_for: dict[int, set[int]] = {}  # _dense_lock: round -> who asked a resync
+        self._dense_lock = threading.Lock()
+        self._alarms: set[int] = set()  # _alarm_lock: dynamic trigger, rounds the swarm syncs
         self._alarm_lock = threading.Lock()
-        self._round_times: deque[float] = deque(maxlen=32)
-        self._first_wait = 0.0
+        self._ready_from: set[int] = set()  # _changed, which also wakes waits on the table
+        self._changed = threading.Condition()
         self._closed = False
         self._watch_stop = threading.Event()
         if listen is None:
@@ -270,6 +310,9 @@ class Peer:
             curve=curve,
             link=link,
             seed=seed * 7919 + (rank or 0),
+            max_queued_bytes=max_queued_bytes,
+            max_sockets=max_members + MAX_STRANGER_SOCKETS,
+            on_failure=self._stop_on_failure,
         )
         self.address = self.transport.address
         self._entry_address = self.address  # ours in the member table (a given list may differ)
@@ -292,6 +335,7 @@ class Peer:
         With the default trigger ``always`` every step ends a round; with
         ``periodic:H`` or ``dynamic:DELTA:B`` every H-th (B-th) step does.
         """
+        self._check_failure()
         if self.reduces_gradients:
             self._allreduce_gradients()
         if self.optimizer is not None:
@@ -313,6 +357,7 @@ class Peer:
     @torch.no_grad()
     def gossip(self) -> None:
         """One gossip round: synchronous with this round's neighbours, or one step of a walk."""
+        self._check_failure()
         if self._lost_id():
             self._join_again()
         elif self._rejoin_via is not None:
@@ -327,9 +372,10 @@ class Peer:
             else:
                 round_ = self._dynamic_round if self.trigger.dynamic else self._sync_round
                 new = round_(x, self._round(t))
-            vector_to_parameters(new, self.params)
-            self._latest = new
+            self._set_params(new)
         self.round = t + 1
+        if not self.reduces_gradients:
+            self._published = (self.round, new)
         self._inbox.advance(self.round)
         self._answers.advance(self.round)
         self._round_times.append(time.monotonic())
@@ -534,11 +580,17 @@ class Peer:
         if first:
             timeout, self._first_wait = self._first_wait or self.round_timeout, 0.0
 
-        def waiting_for() -> set[int]:  # nobody, once we know we must rejoin or are away
-            away = self._rejoin_via is not None or self._lost_id() or not self.transport.online
+        def waiting_for() -> set[int]:  # nobody, once we know we must rejoin, are away or broke
+            away = (
+                self._rejoin_via is not None
+                or self._lost_id()
+                or not self.transport.online
+                or self._failure is not None
+            )
             return set() if away else set(self._live(expected))
 
         got = inbox.wait(t, waiting_for, timeout)
+        self._check_failure()
         waited = time.monotonic() - started
         self.idle_s += waited
         late_ones = [j for j in self._live(expected) if j not in got]
@@ -581,7 +633,25 @@ class Peer:
             "declared_dead": self.declared_dead,
             "rejoins": self.rejoins,
             "online": self.transport.online,
+            "sockets": self.transport.open_sockets,
         }
+
+    def _stop_on_failure(self, exc: BaseException) -> None:
+        """The receive thread met an error that is not a bad message (a bug, memory ran out):
+        wake every wait, so the training thread stops with it (``_check_failure``)."""
+        self._failure = exc
+        with self._changed:
+            self._changed.notify_all()
+        self._inbox.notify()
+        self._answers.notify()
+
+    def _check_failure(self) -> None:
+        """Raise PeerError if the receive thread stopped on an error (traceback logged)."""
+        if self._failure is not None:
+            raise PeerError(
+                f"peer {self.id}: stopped, because handling a message failed with "
+                f"{type(self._failure).__name__}: {self._failure} (traceback in the log above)"
+            )
 
     def close(self, reason: str = "") -> None:
         """Tell the swarm this peer stopped (and why, e.g. an error), flush queued messages
@@ -626,8 +696,8 @@ class Peer:
             while True:  # again if our id goes to another newcomer meanwhile
                 self.id, self.started = -1, False
                 welcome = self._join(bootstrap, rank, rejoin=self._resuming)
-                self.id = int(welcome.meta["id"])
-                self._merge(parse_members(welcome.meta["members"]))
+                self.id = welcome.meta["id"]  # checked with the welcome
+                self._merge(parse_members(welcome.meta["members"], self.membership.limit))
                 me = self.membership.get(self.id)
                 if me is None or me.since == 0:
                     self._await_formation(min_peers or 2)
@@ -653,19 +723,31 @@ class Peer:
                     )
             self.started = True
         neighbours = set(self._mixing(0)[0])
-        for j in neighbours:
-            self._send(j, "ready", meta={"members": self.membership.wire()})
-        with self._changed:
-            while not neighbours <= self._ready_from:
-                if self._lost_id():
-                    return
-                if not self._changed.wait(max(0.0, deadline - time.monotonic())):
-                    absent = sorted(neighbours - self._ready_from)
-                    where = ", ".join(f"{j} at {self.membership.get(j)}" for j in absent)
-                    raise PeerError(
-                        f"peer {self.id}: neighbours never reported ready within "
-                        f"{self.startup_timeout:.0f}s: {where}"
-                    )
+        # Said again every second to the neighbours not ready yet, which answer with theirs:
+        # one that did not know us when ours came dropped it (only members speak for the
+        # swarm), and so did we with one that came before we knew its sender.
+        while True:
+            with self._changed:
+                absent = sorted(neighbours - self._ready_from)
+            if not absent or self._lost_id():
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                where = ", ".join(f"{j} at {self.membership.get(j)}" for j in absent)
+                raise PeerError(
+                    f"peer {self.id}: neighbours never reported ready within "
+                    f"{self.startup_timeout:.0f}s: {where}"
+                )
+            for j in absent:
+                self._send(j, "ready", meta={"members": self.membership.wire()})
+            with self._changed:
+                self._changed.wait_for(
+                    lambda: neighbours <= self._ready_from or self._failure is not None,
+                    min(_RETRY_S, left),
+                )
+            self._check_failure()
+        if self._lost_id():
+            return
         log.info(
             "peer %d: swarm of %d formed; neighbours %s", self.id, min_peers, sorted(neighbours)
         )
@@ -724,11 +806,12 @@ class Peer:
     def _start_again(self, welcome: Message) -> None:
         """Take up the id, table, round and step count a member's welcome gives a peer that
         trained before; it keeps its model."""
-        self.id = int(welcome.meta["id"])
-        self.membership.replace_all(parse_members(welcome.meta["members"]))
+        self.id = welcome.meta["id"]  # checked with the welcome
+        self.membership.replace_all(parse_members(welcome.meta["members"], self.membership.limit))
         self._learn_keys(self.membership.members())
         now = time.monotonic()
-        self._heard = {m.id: now for m in self.membership.members()}  # silent while apart
+        with self._lock:  # silent while apart
+            self._heard = {m.id: now for m in self.membership.members()}
         me = self.membership.get(self.id)
         assert me is not None
         self._inbox.move_to(me.since)  # keep what arrives for our first round from now on
@@ -746,19 +829,26 @@ class Peer:
             member = self.membership.get(j)
             assert member is not None
             try:
-                reply = self._request(member.address, "model_request", {}, "model", timeout=10.0)
+                reply = self._request(
+                    member.address, "model_request", {}, "model", timeout=10.0, key=member.key
+                )
+                model = self._decode(reply, dense=True) if take_model else None
             except PeerError as exc:
                 if self._lost_id():
                     return  # the caller asks for another id
                 log.warning("peer %d: neighbour %d did not send its model: %s", self.id, j, exc)
                 continue
+            except WireError as exc:
+                self.transport.stats.drop(exc.reason)
+                log.warning("peer %d: neighbour %d sent an unusable model: %s", self.id, j, exc)
+                continue
             self.round = self._first_round = max(since, reply.round)
-            if take_model:
+            if model is not None:
                 with torch.no_grad():
-                    vector_to_parameters(self._decode(reply, dense=True), self.params)
+                    self._set_params(model)
                 self.steps = self.age = self.round * self.trigger.period
-            self._latest = self._flat()
-            self._reference = self._latest.clone()
+            self._reference = self._flat()
+            self._published = (self.round, self._reference.clone())
             self._last_ids = None
             self._inbox.move_to(self.round)
             self._answers.move_to(self.round)
@@ -786,39 +876,57 @@ class Peer:
         reply: str,
         timeout: float | None = None,
         try_keys: bool = False,
+        key: str = "",
     ) -> Message:
-        """Send ``kind`` to ``address`` every second until a ``reply`` arrives. With CURVE and
-        ``try_keys`` (a bootstrap address, whose key we do not know yet), each try uses the
-        next key of the allow-list: only the right one gets through the handshake."""
+        """Send ``kind`` to ``address`` every second until a ``reply`` arrives over ``key``
+        (the member's CURVE key, "" without CURVE). With CURVE and ``try_keys`` (a bootstrap
+        address, whose key we do not know yet), each try uses the next key of the allow-list:
+        only the right one gets through the handshake. Each try carries a fresh nonce; only
+        a reply that echoes one of ours counts (:class:`Asked`)."""
         deadline = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
-        with self._changed:
-            self._replies.pop(reply, None)
         rotate = self.curve if try_keys else None
-        tries = 0
-        while time.monotonic() < deadline:
-            if rotate is not None:
-                self.transport.set_key(address, listed_key(rotate, tries))
-            tries += 1
-            frames = encode(kind, self.id, 0, self.round, meta=meta)
-            self.transport.send(address, frames)
-            wait = KEY_TRY_S if rotate is not None else _RETRY_S
-            with self._changed:
-                self._changed.wait_for(
-                    lambda: reply in self._replies or self._lost_id(),
-                    min(wait, deadline - time.monotonic()),
-                )
-                if reply in self._replies:
-                    return self._replies.pop(reply)
-            if self._lost_id():
-                raise PeerError(f"peer {self.id}: our id went to another newcomer")
+        nonces: list[str] = []
+
+        def done() -> bool:
+            answered = self._asked.answer(nonces) is not None
+            return answered or self._lost_id() or self._failure is not None
+
+        try:
+            while time.monotonic() < deadline:
+                if rotate is not None:
+                    key = listed_key(rotate, len(nonces))
+                    self.transport.set_key(address, key)
+                nonces.append(self._asked.ask(reply, key))
+                frames = encode(kind, self.id, 0, self.round, meta={**meta, NONCE: nonces[-1]})
+                self.transport.send(address, frames)
+                wait = KEY_TRY_S if rotate is not None else _RETRY_S
+                with self._changed:
+                    self._changed.wait_for(done, min(wait, deadline - time.monotonic()))
+                answer = self._asked.answer(nonces)
+                if answer is not None:
+                    return answer
+                self._check_failure()
+                if self._lost_id():
+                    raise PeerError(f"peer {self.id}: our id went to another newcomer")
+        finally:
+            self._asked.close(nonces)
         raise PeerError(
             f"no {reply!r} from {address} within the timeout; is a gossipdl peer listening there?"
         )
 
     # ----------------------------------------------------------------- helpers
     def _flat(self) -> torch.Tensor:
+        """A copy of the parameters as one vector."""
         with torch.no_grad():
             return parameters_to_vector(self.params)
+
+    def _set_params(self, flat: torch.Tensor) -> None:
+        """Copy ``flat`` into the parameters (which never become views of it, unlike with
+        ``vector_to_parameters``: ``flat`` may be published, and training must not write it)."""
+        offset = 0
+        for p in self.params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
     def _mixing(self, round: int) -> tuple[dict[int, float], float]:
         """Neighbour id -> weight, and the self weight, for ``round``."""
@@ -830,13 +938,17 @@ class Peer:
         return {ids[p]: w for p, w in row.items() if p != me}, row.get(me, 0.0)
 
     def _topology(self, ids: list[int]) -> Topology:
-        """The swarm's topology over the members ``ids`` (built once per member set)."""
+        """The swarm's topology over the members ``ids`` (built once per member set; the
+        ``MAX_TOPOLOGIES`` most recently used are kept)."""
         key = tuple(ids)
         topology = self._topologies.get(key)
         if topology is None:
             topology = self._topologies[key] = build_topology(
                 self.topology_spec, len(ids), self.seed
             )
+            while len(self._topologies) > MAX_TOPOLOGIES:
+                self._topologies.popitem(last=False)
+        self._topologies.move_to_end(key)
         return topology
 
     def _send(
@@ -852,12 +964,13 @@ class Peer:
         member = self.membership.get(peer_id)
         if member is None or self._lost_id():
             return
-        self._sent[peer_id] = time.monotonic()  # it needs no heartbeat for a while
+        with self._lock:
+            self._sent[peer_id] = time.monotonic()  # it needs no heartbeat for a while
         with self._seq_lock:
             self._seq[peer_id] += 1
             seq = self._seq[peer_id]
-        if kind in MODEL_KINDS:
-            self.model_messages_sent += 1
+            if kind in MODEL_KINDS:
+                self.model_messages_sent += 1
         if kind in LOSSY_KINDS and self._loss and self._loss_rng.random() < self._loss:
             self.transport.stats.drop("injected_loss")  # the receiver sees a gap in ``seq``
             return
@@ -869,11 +982,21 @@ class Peer:
         )
         self.transport.send(member.address, frames)
 
-    def _decode(self, msg: Message, dense: bool) -> torch.Tensor:
-        """A received model payload as a tensor on this peer's device; WireError if unusable."""
+    def _admit(self, inbox: Inbox, msg: Message, dense: bool = False) -> torch.Tensor:
+        """``msg``'s payload decoded, once ``inbox`` would keep it: the header's cheap checks
+        first, then the inbox's admission, and only then the decode to full size."""
+        self._check_codec(msg, dense)
+        inbox.admit(msg.sender, msg.round)
+        return self._decode(msg, dense)
+
+    def _check_codec(self, msg: Message, dense: bool) -> None:
         expected = "none" if dense else self.codec
         if msg.codec != expected:
             raise WireError("bad_codec", f"codec {msg.codec!r}, this swarm uses {expected!r}")
+
+    def _decode(self, msg: Message, dense: bool) -> torch.Tensor:
+        """A received model payload as a tensor on this peer's device; WireError if unusable."""
+        self._check_codec(msg, dense)
         meta = {k: v for k, v in msg.meta.items() if k not in PEER_META}
         try:
             return self.averager.decode(
@@ -886,16 +1009,18 @@ class Peer:
         """Per-sender sequence numbers have no gaps unless a message was lost or refused."""
         if msg.seq <= 0:
             return
-        last = self._last_seq.get(msg.sender)
+        with self._lock:
+            last = self._last_seq.get(msg.sender)
+            self._last_seq[msg.sender] = max(msg.seq, last or 0)
+            if last is not None and msg.seq > last + 1:
+                self._gap = True
         if last is not None and msg.seq > last + 1:
-            self._gap = True
             log.warning(
                 "peer %d: %d message(s) from peer %d were lost",
                 self.id,
                 msg.seq - last - 1,
                 msg.sender,
             )
-        self._last_seq[msg.sender] = max(msg.seq, last or 0)
 
     def _round(self, t: int) -> Round:
         """This peer's view of round ``t``: mixing weights, and whether it resyncs."""
@@ -933,9 +1058,10 @@ class Peer:
     def _request_resync(self) -> None:
         """Ask every neighbour for its dense public copy two rounds from now."""
         target = self.round + 2
-        self._gap = False
+        with self._lock:
+            self._gap = False
         self.averager.needs_resync = False
-        self._resync_at.add(target)
+        self._resync_at = {r for r in self._resync_at if r >= self.round} | {target}
         self.resyncs += 1
         for j in self._mixing(target)[0]:
             self._send(j, "resync_request", meta={"round": target})
@@ -949,7 +1075,8 @@ class Peer:
         for member in changed:
             if member.until is None:  # new, or back: its rounds and its silence start over
                 self._inbox.forget(member.id)
-                self._heard[member.id] = now
+                with self._lock:
+                    self._heard[member.id] = now
             old = before[member.id]
             if old is not None and old.until is None and old.address != member.address:
                 self._lost_to(old, member)
@@ -1007,7 +1134,8 @@ class Peer:
                 log.exception("peer %d: error in the heartbeat thread; carrying on", self.id)
 
     def _watch_once(self) -> None:
-        """One pass of the watch thread: heartbeats due, members silent too long."""
+        """One pass of the watch thread: heartbeats due, members silent too long, ended
+        members silent for ``forget_after`` forgotten."""
         if self.id < 0 or self._lost_id():
             return
         now = time.monotonic()
@@ -1015,18 +1143,27 @@ class Peer:
             self._away_until = now
         me = self.membership.get(self.id)
         life = me.since if me is not None else 0  # which of our lives the heartbeat speaks for
+        with self._lock:
+            heard, sent = dict(self._heard), dict(self._sent)
         for member in self.membership.members():
             j = member.id
             known = self._known_at.setdefault(j, now)
-            if j == self.id or self.membership.why_left(j) is not None:
+            if j == self.id:
                 continue
             ended = member.until is not None
+            silent = now - max(heard.get(j, 0.0), known, self._away_until)
+            past = member.until is not None and member.until <= self.round
+            if past and silent > self.forget_after:
+                self._forget(j, silent)
+                continue
+            if self.membership.why_left(j) is not None:
+                continue
             every = self.heartbeat * (_DEAD_HEARTBEAT_EVERY if ended else 1)
             # New members get a moment for the news of them to reach everyone.
-            if now - known >= self.heartbeat and now - self._sent.get(j, 0.0) >= every:
-                self._sent[j] = now
+            if now - known >= self.heartbeat and now - sent.get(j, 0.0) >= every:
+                with self._lock:
+                    self._sent[j] = now
                 self._reply(member.address, "alive", sent=self._sent_round, life=life)
-            silent = now - max(self._heard.get(j, 0.0), known, self._away_until)
             if (
                 self.started
                 and not self.ring  # a ring stops on its own timeout, naming the dead peer
@@ -1035,6 +1172,27 @@ class Peer:
                 and silent > self.dead_after
             ):
                 self._declare_dead(j, silent)
+
+    def _forget(self, peer_id: int, silent: float) -> None:
+        """Forget a member that ended and stayed silent for ``forget_after``: no heartbeats,
+        no socket, no per-peer state for it any more (a tombstone keeps its life dead)."""
+        member = self.membership.forget(peer_id)
+        if member is None:
+            return
+        self._known_at.pop(peer_id, None)
+        with self._lock:
+            for clock in (self._heard, self._sent, self._last_seq):
+                clock.pop(peer_id, None)
+        self._inbox.forget(peer_id)
+        self._answers.forget(peer_id)
+        self.transport.forget_key(member.address)
+        log.info(
+            "peer %d: forgot peer %d (out since round %s, silent for %.0fs)",
+            self.id,
+            peer_id,
+            member.until,
+            silent,
+        )
 
     def _declare_dead(self, peer_id: int, silent: float) -> None:
         """Drop a silent member from the topology a few rounds ahead and tell the others."""
@@ -1101,41 +1259,50 @@ class Peer:
 
     # ----------------------------------------------------------------- receive thread
     def _on_message(self, msg: Message) -> None:
-        """Validate ``msg`` against the swarm state and act on it; WireError drops it."""
+        """Validate ``msg`` against the swarm state and act on it; WireError drops it.
+
+        Joins and info requests come from strangers by nature; welcomes and models must
+        answer a request of ours (:class:`Asked`); everything else, member tables included,
+        must come from a member, over that member's key when CURVE is on."""
         if msg.kind == "join":
             self._on_join(msg)
             return
         if msg.kind == "info_request":
-            address = _address(msg.meta.get("address"), "reply address")
-            if msg.key:
-                self.transport.set_key(address, msg.key)
-            self._reply(address, "info", members=self.membership.wire(), config=self.swarm_config)
+            address = self._reply_address(msg, "reply address")
+            nonce = self._answer_token(msg)
+            members = self.membership.wire()
+            self._reply(address, "info", members=members, config=self.swarm_config, nonce=nonce)
             return
-        if msg.kind == "welcome":  # from a member we may not know yet: checked here, merged
-            parse_members(msg.meta.get("members"))  # by the joiner
-            with self._changed:
-                self._replies[msg.kind] = msg
-                self._changed.notify_all()
+        if msg.kind in ("welcome", "model"):
+            table = self._check_welcome(msg) if msg.kind == "welcome" else []
+            if self._asked.take(msg):
+                # The member we asked speaks for the swarm: its table is ours before anything
+                # its members send us next (they may announce us before we read the welcome).
+                self._merge(table)
+                with self._changed:
+                    self._changed.notify_all()
             return
-        if msg.kind in ("ready", "members", "dropped"):
-            self._hear_table(msg.sender, parse_members(msg.meta.get("members")))
         sender = self.membership.get(msg.sender)
         if sender is None:
             raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
         if sender.key != msg.key:  # CURVE: the connection's key must be the member's
             raise WireError("wrong_key", f"{msg.kind} claims to be peer {msg.sender}")
-        self._heard[msg.sender] = time.monotonic()
+        if msg.kind in ("ready", "members", "dropped"):
+            table = parse_members(msg.meta.get("members"), self.membership.limit)
+            self._hear_table(msg.sender, table)
+        with self._lock:
+            self._heard[msg.sender] = time.monotonic()
         if msg.kind == "alive":
             self._hear_heartbeat(msg, sender)
         if msg.kind in ("params", "public", "quiet", "reply"):
             self._hear_alarms(msg)
         if msg.kind in ("params", "public"):
             dense = msg.kind == "public"
-            self._inbox.put(msg.sender, msg.round, (self._decode(msg, dense), dense))
+            self._inbox.put(msg.sender, msg.round, (self._admit(self._inbox, msg, dense), dense))
         elif msg.kind == "quiet":
             self._inbox.put(msg.sender, msg.round, (None, False))
         elif msg.kind == "reply":
-            self._answers.put(msg.sender, msg.round, (self._decode(msg, False), False))
+            self._answers.put(msg.sender, msg.round, (self._admit(self._answers, msg), False))
         elif msg.kind == "chunk":
             if not self.ring:
                 raise WireError("unexpected", "a chunk, but this swarm does not all-reduce")
@@ -1147,19 +1314,21 @@ class Peer:
                 raise WireError("too_many_pending", f"{MAX_WALKS} walking models already queued")
             self._walks.append((self._decode(msg, False), age))
         elif msg.kind == "resync_request":
-            wanted = meta_int(msg.meta, "round", "resync round", minimum=None)
-            with self._dense_lock:
-                self._dense_for.setdefault(max(wanted, self.round + 1), set()).add(msg.sender)
+            self._hear_resync_request(msg)
         elif msg.kind == "ready":
             with self._changed:
                 self._ready_from.add(msg.sender)
                 self._changed.notify_all()
-        elif msg.kind == "model":
-            with self._changed:
-                self._replies[msg.kind] = msg
-                self._changed.notify_all()
+            if self.started and msg.meta.get("answer") is not True:  # it may not have ours:
+                # we may have said it before we knew the sender, and been dropped then
+                meta = {"members": self.membership.wire(), "answer": True}
+                self._send(msg.sender, "ready", meta=meta)
         elif msg.kind == "model_request":
-            self._send(msg.sender, "model", round=self.round, payload=dense_payload(self._latest))
+            if self.reduces_gradients:
+                raise WireError("unexpected", "a ring all-reduce of gradients sends no models")
+            round_, model = self._published  # one reference read: a round and its model
+            meta = {NONCE: echoed_nonce(msg.meta)}
+            self._send(msg.sender, "model", round=round_, payload=dense_payload(model), meta=meta)
         elif msg.kind == "leave":
             reason = msg.meta.get("reason", "")
             reason = reason[:500] if isinstance(reason, str) else ""
@@ -1176,6 +1345,36 @@ class Peer:
                 reason,
             )
         self._track_seq(msg)  # only messages that were accepted: a dropped one leaves a gap
+
+    def _check_welcome(self, msg: Message) -> list[Member]:
+        """A welcome names our id (at most ``MAX_ID``) and its member table (returned), or
+        says why we may not join (no table returned)."""
+        table = parse_members(msg.meta.get("members"), self.membership.limit)
+        if "error" in msg.meta:
+            if not isinstance(msg.meta["error"], str):
+                raise WireError("bad_meta", "a welcome's error is not text")
+            return []
+        if meta_int(msg.meta, "id", "welcome id") > MAX_ID:
+            raise WireError("bad_meta", f"welcome id {msg.meta['id']} is above {MAX_ID}")
+        return table
+
+    def _hear_resync_request(self, msg: Message) -> None:
+        """Note that the sender wants our dense public copy at a round: at most
+        ``MAX_RESYNC_AHEAD`` rounds ahead, ``MAX_RESYNCS_PER_SENDER`` pending per sender."""
+        wanted = meta_int(msg.meta, "round", "resync round", minimum=None)
+        if wanted > self.round + MAX_RESYNC_AHEAD:
+            raise WireError(
+                "resync_too_far",
+                f"a resync at round {wanted}, more than {MAX_RESYNC_AHEAD} rounds after ours "
+                f"({self.round})",
+            )
+        with self._dense_lock:
+            pending = sum(msg.sender in who for who in self._dense_for.values())
+            if pending >= MAX_RESYNCS_PER_SENDER:
+                raise WireError(
+                    "too_many_pending", f"{pending} resyncs of this sender already pending"
+                )
+            self._dense_for.setdefault(max(wanted, self.round + 1), set()).add(msg.sender)
 
     def _hear_heartbeat(self, msg: Message, sender: Member) -> None:
         """A heartbeat says which round the sender last sent: a model of that round not here
@@ -1194,14 +1393,33 @@ class Peer:
         """Answer someone who is not a member yet: straight to its address, no sequence number."""
         self.transport.send(address, encode(kind, self.id, 0, self.round, meta=meta))
 
+    def _reply_address(self, msg: Message, what: str) -> str:
+        """The address a request asks us to answer at, checked like any member's address,
+        with the key the request came over (CURVE) to reach it."""
+        address = check_address(msg.meta.get("address"), what)
+        if msg.key:
+            self.transport.set_key(address, msg.key)
+        return address
+
+    def _answer_token(self, msg: Message) -> str:
+        """The nonce to answer request ``msg`` with, before anything is done for it; at most
+        ``MAX_ANSWER_RATE`` requests a second are answered, all senders together
+        (``answer_rate``), so requests that name a third party's address cannot make this
+        peer flood it, nor grow its member table fast."""
+        nonce = echoed_nonce(msg.meta)
+        if not self._answer_budget.allow(b"", time.monotonic()):
+            raise WireError(
+                "answer_rate", f"over {MAX_ANSWER_RATE:g} answers a second; {msg.kind} ignored"
+            )
+        return nonce
+
     def _on_join(self, msg: Message) -> None:
         """Let a newcomer in, or a member back in (``rejoin``: restarted, or dropped while
         it was away): a new entry from a few rounds ahead, announced to everyone."""
-        address = _address(msg.meta.get("address"), "joiner address")
         if msg.meta.get("key", "") != msg.key:
             raise WireError("wrong_key", "the key a join names is not the one it connected with")
-        if msg.key:
-            self.transport.set_key(address, msg.key)
+        address = self._reply_address(msg, "joiner address")
+        nonce = self._answer_token(msg)
         want = msg.meta.get("want_id")
         rejoin = msg.meta.get("rejoin", False) is True
         member = self.membership.by_address(address)
@@ -1210,28 +1428,23 @@ class Peer:
         if again and rejoin and member is not None and member.since <= self.round:
             again = False  # a member back from a restart on the same address
         if member is None or not again:
-            if self.ring and self.started:
-                error = "a ring all-reduce cannot take members once it started; start all together"
-                self._reply(address, "welcome", error=error, members=self.membership.wire())
-                return
+            refused = self._join_refused(member, want, rejoin)
+            if refused is not None:
+                reason, error = refused
+                members = self.membership.wire()
+                self._reply(address, "welcome", error=error, members=members, nonce=nonce)
+                raise WireError(reason, f"join from {address} refused: {error}")
             if member is not None:
                 want = member.id
-            valid = want is None or (isinstance(want, int) and not isinstance(want, bool))
-            known = self.membership.get(want) if valid and want is not None else None
-            taken = known is not None and known.until is None and not rejoin
-            if not valid or (want is not None and want < 0) or taken:
-                why = f"id {want!r} is {'taken' if taken else 'not a non-negative integer'}"
-                error = f"{why}; choose another rank or leave it out"
-                self._reply(address, "welcome", error=error, members=self.membership.wire())
-                return
+            known = self.membership.get(want) if want is not None else None
             peer_id = want if want is not None else self.membership.next_id()
             since = self.round + self._join_margin() if self.started else 0
             if known is not None:  # a new life starts after the last one
                 since = max(since, known.until or 0, known.since + 1)
             member = Member(peer_id, address, since, key=msg.key)
             self._merge([member])
-            self._heard[peer_id] = time.monotonic()
-            self._announce()
+            with self._lock:
+                self._heard[peer_id] = time.monotonic()
             log.info(
                 "peer %d: %s %s as peer %d from round %d",
                 self.id,
@@ -1246,4 +1459,34 @@ class Peer:
             id=member.id,
             members=self.membership.wire(),
             config=self.swarm_config,
+            nonce=nonce,
         )
+        if not again:  # after the welcome: the newcomer takes our word once it has our table
+            self._announce()
+
+    def _join_refused(
+        self, member: Member | None, want: Any, rejoin: bool
+    ) -> tuple[str, str] | None:
+        """Why a join cannot be let in: the drop reason it is counted under and the error
+        the welcome says; None if it can."""
+        if self.ring and self.started:
+            error = "a ring all-reduce cannot take members once it started; start all together"
+            return "join_refused", error
+        if member is not None:
+            return None  # back on its own address, under its own id
+        if want is not None and not (
+            isinstance(want, int) and not isinstance(want, bool) and 0 <= want <= MAX_ID
+        ):
+            return "join_refused", f"id {want!r} is not an integer in 0..{MAX_ID}; give another"
+        known = self.membership.get(want) if want is not None else None
+        if known is not None and known.until is None and not rejoin:
+            return "join_refused", f"id {want} is taken; choose another rank or leave it out"
+        size = len(self.membership.members())
+        if known is None and size >= self.membership.limit:
+            return "too_many_members", (
+                f"the swarm's member table is full ({size} entries, max_members = "
+                f"{self.membership.limit}); start the swarm with a larger max_members"
+            )
+        if want is None and self.membership.next_id() > MAX_ID:
+            return "join_refused", f"no id left up to {MAX_ID}; give a free rank"
+        return None

@@ -162,6 +162,9 @@ def train_peer(
             swarm_config=to_dict(config),
             on_members=write_members,
             on_listening=on_listening,
+            max_members=config.max_members,
+            forget_after=config.forget_after,
+            max_queued_bytes=int(config.max_queued_mb * 2**20),
         )
     try:
         result = _loop(config, run, peer, dataset, device, stop)

@@ -27,6 +27,7 @@ from gossipdl.topologies.registry import (
     TopologyFactory,
     available_topologies,
     build_topology,
+    builtin_topology,
     register_topology,
 )
 
@@ -39,6 +40,7 @@ __all__ = [
     "TopologyFactory",
     "available_topologies",
     "build_topology",
+    "builtin_topology",
     "connected_components",
     "format_topology",
     "is_connected",

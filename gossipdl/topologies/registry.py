@@ -20,6 +20,7 @@ __all__ = [
     "TopologyFactory",
     "available_topologies",
     "build_topology",
+    "builtin_topology",
     "register_topology",
 ]
 
@@ -28,6 +29,7 @@ TopologyFactory = Callable[[int, str | None, int], Topology]
 
 _FACTORIES: dict[str, TopologyFactory] = {}
 _USAGE: dict[str, str] = {}
+_READS_A_FILE = frozenset({"edges"})  # families whose argument is a path on this machine
 _NAME = re.compile(r"[a-z0-9][a-z0-9_\-]*")
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
@@ -64,6 +66,20 @@ def register_topology(
 def available_topologies() -> list[str]:
     """Names accepted by :func:`build_topology`: built-ins first, then user-registered ones."""
     return list(_FACTORIES)
+
+
+def builtin_topology(spec: str) -> bool:
+    """Whether ``spec`` names a family registered in this process that reads no file
+    (``edges:PATH`` reads one, ``module.path:Class`` imports code): the only topologies
+    a config from another peer may name.
+
+    Example::
+
+        >>> builtin_topology("torus:4x4"), builtin_topology("edges:/etc/passwd")
+        (True, False)
+    """
+    head = spec.partition(":")[0].strip().lower()
+    return head in _FACTORIES and head not in _READS_A_FILE
 
 
 def _choices() -> str:

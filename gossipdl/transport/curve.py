@@ -12,7 +12,6 @@ before any message of it is read.
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,14 +100,3 @@ def listed_key(curve: Curve, attempt: int) -> str:
     (round robin, every ``KEY_TRY_S``): only the right one gets through the handshake."""
     keys = sorted(curve.allowed)
     return keys[attempt % len(keys)]
-
-
-def is_loopback(address: str) -> bool:
-    """Whether a ``tcp://host:port`` address only accepts connections from this machine."""
-    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

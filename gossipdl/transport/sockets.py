@@ -20,7 +20,7 @@ import queue
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,7 +28,8 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from gossipdl.transport.curve import Curve, is_loopback
+from gossipdl.transport.addresses import is_loopback
+from gossipdl.transport.curve import Curve
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import Link, LinkProfile
 from gossipdl.transport.wire import MAX_HEADER_BYTES, Message, WireError, decode
@@ -40,7 +41,16 @@ _POLL_MS = 50
 # _LINK_TIMEOUT_MS and dialled again every _CONNECT_TIMEOUT_MS, so traffic resumes within a
 # second or two of the link coming back instead of after TCP's retransmission back-off.
 _PING_MS, _LINK_TIMEOUT_MS, _CONNECT_TIMEOUT_MS = 1000, 3000, 1000
+_SWEEP_S = 1.0  # how often the send thread looks for idle connections to close
 _warned_plain = False  # the "no CURVE on a network address" warning goes out once
+# Bytes queued for one destination and not yet on the wire (handed to ZeroMQ, or held by an
+# emulated link): a slow or stalled receiver cannot grow the sender's memory beyond this. One
+# message always fits, however large. Drop reason ``send_queue_full``.
+MAX_QUEUED_BYTES = 256 * 2**20
+# Outgoing connections open at once; beyond it the least recently used one is closed, and what
+# it still queued is dropped (reason ``too_many_sockets``). ZeroMQ allows 1023 sockets per context.
+MAX_SOCKETS = 768
+IDLE_SOCKET_S = 30.0  # a connection unused this long is closed: nobody is dialled forever
 
 
 class TransportError(RuntimeError):
@@ -77,6 +87,27 @@ class TransportStats:
                 "handshakes_refused": self.handshakes_refused,
                 "messages_dropped": dict(self.dropped),
             }
+
+
+@dataclass
+class _Destination:
+    """What the send thread keeps per address: its DEALER (opened on first send, with the
+    server key it was opened for), when it was last used, and the bytes queued for it that
+    are not on the wire yet: held by an emulated link, or handed to ZeroMQ and not sent."""
+
+    socket: zmq.Socket | None = None
+    key: str = ""
+    used: float = 0.0
+    held: int = 0
+    in_zmq: deque[tuple[zmq.MessageTracker, int]] = field(default_factory=deque)
+    in_zmq_bytes: int = 0
+    warned: bool = False  # said its queue is full; again only after a message got through
+
+    def queued(self) -> int:
+        """Bytes not on the wire yet (ZeroMQ's finished messages are let go first)."""
+        while self.in_zmq and self.in_zmq[0][0].done:
+            self.in_zmq_bytes -= self.in_zmq.popleft()[1]
+        return self.held + self.in_zmq_bytes
 
 
 def _bind_spec(address: str) -> str:
@@ -123,8 +154,17 @@ class Transport:
     """Bind ``listen``, deliver every validated inbound message to ``on_message``.
 
     ``on_message`` runs on the receive thread; it may raise WireError to have
-    the message counted as dropped. ``send`` never blocks: a full queue to a
-    slow or dead destination drops the message and counts it.
+    the message counted as dropped. Any other exception is not a bad message
+    but a bug or an exhausted resource (out of memory): it is logged with its
+    traceback, kept as ``failure``, reported to ``on_failure``, and the
+    endpoint stops receiving, so its owner stops with a clear error instead
+    of running on half-broken.
+
+    ``send`` never blocks: a message for a destination that already has
+    ``max_queued_bytes`` not on the wire yet (a slow or stalled receiver) is
+    dropped and counted, as is one that meets a full ZeroMQ queue. At most
+    ``max_sockets`` outgoing connections are open; one unused for
+    ``IDLE_SOCKET_S`` is closed.
     """
 
     def __init__(
@@ -140,14 +180,26 @@ class Transport:
         curve: Curve | None = None,
         link: LinkProfile | None = None,
         seed: int = 0,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
+        max_sockets: int = MAX_SOCKETS,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
+        if max_queued_bytes < 1 or max_sockets < 1:
+            raise ValueError(
+                f"max_queued_bytes = {max_queued_bytes}, max_sockets = {max_sockets}; "
+                "both must be at least 1"
+            )
         self.stats = TransportStats()
+        self.failure: BaseException | None = None  # set by the receive thread, then it stops
+        self._on_failure = on_failure
         self._link = Link(link, seed) if link is not None and link.shaped else None
         self._curve = curve
         self._keys: dict[str, str] = {}  # address -> its public key (CURVE)
         self._keys_lock = threading.Lock()
         self._on_message = on_message
         self._max_message_bytes = max_message_bytes
+        self._max_queued_bytes = max_queued_bytes
+        self._max_sockets = max_sockets
         self._name = name
         self._send_hwm = send_hwm
         self._finite_checked_by = finite_checked_by
@@ -194,6 +246,7 @@ class Transport:
         self._outbox: queue.SimpleQueue[tuple[str, list[Any]] | threading.Event | None] = (
             queue.SimpleQueue()
         )
+        self._open_sockets = 0  # outgoing connections open now (the send thread's count)
         self._stop = threading.Event()
         self._recv_thread = threading.Thread(
             target=self._recv_loop, name=f"{name}-recv", daemon=True
@@ -209,6 +262,11 @@ class Transport:
         with self._keys_lock:
             self._keys[address] = key
 
+    def forget_key(self, address: str) -> None:
+        """Forget ``address``'s key (its member was forgotten): the key table stays bounded."""
+        with self._keys_lock:
+            self._keys.pop(address, None)
+
     def start_link_clock(self) -> None:
         """Count the emulated link's offline windows from now (the peer starts training)."""
         if self._link is not None:
@@ -218,6 +276,11 @@ class Transport:
     def online(self) -> bool:
         """Whether the emulated link is up now (always, without offline windows)."""
         return self._link is None or self._link.online(time.monotonic())
+
+    @property
+    def open_sockets(self) -> int:
+        """Outgoing connections open now (at most ``max_sockets``)."""
+        return self._open_sockets
 
     def send(self, address: str, frames: list[Any]) -> None:
         """Queue one message (header frame + buffer frames) for ``address``."""
@@ -240,26 +303,34 @@ class Transport:
             self._auth.stop()
         self._ctx.term()
 
+    # ----------------------------------------------------------------- send thread
     def _send_loop(self) -> None:
         """Send what is queued; through an emulated link, hold each message until the link
-        would have delivered it."""
-        dealers: dict[str, tuple[zmq.Socket, str]] = {}  # address -> (DEALER, its server key)
+        would have delivered it. Every destination's state belongs to this thread."""
+        destinations: OrderedDict[str, _Destination] = OrderedDict()  # least recent first
         held: list[tuple[float, int, str, list[Any]]] = []  # (arrival, order, address, frames)
         flushes: list[tuple[int, threading.Event]] = []  # set once held has no older message
         order = itertools.count()
+        swept = time.monotonic()
         try:
             while True:
                 while held and held[0][0] <= time.monotonic():
                     _, _, address, frames = heapq.heappop(held)
-                    self._send_now(dealers, address, frames)
+                    size = _size(frames)
+                    destination = destinations[address]
+                    destination.held -= size
+                    self._send_now(destinations, address, frames, size)
                 if flushes:  # rare (a peer's last line): keep the per-message path bare
                     oldest = min((o for _, o, _, _ in held), default=math.inf)
                     for flush in [f for f in flushes if f[0] < oldest]:
                         flushes.remove(flush)
                         flush[1].set()
-                wait = max(0.0, held[0][0] - time.monotonic()) if held else None
+                if time.monotonic() - swept >= _SWEEP_S:
+                    swept = time.monotonic()
+                    self._close_idle(destinations, swept)
+                wait = max(0.0, held[0][0] - time.monotonic()) if held else _SWEEP_S
                 try:
-                    item = self._outbox.get(timeout=wait)
+                    item = self._outbox.get(timeout=min(wait, _SWEEP_S))
                 except queue.Empty:
                     continue
                 if item is None:
@@ -268,29 +339,60 @@ class Transport:
                     flushes.append((next(order), item))
                     continue
                 address, frames = item
+                size = _size(frames)
+                destination = destinations.setdefault(address, _Destination())
+                destinations.move_to_end(address)
+                if not self._has_room(destination, address, size):
+                    continue
                 if self._link is None:
-                    self._send_now(dealers, address, frames)
+                    self._send_now(destinations, address, frames, size)
                     continue
                 if not self._link.online(time.monotonic()):
                     self.stats.drop("offline")
                     continue
-                arrival = self._link.send(sum(len(f) for f in frames), time.monotonic(), address)
+                arrival = self._link.send(size, time.monotonic(), address)
                 if arrival is None:  # it used the uplink, then the link lost it
                     self._count_sent(frames)
                     self.stats.drop("link_loss")
                     continue
+                destination.held += size
                 heapq.heappush(held, (arrival, next(order), address, frames))
             for _, _, address, frames in sorted(held):  # closing: what is held goes now
-                self._send_now(dealers, address, frames)
+                self._send_now(destinations, address, frames, _size(frames))
             # Give queued messages a moment to leave before the sockets close.
-            for dealer, _ in dealers.values():
-                dealer.setsockopt(zmq.LINGER, 2000)
+            for destination in destinations.values():
+                if destination.socket is not None:
+                    destination.socket.setsockopt(zmq.LINGER, 2000)
         finally:
-            for dealer, _ in dealers.values():
-                dealer.close()
+            for destination in destinations.values():
+                if destination.socket is not None:
+                    destination.socket.close()
+
+    def _has_room(self, destination: _Destination, address: str, size: int) -> bool:
+        """Whether ``size`` more bytes fit the destination's queue (one message always does);
+        a message that does not is dropped and counted."""
+        queued = destination.queued()
+        if not queued or queued + size <= self._max_queued_bytes:
+            return True
+        self.stats.drop("send_queue_full")
+        if not destination.warned:
+            destination.warned = True
+            log.warning(
+                "%s: %d bytes queued for %s are not on the wire yet (limit %d); dropping "
+                "messages to it until it reads them",
+                self._name,
+                queued,
+                address,
+                self._max_queued_bytes,
+            )
+        return False
 
     def _send_now(
-        self, dealers: dict[str, tuple[zmq.Socket, str]], address: str, frames: list[Any]
+        self,
+        destinations: OrderedDict[str, _Destination],
+        address: str,
+        frames: list[Any],
+        size: int,
     ) -> None:
         """Hand one message to the DEALER for ``address`` (connected on first use)."""
         with self._keys_lock:
@@ -299,23 +401,59 @@ class Transport:
             self.stats.drop("no_key")
             log.warning("%s: no public key known for %s; message dropped", self._name, address)
             return
-        dealer, dealer_key = dealers.get(address, (None, ""))
-        if dealer is None or dealer_key != key:  # new, or the key changed (bootstrap)
-            if dealer is not None:
-                dealer.close()
-            dealer = self._connect(address, key)
-            dealers[address] = (dealer, key)
+        destination = destinations.setdefault(address, _Destination())
+        if destination.socket is None or destination.key != key:  # new, or the key changed
+            self._close_socket(destination)
+            self._make_room(destinations, address)
+            destination.socket, destination.key = self._connect(address, key), key
+            self._open_sockets += 1
+        destination.used = time.monotonic()
         try:
-            dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            tracker = _send_tracked(destination.socket, frames)
         except zmq.Again:
             self.stats.drop("send_queue_full")
-            log.warning("%s: send queue to %s is full; message dropped", self._name, address)
+            if not destination.warned:
+                destination.warned = True
+                log.warning("%s: send queue to %s is full; message dropped", self._name, address)
             return
+        destination.warned = False
+        if not tracker.done:
+            destination.in_zmq.append((tracker, size))
+            destination.in_zmq_bytes += size
         self._count_sent(frames)
+
+    def _make_room(self, destinations: OrderedDict[str, _Destination], keep: str) -> None:
+        """Close the least recently used connections until one more fits ``max_sockets``."""
+        for address in list(destinations):
+            if self._open_sockets < self._max_sockets:
+                return
+            destination = destinations[address]
+            if address != keep and destination.socket is not None:
+                for _ in range(sum(1 for tracker, _ in destination.in_zmq if not tracker.done)):
+                    self.stats.drop("too_many_sockets")
+                self._close_socket(destination)
+                if not destination.held:
+                    del destinations[address]
+
+    def _close_idle(self, destinations: OrderedDict[str, _Destination], now: float) -> None:
+        """Close the connections nothing was sent on for ``IDLE_SOCKET_S`` and that have
+        nothing left to send (a stranger's reply address is not dialled forever)."""
+        for address, destination in list(destinations.items()):
+            if now - destination.used > IDLE_SOCKET_S and not destination.queued():
+                self._close_socket(destination)
+                del destinations[address]
+
+    def _close_socket(self, destination: _Destination) -> None:
+        if destination.socket is not None:
+            destination.socket.close(linger=0)
+            destination.socket = None
+            destination.in_zmq.clear()
+            destination.in_zmq_bytes = 0
+            self._open_sockets -= 1
 
     def _count_sent(self, frames: list[Any]) -> None:
         with self.stats.lock:
-            self.stats.bytes_sent += sum(len(f) for f in frames)
+            self.stats.bytes_sent += _size(frames)
             self.stats.header_bytes_sent += len(frames[0])
             self.stats.messages_sent += 1
 
@@ -333,14 +471,15 @@ class Transport:
         dealer.connect(address)
         return dealer
 
+    # ----------------------------------------------------------------- receive thread
     def _recv_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self.failure is None:
                 if not poller.poll(_POLL_MS):
                     continue
-                while True:
+                while self.failure is None:
                     try:
                         frames = self._router.recv_multipart(copy=False, flags=zmq.NOBLOCK)
                     except zmq.Again:
@@ -381,6 +520,28 @@ class Transport:
             self.stats.drop(exc.reason)
             who = f"peer {exc.sender}" if exc.sender is not None else "an unidentified sender"
             log.warning("%s: dropped a message from %s: %s", self._name, who, exc)
-        except Exception:  # a handler bug must not kill the receive thread
-            self.stats.drop("handler_error")
-            log.exception("%s: error while handling a message; dropped", self._name)
+        except Exception as exc:  # not a bad message: a bug, or memory ran out
+            kind = message.kind if message is not None else "malformed"
+            log.exception(
+                "%s: handling a %s message failed; this endpoint stops receiving", self._name, kind
+            )
+            self.failure = exc
+            if self._on_failure is not None:
+                self._on_failure(exc)
+
+
+def _size(frames: list[Any]) -> int:
+    return sum(len(f) for f in frames)
+
+
+def _send_tracked(dealer: zmq.Socket, frames: list[Any]) -> zmq.MessageTracker:
+    """Send one multipart message without copying its large frames; the tracker says when
+    ZeroMQ let go of all of them (small frames are copied and done at once). Raises
+    ``zmq.Again`` if the socket's queue is full; ZeroMQ queues a multipart message whole
+    or not at all, so only the first frame can."""
+    last = len(frames) - 1
+    trackers = [
+        dealer.send(frame, zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0), copy=False, track=True)
+        for i, frame in enumerate(frames)
+    ]
+    return zmq.MessageTracker(*(t for t in trackers if t is not None and not t.done))

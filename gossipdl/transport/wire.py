@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: requests carry a nonce their replies echo
 MAX_HEADER_BYTES = 4 * 2**20
 MAX_ARRAYS = 4096
 MAX_NDIM = 8
