@@ -85,10 +85,12 @@ def start_peer(*args: str, log: Path) -> tuple[subprocess.Popen[str], str]:
 
 
 def last_record(path: Path) -> dict[str, Any] | None:
-    """The last complete metrics line of a peer, or None."""
+    """The last complete metrics line of a peer, or None: a line still being written (no
+    newline yet) is not complete."""
     if not path.is_file():
         return None
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    text = path.read_text()
+    lines = [ln for ln in text[: text.rfind("\n") + 1].splitlines() if ln.strip()]
     return json.loads(lines[-1]) if lines else None
 
 

@@ -258,9 +258,7 @@ def builtin_codec(spec: str) -> bool:
         >>> builtin_codec("topk:0.01+fp16+ef"), builtin_codec("mymodule:MyCodec")
         (True, False)
     """
-    return all(
-        part.split(":")[0].strip().lower() in (*_STAGES, "ef") for part in spec.split("+")
-    )
+    return all(part.split(":")[0].strip().lower() in (*_STAGES, "ef") for part in spec.split("+"))
 
 
 def stage_names(spec: str) -> list[str]:

@@ -64,6 +64,8 @@ MAX_ANSWER_RATE = 20.0  # answers to join/info requests per second, all senders 
 #                         a request names its reply address, so this bounds how hard a stream
 #                         of requests can make a peer dial a third party (``answer_rate``)
 MAX_STRANGER_SOCKETS = 64  # connections beyond one per member (replies to joiners, probes)
+EARLY_S = 2.0  # a member table from a sender not known yet waits this long for news of it
+MAX_EARLY = 32  # such tables held at once; the oldest is refused beyond it (``unknown_sender``)
 FORGET_AFTER_S = 600.0  # an ended member silent this long is forgotten: no more heartbeats
 MAX_TOPOLOGIES = 16  # topologies kept built, one per member set seen (churn makes new ones)
 
@@ -281,6 +283,7 @@ class Peer:
         self._sent: dict[int, float] = {}  # id -> when we last sent it anything
         self._last_seq: dict[int, int] = {}  # id -> the last sequence number accepted from it
         self._gap = False  # a message was lost: resync (set by receive, taken by training)
+        self._early: deque[tuple[float, Message]] = deque()  # tables from senders not known yet
         # -- handoffs: set once by the receive thread, acted on by the training thread --
         self._rejoin_via: str | None = None  # a live member that says we were dropped; set
         #                                      only while None, cleared once the rejoin is done
@@ -301,7 +304,7 @@ class Peer:
             listen = peers[rank] if peers is not None and rank is not None else "tcp://127.0.0.1:0"
         self.transport = Transport(
             listen,
-            self._on_message,
+            self._receive,
             max_message_bytes=max_message_bytes,
             name="peer",
             send_hwm=RING_SEND_HWM if ring else 64,
@@ -839,8 +842,8 @@ class Peer:
                 log.warning("peer %d: neighbour %d did not send its model: %s", self.id, j, exc)
                 continue
             except WireError as exc:
-                self.transport.stats.drop(exc.reason)
-                log.warning("peer %d: neighbour %d sent an unusable model: %s", self.id, j, exc)
+                exc.sender = j
+                self.transport.refused(exc)
                 continue
             self.round = self._first_round = max(since, reply.round)
             if model is not None:
@@ -1136,9 +1139,10 @@ class Peer:
     def _watch_once(self) -> None:
         """One pass of the watch thread: heartbeats due, members silent too long, ended
         members silent for ``forget_after`` forgotten."""
+        now = time.monotonic()
+        self._expire_early(now)
         if self.id < 0 or self._lost_id():
             return
-        now = time.monotonic()
         if not self.transport.online:  # away (churn): silence is ours, not the others'
             self._away_until = now
         me = self.membership.get(self.id)
@@ -1185,7 +1189,7 @@ class Peer:
                 clock.pop(peer_id, None)
         self._inbox.forget(peer_id)
         self._answers.forget(peer_id)
-        self.transport.forget_key(member.address)
+        self.transport.forget(member.address)
         log.info(
             "peer %d: forgot peer %d (out since round %s, silent for %.0fs)",
             self.id,
@@ -1258,6 +1262,42 @@ class Peer:
         return max(self.join_margin_rounds, math.ceil(0.5 * rate))
 
     # ----------------------------------------------------------------- receive thread
+    def _receive(self, msg: Message) -> None:
+        """Handle one message; then the member tables that came early from senders we now
+        know (a newcomer's ``ready`` can overtake the news of it)."""
+        try:
+            self._on_message(msg)
+        finally:
+            with self._lock:
+                known = [e for e in self._early if self.membership.get(e[1].sender) is not None]
+                for item in known:
+                    self._early.remove(item)
+            for _, early in known:
+                try:
+                    self._on_message(early)
+                except WireError as exc:
+                    exc.sender = early.sender
+                    self.transport.refused(exc)
+
+    def _hold_early(self, msg: Message) -> None:
+        """Keep a member table from a sender we do not know yet, for ``EARLY_S`` seconds and
+        at most ``MAX_EARLY`` of them: news of the sender may be on its way."""
+        with self._lock:
+            self._early.append((time.monotonic(), msg))
+        self._expire_early(time.monotonic())
+
+    def _expire_early(self, now: float) -> None:
+        """Refuse the early tables whose sender stayed unknown (``unknown_sender``)."""
+        with self._lock:
+            expired = []
+            while self._early and (
+                len(self._early) > MAX_EARLY or now - self._early[0][0] > EARLY_S
+            ):
+                expired.append(self._early.popleft()[1])
+        for msg in expired:
+            detail = f"{msg.kind} from id {msg.sender}, not a member"
+            self.transport.refused(WireError("unknown_sender", detail, msg.sender))
+
     def _on_message(self, msg: Message) -> None:
         """Validate ``msg`` against the swarm state and act on it; WireError drops it.
 
@@ -1283,6 +1323,9 @@ class Peer:
                     self._changed.notify_all()
             return
         sender = self.membership.get(msg.sender)
+        if sender is None and msg.kind in ("ready", "members", "dropped"):
+            self._hold_early(msg)
+            return
         if sender is None:
             raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
         if sender.key != msg.key:  # CURVE: the connection's key must be the member's

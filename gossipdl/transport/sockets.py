@@ -205,6 +205,7 @@ class Transport:
         self._finite_checked_by = finite_checked_by
         self._limiter = RateLimiter(max_message_rate)
         self._ctx: zmq.Context = zmq.Context()
+        self._ctx.set(zmq.MAX_SOCKETS, max_sockets + 32)  # the ROUTER, CURVE's own, and ours
         self._auth: ThreadAuthenticator | None = None
         if curve is not None:
             self._auth = ThreadAuthenticator(self._ctx)
@@ -242,8 +243,9 @@ class Transport:
                 name,
                 self.address,
             )
-        # A message, an Event to set once everything queued before it went (flush), or None.
-        self._outbox: queue.SimpleQueue[tuple[str, list[Any]] | threading.Event | None] = (
+        # A message, (address, None) to close its connection, an Event to set once everything
+        # queued before it went (flush), or None to stop.
+        self._outbox: queue.SimpleQueue[tuple[str, list[Any] | None] | threading.Event | None] = (
             queue.SimpleQueue()
         )
         self._open_sockets = 0  # outgoing connections open now (the send thread's count)
@@ -262,10 +264,12 @@ class Transport:
         with self._keys_lock:
             self._keys[address] = key
 
-    def forget_key(self, address: str) -> None:
-        """Forget ``address``'s key (its member was forgotten): the key table stays bounded."""
+    def forget(self, address: str) -> None:
+        """Close the connection to ``address`` and forget its key (its member was forgotten):
+        what was queued for it still goes first."""
         with self._keys_lock:
             self._keys.pop(address, None)
+        self._outbox.put((address, None))
 
     def start_link_clock(self) -> None:
         """Count the emulated link's offline windows from now (the peer starts training)."""
@@ -338,7 +342,11 @@ class Transport:
                 if isinstance(item, threading.Event):
                     flushes.append((next(order), item))
                     continue
-                address, frames = item
+                address, message = item
+                if message is None:
+                    self._forget(destinations, address)
+                    continue
+                frames = message
                 size = _size(frames)
                 destination = destinations.setdefault(address, _Destination())
                 destinations.move_to_end(address)
@@ -405,7 +413,12 @@ class Transport:
         if destination.socket is None or destination.key != key:  # new, or the key changed
             self._close_socket(destination)
             self._make_room(destinations, address)
-            destination.socket, destination.key = self._connect(address, key), key
+            try:
+                destination.socket, destination.key = self._connect(address, key), key
+            except zmq.ZMQError as exc:  # out of file descriptors: the system's limit
+                self.stats.drop("too_many_sockets")
+                log.warning("%s: cannot connect to %s: %s", self._name, address, exc.strerror)
+                return
             self._open_sockets += 1
         destination.used = time.monotonic()
         try:
@@ -443,9 +456,16 @@ class Transport:
                 self._close_socket(destination)
                 del destinations[address]
 
-    def _close_socket(self, destination: _Destination) -> None:
+    def _forget(self, destinations: OrderedDict[str, _Destination], address: str) -> None:
+        """Close the connection to ``address`` once nothing waits to go there."""
+        destination = destinations.get(address)
+        if destination is not None and not destination.held:
+            self._close_socket(destination, linger=True)
+            del destinations[address]
+
+    def _close_socket(self, destination: _Destination, linger: bool = False) -> None:
         if destination.socket is not None:
-            destination.socket.close(linger=0)
+            destination.socket.close(linger=1000 if linger else 0)
             destination.socket = None
             destination.in_zmq.clear()
             destination.in_zmq_bytes = 0
@@ -501,6 +521,13 @@ class Transport:
         finally:
             self._router.close()
 
+    def refused(self, exc: WireError) -> None:
+        """Count a refused message by its reason and log one line naming its sender (the
+        owner calls this too, for a message it held and refused later)."""
+        self.stats.drop(exc.reason)
+        who = f"peer {exc.sender}" if exc.sender is not None else "an unidentified sender"
+        log.warning("%s: dropped a message from %s: %s", self._name, who, exc)
+
     def _count_received(self, frames: list[zmq.Frame]) -> None:
         with self.stats.lock:
             self.stats.bytes_received += sum(len(f) for f in frames)
@@ -517,9 +544,7 @@ class Transport:
         except WireError as exc:
             if exc.sender is None and message is not None:
                 exc.sender = message.sender
-            self.stats.drop(exc.reason)
-            who = f"peer {exc.sender}" if exc.sender is not None else "an unidentified sender"
-            log.warning("%s: dropped a message from %s: %s", self._name, who, exc)
+            self.refused(exc)
         except Exception as exc:  # not a bad message: a bug, or memory ran out
             kind = message.kind if message is not None else "malformed"
             log.exception(

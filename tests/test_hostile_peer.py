@@ -1,0 +1,589 @@
+"""A hostile member or stranger against real peers over real sockets: no code runs, state
+stays bounded, spoofed answers are refused, and every refusal is counted with its reason."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+from conftest import (
+    gossipdl_cmd,
+    last_record,
+    small_config,
+    start_peer,
+    wait_for,
+    write_config,
+)
+
+from gossipdl import Peer
+from gossipdl.config import ConfigError
+from gossipdl.coordinator.server import ShardServer, serve
+from gossipdl.peers.membership import parse_members
+from gossipdl.peers.peer import MAX_ANSWER_RATE, MAX_RESYNCS_PER_SENDER, PeerError
+from gossipdl.transport import Transport, encode
+from gossipdl.transport.asked import NONCE
+from gossipdl.trust import RemoteCodeError, config_from_peer
+
+PROBE = """
+import pathlib
+pathlib.Path(__file__).with_name("imported.txt").write_text("the wire ran code")
+
+
+def Thing(*args, **kwargs):
+    raise TypeError("the probe was called")
+"""
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process, MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def open_files(pid: int) -> int:
+    """File descriptors a process holds (every socket and ZeroMQ's own)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class Hostile:
+    """A hand-written peer: a ROUTER to hear answers on, a DEALER per address it talks to."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.ROUTER)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind("tcp://127.0.0.1:0")
+        self.address = self.inbox.LAST_ENDPOINT.decode()
+        self._out: dict[str, zmq.Socket] = {}
+
+    def send(self, address: str, frames: list[Any]) -> None:
+        if address not in self._out:
+            dealer = self._out[address] = self.ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.SNDHWM, 0)
+            dealer.connect(address)
+        self._out[address].send_multipart(frames)
+
+    def receive(self, timeout: float) -> dict[str, Any] | None:
+        """The header of the next message that comes in (its frames in ``frames``), or None."""
+        if not self.inbox.poll(int(timeout * 1000)):
+            return None
+        frames = self.inbox.recv_multipart()[1:]
+        header = msgpack.unpackb(frames[0], raw=False)
+        header["frames"] = frames[1:]
+        return header
+
+    def close(self) -> None:
+        for socket in [self.inbox, *self._out.values()]:
+            socket.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def hostile() -> Iterator[Hostile]:
+    attacker = Hostile()
+    yield attacker
+    attacker.close()
+
+
+# ----------------------------------------------------------------------- no code from the wire
+def fake_member(hostile: Hostile, config: dict[str, Any], stop: threading.Event) -> None:
+    """Answer every info request as a member would, with ``config``."""
+    while not stop.is_set():
+        header = hostile.receive(0.1)
+        if header is not None and header["kind"] == "info_request":
+            meta = {"config": config, "members": [], NONCE: header["meta"].get(NONCE)}
+            hostile.send(header["meta"]["address"], encode("info", 0, 0, 0, meta=meta))
+
+
+def test_a_joiner_never_imports_the_plug_in_a_member_names(
+    tmp_path: Path, hostile: Hostile
+) -> None:
+    (tmp_path / "probe_plugin.py").write_text(PROBE)
+    config = {"codec": "probe_plugin:Thing", "dataset": "synthetic", "model": "logistic"}
+    stop = threading.Event()
+    member = threading.Thread(target=fake_member, args=(hostile, config, stop))
+    member.start()
+    try:  # the joiner runs in the directory the probe lies in (cwd is on sys.path)
+        done = subprocess.run(gossipdl_cmd("join", hostile.address, "--timeout", "20"),
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)  # fmt: skip
+    finally:
+        stop.set()
+        member.join()
+    assert done.returncode == 2, done.stderr
+    assert "probe_plugin:Thing" in done.stderr and "--config FILE" in done.stderr
+    assert not (tmp_path / "imported.txt").exists()
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("codec", "probe_plugin:Thing"),
+        ("codec", "topk:0.01+probe_plugin:Thing"),
+        ("topology", "probe_plugin:Thing"),
+        ("topology", "edges:/etc/passwd"),
+        ("dataset", "probe_plugin:Thing"),
+        ("model", "probe_plugin:Thing"),
+        ("algorithm", "probe_plugin:Thing"),
+    ],
+)
+def test_a_config_from_a_peer_names_only_built_in_parts(
+    key: str, value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "probe_plugin.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RemoteCodeError, match=re.escape(f"{key} = '{value}'")):
+        config_from_peer({key: value}, "tcp://10.0.0.5:5555")
+    assert not (tmp_path / "imported.txt").exists()
+
+
+def test_the_users_own_config_decides_and_this_machines_settings_never_come_from_a_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "probe_plugin.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    remote = {"codec": "probe_plugin:Thing", "peers": 7, "out": "/etc", "max_message_mb": 1e9}
+    config = config_from_peer({**remote, "codec": "fp16"}, "tcp://10.0.0.5:5555")
+    assert (config.peers, config.codec, config.out, config.max_message_mb) == (7, "fp16", "", 1024)
+    assert not (tmp_path / "imported.txt").exists()
+    with pytest.raises(ConfigError, match="the probe was called"):  # named in the user's own
+        config_from_peer(remote, "tcp://10.0.0.5:5555", {"codec": "probe_plugin:Thing"})
+    assert (tmp_path / "imported.txt").exists()  # their decision: it ran
+
+
+# ----------------------------------------------------------------------- a live peer process
+class LiveSwarm:
+    """Peer 0 as a real ``gossipdl peer`` process, peer 1 in this process, gossiping."""
+
+    def __init__(self, tmp_path: Path, **changes: Any) -> None:
+        config = small_config(tmp_path, peers=2, steps=10_000_000, log_every=20, **changes)
+        path = write_config(tmp_path / "swarm.toml", config)
+        self.metrics = tmp_path / "run" / "peers" / "0.jsonl"
+        self.proc, self.address = start_peer(
+            "--config", str(path), "--rank", "0", "--out", str(tmp_path / "run"), "--no-summary",
+            log=tmp_path / "peer0.log",
+        )  # fmt: skip
+        torch.manual_seed(0)
+        self.partner = Peer(torch.nn.Linear(32, 10), rank=1, bootstrap=self.address, min_peers=2,
+                            round_timeout=config.round_timeout)  # fmt: skip
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._train)
+        self._thread.start()
+        wait_for(lambda: (self.record() or {}).get("step", 0) >= 50, 60, "the swarm to train")
+
+    def _train(self) -> None:
+        while not self._stop.is_set():
+            self.partner.gossip()
+
+    def record(self) -> dict[str, Any] | None:
+        return last_record(self.metrics)
+
+    def dropped(self, reason: str) -> int:
+        return (self.record() or {}).get("dropped_reasons", {}).get(reason, 0)
+
+    def wait_dropped(self, reason: str, count: int) -> None:
+        wait_for(lambda: self.dropped(reason) >= count, 30, f"{count} drops counted as {reason}")
+
+    def close(self) -> None:
+        """Peer 0 stops first (its last round still has peer 1), then peer 1."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            assert self.proc.wait(30) == 0
+            assert (self.record() or {}).get("final"), "peer 0 did not finish cleanly"
+        finally:
+            self._stop.set()
+            self._thread.join(30)
+            self.partner.close()
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveSwarm]:
+    live = LiveSwarm(tmp_path_factory.mktemp("swarm"))
+    yield live
+    live.close()
+
+
+def test_resync_requests_for_far_rounds_or_too_many_are_refused(
+    swarm: LiveSwarm, hostile: Hostile
+) -> None:
+    """A member (here: someone claiming to be peer 1) asks for resyncs it will never take."""
+    rss, fds = rss_mib(swarm.proc.pid), open_files(swarm.proc.pid)
+    far, near = swarm.dropped("resync_too_far"), swarm.dropped("too_many_pending")
+    for i in range(200):
+        hostile.send(swarm.address, encode("resync_request", 1, 0, 0, meta={"round": 10**15 + i}))
+    for i in range(200):
+        hostile.send(swarm.address, encode("resync_request", 1, 0, 0, meta={"round": 10**4 + i}))
+    swarm.wait_dropped("resync_too_far", far + 200)
+    swarm.wait_dropped("too_many_pending", near + 200 - MAX_RESYNCS_PER_SENDER)
+    assert rss_mib(swarm.proc.pid) - rss < 32 and open_files(swarm.proc.pid) - fds <= 2
+
+
+def test_requests_naming_a_third_party_reach_it_at_a_bounded_rate(
+    swarm: LiveSwarm, hostile: Hostile
+) -> None:
+    ctx = zmq.Context.instance()
+    victim = ctx.socket(zmq.ROUTER)
+    victim.bind("tcp://127.0.0.1:0")
+    target = victim.LAST_ENDPOINT.decode()
+    fds = open_files(swarm.proc.pid)
+    bad_before, rated_before = swarm.dropped("bad_address"), swarm.dropped("answer_rate")
+    requests = 3000
+    try:
+        for address in ("tcp://0.0.0.0:5", "tcp://224.0.0.1:5", "ipc:///tmp/x", "tcp://h:99999"):
+            meta = {"address": address, NONCE: "n"}
+            hostile.send(swarm.address, encode("info_request", -1, 0, 0, meta=meta))
+        started = time.monotonic()
+        for i in range(requests):
+            meta = {"address": target, NONCE: f"n{i}"}
+            hostile.send(swarm.address, encode("info_request", -1, 0, 0, meta=meta))
+        swarm.wait_dropped("bad_address", bad_before + 4)
+        swarm.wait_dropped("answer_rate", rated_before + requests // 2)
+        arrived = []
+        while victim.poll(1500):
+            victim.recv_multipart()
+            arrived.append(time.monotonic())
+        assert arrived, "no request was answered at all"
+        span = arrived[-1] - started  # every answer was made within it: one burst, then the rate
+        assert len(arrived) <= MAX_ANSWER_RATE * (span + 1) + 1, (len(arrived), span)
+        assert len(arrived) < requests / 10
+        assert open_files(swarm.proc.pid) - fds <= 4  # one connection to the victim
+    finally:
+        victim.close(linger=0)
+
+
+def test_a_member_table_too_large_is_refused_whole(swarm: LiveSwarm, hostile: Hostile) -> None:
+    rss, fds = rss_mib(swarm.proc.pid), open_files(swarm.proc.pid)
+    before = swarm.dropped("too_many_members")
+    table = [[i, f"tcp://127.0.0.1:{1 + i % 60000}", 0, None, ""] for i in range(100_000)]
+    for kind in ("members", "dropped", "ready"):
+        hostile.send(swarm.address, encode(kind, 1, 0, 0, meta={"members": table}))
+    swarm.wait_dropped("too_many_members", before + 3)
+    time.sleep(1.0)  # a table taken in would be heartbeated within a second
+    record = swarm.record() or {}
+    assert record["members"] == 2 and record["sockets"] <= 3  # peer 1 (and a victim above)
+    assert rss_mib(swarm.proc.pid) - rss < 64 and open_files(swarm.proc.pid) - fds <= 2
+
+
+def test_joins_beyond_the_table_limit_are_refused_and_counted(tmp_path: Path) -> None:
+    """A join flood (any stranger may join a swarm without CURVE) stops at max_members."""
+    limit = 6
+    live = LiveSwarm(tmp_path, max_members=limit, round_timeout=1.0)
+    attacker = Hostile()
+    try:
+        for i in range(3 * limit):  # distinct addresses: each would be a new member
+            meta = {"address": f"tcp://127.0.0.1:{20000 + i}", "want_id": None, "key": "",
+                    NONCE: f"n{i}"}  # fmt: skip
+            attacker.send(live.address, encode("join", -1, 0, 0, meta=meta))
+            time.sleep(1.5 / MAX_ANSWER_RATE)  # within the answer rate: only the table limits
+        live.wait_dropped("too_many_members", 2 * limit + 2)
+        record = live.record() or {}
+        assert record["members"] <= limit and record["sockets"] <= limit + 64
+    finally:
+        attacker.close()
+        live.close()
+
+
+# ----------------------------------------------------------------------- peers in this process
+def founder(**kwargs: Any) -> tuple[str, threading.Thread, list[Peer]]:
+    """A founding Peer (min_peers=2) built in a thread: it forms once a second member is in."""
+    made: list[Peer] = []
+    listening = threading.Event()
+    address: list[str] = []
+
+    def build() -> None:
+        def on_listening(a: str) -> None:
+            address.append(a)
+            listening.set()
+
+        made.append(Peer(kwargs.pop("model"), min_peers=2, on_listening=on_listening, **kwargs))
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    assert listening.wait(30)
+    return address[0], thread, made
+
+
+def join_as_member(hostile: Hostile, address: str) -> dict[str, Any]:
+    """Join ``address`` as a newcomer and say we are ready: the welcome's header."""
+    meta = {"address": hostile.address, "want_id": 1, "key": "", NONCE: "mine"}
+    hostile.send(address, encode("join", -1, 0, 0, meta=meta))
+    while True:
+        header = hostile.receive(10)
+        assert header is not None, "no welcome"
+        if header["kind"] == "welcome":
+            table = header["meta"]["members"]
+            hostile.send(address, encode("ready", 1, 1, 0, meta={"members": table}))
+            return header
+
+
+def test_a_spoofed_welcome_cannot_hijack_a_join(
+    hostile: Hostile, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The asked member's answer (an error here) counts; a third party's welcome does not."""
+    spoofer = Hostile()
+    outcome: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            Peer(torch.nn.Linear(3, 2), bootstrap=hostile.address, startup_timeout=20)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    try:
+        request = hostile.receive(10)
+        assert request is not None and request["kind"] == "join"
+        joiner = request["meta"]["address"]
+        table = [[0, spoofer.address, 0, None, ""], [7, joiner, 0, None, ""]]
+        for nonce in ("guess", None):
+            meta = {"id": 7, "members": table, "config": {}, NONCE: nonce}
+            spoofer.send(joiner, encode("welcome", 0, 0, 0, meta=meta))
+        wait_for(lambda: caplog.text.count("unsolicited") >= 2, 10, "both spoofs dropped")
+        meta = {"error": "go away", "members": [], NONCE: request["meta"][NONCE]}
+        hostile.send(joiner, encode("welcome", 0, 0, 0, meta=meta))
+        thread.join(20)
+    finally:
+        spoofer.close()
+    assert len(outcome) == 1 and "refused to let us join: go away" in str(outcome[0])
+
+
+def dropped(peer: Peer, reason: str) -> int:
+    return peer.transport.stats.snapshot()["messages_dropped"].get(reason, 0)
+
+
+def test_only_members_speak_for_the_swarm(hostile: Hostile) -> None:
+    """A stranger's table (id 77 is nobody) that says member 1 is dead changes nothing."""
+    address, thread, made = founder(model=torch.nn.Linear(3, 2))
+    welcome = join_as_member(hostile, address)
+    thread.join(30)
+    peer = made[0]
+    try:
+        table = [[0, peer.address, 0, None, ""], [1, hostile.address, 0, 2, ""]]
+        for kind in ("members", "dropped"):
+            hostile.send(address, encode(kind, 77, 0, 0, meta={"members": table}))
+        wait_for(lambda: dropped(peer, "unknown_sender") >= 2, 10, "the stranger's tables dropped")
+        member = peer.membership.get(1)
+        assert member is not None and member.until is None and welcome["meta"]["id"] == 1
+    finally:
+        peer.close()
+
+
+def test_a_message_the_inbox_refuses_is_never_decoded(hostile: Hostile) -> None:
+    address, thread, made = founder(model=torch.nn.Linear(100, 100))
+    join_as_member(hostile, address)
+    thread.join(30)
+    peer = made[0]
+    decoded = []
+    decode = peer.averager.decode
+    peer.averager.decode = lambda *a: decoded.append(1) or decode(*a)  # type: ignore[method-assign]
+    try:
+        values = np.zeros(peer.numel, np.float32)
+        for r in range(100, 150):  # rounds far ahead: 8 are kept, the rest refused
+            hostile.send(address, encode("params", 1, 1 + r, r, [values]))
+        wait_for(lambda: dropped(peer, "too_many_pending") == 42, 10, "42 refused")
+        assert len(decoded) == 8
+    finally:
+        peer.close()
+
+
+def test_an_error_that_is_not_a_bad_message_stops_the_peer_with_its_cause(
+    hostile: Hostile,
+) -> None:
+    address, thread, made = founder(model=torch.nn.Linear(3, 2), round_timeout=30)
+    join_as_member(hostile, address)
+    thread.join(30)
+    peer = made[0]
+
+    def out_of_memory(*args: Any) -> None:
+        raise MemoryError("no memory left for the decode")
+
+    peer.averager.decode = out_of_memory  # type: ignore[method-assign]
+    try:
+        hostile.send(address, encode("params", 1, 2, 0, [np.zeros(peer.numel, np.float32)]))
+        started = time.monotonic()
+        with pytest.raises(PeerError, match="MemoryError: no memory left"):
+            peer.gossip()
+        assert time.monotonic() - started < 10  # not the 30 s round timeout
+    finally:
+        peer.close()
+
+
+def test_a_dead_member_is_forgotten_and_a_stale_table_cannot_bring_it_back(
+    hostile: Hostile,
+) -> None:
+    settings = {"heartbeat": 0.2, "dead_after": 1.0, "forget_after": 1.0, "round_timeout": 0.2}
+    address, thread, made = founder(model=torch.nn.Linear(3, 2), **settings)
+    join_as_member(hostile, address)
+    thread.join(30)
+    peer = made[0]
+    try:  # the hostile member goes silent: dead, then forgotten; rounds go on meanwhile
+        wait_for(lambda: peer.gossip() or peer.membership.get(1) is None, 20, "peer 1 forgotten")
+        assert peer.declared_dead == 1 and peer.transport.open_sockets == 0
+        stale = [[0, peer.address, 0, None, ""], [1, hostile.address, 0, None, ""]]
+        peer._merge(parse_members(stale))
+        assert peer.membership.get(1) is None  # its tombstone keeps that life dead
+    finally:
+        peer.close()
+
+
+# ----------------------------------------------------------------------- slow receivers
+def test_a_receiver_that_never_reads_cannot_grow_the_senders_memory() -> None:
+    ctx = zmq.Context.instance()
+    sink = ctx.socket(zmq.ROUTER)  # reads nothing, holds at most one message
+    sink.setsockopt(zmq.RCVHWM, 1)
+    sink.setsockopt(zmq.RCVBUF, 4096)
+    sink.bind("tcp://127.0.0.1:0")
+    address = sink.LAST_ENDPOINT.decode()
+    limit = 16 * 2**20
+    sender = Transport("tcp://127.0.0.1:0", lambda m: None, max_queued_bytes=limit)
+    tracemalloc.start()
+    try:
+        for i in range(100):  # 400 MiB in all, each message its own memory
+            sender.send(address, encode("params", 0, i, i, [np.full(2**20, i, np.float32)]))
+            time.sleep(0.002)
+        assert sender.flush(30)
+        held, _ = tracemalloc.get_traced_memory()  # what is still referenced, ZeroMQ's included
+        dropped = sender.stats.snapshot()["messages_dropped"].get("send_queue_full", 0)
+        assert held < limit + 2 * 2**22, f"{held / 2**20:.0f} MiB still held"
+        assert dropped >= 80  # a few fit the limit, a few more the kernel's socket buffers
+    finally:
+        tracemalloc.stop()
+        sender.close(flush_timeout=0)
+        sink.close(linger=0)
+
+
+# ----------------------------------------------------------------------- torn reads
+def test_every_model_a_peer_answers_with_is_exactly_the_round_it_claims(
+    hostile: Hostile,
+) -> None:
+    model = torch.nn.Linear(300, 300)  # 90,300 values: sent without a copy, as big ones are
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # version 0 is all zeros; version r all r
+    address, thread, made = founder(model=model, round_timeout=0.01)
+    join_as_member(hostile, address)
+    thread.join(30)
+    peer = made[0]
+    stop = threading.Event()
+
+    def train() -> None:  # step r: every value becomes r (in place, layer by layer), then a round
+        r = 0
+        while not stop.is_set():
+            r += 1
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float(r))
+            peer.step()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    replies: list[tuple[int, np.ndarray]] = []
+    try:
+        for i in range(300):
+            hostile.send(address, encode("model_request", 1, 2 + i, 0, meta={NONCE: str(i)}))
+            header = hostile.receive(10)
+            while header is not None and header["kind"] != "model":
+                header = hostile.receive(10)
+            assert header is not None, "no model answer"
+            replies.append((header["round"], np.frombuffer(header["frames"][0], np.float32)))
+    finally:
+        stop.set()
+        trainer.join(30)
+        peer.close()
+    torn = [(r, np.unique(v)[:4]) for r, v in replies if not (v == r).all()]
+    assert not torn, f"{len(torn)} of {len(replies)} answers are not their round: {torn[:5]}"
+    assert len({r for r, _ in replies}) > 10  # the hammering overlapped training
+
+
+def test_every_shard_a_server_answers_with_is_exactly_the_version_it_claims() -> None:
+    server = ShardServer(torch.zeros(100_000), rule="async", workers=2, staleness="none")
+    listening = threading.Event()
+    where: list[str] = []
+    stop = threading.Event()
+
+    def on_listening(address: str) -> None:
+        where.append(address)
+        listening.set()
+
+    settings = {"on_listening": on_listening, "should_stop": stop.is_set}
+    thread = threading.Thread(target=serve, args=(server, "tcp://127.0.0.1:0"), kwargs=settings)
+    thread.start()
+    assert listening.wait(10)
+    pusher, puller = Hostile(), Hostile()
+    ones = np.ones(100_000, np.float32)
+    replies: list[tuple[int, np.ndarray]] = []
+    try:
+        for batch in range(25):  # each push adds 1 everywhere: version v is all v
+            for i in range(8):  # replies to one batch are sent while the next pushes apply
+                meta = {"address": pusher.address, "clock": 8 * batch + i}
+                pusher.send(where[0], encode("push", 0, 0, 0, [ones], meta))
+                puller.send(where[0], encode("pull", 1, 0, 0, meta={"address": puller.address}))
+            for worker in (pusher, puller):
+                for _ in range(8):
+                    header = worker.receive(10)
+                    assert header is not None and header["kind"] == "shard"
+                    array = np.frombuffer(header["frames"][0], np.float32)
+                    replies.append((header["meta"]["version"], array))
+    finally:
+        stop.set()
+        thread.join(10)
+        pusher.close()
+        puller.close()
+    torn = [(v, np.unique(a)[:4]) for v, a in replies if not (a == v).all()]
+    assert not torn, f"{len(torn)} of {len(replies)} answers are not their version: {torn[:5]}"
+
+
+# ----------------------------------------------------------------------- the limits themselves
+def test_the_configs_limits_are_the_ones_the_code_defaults_to() -> None:
+    from gossipdl.config import DEFAULTS
+    from gossipdl.peers.membership import MAX_MEMBERS
+    from gossipdl.peers.peer import FORGET_AFTER_S
+    from gossipdl.transport.sockets import MAX_QUEUED_BYTES
+
+    assert DEFAULTS.max_members == MAX_MEMBERS
+    assert DEFAULTS.forget_after == FORGET_AFTER_S
+    assert DEFAULTS.max_queued_mb * 2**20 == MAX_QUEUED_BYTES
+
+
+@pytest.mark.parametrize(
+    "address, ok",
+    [
+        ("tcp://10.0.0.5:5555", True),
+        ("tcp://node-3.cluster.local:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+        ("tcp://[::]:5555", False),
+        ("tcp://255.255.255.255:5555", False),
+        ("tcp://239.1.2.3:5555", False),
+        ("tcp://10.0.0.5:0", False),
+        ("tcp://10.0.0.5:65536", False),
+        ("tcp://10.0.0.5", False),
+        ("ipc:///tmp/socket", False),
+        ("tcp://host name:5555", False),
+        ("tcp://" + "a" * 300 + ":5555", False),
+        (5555, False),
+    ],
+)
+def test_a_peer_dials_only_tcp_addresses_of_one_machine(address: Any, ok: bool) -> None:
+    from gossipdl.transport.addresses import address_problem
+
+    assert (address_problem(address) is None) == ok
