@@ -55,7 +55,7 @@ def _opt(name: str, *flags: str) -> Any:
 
 
 def _fail(message: str) -> NoReturn:
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {escape(message)}")  # it may quote a peer's words
     raise typer.Exit(2)
 
 

@@ -43,7 +43,7 @@ from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import LinkProfile
 from gossipdl.transport.sockets import MAX_QUEUED_BYTES
-from gossipdl.transport.wire import meta_int
+from gossipdl.transport.wire import meta_int, meta_text
 
 log = logging.getLogger(__name__)
 
@@ -250,9 +250,9 @@ class Peer:
         self.steps = resume_step or 0
         self.started = False
         self._sent_round = -1  # the last round whose messages all went out (heartbeats say it)
+        # -- training thread only --
         self._first_round = 0
         self._first_wait = 0.0
-        # -- training thread only --
         self.syncs = 0
         self.age = self.steps
         self.neighbour_misses = 0
@@ -777,7 +777,8 @@ class Peer:
                 error = exc
                 continue
             if "error" in welcome.meta:
-                raise PeerError(f"{address} refused to let us join: {welcome.meta['error']}")
+                why = meta_text(welcome.meta, "error")
+                raise PeerError(f"{address} refused to let us join: {why}")
             return welcome
         raise error if candidates else PeerError(f"no address to join in {addresses!r}")
 
@@ -1373,8 +1374,7 @@ class Peer:
             meta = {NONCE: echoed_nonce(msg.meta)}
             self._send(msg.sender, "model", round=round_, payload=dense_payload(model), meta=meta)
         elif msg.kind == "leave":
-            reason = msg.meta.get("reason", "")
-            reason = reason[:500] if isinstance(reason, str) else ""
+            reason = meta_text(msg.meta, "reason")
             until = meta_int(msg.meta, "until", "leave round")
             self.membership.mark_left(msg.sender, reason)
             self.membership.end(msg.sender, until)
@@ -1473,10 +1473,12 @@ class Peer:
         if member is None or not again:
             refused = self._join_refused(member, want, rejoin)
             if refused is not None:
-                reason, error = refused
+                error, limit = refused
                 members = self.membership.wire()
                 self._reply(address, "welcome", error=error, members=members, nonce=nonce)
-                raise WireError(reason, f"join from {address} refused: {error}")
+                if limit is not None:  # answered, and counted: a limit was reached
+                    raise WireError(limit, f"join from {address} refused: {error}")
+                return
             if member is not None:
                 want = member.id
             known = self.membership.get(want) if want is not None else None
@@ -1509,27 +1511,27 @@ class Peer:
 
     def _join_refused(
         self, member: Member | None, want: Any, rejoin: bool
-    ) -> tuple[str, str] | None:
-        """Why a join cannot be let in: the drop reason it is counted under and the error
-        the welcome says; None if it can."""
+    ) -> tuple[str, str | None] | None:
+        """Why a join cannot be let in (the error its welcome says, and the drop reason it
+        is counted under if a limit refused it), or None if it can."""
         if self.ring and self.started:
-            error = "a ring all-reduce cannot take members once it started; start all together"
-            return "join_refused", error
+            return "a ring all-reduce cannot take members once it started; start all together", None
         if member is not None:
             return None  # back on its own address, under its own id
         if want is not None and not (
             isinstance(want, int) and not isinstance(want, bool) and 0 <= want <= MAX_ID
         ):
-            return "join_refused", f"id {want!r} is not an integer in 0..{MAX_ID}; give another"
+            return f"id {want!r} is not an integer in 0..{MAX_ID}; choose another rank", None
         known = self.membership.get(want) if want is not None else None
         if known is not None and known.until is None and not rejoin:
-            return "join_refused", f"id {want} is taken; choose another rank or leave it out"
+            return f"id {want} is taken; choose another rank or leave it out", None
         size = len(self.membership.members())
         if known is None and size >= self.membership.limit:
-            return "too_many_members", (
+            error = (
                 f"the swarm's member table is full ({size} entries, max_members = "
                 f"{self.membership.limit}); start the swarm with a larger max_members"
             )
+            return error, "too_many_members"
         if want is None and self.membership.next_id() > MAX_ID:
-            return "join_refused", f"no id left up to {MAX_ID}; give a free rank"
+            return f"no id left up to {MAX_ID}; give a free rank", "too_many_members"
         return None

@@ -78,6 +78,15 @@ class WireError(ValueError):
         self.sender = sender
 
 
+def meta_text(meta: dict[str, Any], key: str, limit: int = 500) -> str:
+    """``meta[key]`` as text fit to log or show: at most ``limit`` characters, control
+    characters (a forged log line, a terminal escape) replaced by spaces; "" if not text."""
+    value = meta.get(key, "")
+    if not isinstance(value, str):
+        return ""
+    return "".join(c if c.isprintable() else " " for c in value[:limit])
+
+
 def meta_int(
     meta: dict[str, Any], key: str, what: str, *, default: Any = None, minimum: int | None = 0
 ) -> int:
