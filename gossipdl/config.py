@@ -160,7 +160,7 @@ class Config:
     )
     max_members: int = field(
         default=512,
-        metadata={"help": "entries a peer's member table holds (live, dead or left); no more join"},
+        metadata={"help": "member table entries (live, dead, left); beyond, joins are refused"},
     )
     forget_after: float = field(
         default=600.0,
