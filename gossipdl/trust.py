@@ -55,9 +55,7 @@ class RemoteCodeError(ConfigError):
     """A config from another peer names code or a file; the message says how to run it anyway."""
 
 
-def config_from_peer(
-    remote: Any, source: str, local: dict[str, Any] | None = None, command: str = "join"
-) -> Config:
+def config_from_peer(remote: Any, source: str, local: dict[str, Any] | None = None) -> Config:
     """The config to run with: the swarm's settings as the member at ``source`` sent them
     (``remote``), under the user's own values ``local`` (a config file, flags), which win.
     This machine's settings (``LOCAL_KEYS``) come from ``local`` or the defaults only.
@@ -86,7 +84,7 @@ def config_from_peer(
             f"the swarm at {source} names {key} = {value!r}, which is not built into gossipdl: "
             "running it would import code or read a file on this machine, and gossipdl never "
             "does that on another peer's word. If you trust it, name the same value in a "
-            f"config file of your own ({key} = {value!r}) and run: gossipdl {command} "
-            f"{source} --config FILE"
+            f"config file of your own ({key} = {value!r}) and run: gossipdl join {source} "
+            "--config FILE"
         )
     return from_dict({**swarm, **local})

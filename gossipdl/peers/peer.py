@@ -376,9 +376,8 @@ class Peer:
                 round_ = self._dynamic_round if self.trigger.dynamic else self._sync_round
                 new = round_(x, self._round(t))
             self._set_params(new)
+            self._published = (t + 1, new)  # what a model request gets from now on
         self.round = t + 1
-        if not self.reduces_gradients:
-            self._published = (self.round, new)
         self._inbox.advance(self.round)
         self._answers.advance(self.round)
         self._round_times.append(time.monotonic())
@@ -986,21 +985,15 @@ class Peer:
         )
         self.transport.send(member.address, frames)
 
-    def _admit(self, inbox: Inbox, msg: Message, dense: bool = False) -> torch.Tensor:
-        """``msg``'s payload decoded, once ``inbox`` would keep it: the header's cheap checks
-        first, then the inbox's admission, and only then the decode to full size."""
-        self._check_codec(msg, dense)
-        inbox.admit(msg.sender, msg.round)
-        return self._decode(msg, dense)
-
-    def _check_codec(self, msg: Message, dense: bool) -> None:
+    def _decode(self, msg: Message, dense: bool, inbox: Inbox | None = None) -> torch.Tensor:
+        """A received model payload as a tensor on this peer's device; WireError if unusable.
+        With ``inbox``, only once it would keep the message: the codec is checked first, then
+        the inbox's admission, and only then is the payload decoded to full size."""
         expected = "none" if dense else self.codec
         if msg.codec != expected:
             raise WireError("bad_codec", f"codec {msg.codec!r}, this swarm uses {expected!r}")
-
-    def _decode(self, msg: Message, dense: bool) -> torch.Tensor:
-        """A received model payload as a tensor on this peer's device; WireError if unusable."""
-        self._check_codec(msg, dense)
+        if inbox is not None:
+            inbox.admit(msg.sender, msg.round)
         meta = {k: v for k, v in msg.meta.items() if k not in PEER_META}
         try:
             return self.averager.decode(
@@ -1342,11 +1335,12 @@ class Peer:
             self._hear_alarms(msg)
         if msg.kind in ("params", "public"):
             dense = msg.kind == "public"
-            self._inbox.put(msg.sender, msg.round, (self._admit(self._inbox, msg, dense), dense))
+            self._inbox.put(msg.sender, msg.round, (self._decode(msg, dense, self._inbox), dense))
         elif msg.kind == "quiet":
             self._inbox.put(msg.sender, msg.round, (None, False))
         elif msg.kind == "reply":
-            self._answers.put(msg.sender, msg.round, (self._admit(self._answers, msg), False))
+            answer = self._decode(msg, False, self._answers)
+            self._answers.put(msg.sender, msg.round, (answer, False))
         elif msg.kind == "chunk":
             if not self.ring:
                 raise WireError("unexpected", "a chunk, but this swarm does not all-reduce")
