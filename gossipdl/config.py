@@ -171,6 +171,28 @@ class Config:
         metadata={"help": "MiB a peer queues for one slow receiver before dropping messages"},
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address launched peers listen on"})
+    advertise: str = field(
+        default="",
+        metadata={
+            "help": "address other machines dial to reach this peer, tcp://HOST:PORT "
+            "(empty: the listen address, or for a wildcard listen the interface that routes "
+            "to the swarm); env GOSSIPDL_ADVERTISE"
+        },
+    )
+    tensorboard: str = field(
+        default="",
+        metadata={"help": "also write each peer's metrics as TensorBoard events under DIR"},
+    )
+    csv: str = field(
+        default="", metadata={"help": "also write each peer's metrics as DIR/<id>.csv"}
+    )
+    metrics_hook: str = field(
+        default="",
+        metadata={
+            "help": "module:function(peer_id, run_dir) returning a callable that gets "
+            "every metrics line (a dict)"
+        },
+    )
     out: str = field(default="", metadata={"help": "run directory (default runs/<timestamp>)"})
 
     def __post_init__(self) -> None:

@@ -31,6 +31,10 @@ from pathlib import Path
 from typing import Any
 
 
+# The unix time a launcher started the run; every peer it starts counts ``time`` from it.
+RUN_START_ENV = "GOSSIPDL_RUN_START"
+
+
 def default_run_dir() -> Path:
     """``runs/<timestamp>`` under the current directory."""
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")

@@ -30,6 +30,10 @@ LOCAL_KEYS = frozenset(
         "max_members",
         "forget_after",
         "max_queued_mb",
+        "advertise",
+        "tensorboard",
+        "csv",
+        "metrics_hook",
     }
 )
 

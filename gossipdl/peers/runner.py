@@ -99,13 +99,15 @@ def train_peer(
     local_index: int = 0,
     stop: threading.Event | None = None,
     on_listening: Callable[[str], None] | None = None,
+    on_training: Callable[[], None] | None = None,
     servers: list[str] | None = None,
     resume: bool = False,
     curve: Curve | None = None,
 ) -> dict[str, Any]:
     """Train one peer (a ps worker: with ``servers``) until ``config.steps`` steps or ``stop``;
     returns its final record. ``resume``: start from this rank's checkpoint in ``run`` and
-    rejoin the swarm through ``bootstrap`` (gossip mode)."""
+    rejoin the swarm through ``bootstrap`` (gossip mode). ``on_listening`` gets the address
+    once bound; ``on_training`` is called once the swarm has formed and training begins."""
     stop = stop or threading.Event()
     device = pick_device(config.device, local_index)
     dataset = load_dataset(config.dataset)
@@ -166,6 +168,8 @@ def train_peer(
             forget_after=config.forget_after,
             max_queued_bytes=int(config.max_queued_mb * 2**20),
         )
+    if on_training is not None:
+        on_training()
     try:
         result = _loop(config, run, peer, dataset, device, stop)
     except BaseException as exc:
