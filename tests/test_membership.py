@@ -167,6 +167,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_rejoins(tmp_path: Path) -
         wait_for(lambda: _record(out, 1).get("step", 0) >= 40, 60, "the swarm to train")
         procs[1].kill()
         procs[1].wait(10)
+        before = _record(out, 1)  # the first life's last word
         saved = torch.load(out / "checkpoints" / "1.pt", weights_only=True)["step"]
         assert saved >= 40 and saved % 10 == 0
         wait_for(lambda: all(_record(out, i).get("members") == 2 for i in (0, 2)), 30,
@@ -177,6 +178,14 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_rejoins(tmp_path: Path) -
         lines = [json.loads(ln) for ln in (out / "peers" / "1.jsonl").read_text().splitlines()]
         starts = [r for r in lines if r.get("start")]
         assert len(starts) == 2 and starts[1]["step"] == saved  # from the checkpoint, not 0
+        # The second life carries on: one clock, one swarm, counters that do not restart at 0,
+        # and the time it was down shows as a gap.
+        second = starts[1]
+        assert second["resumed"] and second["swarm"] == starts[0]["swarm"]
+        assert second["swarm_start"] == starts[0]["swarm_start"]
+        assert second["time"] - before["time"] >= second["down_s"] > 0
+        for key in ("bytes_sent", "bytes_received", "model_messages_sent", "messages_sent"):
+            assert second[key] >= before[key] > 0, key
         wait_for(lambda: _record(out, 1)["step"] >= saved + 30, 30, "peer 1 to train on")
         assert "back in at round" in (tmp_path / "p1b.log").read_text()
     finally:

@@ -65,6 +65,7 @@ class ServerWorker:
         seed: int = 0,
         link: LinkProfile | None = None,
         curve: Curve | None = None,
+        advertise: str | None = None,
     ) -> None:
         if rule not in PS_RULES:
             raise ValueError(f"ps rule {rule!r}; choose one of {', '.join(PS_RULES)}")
@@ -107,6 +108,8 @@ class ServerWorker:
             seed=seed * 7919 + rank,
             curve=curve,
             on_failure=self._wake,
+            advertise=advertise,
+            toward=self.servers[0] if self.servers else None,
         )
         self.address = self.transport.address
         if curve is not None:

@@ -73,6 +73,13 @@ class Hosts:
         """Host k's address."""
         return f"10.{self.subnet}.0.{k + 1}"
 
+    def add_address(self, k: int) -> str:
+        """Give host k a second address on its link (as a machine with two IPs has); returns
+        it."""
+        ip = f"10.{self.subnet}.0.{k + 101}"
+        _ip("-n", self.names[k], "addr", "add", f"{ip}/24", "dev", f"{self._links[k]}i")
+        return ip
+
     def prefix(self, k: int) -> list[str]:
         """The command prefix that runs a program on host k."""
         return ["ip", "netns", "exec", self.names[k]]

@@ -10,6 +10,7 @@ from gossipdl.peers.peer import PeerError
 from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.asked import NONCE, Asked
 from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
+from gossipdl.transport.probe import Unreachable, reachable
 
 
 def fetch_swarm_info(
@@ -26,8 +27,13 @@ def fetch_swarm_info(
     the next key of the allow-list (the member's key is not known yet; only
     the right one gets through the handshake). Only an answer that echoes the
     nonce of one of our requests counts: nobody else can slip us a config. The
-    config is the member's word, not checked here: see ``gossipdl.trust``.
+    config is the member's word, not checked here: see ``gossipdl.trust``. Where nothing
+    listens, or the member's encryption differs from ours, it fails within seconds.
     """
+    try:
+        reachable([address], secure=curve is not None)
+    except Unreachable as exc:
+        raise PeerError(str(exc)) from None
     asked = Asked()
     nonces: list[str] = []
     arrived = threading.Event()

@@ -8,9 +8,12 @@ on the receive thread, so a peer busy training or waiting still lets others in.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
+import re
+import secrets
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -40,6 +43,7 @@ from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.addresses import check_address
 from gossipdl.transport.asked import NONCE, Asked, echoed_nonce
 from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
+from gossipdl.transport.probe import Unreachable, reachable
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import LinkProfile
 from gossipdl.transport.sockets import MAX_QUEUED_BYTES
@@ -48,6 +52,7 @@ from gossipdl.transport.wire import meta_int, meta_text
 log = logging.getLogger(__name__)
 
 _RETRY_S = 1.0
+_SWARM_ID = re.compile(r"[0-9a-f]{1,32}")  # a swarm id in a welcome
 _DEAD_HEARTBEAT_EVERY = 5  # heartbeats to a peer declared dead go out this many times rarer
 MODEL_KINDS = frozenset({"params", "public", "reply", "walk", "model"})  # counted as transmissions
 LOSSY_KINDS = frozenset({"params", "public", "reply", "walk"})  # ``loss`` may drop these
@@ -177,6 +182,8 @@ class Peer:
         max_members: int = MAX_MEMBERS,
         forget_after: float = FORGET_AFTER_S,
         max_queued_bytes: int = MAX_QUEUED_BYTES,
+        advertise: str | None = None,
+        swarm_start: float | None = None,
     ) -> None:
         if peers is not None and (rank is None or not 0 <= rank < len(peers)):
             raise ValueError(f"rank must be in 0..{len(peers) - 1} when peers is given, got {rank}")
@@ -249,6 +256,16 @@ class Peer:
         self.round = 0
         self.steps = resume_step or 0
         self.started = False
+        # The swarm's identity and clock: a founder's, which a welcome hands on (a fixed
+        # address list names its swarm by the list). Run directories of one swarm written on
+        # several machines carry the same id; every peer's metrics time counts from the start.
+        self.swarm_id = (
+            hashlib.sha256(f"{seed}|{','.join(peers)}".encode()).hexdigest()[:16]
+            if peers is not None
+            else secrets.token_hex(8)
+        )
+        self.swarm_start = time.time() if swarm_start is None else swarm_start
+        self._final_round: int | None = None  # the last round training runs (sync_at_step)
         self._sent_round = -1  # the last round whose messages all went out (heartbeats say it)
         # -- training thread only --
         self._first_round = 0
@@ -316,6 +333,8 @@ class Peer:
             max_queued_bytes=max_queued_bytes,
             max_sockets=max_members + MAX_STRANGER_SOCKETS,
             on_failure=self._stop_on_failure,
+            advertise=advertise,
+            toward=bootstrap.split(",")[0].strip() if bootstrap else None,
         )
         self.address = self.transport.address
         self._entry_address = self.address  # ours in the member table (a given list may differ)
@@ -351,8 +370,10 @@ class Peer:
     def sync_at_step(self, step: int) -> None:
         """Make the round that ends by local step ``step`` a sync of the whole swarm (dynamic
         trigger; other triggers sync every round anyway). Every peer must ask for the same
-        step: the runner asks for the last one, so a swarm ends on an agreed model."""
+        step: the runner asks for the last one, so a swarm ends on an agreed model. A join
+        that would start after that round is refused: the newcomer would train no step."""
         last = step // self.trigger.period - 1
+        self._final_round = last
         if self.trigger.dynamic and last >= self.round:
             with self._alarm_lock:
                 self._alarms.add(last)
@@ -699,6 +720,7 @@ class Peer:
                 self.id, self.started = -1, False
                 welcome = self._join(bootstrap, rank, rejoin=self._resuming)
                 self.id = welcome.meta["id"]  # checked with the welcome
+                self._adopt_swarm(welcome)
                 self._merge(parse_members(welcome.meta["members"], self.membership.limit))
                 me = self.membership.get(self.id)
                 if me is None or me.since == 0:
@@ -754,6 +776,12 @@ class Peer:
             "peer %d: swarm of %d formed; neighbours %s", self.id, min_peers, sorted(neighbours)
         )
 
+    def _adopt_swarm(self, welcome: Message) -> None:
+        """Take the swarm's id and start time from a welcome (checked with it)."""
+        if "swarm" in welcome.meta:
+            self.swarm_id = welcome.meta["swarm"]
+            self.swarm_start = float(welcome.meta["swarm_start"])
+
     def _join(
         self,
         addresses: str,
@@ -768,6 +796,10 @@ class Peer:
         if rejoin:
             meta["rejoin"] = True
         candidates = [a.strip() for a in addresses.split(",") if a.strip()]
+        try:  # fail in seconds, saying why, where nothing (or a plain/CURVE mismatch) answers
+            candidates = reachable(candidates, secure=self.curve is not None)
+        except Unreachable as exc:
+            raise PeerError(str(exc)) from None
         each = (timeout or self.startup_timeout) / max(1, len(candidates))
         for address in candidates:
             try:
@@ -810,6 +842,7 @@ class Peer:
         """Take up the id, table, round and step count a member's welcome gives a peer that
         trained before; it keeps its model."""
         self.id = welcome.meta["id"]  # checked with the welcome
+        self._adopt_swarm(welcome)
         self.membership.replace_all(parse_members(welcome.meta["members"], self.membership.limit))
         self._learn_keys(self.membership.members())
         now = time.monotonic()
@@ -1393,6 +1426,14 @@ class Peer:
             return []
         if meta_int(msg.meta, "id", "welcome id") > MAX_ID:
             raise WireError("bad_meta", f"welcome id {msg.meta['id']} is above {MAX_ID}")
+        if "swarm" in msg.meta:
+            start = msg.meta.get("swarm_start")
+            if not isinstance(msg.meta["swarm"], str) or not _SWARM_ID.fullmatch(msg.meta["swarm"]):
+                raise WireError("bad_meta", "a welcome's swarm id is not 1-32 hex digits")
+            if not isinstance(start, int | float) or isinstance(start, bool):
+                raise WireError("bad_meta", "a welcome's swarm_start is not a number")
+            if not math.isfinite(start):
+                raise WireError("bad_meta", "a welcome's swarm_start is not finite")
         return table
 
     def _hear_resync_request(self, msg: Message) -> None:
@@ -1499,6 +1540,8 @@ class Peer:
             members=self.membership.wire(),
             config=self.swarm_config,
             nonce=nonce,
+            swarm=self.swarm_id,
+            swarm_start=self.swarm_start,
         )
         if not again:  # after the welcome: the newcomer takes our word once it has our table
             self._announce()
@@ -1510,6 +1553,13 @@ class Peer:
         is counted under if a limit refused it), or None if it can."""
         if self.ring and self.started:
             return "a ring all-reduce cannot take members once it started; start all together", None
+        final = self._final_round
+        if final is not None and self.started and self.round + self._join_margin() > final:
+            return (
+                f"the swarm has finished training (its last round is {final}, it is at round "
+                f"{self.round}): a newcomer would train no step; start a new swarm",
+                None,
+            )
         if member is not None:
             return None  # back on its own address, under its own id
         if want is not None and not (

@@ -6,11 +6,14 @@ for the datasets and models gossipdl ships, writing the run directory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
 import threading
 import time
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -36,12 +39,40 @@ from gossipdl.peers.conditions import Drift, device_of, parse_drift
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import Peer, PeerError
-from gossipdl.rundir import RunDir, write_json_atomic
+from gossipdl.peers.sinks import MetricsSinks
+from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.shaping import LinkProfile
 
 log = logging.getLogger(__name__)
 AWAY_POLL_S = 0.25  # how often a device inside an offline window looks again (and logs)
+# Counters a resumed peer carries on from its last life (the others are states, not sums).
+CARRIED = (
+    "bytes_sent",
+    "header_bytes_sent",
+    "bytes_received",
+    "messages_sent",
+    "messages_received",
+    "handshakes_refused",
+    "model_messages_sent",
+    "neighbour_misses",
+    "resyncs",
+    "idle_s",
+    "declared_dead",
+    "rejoins",
+)
+
+
+def run_start() -> float | None:
+    """The unix time the launcher started this run (``RUN_START_ENV``), if it says one."""
+    value = os.environ.get(RUN_START_ENV)
+    try:
+        start = float(value) if value else None
+    except ValueError:
+        raise PeerError(
+            f"{RUN_START_ENV}={value!r} is not a unix time; unset it or give seconds"
+        ) from None
+    return start if start is None or math.isfinite(start) else None
 
 
 @torch.no_grad()
@@ -167,11 +198,13 @@ def train_peer(
             max_members=config.max_members,
             forget_after=config.forget_after,
             max_queued_bytes=int(config.max_queued_mb * 2**20),
+            advertise=config.advertise or None,
+            swarm_start=run_start(),
         )
     if on_training is not None:
         on_training()
     try:
-        result = _loop(config, run, peer, dataset, device, stop)
+        result = _loop(config, run, peer, dataset, device, stop, resumed=resume)
     except BaseException as exc:
         peer.close(reason=f"stopped by {type(exc).__name__}: {exc}")
         raise
@@ -212,7 +245,25 @@ def _server_worker(
         seed=config.seed,
         link=_device(config, rank)[0],
         curve=curve,
+        advertise=config.advertise or None,
     )
+
+
+def _swarm(peer: Peer | ServerWorker) -> tuple[str, float]:
+    """The swarm's id and start time (unix): a gossip swarm's agreed ones; a parameter
+    server's run is named by its shards' addresses and timed from the launch (or now)."""
+    if isinstance(peer, Peer):
+        return peer.swarm_id, peer.swarm_start
+    named = hashlib.sha256(",".join(peer.servers).encode()).hexdigest()[:16]
+    return named, run_start() or time.time()
+
+
+def _last_life(run: RunDir, peer_id: int) -> dict[str, Any] | None:
+    """The last metrics line a previous life of ``peer_id`` wrote in ``run`` (None: none)."""
+    if not run.metrics(peer_id).is_file():
+        return None
+    last = deque(run.records(peer_id), maxlen=1)
+    return last[0] if last else None
 
 
 def _device(config: Config, peer_id: int | None) -> tuple[LinkProfile, float]:
@@ -258,12 +309,11 @@ def run_shard(
     )
     path = run.server_stats(shard)
     path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-
+    start = run_start() or time.time()  # one clock with the workers the launcher started
     written: dict[int, str] = {}
 
     def save(stats: dict[str, Any]) -> None:
-        write_json_atomic(path, {**stats, "time": round(time.monotonic() - start, 3)})
+        write_json_atomic(path, {**stats, "time": round(time.time() - start, 3)})
         workers = {w: state.address for w, state in server.known.items()}
         if shard == 0 and workers != written:  # every worker talks to every shard: one writes
             run.write_members(workers.items())
@@ -291,6 +341,8 @@ def _loop(
     dataset: Dataset,
     device: torch.device,
     stop: threading.Event,
+    *,
+    resumed: bool = False,
 ) -> dict[str, Any]:
     model = peer.model
     assert peer.optimizer is not None
@@ -305,8 +357,12 @@ def _loop(
     drift = parse_drift(config.drift)
     if drift is not None and not drift.affects(peer.id, config.peers):
         drift = None
+    previous = _last_life(run, peer.id) if resumed else None
     metrics = run.metrics(peer.id).open("a", buffering=1)
-    start = time.monotonic()
+    sinks = MetricsSinks(config, run, peer.id)
+    swarm, start = _swarm(peer)
+    carried = {k: previous.get(k, 0) for k in CARRIED} if previous else {}
+    carried_drops: dict[str, int] = dict(previous.get("dropped_reasons", {})) if previous else {}
     losses: list[float] = []
     log.info(
         "peer %d: training on %d samples, %s, from step %d%s",
@@ -319,26 +375,34 @@ def _loop(
 
     def record(**extra: Any) -> dict[str, Any]:
         stats = peer.stats()
-        dropped = stats.pop("messages_dropped")
+        dropped = Counter(carried_drops) + Counter(stats.pop("messages_dropped"))
+        now = time.time()
+        for key, base in carried.items():
+            stats[key] = round(stats[key] + base, 4) if key == "idle_s" else stats[key] + base
         line = {
             "peer": peer.id,
             "step": peer.steps,
-            "time": round(time.monotonic() - start, 4),
-            "unix_time": round(time.time(), 3),
+            "time": round(now - start, 4),
+            "unix_time": round(now, 3),
             "loss": round(float(np.mean(losses)), 6) if losses else None,
             **{k: v for k, v in stats.items() if k != "round"},
             "messages_dropped": sum(dropped.values()),
-            "dropped_reasons": dropped,
+            "dropped_reasons": dict(dropped),
             **extra,
         }
         metrics.write(json_line(line))
+        sinks.write(line)
         losses.clear()
         return line
 
     peer.sync_at_step(config.steps)  # dynamic trigger: the swarm ends on an agreed model
     try:
         accuracy, test_loss = evaluate(model, x_test, y_test)
-        record(accuracy=round(accuracy, 6), test_loss=round(test_loss, 6), start=True)
+        first = {"start": True, "swarm": swarm, "swarm_start": round(start, 3)}
+        if previous is not None:  # the gap while this peer was down shows in its time
+            down = time.time() - start - previous.get("time", 0.0)
+            first.update(resumed=True, down_s=round(max(0.0, down), 3))
+        record(accuracy=round(accuracy, 6), test_loss=round(test_loss, 6), **first)
         while not _finished(config, peer) and not stop.is_set():
             if not peer.transport.online:  # the device is away (churn): no steps, no traffic
                 stop.wait(AWAY_POLL_S)
@@ -381,6 +445,7 @@ def _loop(
         )
     finally:
         metrics.close()
+        sinks.close()
     log.info("peer %d: done at step %d, test accuracy %.4f", peer.id, peer.steps, accuracy)
     return final
 

@@ -8,17 +8,25 @@ port out of range, or anything that is not TCP.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import logging
 import re
+import socket
+import sys
 from typing import Any
 
 from gossipdl.transport.wire import WireError
 
+log = logging.getLogger(__name__)
 MAX_ADDRESS_CHARS = 300
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", ""})
+_ROUTE_PROBE = "203.0.113.1"  # TEST-NET-3: asks the routing table for the default interface
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 
 
-def _host_port(address: str) -> tuple[str, str]:
+def host_port(address: str) -> tuple[str, str]:
+    """``tcp://HOST:PORT`` (IPv6 hosts in brackets) as ``(HOST, PORT)``."""
     host, _, port = address.removeprefix("tcp://").rpartition(":")
     return host.strip("[]") if host.startswith("[") and host.endswith("]") else host, port
 
@@ -34,7 +42,7 @@ def address_problem(value: Any) -> str | None:
         return "not a tcp://HOST:PORT string"
     if len(value) > MAX_ADDRESS_CHARS:
         return f"longer than {MAX_ADDRESS_CHARS} characters"
-    host, port = _host_port(value)
+    host, port = host_port(value)
     if not (port.isdigit() and 0 < int(port) < 65536):
         return f"port {port!r} is not in 1..65535"
     try:
@@ -58,10 +66,96 @@ def check_address(value: Any, what: str) -> str:
 
 def is_loopback(address: str) -> bool:
     """Whether a ``tcp://host:port`` address only accepts connections from this machine."""
-    host = _host_port(address)[0]
+    host = host_port(address)[0]
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _format_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def route_source(host: str) -> str | None:
+    """This machine's IP on the interface that routes to ``host`` (None: no route). A UDP
+    socket's ``connect`` only asks the routing table; no packet is sent."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def interface_ips() -> list[str]:
+    """This machine's IPv4 addresses that are not loopback, interface by interface (Linux; an
+    empty list elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    import fcntl
+    import struct
+
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+            ip = socket.inet_ntoa(packed[20:24])
+            if not ipaddress.ip_address(ip).is_loopback:
+                found.append(ip)
+    return found
+
+
+def reachable_host(toward: str | None = None) -> str | None:
+    """An IP of this machine other machines can dial: the one that routes to ``toward`` (the
+    member we join), else the default route's, else the first non-loopback interface's, else
+    what the host name resolves to; None if all of them are loopback."""
+    candidates = [route_source(toward)] if toward else []
+    candidates += [route_source(_ROUTE_PROBE), *interface_ips()]
+    with contextlib.suppress(OSError):
+        candidates.append(socket.gethostbyname(socket.gethostname()))
+    for host in candidates:
+        if host is not None and not ipaddress.ip_address(host.split("%")[0]).is_loopback:
+            return host
+    return route_source(toward) if toward else None
+
+
+def advertised_address(bound: str, advertise: str | None = None, toward: str | None = None) -> str:
+    """The address other peers dial to reach a socket bound at ``bound`` (its real port):
+    ``advertise`` if given, else ``bound`` with a wildcard host replaced by an IP of the
+    interface that routes to ``toward`` (a member's address) or by the first one that is not
+    loopback. Warns once when only a loopback address is left for a socket other machines
+    could reach."""
+    if advertise:
+        address = check_address(advertise, "--advertise")
+    else:
+        host, port = host_port(bound)
+        if host in WILDCARD_HOSTS:
+            toward_host = host_port(toward)[0] if toward else None
+            host = reachable_host(toward_host) or "127.0.0.1"
+        address = f"tcp://{_format_host(host)}:{port}"
+    if is_loopback(address) and not is_loopback(bound):
+        _warn_loopback_once(bound, address)
+    return address
+
+
+_warned_loopback: set[str] = set()
+
+
+def _warn_loopback_once(bound: str, address: str) -> None:
+    if bound in _warned_loopback:
+        return
+    _warned_loopback.add(bound)
+    log.warning(
+        "listening on %s but telling the swarm to dial %s, which only this machine can reach: "
+        "peers on other machines will fail to connect. Give --advertise tcp://HOST:PORT "
+        "(or GOSSIPDL_ADVERTISE) with an address they can reach.",
+        bound,
+        address,
+    )

@@ -17,7 +17,6 @@ import itertools
 import logging
 import math
 import queue
-import socket
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -28,7 +27,7 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from gossipdl.transport.addresses import is_loopback
+from gossipdl.transport.addresses import address_problem, advertised_address, is_loopback
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import Link, LinkProfile
@@ -115,18 +114,6 @@ def _bind_spec(address: str) -> str:
     return address[:-2] + ":*" if address.endswith(":0") else address
 
 
-def advertised_address(bound: str) -> str:
-    """The address other peers should dial: a wildcard host becomes this host's IP."""
-    host_port = bound.removeprefix("tcp://")
-    host, _, port = host_port.rpartition(":")
-    if host in ("0.0.0.0", "*", "[::]", "::"):
-        try:
-            host = socket.gethostbyname(socket.gethostname())
-        except OSError:
-            host = "127.0.0.1"
-    return f"tcp://{host}:{port}"
-
-
 class _AllowList:
     """ZAP credentials check: a connection's public key must be on the list."""
 
@@ -165,6 +152,11 @@ class Transport:
     dropped and counted, as is one that meets a full ZeroMQ queue. At most
     ``max_sockets`` outgoing connections are open; one unused for
     ``IDLE_SOCKET_S`` is closed.
+
+    ``address`` is what others dial: ``advertise`` if given, else the bound
+    address with a wildcard host (``tcp://0.0.0.0:5555``) replaced by this
+    machine's IP on the interface that routes to ``toward`` (the member we
+    join), or its first one that is not loopback.
     """
 
     def __init__(
@@ -183,7 +175,14 @@ class Transport:
         max_queued_bytes: int = MAX_QUEUED_BYTES,
         max_sockets: int = MAX_SOCKETS,
         on_failure: Callable[[BaseException], None] | None = None,
+        advertise: str | None = None,
+        toward: str | None = None,
     ) -> None:
+        if advertise and (problem := address_problem(advertise)) is not None:
+            raise TransportError(
+                f"cannot advertise {advertise!r}: {problem}; give the tcp://HOST:PORT other "
+                "machines dial to reach this one"
+            )
         if max_queued_bytes < 1 or max_sockets < 1:
             raise ValueError(
                 f"max_queued_bytes = {max_queued_bytes}, max_sockets = {max_sockets}; "
@@ -233,7 +232,9 @@ class Transport:
                 f"cannot listen on {listen}: {exc.strerror}. Pick a free port "
                 "(e.g. --listen tcp://127.0.0.1:0 for any free one) or stop the program using it."
             ) from None
-        self.address = advertised_address(self._router.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.address = advertised_address(
+            self._router.getsockopt_string(zmq.LAST_ENDPOINT), advertise, toward
+        )
         global _warned_plain
         if curve is None and not is_loopback(listen) and not _warned_plain:
             _warned_plain = True

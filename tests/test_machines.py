@@ -1,0 +1,161 @@
+"""What a user meets first across machines: the address a peer tells others to dial, and
+joins that cannot work failing in seconds with one line that says why."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import gossipdl_cmd, small_config, start_peer, wait_for, write_config
+
+from gossipdl import Peer
+from gossipdl.config import to_dict
+from gossipdl.experiments.namespaces import Hosts, why_not
+from gossipdl.transport.addresses import advertised_address, interface_ips, is_loopback
+from gossipdl.transport.curve import generate_keys, load_curve_public
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(*args: str, timeout: float = 30) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    done = subprocess.run(gossipdl_cmd(*args), capture_output=True, text=True, timeout=timeout)
+    return done, time.monotonic() - started
+
+
+def test_a_wildcard_listen_advertises_an_address_other_machines_reach(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    address = advertised_address("tcp://0.0.0.0:5555")
+    assert not is_loopback(address) and address.endswith(":5555")
+    if interface_ips():  # the host name resolves to 127.0.0.1 here; the interface does not
+        assert address.removeprefix("tcp://").rpartition(":")[0] in interface_ips()
+    assert advertised_address("tcp://*:7", advertise="tcp://10.1.2.3:9") == "tcp://10.1.2.3:9"
+    assert advertised_address("tcp://127.0.0.1:7") == "tcp://127.0.0.1:7"
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            advertised_address("tcp://0.0.0.0:6000", advertise="tcp://127.0.0.1:6000")
+    warnings = [r for r in caplog.records if "only this machine can reach" in r.message]
+    assert len(warnings) == 1 and "--advertise" in warnings[0].message
+
+
+@pytest.mark.skipif(why_not() is not None, reason=str(why_not()))
+def test_two_machines_find_each_other_through_a_wildcard_listen_and_advertise(
+    tmp_path: Path,
+) -> None:
+    """Two network namespaces, each listening on every interface: the founder advertises the
+    interface that is not loopback, the joiner (a machine with two addresses) the one
+    GOSSIPDL_ADVERTISE names; ``peers.json`` lists both, and both train to the end."""
+    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2, steps=30))
+    with Hosts(2) as hosts:
+        second = hosts.add_address(1)  # not the one the route to the founder would pick
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        founder = subprocess.Popen(
+            [*hosts.prefix(0), *gossipdl_cmd("peer", "--config", str(config), "--listen",
+             "tcp://0.0.0.0:0", "--out", str(tmp_path / "m0"))],
+            stdout=subprocess.PIPE, stderr=(tmp_path / "m0.log").open("w"), text=True, env=env,
+        )  # fmt: skip
+        assert founder.stdout is not None
+        address = founder.stdout.readline().split()[-1]
+        assert address.startswith(f"tcp://{hosts.ip(0)}:"), address
+        port = _free_port()
+        joiner = subprocess.Popen(
+            [*hosts.prefix(1), *gossipdl_cmd("peer", "--config", str(config), "--listen",
+             f"tcp://0.0.0.0:{port}", "--bootstrap", address, "--out", str(tmp_path / "m1"))],
+            stdout=subprocess.PIPE, stderr=(tmp_path / "m1.log").open("w"), text=True,
+            env={**env, "GOSSIPDL_ADVERTISE": f"tcp://{second}:{port}"},
+        )  # fmt: skip
+        try:
+            codes = [founder.wait(90), joiner.wait(90)]
+        finally:
+            for proc in (founder, joiner):
+                if proc.poll() is None:
+                    proc.kill()
+    logs = (tmp_path / "m0.log").read_text() + (tmp_path / "m1.log").read_text()
+    assert codes == [0, 0], logs
+    for machine in ("m0", "m1"):
+        listed = {e["address"] for e in json.loads((tmp_path / machine / "peers.json").read_text())}
+        assert listed == {address, f"tcp://{second}:{port}"}, machine
+        summary = json.loads((tmp_path / machine / "summary.json").read_text())
+        assert summary["peers"][0]["steps"] == 30
+
+
+def test_a_dead_bootstrap_is_one_error_within_seconds(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2))
+    dead = f"tcp://127.0.0.1:{_free_port()}"
+    for command in (
+        ("peer", "--config", str(config), "--bootstrap", dead, "--out", str(tmp_path / "p")),
+        ("join", dead, "--out", str(tmp_path / "j")),
+    ):
+        done, took = _run(*command)
+        assert done.returncode == 2 and took < 20, (command, took, done.stderr)
+        errors = [ln for ln in done.stderr.splitlines() if "error" in ln]
+        assert len(errors) == 1 and "connection refused" in done.stderr, done.stderr
+        assert "send queue" not in done.stderr
+
+
+def test_a_plain_peer_meeting_a_secure_swarm_is_told_so(tmp_path: Path) -> None:
+    public, _ = generate_keys(tmp_path / "keys")
+    allow = tmp_path / "allow.txt"
+    allow.write_text(f"{load_curve_public(public)}  # founder\n")
+    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2))
+    founder, address = start_peer("--config", str(config), "--secure", "--keys",
+                                  str(tmp_path / "keys"), "--allow", str(allow), "--out",
+                                  str(tmp_path / "f"), log=tmp_path / "f.log")  # fmt: skip
+    try:
+        done, took = _run("peer", "--config", str(config), "--bootstrap", address,
+                          "--out", str(tmp_path / "p"))  # fmt: skip
+        assert done.returncode == 2 and took < 20, (took, done.stderr)
+        text = " ".join(done.stderr.split())
+        assert "secure swarm (CURVE)" in text and "--secure" in text, text
+    finally:
+        founder.kill()
+        founder.wait()
+
+
+def test_a_join_after_the_swarm_finished_is_told_so(tmp_path: Path) -> None:
+    """Two peers that trained their last step but still listen: a newcomer would train no
+    step, so its join is refused, naming why, instead of exiting 0 having done nothing."""
+    config = small_config(tmp_path, peers=2, steps=3)
+    peers: dict[int, Peer] = {}
+    listening: list[str] = []
+
+    def start(rank: int) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        peers[rank] = Peer(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), rank=rank, min_peers=2,
+            bootstrap=listening[0] if rank else None, on_listening=listening.append,
+            swarm_config=to_dict(config),
+        )  # fmt: skip
+        peers[rank].sync_at_step(3)
+        for _ in range(3):
+            peers[rank].step()
+
+    threads = [threading.Thread(target=start, args=(0,))]
+    threads[0].start()
+    wait_for(lambda: listening, 30, "the founder to listen")
+    threads.append(threading.Thread(target=start, args=(1,)))
+    threads[1].start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert sorted(peers) == [0, 1] and all(p.steps == 3 for p in peers.values())
+        done, took = _run("join", listening[0], "--out", str(tmp_path / "late"))
+        assert done.returncode == 2 and took < 20, (took, done.stderr)
+        assert "finished training" in " ".join(done.stderr.split()), done.stderr
+    finally:
+        for p in peers.values():
+            p.close()

@@ -1,0 +1,111 @@
+"""One clock for a whole run, and the same metrics lines in TensorBoard, CSV and a user hook."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import gossipdl_cmd, small_config, write_config
+
+from gossipdl.config import Config, ConfigError
+from gossipdl.peers.sinks import MetricsSinks
+from gossipdl.rundir import RunDir
+
+HOOK = """
+import json
+from pathlib import Path
+
+def sink(peer_id, run_dir):
+    out = Path(run_dir) / f"hook-{peer_id}.jsonl"
+    def write(line):
+        with out.open("a") as f:
+            f.write(json.dumps(line) + "\\n")
+    return write
+"""
+
+
+def test_a_ps_run_has_one_clock_and_feeds_every_sink(tmp_path: Path) -> None:
+    """Every worker counts ``time`` from the launch (so a timeline compares them), and each
+    metrics line reaches the CSV file, the TensorBoard events and the user's hook."""
+    (tmp_path / "myhook.py").write_text(HOOK)
+    out = tmp_path / "run"
+    config = small_config(
+        tmp_path, mode="ps", peers=2, steps=40, tensorboard=str(tmp_path / "tb"),
+        csv=str(tmp_path / "csv"), metrics_hook="myhook:sink",
+    )  # fmt: skip
+    path = write_config(tmp_path / "exp.toml", config)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(gossipdl_cmd("run", str(path), "--no-progress"), capture_output=True,
+                          text=True, timeout=120, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    run = RunDir(out)
+    lines = {i: list(run.records(i)) for i in run.peer_ids()}
+    assert sorted(lines) == [0, 1]
+    starts = {
+        line["swarm_start"] for worker in lines.values() for line in worker if "start" in line
+    }
+    assert len(starts) == 1  # one clock: the launcher's
+    start = starts.pop()
+    for worker in lines.values():
+        for line in worker:  # every line's time counts from that one start
+            assert abs(line["unix_time"] - line["time"] - start) < 0.01
+    finals = [worker[-1]["time"] for worker in lines.values()]
+    assert abs(finals[0] - finals[1]) < 1.0  # a sync ps run ends together, and shows it
+
+    for i, worker in lines.items():
+        with (tmp_path / "csv" / f"{i}.csv").open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert [int(r["step"]) for r in rows] == [line["step"] for line in worker]
+        assert float(rows[-1]["accuracy"]) == worker[-1]["accuracy"]
+        hooked = [json.loads(ln) for ln in (out / f"hook-{i}.jsonl").read_text().splitlines()]
+        assert hooked == worker
+        events = _scalars(tmp_path / "tb" / f"peer-{i}", "bytes_sent")
+        assert events == [(line["step"], float(line["bytes_sent"])) for line in worker]
+
+
+def _scalars(directory: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of one tag, read back from TensorBoard's own event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_sinks_refuse_a_hook_that_is_not_there_or_not_a_sink(tmp_path: Path) -> None:
+    (tmp_path / "badhook.py").write_text("def sink(peer_id, run_dir):\n    return 3\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        for spec, message in (
+            ("badhook:sink", "returned int, not a callable"),
+            ("badhook:missing", "cannot load it"),
+            ("nosuchmodule:sink", "cannot load it"),
+        ):
+            try:
+                MetricsSinks(Config(metrics_hook=spec), RunDir(tmp_path), 0)
+            except ConfigError as exc:
+                assert message in str(exc) and spec in str(exc)
+            else:
+                raise AssertionError(f"{spec} was accepted")
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_a_resumed_csv_keeps_the_first_life_and_widens_its_header(tmp_path: Path) -> None:
+    config = Config(csv=str(tmp_path / "csv"))
+    first = MetricsSinks(config, RunDir(tmp_path), 3)
+    first.write({"peer": 3, "step": 0, "loss": None})
+    first.close()
+    second = MetricsSinks(config, RunDir(tmp_path), 3)
+    second.write({"peer": 3, "step": 10, "loss": 0.5, "resumed": True, "dropped": {"x": 1}})
+    second.write({"peer": 3, "step": 20, "loss": 0.4})
+    second.close()
+    with (tmp_path / "csv" / "3.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["0", "10", "20"]
+    assert rows[1]["resumed"] == "True" and rows[0]["resumed"] == ""
+    assert json.loads(rows[1]["dropped"]) == {"x": 1}
