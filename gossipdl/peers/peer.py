@@ -43,7 +43,7 @@ from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.addresses import check_address
 from gossipdl.transport.asked import NONCE, Asked, echoed_nonce
 from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
-from gossipdl.transport.probe import Unreachable, reachable
+from gossipdl.transport.probe import CONNECT_WAIT_S, Unreachable, reachable
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import LinkProfile
 from gossipdl.transport.sockets import MAX_QUEUED_BYTES
@@ -130,6 +130,15 @@ class Peer:
     (bandwidth, latency, jitter, loss, offline windows counted from the moment
     the swarm formed) in user space.
 
+    ``address`` is what others dial: ``advertise`` if given, else ``listen``
+    with a wildcard host replaced by the IP of the interface that routes to
+    ``bootstrap`` (a founder: the first interface that is not loopback). A
+    join first checks that a ZeroMQ peer with the same security listens at
+    ``bootstrap``, trying for ``connect_wait`` seconds, and fails naming what
+    it found otherwise. ``swarm_id`` and ``swarm_start`` (unix time) come from
+    the founder (``swarm_start`` if given, else the moment it started) with the
+    welcome: every peer of one swarm reports the same ones.
+
     Nothing a remote sender says can grow the peer without bound: the member
     table holds at most ``max_members`` entries, an ended member silent for
     ``forget_after`` seconds is forgotten, at most ``max_queued_bytes`` wait
@@ -184,6 +193,7 @@ class Peer:
         max_queued_bytes: int = MAX_QUEUED_BYTES,
         advertise: str | None = None,
         swarm_start: float | None = None,
+        connect_wait: float = CONNECT_WAIT_S,
     ) -> None:
         if peers is not None and (rank is None or not 0 <= rank < len(peers)):
             raise ValueError(f"rank must be in 0..{len(peers) - 1} when peers is given, got {rank}")
@@ -235,6 +245,7 @@ class Peer:
         self.heartbeat = heartbeat
         self.dead_after = dead_after
         self.forget_after = forget_after
+        self.connect_wait = connect_wait
         self.curve = curve
         self._key = curve.public if curve is not None else ""
         self.swarm_config = swarm_config or {}
@@ -797,7 +808,9 @@ class Peer:
             meta["rejoin"] = True
         candidates = [a.strip() for a in addresses.split(",") if a.strip()]
         try:  # fail in seconds, saying why, where nothing (or a plain/CURVE mismatch) answers
-            candidates = reachable(candidates, secure=self.curve is not None)
+            candidates = reachable(
+                candidates, secure=self.curve is not None, wait=self.connect_wait
+            )
         except Unreachable as exc:
             raise PeerError(str(exc)) from None
         each = (timeout or self.startup_timeout) / max(1, len(candidates))

@@ -42,6 +42,7 @@ from gossipdl.peers.peer import Peer, PeerError
 from gossipdl.peers.sinks import MetricsSinks
 from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic
 from gossipdl.transport.curve import Curve
+from gossipdl.transport.probe import CONNECT_WAIT_S
 from gossipdl.transport.shaping import LinkProfile
 
 log = logging.getLogger(__name__)
@@ -134,11 +135,14 @@ def train_peer(
     servers: list[str] | None = None,
     resume: bool = False,
     curve: Curve | None = None,
+    connect_wait: float = CONNECT_WAIT_S,
 ) -> dict[str, Any]:
     """Train one peer (a ps worker: with ``servers``) until ``config.steps`` steps or ``stop``;
     returns its final record. ``resume``: start from this rank's checkpoint in ``run`` and
     rejoin the swarm through ``bootstrap`` (gossip mode). ``on_listening`` gets the address
-    once bound; ``on_training`` is called once the swarm has formed and training begins."""
+    once bound; ``on_training`` is called once the swarm has formed and training begins.
+    ``connect_wait``: how long to keep trying a bootstrap address where nothing listens (a
+    launcher that starts every rank at once passes its start-up timeout)."""
     stop = stop or threading.Event()
     device = pick_device(config.device, local_index)
     dataset = load_dataset(config.dataset)
@@ -200,6 +204,7 @@ def train_peer(
             max_queued_bytes=int(config.max_queued_mb * 2**20),
             advertise=config.advertise or None,
             swarm_start=run_start(),
+            connect_wait=connect_wait,
         )
     if on_training is not None:
         on_training()
