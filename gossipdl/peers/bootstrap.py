@@ -10,7 +10,7 @@ from gossipdl.peers.peer import PeerError
 from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.asked import NONCE, Asked
 from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
-from gossipdl.transport.probe import Unreachable, reachable
+from gossipdl.transport.probe import CONNECT_WAIT_S, Unreachable, reachable
 
 
 def fetch_swarm_info(
@@ -31,7 +31,7 @@ def fetch_swarm_info(
     listens, or the member's encryption differs from ours, it fails within seconds.
     """
     try:
-        reachable([address], secure=curve is not None)
+        reachable([address], secure=curve is not None, wait=min(timeout, CONNECT_WAIT_S))
     except Unreachable as exc:
         raise PeerError(str(exc)) from None
     asked = Asked()
