@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Mapping
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -14,44 +18,202 @@ import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
 from gossipdl.config import (
+    ADVERTISE_ENV,
     DEFAULTS,
     FIELDS,
     Config,
     ConfigError,
     load_config,
+    parse_setting,
+    parse_value,
     read_config_file,
+    resolved,
     to_toml,
 )
 from gossipdl.rundir import RunDir, default_run_dir
 from gossipdl.transport.curve import Curve, CurveError
 
-app = typer.Typer(
-    help="Decentralized (gossip) deep learning over ZeroMQ: no central server.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-topology_app = typer.Typer(help="Inspect communication topologies.", no_args_is_help=True)
-app.add_typer(topology_app, name="topology")
-keys_app = typer.Typer(help="CurveZMQ key pairs for --secure swarms.", no_args_is_help=True)
-app.add_typer(keys_app, name="keys")
+log = logging.getLogger(__name__)
 console = Console(stderr=True)
 
 
-def _opt(name: str, *flags: str) -> Any:
-    """A flag for config field ``name``: unset (None) unless given, its default in the help."""
+def _interrupted(line: str, code: int = 130) -> NoReturn:
+    """Ctrl-C's one line, then exit ``code`` (130 = 128 + SIGINT, as shells report it)."""
+    console.print(line)
+    raise typer.Exit(code)
+
+
+class _Help:
+    """Help that reads well at 80 columns: a paragraph of a docstring is one line, so the
+    terminal wraps it; a flag shows no ``<bool>`` type (``--x/--no-x`` says it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("help"):
+            paragraphs = inspect.cleandoc(kwargs["help"]).split("\n\n")
+            kwargs["help"] = "\n\n".join(" ".join(p.split()) for p in paragraphs)
+        super().__init__(*args, **kwargs)
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        params: list[Any] = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:
+            if getattr(param, "is_flag", False):
+                param.metavar = ""
+        return params
+
+
+class _Command(_Help, TyperCommand):
+    """A gossipdl command."""
+
+
+class _Group(_Help, TyperGroup):
+    """The gossipdl command group: Ctrl-C anywhere in a command ends it with exit code 130
+    (or the code an interrupted run carries, 128 + its signal) and one line."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            _interrupted("interrupted", getattr(exc, "exit_code", 130))
+
+
+class _Typer(typer.Typer):
+    """A typer app whose commands are :class:`_Command` and groups :class:`_Group`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(cls=_Group, no_args_is_help=True, **kwargs)
+
+    def command(self, *args: Any, **kwargs: Any) -> Any:
+        return super().command(*args, cls=_Command, **kwargs)
+
+
+app = _Typer(add_completion=False, pretty_exceptions_enable=False)  # help: _root's docstring
+topology_app = _Typer(help="Inspect communication topologies.")
+app.add_typer(topology_app, name="topology")
+keys_app = _Typer(help="CurveZMQ key pairs for --secure swarms.")
+app.add_typer(keys_app, name="keys")
+
+SWARM, DATA, OPTIMISATION = "Swarm", "Data and model", "Optimisation"
+COMMUNICATION, FAULTS, OUTPUT = "Communication", "Faults and links", "Output"
+_PANELS = {
+    SWARM: ("mode", "peers", "topology", "ps", "ps_shards", "host", "advertise", "device",
+            "threads", "startup_timeout", "heartbeat", "dead_after", "max_members",
+            "forget_after"),
+    DATA: ("dataset", "model", "hidden", "partition", "seed"),
+    OPTIMISATION: ("steps", "batch_size", "optimizer", "lr", "lr_schedule", "momentum",
+                   "weight_decay", "staleness", "local_epochs", "fraction"),
+    COMMUNICATION: ("algorithm", "trigger", "codec", "gamma", "round_timeout",
+                    "max_message_mb", "max_message_rate", "max_queued_mb"),
+    FAULTS: ("loss", "slowdown", "drift", "link"),
+    OUTPUT: ("out", "eval_every", "log_every", "checkpoint_every", "tensorboard", "csv",
+             "metrics_hook"),
+}  # fmt: skip
+_PANEL_OF = {name: panel for panel, names in _PANELS.items() for name in names}
+_FLAG_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "tuple[int, ...]": str}
+_KEYWORD = inspect.Parameter.KEYWORD_ONLY
+_SET = typer.Option(
+    [],
+    "--set",
+    metavar="KEY=VALUE",
+    help="Any config key, e.g. --set steps=300 --set codec=topk:0.01 (repeat it); VALUE is "
+    "read as TOML (300 a number, [64, 32] a list), else as text.",
+    show_default=False,
+    rich_help_panel=SWARM,
+)
+_PROGRESS = typer.Option(
+    True, help="Show the live per-peer progress display.", rich_help_panel=OUTPUT
+)
+
+
+def _opt(name: str, envvar: str | None = None) -> Any:
+    """The flag for config key ``name``: unset (None) unless given, its default in the help."""
     default = getattr(DEFAULTS, name)
     shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
     return typer.Option(
         None,
-        *flags,
+        f"--{name.replace('_', '-')}",
         help=escape(
             f"{FIELDS[name].metadata['help']} [default: {shown if shown != '' else 'none'}]"
         ),
         show_default=False,
+        envvar=envvar,
+        rich_help_panel=_PANEL_OF[name],  # a new config key needs a panel in _PANELS
     )
+
+
+def _config_options(
+    *, own: tuple[str, ...] = (), envvars: Mapping[str, str] | None = None
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command a flag per config key (except ``own``: its own flags of those names;
+    ``profiles``, tables, come from the file or --set) and ``--set KEY=VALUE``; it gets what
+    they set as one keyword argument ``overrides``. ``envvars``: key -> environment variable
+    read when its flag is not given. Help: the command's own options, then the panels."""
+    names = [name for name in FIELDS if name not in (*own, "profiles")]
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(command, eval_str=True)
+        params = [p for p in signature.parameters.values() if p.name != "overrides"]
+        params.append(inspect.Parameter("settings", _KEYWORD, default=_SET, annotation=list[str]))
+        params += [
+            inspect.Parameter(
+                name,
+                _KEYWORD,
+                default=_opt(name, (envvars or {}).get(name)),
+                annotation=_FLAG_TYPES[str(FIELDS[name].type)] | None,
+            )
+            for name in names
+        ]
+        params.sort(key=_help_order)
+
+        @functools.wraps(command)
+        def with_overrides(*, settings: list[str], **kwargs: Any) -> None:
+            flags = {name: kwargs.pop(name) for name in names}
+            try:
+                overrides = _overrides(flags, settings)
+            except ConfigError as exc:
+                _fail(str(exc))
+            command(overrides=overrides, **kwargs)
+
+        keyword_only = [p.replace(kind=_KEYWORD) for p in params]
+        with_overrides.__signature__ = signature.replace(parameters=keyword_only)  # type: ignore[attr-defined]
+        return with_overrides
+
+    return decorate
+
+
+def _help_order(param: inspect.Parameter) -> tuple[int, int]:
+    """Where a parameter shows in the help: arguments and the command's own options first
+    (as declared), then each panel in ``_PANELS`` order, its keys in their order there."""
+    panel = getattr(param.default, "rich_help_panel", None)
+    if panel not in _PANELS:
+        return 0, 0
+    names = _PANELS[panel]
+    return 1 + list(_PANELS).index(panel), names.index(param.name) if param.name in names else -1
+
+
+def _overrides(flags: dict[str, Any], settings: list[str]) -> dict[str, Any]:
+    """The config values a command's flags and ``--set`` arguments give (they win over the
+    file); a key given twice is an error, not a silent choice."""
+    values = {name: value for name, value in flags.items() if value is not None}
+    for text in settings:
+        key, value = parse_setting(text)
+        if key in values:
+            raise ConfigError(
+                f"--set {text!r}: {key} is already set (by --{key.replace('_', '-')} or an "
+                "earlier --set); give it once"
+            )
+        values[key] = value
+    return values
+
+
+def _load(config_file: Path | None, overrides: dict[str, Any]) -> Config:
+    """The config file under the command's overrides, or exit 2 naming what is wrong."""
+    try:
+        return load_config(config_file, **overrides)
+    except ConfigError as exc:
+        _fail(str(exc))
 
 
 def _fail(message: str) -> NoReturn:
@@ -68,69 +230,38 @@ def _setup_logging(rich: bool, level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        print(version("gossipdl"))
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(
+        False, "--version", callback=_show_version, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    """Decentralized (gossip) deep learning over ZeroMQ: no central server."""
+
+
 @app.command()
+@_config_options()
 def run(
     config_file: Path | None = typer.Argument(
         None, help="TOML experiment file; flags override it."
     ),
-    mode: str | None = _opt("mode"),
-    peers: int | None = _opt("peers"),
-    topology: str | None = _opt("topology"),
-    algorithm: str | None = _opt("algorithm"),
-    ps: str | None = _opt("ps"),
-    staleness: str | None = _opt("staleness"),
-    ps_shards: int | None = _opt("ps_shards", "--ps-shards"),
-    local_epochs: int | None = _opt("local_epochs", "--local-epochs"),
-    fraction: float | None = _opt("fraction"),
-    trigger: str | None = _opt("trigger"),
-    codec: str | None = _opt("codec"),
-    gamma: float | None = _opt("gamma"),
-    loss: float | None = _opt("loss"),
-    slowdown: str | None = _opt("slowdown"),
-    drift: str | None = _opt("drift"),
-    dataset: str | None = _opt("dataset"),
-    model: str | None = _opt("model"),
-    hidden: str | None = _opt("hidden"),
-    partition: str | None = _opt("partition"),
-    steps: int | None = _opt("steps"),
-    batch_size: int | None = _opt("batch_size", "--batch-size"),
-    optimizer: str | None = _opt("optimizer"),
-    lr: float | None = _opt("lr"),
-    lr_schedule: str | None = _opt("lr_schedule", "--lr-schedule"),
-    momentum: float | None = _opt("momentum"),
-    weight_decay: float | None = _opt("weight_decay", "--weight-decay"),
-    seed: int | None = _opt("seed"),
-    eval_every: int | None = _opt("eval_every", "--eval-every"),
-    log_every: int | None = _opt("log_every", "--log-every"),
-    round_timeout: float | None = _opt("round_timeout", "--round-timeout"),
-    startup_timeout: float | None = _opt("startup_timeout", "--startup-timeout"),
-    link: str | None = _opt("link"),
-    heartbeat: float | None = _opt("heartbeat"),
-    dead_after: float | None = _opt("dead_after", "--dead-after"),
-    checkpoint_every: int | None = _opt("checkpoint_every", "--checkpoint-every"),
-    device: str | None = _opt("device"),
-    threads: int | None = _opt("threads"),
-    max_message_mb: float | None = _opt("max_message_mb", "--max-message-mb"),
-    max_message_rate: float | None = _opt("max_message_rate", "--max-message-rate"),
-    max_members: int | None = _opt("max_members", "--max-members"),
-    forget_after: float | None = _opt("forget_after", "--forget-after"),
-    max_queued_mb: float | None = _opt("max_queued_mb", "--max-queued-mb"),
-    host: str | None = _opt("host"),
-    out: str | None = _opt("out"),
-    progress: bool = typer.Option(True, help="Show the live per-peer progress display."),
+    progress: bool = _PROGRESS,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Train a local swarm (default: 4 peers, 1-D CNN on MNIST-1D, ring, dense gossip).
 
     Device profiles (\\[profiles.NAME] tables: links, slowdown, offline windows per group of
-    peers) have no flag: give them in CONFIG_FILE.
+    peers) have no flag: give them in CONFIG_FILE, or as --set profiles={...}.
     """
-    overrides = {k: v for k, v in locals().items() if k in FIELDS}
     _setup_logging(rich=True, level=logging.WARNING)
-    try:
-        config = load_config(config_file, **overrides)
-    except ConfigError as exc:
-        _fail(str(exc))
-    _launch(config, progress)
+    _launch(_load(config_file, overrides), progress)
 
 
 def _launch(config: Config, progress: bool) -> dict[str, Any]:
@@ -139,12 +270,11 @@ def _launch(config: Config, progress: bool) -> dict[str, Any]:
     from gossipdl.experiments.launcher import LaunchError, launch
 
     try:
-        if not config.out:
-            config = config.replace(out=str(default_run_dir()))
+        config = resolved(config.replace(out=config.out or str(default_run_dir())))
         console.print(
-            f"[bold]gossipdl[/] {config.mode}: {config.processes} peer(s), {_how(config)}, "
-            f"{config.model} on {config.dataset} ({config.partition}), {config.steps} steps "
-            f"→ {config.out}"
+            f"[bold]gossipdl[/] {config.mode}: {config.processes} peer(s), "
+            f"{escape(_how(config))}, {config.model} on {config.dataset} ({config.partition}), "
+            f"{config.steps} steps → {escape(config.out)}"
         )
         if config.profiles:
             console.print(profiles_table(config))
@@ -158,43 +288,51 @@ def _launch(config: Config, progress: bool) -> dict[str, Any]:
 
 
 @app.command()
+@_config_options()
 def experiment(
     config_file: Path = typer.Argument(..., help="TOML experiment file, e.g. examples/churn.toml."),
-    out: str | None = _opt("out"),
-    progress: bool = typer.Option(True, help="Show the live per-peer progress display."),
+    progress: bool = _PROGRESS,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
-    """Run one experiment file (device profiles, churn, data skew), then draw its report."""
+    """Run one experiment file (device profiles, churn, data skew), then draw its report.
+
+    Flags and --set override the file, e.g. --steps 300 for a shorter run.
+    """
     _setup_logging(rich=True, level=logging.WARNING)
-    try:
-        config = load_config(config_file, out=out)
-    except ConfigError as exc:
-        _fail(str(exc))
-    summary = _launch(config, progress)
-    _report(Path(summary["config"]["out"]))
+    summary = _launch(_load(config_file, overrides), progress)
+    _report([Path(summary["config"]["out"])], None)
 
 
 @app.command()
+@_config_options()
 def sweep(
     config_file: Path = typer.Argument(..., help="TOML experiment file every variant starts from."),
     grid: list[str] = typer.Option(
-        ..., help="KEY=V1,V2: one axis of the grid (repeat for more), e.g. codec=none,topk:0.01."
+        ...,
+        help="KEY=V1,V2: one axis of the grid (repeat for more), e.g. codec=none,topk:0.01.",
+        rich_help_panel=SWARM,
     ),
-    out: str | None = _opt("out"),
-    progress: bool = typer.Option(True, help="Show the live per-peer progress display."),
+    progress: bool = _PROGRESS,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
-    """Run an experiment file over a grid of settings into one directory, then compare them."""
+    """Run an experiment file over a grid of settings into one directory, then compare them.
+
+    Flags and --set change the file for every variant; --grid varies a key across them.
+    """
     from gossipdl.experiments.display import sweep_table
     from gossipdl.experiments.sweep import parse_grid, plan, run_sweep
 
     _setup_logging(rich=True, level=logging.WARNING)
     try:
-        base = load_config(config_file)
-        axes = parse_grid(grid)
-        root = Path(out or base.out or default_run_dir())
+        base = load_config(config_file, **overrides)
+        axes = {key: [parse_value(key, v) for v in vs] for key, vs in parse_grid(grid).items()}
+        root = Path(base.out or default_run_dir())
         variants = plan(base, axes, root)
     except ConfigError as exc:
         _fail(str(exc))
-    console.print(f"[bold]gossipdl sweep[/]: {len(variants)} variants → {root}")
+    console.print(f"[bold]gossipdl sweep[/]: {len(variants)} variants → {escape(str(root))}")
 
     def one(config: Config) -> dict[str, Any]:
         try:
@@ -204,39 +342,49 @@ def sweep(
 
     entries = run_sweep(base, axes, root, one)
     Console().print(sweep_table(entries, title=f"gossipdl sweep · {root}"))
-    _report(root)
+    _report([root], None)
     if any("error" in e for e in entries):
         raise typer.Exit(1)
 
 
 @app.command()
 def report(
-    directory: Path = typer.Argument(..., help="A run directory, or a sweep's directory."),
+    directories: list[Path] = typer.Argument(
+        ..., help="Run directories or sweep directories; several are overlaid."
+    ),
+    out: Path | None = typer.Option(
+        None, help="Where to write the report [default: the first directory's report/]."
+    ),
 ) -> None:
-    """Draw PNG plots and a markdown table for a run or a sweep (into DIR/report/)."""
-    _report(directory)
+    """Draw PNG plots and a markdown table for one or more runs or sweeps, compared."""
+    _report(directories, out)
 
 
-def _report(directory: Path) -> None:
+def _report(directories: list[Path], out: Path | None) -> None:
     from gossipdl.experiments.report import ReportError, write_report
 
     try:
-        files = write_report(directory)
+        files = write_report(directories, out)
     except ReportError as exc:
         _fail(str(exc))
-    console.print("[bold]report[/]: " + ", ".join(str(f) for f in files))
+    console.print("[bold]report[/]: " + ", ".join(escape(str(f)) for f in files))
 
 
 def _how(config: Config) -> str:
-    """How the run combines its workers, in a few words for the banner."""
+    """How the run combines its workers (algorithm and codec as they run), for the banner."""
     every = "" if config.trigger == "always" else f", {config.trigger}"
+    codec = f"codec {config.codec}"
+    if config.mode == "single":
+        return "one process, no communication"
     if config.mode == "ring":
         what = "gradients" if config.trigger == "always" else f"parameters{every}"
-        return f"ring all-reduce of {what}, codec {config.codec}"
+        return f"ring all-reduce of {what}, {codec}"
     if config.mode == "ps":
         rule = f"async, staleness {config.staleness}" if config.ps == "async" else config.ps
-        return f"parameter server ({rule}{every}), {config.ps_shards} shard(s)"
-    return f"{config.topology}, {config.algorithm}{every}"
+        return f"parameter server ({rule}{every}), {config.ps_shards} shard(s), {codec}"
+    config = resolved(config)
+    gamma = f" (γ {config.gamma:g})" if config.algorithm == "choco" else ""
+    return f"{config.topology}, {config.algorithm}{gamma}{every}, {codec}"
 
 
 def _stop_on_signals(training: threading.Event, stop: threading.Event) -> None:
@@ -269,7 +417,10 @@ def _train(
     servers: list[str] | None = None,
     resume: bool = False,
     curve: Curve | None = None,
+    launched: bool = False,
 ) -> None:
+    """Run one peer of a swarm into its run directory; Ctrl-C before training exits 130.
+    ``launched``: every rank started at once, so rank 0 may not listen yet."""
     import torch
 
     from gossipdl.coordinator import RingError, ServerError
@@ -277,18 +428,19 @@ def _train(
     from gossipdl.peers.peer import PeerError
     from gossipdl.peers.runner import train_peer
     from gossipdl.transport import TransportError
+    from gossipdl.transport.probe import CONNECT_WAIT_S
 
     if threads:
         torch.set_num_threads(threads)
     run = RunDir(out or config.out or default_run_dir()).create()
     if not run.config.exists():
-        run.config.write_text(to_toml(config.replace(out=str(run.root))))
+        run.config.write_text(to_toml(resolved(config.replace(out=str(run.root)))))
+    log.info("%s: %s", config.mode, _how(config))
     training, stop = threading.Event(), threading.Event()
     _stop_on_signals(training, stop)
 
     def announce(address: str) -> None:
         print(f"listening on {address}", flush=True)
-        training.set()
 
     try:
         train_peer(
@@ -300,23 +452,28 @@ def _train(
             local_index=local_index,
             stop=stop,
             on_listening=announce,
+            on_training=training.set,
             servers=servers,
             resume=resume,
             curve=curve,
+            connect_wait=config.startup_timeout if launched else CONNECT_WAIT_S,
         )
     except (TransportError, PeerError, RingError, ServerError, ConfigError) as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
-        _fail("interrupted before training started")
+        _interrupted("interrupted before training started")
     if summary:
         summarize(run)
 
 
 @app.command()
+@_config_options(own=("out", "threads"), envvars={"advertise": ADVERTISE_ENV})
 def peer(
-    config_file: Path | None = typer.Option(None, "--config", help="TOML experiment file."),
+    config_file: Path | None = typer.Option(
+        None, "--config", help="TOML experiment file; flags override it."
+    ),
     listen: str | None = typer.Option(
-        None, help="Address to bind (port 0: any free) [default: tcp://127.0.0.1:0]."
+        None, help="Address to bind (port 0: any free) \\[default: tcp://127.0.0.1:0]."
     ),
     bootstrap: str | None = typer.Option(None, help="Address of any member of the swarm to join."),
     rank: int | None = typer.Option(
@@ -324,10 +481,16 @@ def peer(
         help="Peer id to ask for (default: founder 0 / next free; under torchrun or srun: "
         "RANK / SLURM_PROCID).",
     ),
-    out: str | None = typer.Option(None, help="Run directory [default: runs/<timestamp>]."),
-    threads: int | None = typer.Option(None, help="torch threads [default: torch's choice]."),
+    out: str | None = typer.Option(
+        None, help="Run directory \\[default: runs/<timestamp>].", rich_help_panel=OUTPUT
+    ),
+    threads: int | None = typer.Option(
+        None, help="torch threads \\[default: torch's choice].", rich_help_panel=SWARM
+    ),
     local_index: int = typer.Option(0, help="Index among peers on this host (picks cuda:i)."),
-    summary: bool = typer.Option(True, help="Write summary.json when done."),
+    summary: bool = typer.Option(
+        True, help="Write summary.json when done.", rich_help_panel=OUTPUT
+    ),
     servers: str | None = typer.Option(
         None, help="--mode ps: the shards' addresses, comma-separated, shard 0 first."
     ),
@@ -339,6 +502,8 @@ def peer(
     secure: bool = typer.Option(False, help="CURVE: encrypt, and admit only --allow's keys."),
     keys: Path | None = typer.Option(None, help="--secure: directory with this peer's key pair."),
     allow: Path | None = typer.Option(None, help="--secure: file of allowed public keys."),
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Run one peer by hand: found a swarm, join one (--bootstrap), or work for --servers.
 
@@ -353,7 +518,7 @@ def peer(
         if resume is not None:
             config_file = config_file or RunDir(resume).config
             out = str(resume)
-        config = load_config(config_file)
+        config = load_config(config_file, **overrides)
         by_hand = rank is not None or bootstrap is not None or servers
         launched = None if by_hand else from_environment(os.environ)
         if launched is not None:
@@ -361,7 +526,7 @@ def peer(
             bootstrap = None if launched.rank == 0 else launched.bootstrap
             listen = listen or launched.listen
             config = config.replace(peers=launched.world_size)
-            logging.getLogger(__name__).info(
+            log.info(
                 "%s: rank %d of %d, swarm at %s",
                 launched.source,
                 rank,
@@ -385,6 +550,7 @@ def peer(
         servers=servers.split(",") if servers else None,
         resume=resume is not None,
         curve=curve,
+        launched=launched is not None,
     )
 
 
@@ -434,12 +600,12 @@ def server(
     config_file: Path = typer.Option(..., "--config", help="TOML experiment file (mode = ps)."),
     shard: int = typer.Option(0, help="Which shard of the parameters this server holds."),
     listen: str = typer.Option("tcp://127.0.0.1:0", help="Address to bind (port 0: any free)."),
-    out: str | None = typer.Option(None, help="Run directory [default: the config's out]."),
+    out: str | None = typer.Option(None, help="Run directory \\[default: the config's out]."),
     secure: bool = typer.Option(False, help="CURVE: encrypt, and admit only --allow's keys."),
     keys: Path | None = typer.Option(None, help="--secure: directory with this server's key pair."),
     allow: Path | None = typer.Option(None, help="--secure: file of allowed public keys."),
 ) -> None:
-    """Run one parameter-server shard (``--mode ps``); workers find it with --servers."""
+    """Run one parameter-server shard (--mode ps); workers find it with --servers."""
     from gossipdl.peers.runner import run_shard
     from gossipdl.transport import TransportError
 
@@ -466,27 +632,35 @@ def server(
 
 
 @app.command()
+@_config_options(own=("out", "threads"), envvars={"advertise": ADVERTISE_ENV})
 def join(
     address: str = typer.Argument(..., help="Address of any member, e.g. tcp://10.0.0.5:5555."),
     listen: str = typer.Option("tcp://127.0.0.1:0", help="Address to bind (port 0: any free)."),
-    rank: int | None = typer.Option(None, help="Peer id to ask for [default: next free]."),
-    out: str | None = typer.Option(None, help="Run directory [default: runs/<timestamp>]."),
-    threads: int | None = typer.Option(None, help="torch threads [default: torch's choice]."),
+    rank: int | None = typer.Option(None, help="Peer id to ask for \\[default: next free]."),
+    out: str | None = typer.Option(
+        None, help="Run directory \\[default: runs/<timestamp>].", rich_help_panel=OUTPUT
+    ),
+    threads: int | None = typer.Option(
+        None, help="torch threads \\[default: torch's choice].", rich_help_panel=SWARM
+    ),
     timeout: float = typer.Option(30.0, help="Seconds to wait for the member to answer."),
     config_file: Path | None = typer.Option(
         None,
         "--config",
-        help="Your own TOML file: its keys win over the swarm's. A plug-in (module:function) "
-        "or edge file the swarm names runs only if this file names it too.",
+        help="Your own TOML file: its keys (and flags) win over the swarm's. A plug-in "
+        "(module:function) or edge file the swarm names runs only if you name it too.",
     ),
     secure: bool = typer.Option(False, help="CURVE: encrypt, and admit only --allow's keys."),
     keys: Path | None = typer.Option(None, help="--secure: directory with this peer's key pair."),
     allow: Path | None = typer.Option(None, help="--secure: file of allowed public keys."),
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Join a running swarm: fetch its config, take a neighbour's model, train.
 
     The swarm's config may name only gossipdl's built-in parts; this machine's own settings
-    (run directory, device, limits) come from --config or the defaults, never from the swarm.
+    (run directory, device, limits, --advertise) come from --config, flags or the defaults,
+    never from the swarm.
     """
     from gossipdl.peers.bootstrap import fetch_swarm_info
     from gossipdl.peers.peer import PeerError
@@ -495,7 +669,7 @@ def join(
     _setup_logging(rich=False)
     try:
         curve = _curve(secure, keys, allow)
-        local = read_config_file(config_file) if config_file is not None else {}
+        local = {**(read_config_file(config_file) if config_file is not None else {}), **overrides}
         info = fetch_swarm_info(address, listen=listen, timeout=timeout, curve=curve)
         config = config_from_peer(info["config"], address, local)
     except (PeerError, ConfigError, CurveError) as exc:

@@ -7,9 +7,11 @@ files or environment variables for settings.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import re
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,10 @@ MODES = ("gossip", "single", "ring", "ps")
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+# ``peer`` and ``join`` read ``advertise`` from here when no --advertise is given: a launcher's
+# way to tell each peer it starts the address other machines reach it at.
+ADVERTISE_ENV = "GOSSIPDL_ADVERTISE"
 
 
 class ConfigError(ValueError):
@@ -130,8 +136,8 @@ class Config:
     link: str = field(
         default="",
         metadata={
-            "help": "emulated access link of every peer, e.g. "
-            "up=10mbit,down=10mbit,latency=20ms,jitter=5ms,loss=1%"
+            "help": "emulated access link of every peer, e.g. up=10mbit,down=10mbit, "
+            "latency=20ms,jitter=5ms,loss=1%"
         },
     )
     profiles: dict[str, Any] = field(
@@ -176,7 +182,7 @@ class Config:
         metadata={
             "help": "address other machines dial to reach this peer, tcp://HOST:PORT "
             "(empty: the listen address, or for a wildcard listen the interface that routes "
-            "to the swarm); env GOSSIPDL_ADVERTISE"
+            "to the swarm)"
         },
     )
     tensorboard: str = field(
@@ -212,6 +218,8 @@ FIELDS = {f.name: f for f in fields(Config)}
 
 
 def _coerce(name: str, value: Any) -> Any:
+    """``value`` as field ``name``'s type; a string where a number belongs is an error, not
+    read as one (a quoted ``"300"`` in a file is a mistake to show, not to guess at)."""
     kind = FIELDS[name].type
     if kind == "dict[str, Any]":
         if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
@@ -220,11 +228,19 @@ def _coerce(name: str, value: Any) -> Any:
                 '[profiles.phone] with peers = "0-3", up = "10mbit"'
             )
         return value
+    if kind in ("int", "float") and isinstance(value, str):
+        raise ConfigError(
+            f"{name} = {value!r} is a string; write the number without quotes, e.g. "
+            f"{name} = {FIELDS[name].default}"
+        )
     try:
         if kind == "tuple[int, ...]":
             if isinstance(value, str):
-                value = [v for v in value.replace(" ", "").split(",") if v]
-            return tuple(int(v) for v in value)
+                return tuple(int(v) for v in value.replace(" ", "").split(",") if v)
+            items = value if isinstance(value, list | tuple) else [value]
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+                raise ValueError
+            return tuple(items)
         if kind == "int":
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
@@ -240,12 +256,63 @@ def _coerce(name: str, value: Any) -> Any:
         raise ConfigError(f"{name} = {value!r} is not a valid {kind}") from None
 
 
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """The end of an "unknown X" message: the nearest of ``known`` to ``word``, else them all.
+
+    Example:
+        >>> did_you_mean("stpes", ["steps", "seed"])
+        "did you mean 'steps'?"
+    """
+    known = sorted(known)
+    close = difflib.get_close_matches(word.replace("-", "_"), known, n=1)
+    return f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+
+
+def _check_keys(values: Mapping[str, Any], where: str = "") -> None:
+    """Every key of ``values`` is a config key; an unknown one names its nearest known key."""
+    problems = [
+        f"unknown config key {key!r}{where}; {did_you_mean(key, FIELDS)}"
+        for key in values
+        if key not in FIELDS
+    ]
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def from_dict(values: dict[str, Any]) -> Config:
     """Build a Config from plain values; unknown keys and bad values raise ConfigError."""
-    unknown = sorted(set(values) - set(FIELDS))
-    if unknown:
-        raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(FIELDS)}")
+    _check_keys(values)
     return Config(**{k: _coerce(k, v) for k, v in values.items() if v is not None})
+
+
+def parse_value(key: str, text: str) -> Any:
+    """``text`` (as typed on a command line) as a value for config key ``key``: a TOML value
+    if it is one (``300`` an int, ``0.1`` a float, ``[64, 32]`` a list, ``"x"`` a string),
+    else the text itself (``topk:0.01``, ``1024,512``); a string key takes any text as written.
+
+    Example:
+        >>> parse_value("steps", "300"), parse_value("codec", "topk:0.01"), parse_value("out", "7")
+        (300, 'topk:0.01', '7')
+    """
+    _check_keys({key: text})
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+    return text if FIELDS[key].type == "str" and not isinstance(value, str) else value
+
+
+def parse_setting(text: str) -> tuple[str, Any]:
+    """A ``--set KEY=VALUE`` argument as the key and its value (read by ``parse_value``).
+
+    Example:
+        >>> parse_setting("steps=300"), parse_setting("hidden=1024,512")
+        (('steps', 300), ('hidden', '1024,512'))
+    """
+    key, equals, value = text.partition("=")
+    if not equals or not key.strip():
+        raise ConfigError(f"--set {text!r}: write KEY=VALUE, e.g. --set steps=300")
+    return key.strip(), parse_value(key.strip(), value.strip())
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> Config:
@@ -256,14 +323,17 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> Config:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The values a TOML config file sets, unchecked (``from_dict`` checks them)."""
+    """The values a TOML config file sets; an unknown key is an error naming the file and the
+    nearest known key (``from_dict`` checks the values)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        return tomllib.loads(path.read_text())
+        values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    _check_keys(values, where=f" in {path}")
+    return values
 
 
 def to_dict(config: Config) -> dict[str, Any]:
@@ -273,10 +343,30 @@ def to_dict(config: Config) -> dict[str, Any]:
     }
 
 
+def resolved(config: Config) -> Config:
+    """``config`` as it runs, for the record (config.toml, the banner): in the gossip mode the
+    algorithm ``auto`` stands for is named, and CHOCO's γ 0 (the codec's default) is that
+    default; other settings are already explicit.
+
+    Example:
+        >>> c = resolved(Config(codec="topk:0.01"))
+        >>> c.algorithm, c.gamma
+        ('choco', 0.03)
+    """
+    from gossipdl.averaging import default_gamma, resolve_algorithm
+
+    if config.mode != "gossip":
+        return config
+    algorithm = resolve_algorithm(config.algorithm, config.codec)
+    if algorithm == "choco" and not config.gamma:
+        return config.replace(algorithm=algorithm, gamma=default_gamma(config.codec))
+    return config.replace(algorithm=algorithm)
+
+
 def to_toml(config: Config) -> str:
-    """The fully resolved config as a TOML document: flat keys, one per line, then one
-    ``[profiles.NAME]`` table per device profile."""
-    lines = ["# gossipdl experiment config (fully resolved)"]
+    """The config as a TOML document: flat keys, one per line, then one ``[profiles.NAME]``
+    table per device profile (every key is written, defaults too)."""
+    lines = ["# gossipdl experiment config (every key, defaults resolved)"]
     values = to_dict(config)
     profiles = values.pop("profiles")
     lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
@@ -318,6 +408,7 @@ def _validate(c: Config) -> None:
         parse_slowdown,
     )
     from gossipdl.topologies import TopologyError, build_topology
+    from gossipdl.transport.addresses import address_problem
     from gossipdl.transport.shaping import LinkError, parse_link
 
     _check(c.mode in MODES, f"mode = {c.mode!r}; choose one of {', '.join(MODES)}")
@@ -369,7 +460,7 @@ def _validate(c: Config) -> None:
     except ValueError as exc:
         raise ConfigError(f"algorithm = {c.algorithm!r}: {exc}") from None
     try:
-        parse_slowdown(c.slowdown)
+        parse_slowdown(c.slowdown, c.peers)
         parse_drift(c.drift)
         devices = parse_profiles(c.profiles, c.peers)
     except ConditionError as exc:
@@ -429,6 +520,16 @@ def _validate(c: Config) -> None:
     _check(
         _DEVICE.match(c.device) is not None,
         f"device = {c.device!r}; use auto, cpu, mps, cuda or cuda:N",
+    )
+    advertised = address_problem(c.advertise) if c.advertise else None
+    _check(
+        advertised is None,
+        f"advertise = {c.advertise!r}: {advertised}; give the address other machines reach "
+        "this peer at, tcp://HOST:PORT with a concrete host, e.g. tcp://10.0.0.5:5555",
+    )
+    _check(
+        not c.metrics_hook or _PLUGIN.fullmatch(c.metrics_hook) is not None,
+        f"metrics_hook = {c.metrics_hook!r}; use module:function, e.g. mypkg.hooks:make_sink",
     )
 
 

@@ -30,7 +30,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-
 # The unix time a launcher started the run; every peer it starts counts ``time`` from it.
 RUN_START_ENV = "GOSSIPDL_RUN_START"
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from gossipdl.config import did_you_mean
 from gossipdl.transport.shaping import LinkError, LinkProfile, parse_link, parse_windows
 
 LINK_KEYS = ("up", "down", "latency", "jitter", "loss")
@@ -38,12 +39,17 @@ class ConditionError(ValueError):
     """A slowdown or drift spec that cannot be parsed."""
 
 
-def parse_slowdown(spec: str) -> dict[int, float]:
-    """``"3:4,5:2"`` as ``{3: 4.0, 5: 2.0}``; ``""`` as no slowdown.
+def parse_slowdown(spec: str, peers: int | None = None) -> dict[int, float]:
+    """``"3:4,5:2"`` as ``{3: 4.0, 5: 2.0}``; ``""`` as no slowdown. With ``peers`` (the
+    swarm's size) every peer id must be below it.
 
     Example:
         >>> parse_slowdown("3:4")
         {3: 4.0}
+        >>> parse_slowdown("9:4", peers=4)
+        Traceback (most recent call last):
+        ...
+        gossipdl.peers.conditions.ConditionError: slowdown '9:4' names peer 9, but ...
     """
     result: dict[int, float] = {}
     for item in filter(None, spec.replace(" ", "").split(",")):
@@ -57,8 +63,18 @@ def parse_slowdown(spec: str) -> dict[int, float]:
                 f"slowdown {item!r}: use PEER:FACTOR with a peer id >= 0 and FACTOR >= 1, "
                 f"e.g. 3:4 (peer 3 computes 4x slower)"
             )
+        if peers is not None and peer_id >= peers:
+            raise ConditionError(
+                f"slowdown {item!r} names peer {peer_id}, but {_swarm(peers)}; name a peer "
+                "in that range or raise peers"
+            )
         result[peer_id] = value
     return result
+
+
+def _swarm(peers: int) -> str:
+    """The peer ids a swarm of ``peers`` has, for messages about an id out of range."""
+    return f"the swarm has peers 0..{peers - 1} (peers = {peers})"
 
 
 @dataclass(frozen=True)
@@ -132,8 +148,13 @@ def parse_peer_ids(value: Any, peers: int, what: str) -> tuple[int, ...]:
         if isinstance(item, bool) or not first.isdigit() or not (last or first).isdigit():
             raise ConditionError(usage)
         low, high = int(first), int(last or first)
-        if not low <= high < peers:
+        if low > high:
             raise ConditionError(usage)
+        if high >= peers:
+            raise ConditionError(
+                f"{what}: peers = {value!r} names peer {high}, but {_swarm(peers)}; "
+                f"use ids < {peers} or raise peers"
+            )
         ids.update(range(low, high + 1))
     if not ids:
         raise ConditionError(usage)
@@ -152,7 +173,11 @@ def parse_profile(name: str, table: Mapping[str, Any], peers: int) -> DeviceProf
         raise ConditionError(f"{what} must be a table ([profiles.{name}]) of {PROFILE_KEYS}")
     unknown = sorted(set(table) - set(PROFILE_KEYS))
     if unknown:
-        raise ConditionError(f"{what}: unknown key(s) {unknown}; known keys: {list(PROFILE_KEYS)}")
+        raise ConditionError(
+            "; ".join(
+                f"{what}: unknown key {key!r}; {did_you_mean(key, PROFILE_KEYS)}" for key in unknown
+            )
+        )
     if "peers" not in table:
         raise ConditionError(f'{what} names no peers; add e.g. peers = "0-3"')
     slowdown = table.get("slowdown", 1.0)

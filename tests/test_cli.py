@@ -1,0 +1,385 @@
+"""One CLI: --version, help that reads at 80 columns, the same overrides (flags and --set) on
+every command that builds a config, config mistakes named with a fix, provenance in
+config.toml, and Ctrl-C ending with exit code 130."""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import time
+from collections.abc import Iterator
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import tomllib
+import typer
+from conftest import small_config, start_peer, write_config
+from typer.testing import CliRunner
+
+import gossipdl.cli as cli
+from gossipdl.config import (
+    FIELDS,
+    Config,
+    ConfigError,
+    from_dict,
+    load_config,
+    parse_setting,
+    parse_value,
+    resolved,
+    to_dict,
+)
+from gossipdl.experiments import launcher
+from gossipdl.peers.conditions import parse_slowdown
+
+PANELS = ("Swarm", "Data and model", "Optimisation", "Communication", "Faults and links", "Output")
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI sets up logging for the process; give the next tests theirs back."""
+    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run the CLI in-process: exit code, stdout, and stderr with rich's wrapping undone."""
+    result = CliRunner().invoke(cli.app, list(args), env={"COLUMNS": "80", **(env or {})})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, " ".join(result.stderr.split())
+
+
+def fails(*args: str) -> str:
+    """What a command that must fail with exit code 2 printed (its ``error:`` line last)."""
+    code, _, stderr = invoke(*args)
+    assert code == 2 and "error:" in stderr, stderr
+    return stderr
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch) -> list[Config]:
+    """The configs ``run``/``experiment``/``sweep`` hand the launcher; no peer starts."""
+    seen: list[Config] = []
+
+    def launch(config: Config, **kwargs: Any) -> dict[str, Any]:
+        seen.append(config)
+        raise launcher.LaunchError("stopped by the test before any peer started")
+
+    monkeypatch.setattr(launcher, "launch", launch)
+    return seen
+
+
+@pytest.fixture
+def trained(monkeypatch: pytest.MonkeyPatch) -> list[Config]:
+    """The configs ``peer``/``join`` hand ``_train``; no peer starts."""
+    seen: list[Config] = []
+
+    def train(config: Config, **kwargs: Any) -> None:
+        seen.append(config)
+
+    monkeypatch.setattr(cli, "_train", train)
+    return seen
+
+
+def commands() -> Iterator[tuple[str, ...]]:
+    """Every command path of the app, groups included: (), ("run",), ("keys", "generate")."""
+
+    def walk(command: click.Command, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+        yield path
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, (*path, name))
+
+    yield from walk(typer.main.get_command(cli.app), ())
+
+
+def boxes(help_text: str) -> dict[str, str]:
+    """A rich help screen's panels: title -> the text inside."""
+    found: dict[str, str] = {}
+    for chunk in help_text.split("╭─ ")[1:]:
+        title, _, body = chunk.partition("\n")
+        found[title.split(" ─")[0].strip()] = body.split("╰")[0]
+    return found
+
+
+# -- --version and help ------------------------------------------------------------------
+
+
+def test_version_prints_the_package_version() -> None:
+    code, stdout, _ = invoke("--version")
+    assert code == 0
+    assert stdout.strip() == version("gossipdl")
+
+
+def test_every_help_screen_is_complete_at_80_columns_without_bool_metavars() -> None:
+    paths = list(commands())
+    assert ("run",) in paths and ("keys", "generate") in paths
+    for path in paths:
+        result = CliRunner().invoke(cli.app, [*path, "--help"], env={"COLUMNS": "80"})
+        assert result.exit_code == 0, (path, result.output)
+        text = result.stdout
+        assert max(len(line) for line in text.splitlines()) <= 80, path
+        assert "…" not in text, f"{path}: a help text is cut"
+        assert "<bool>" not in text, f"{path}: a flag shows a <bool> type"
+    peer = CliRunner().invoke(cli.app, ["peer", "--help"], env={"COLUMNS": "80"}).stdout
+    assert "[default: tcp://127.0.0.1:0]" in " ".join(peer.split())  # not eaten as markup
+
+
+def test_run_help_puts_every_option_in_one_of_six_panels() -> None:
+    text = CliRunner().invoke(cli.app, ["run", "--help"], env={"COLUMNS": "80"}).stdout
+    panels = boxes(text)
+    assert [p for p in panels if p in PANELS] == list(PANELS)
+    options = boxes(text)["Options"]
+    assert options.count("--") == 1 and "--help" in options  # nothing else left unpanelled
+    flags = " ".join(panels[p] for p in PANELS)
+    for name in FIELDS:
+        if name != "profiles":
+            assert f"--{name.replace('_', '-')} " in flags, name
+    assert "--set" in panels["Swarm"] and "--progress" in panels["Output"]
+
+
+# -- the same overrides on every command ---------------------------------------------------
+
+
+def test_set_reads_values_as_toml_else_as_text() -> None:
+    assert parse_setting("steps=300") == ("steps", 300)
+    assert parse_setting("lr = 1e-3") == ("lr", 0.001)
+    assert parse_setting("codec=topk:0.01") == ("codec", "topk:0.01")
+    assert parse_setting("hidden=1024,512") == ("hidden", "1024,512")
+    assert parse_setting("hidden=[64, 32]") == ("hidden", [64, 32])
+    assert parse_setting('codec="fp16"') == ("codec", "fp16")
+    assert parse_value("out", "2024") == "2024"  # a string key takes the text as written
+    assert parse_value("slowdown", "") == ""
+    assert parse_setting('profiles={phone={peers="0-1", up="1mbit"}}') == (
+        "profiles",
+        {"phone": {"peers": "0-1", "up": "1mbit"}},
+    )
+    config = from_dict(dict(parse_setting(s) for s in ("hidden=1024,512", "steps=3")))
+    assert (config.hidden, config.steps) == ((1024, 512), 3)
+    for bad in ("steps", "=3", ""):
+        with pytest.raises(ConfigError, match="KEY=VALUE"):
+            parse_setting(bad)
+
+
+def test_run_takes_set_for_any_key_after_the_file(tmp_path: Path, launched: list[Config]) -> None:
+    path = write_config(tmp_path / "exp.toml", small_config(tmp_path, steps=60))
+    fails("run", str(path), "--steps", "5", "--set", "codec=fp16", "--set", "hidden=8,4",
+          "--set", "model=mlp", "--set", "lr=0.5")  # fmt: skip
+    assert (launched[0].steps, launched[0].codec, launched[0].hidden) == (5, "fp16", (8, 4))
+    assert (launched[0].model, launched[0].lr, launched[0].dataset) == ("mlp", 0.5, "synthetic")
+    assert "steps is already set" in fails("run", "--steps", "3", "--set", "steps=4")
+
+
+def test_experiment_takes_run_flags_and_set(tmp_path: Path, launched: list[Config]) -> None:
+    path = write_config(tmp_path / "exp.toml", small_config(tmp_path, steps=60))
+    out = tmp_path / "short"
+    fails("experiment", str(path), "--steps", "3", "--set", "codec=topk:0.1", "--peers", "2",
+          "--out", str(out), "--no-progress")  # fmt: skip
+    config = launched[0]
+    assert (config.steps, config.codec, config.peers, config.out) == (3, "topk:0.1", 2, str(out))
+    assert config.dataset == "synthetic"  # the rest still comes from the file
+    assert "names peer 5" in fails("experiment", str(path), "--slowdown", "5:2")
+
+
+def test_sweep_takes_run_flags_and_set_for_every_variant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gossipdl.experiments import sweep
+
+    planned: list[tuple[Config, dict[str, list[Any]]]] = []
+
+    def run_sweep(base: Config, axes: dict[str, list[Any]], root: Path, one: Any) -> list[Any]:
+        planned.append((base, axes))
+        return []
+
+    monkeypatch.setattr(sweep, "run_sweep", run_sweep)
+    monkeypatch.setattr(cli, "_report", lambda directories, out: None)
+    path = write_config(tmp_path / "exp.toml", small_config(tmp_path, steps=60))
+    code, _, stderr = invoke("sweep", str(path), "--grid", "lr=0.1,0.05", "--steps", "3",
+                             "--set", "codec=fp16", "--out", str(tmp_path / "sw"))  # fmt: skip
+    assert code == 0, stderr
+    base, axes = planned[0]
+    assert (base.steps, base.codec, base.out) == (3, "fp16", str(tmp_path / "sw"))
+    assert axes == {"lr": [0.1, 0.05]}  # grid values read as --set reads them: numbers
+    assert "did you mean 'steps'" in fails("sweep", str(path), "--grid", "lr=0.1",
+                                            "--set", "stpes=3")  # fmt: skip
+
+
+def test_peer_and_join_take_run_flags_set_and_advertise(
+    tmp_path: Path, trained: list[Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_config(tmp_path / "exp.toml", small_config(tmp_path, steps=60))
+    env = {"GOSSIPDL_ADVERTISE": "tcp://10.0.0.7:5555"}
+    code, _, stderr = invoke("peer", "--config", str(path), "--steps", "7", "--set",
+                             "codec=fp16", env=env)  # fmt: skip
+    assert code == 0, stderr
+    assert (trained[0].steps, trained[0].codec) == (7, "fp16")
+    assert trained[0].advertise == "tcp://10.0.0.7:5555"  # from the environment
+    invoke("peer", "--config", str(path), "--advertise", "tcp://10.0.0.8:1", env=env)
+    assert trained[1].advertise == "tcp://10.0.0.8:1"  # the flag wins
+
+    from gossipdl.peers import bootstrap
+
+    swarm = to_dict(small_config(tmp_path, steps=60, codec="fp16"))
+    monkeypatch.setattr(bootstrap, "fetch_swarm_info", lambda *a, **k: {"config": swarm})
+    code, _, stderr = invoke("join", "tcp://10.0.0.5:5555", "--steps", "9", "--set",
+                             "lr=0.5", env=env)  # fmt: skip
+    assert code == 0, stderr
+    joined = trained[2]
+    assert (joined.steps, joined.lr, joined.codec) == (9, 0.5, "fp16")  # local keys win
+    assert joined.advertise == "tcp://10.0.0.7:5555"
+    invoke("join", "tcp://10.0.0.5:5555", "--advertise", "tcp://10.0.0.9:2", env=env)
+    assert trained[3].advertise == "tcp://10.0.0.9:2"
+
+
+# -- config mistakes -----------------------------------------------------------------------
+
+
+def test_a_typod_key_suggests_the_nearest_known_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key 'stpes'; did you mean 'steps'\?"):
+        from_dict({"stpes": 3})
+    with pytest.raises(ConfigError, match="did you mean 'batch_size'"):
+        from_dict({"batch-size": 3})
+    with pytest.raises(ConfigError, match=r"known keys: .*steps"):
+        from_dict({"colour": "red"})
+    path = tmp_path / "typo.toml"
+    path.write_text("peers = 4\neval_evry = 10\n")
+    message = fails("run", str(path))
+    assert f"unknown config key 'eval_evry' in {path}; did you mean 'eval_every'?" in message
+    assert "did you mean 'steps'" in fails("run", "--set", "stpes=3")
+    path.write_text('peers = 2\n[profiles.phone]\npeers = "0"\nuup = "1mbit"\n')
+    assert "profile 'phone': unknown key 'uup'; did you mean 'up'?" in fails("run", str(path))
+
+
+def test_a_string_where_a_number_belongs_is_an_error(tmp_path: Path) -> None:
+    for key, value in (("steps", "300"), ("lr", "0.1"), ("peers", "x")):
+        with pytest.raises(ConfigError, match=f"{key} = '{value}' is a string"):
+            from_dict({key: value})
+    path = tmp_path / "quoted.toml"
+    path.write_text('steps = "300"\n')
+    assert "steps = '300' is a string" in fails("run", str(path))
+    with pytest.raises(ConfigError, match="hidden"):
+        from_dict({"hidden": ["64"]})
+    assert load_config(None, steps=300, lr=1).lr == 1.0  # numbers stay fine
+
+
+def test_per_peer_options_are_checked_against_the_peer_count(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"slowdown '9:4' names peer 9.*peers 0\.\.3"):
+        Config(peers=4, slowdown="9:4")
+    with pytest.raises(ConfigError, match="names peer 4"):
+        Config(peers=4, slowdown="0:2,4:2")
+    assert Config(peers=4, slowdown="3:4").slowdown == "3:4"
+    assert parse_slowdown("9:4") == {9: 4.0}  # a peer on its own knows no swarm size
+    with pytest.raises(ConfigError, match=r"profile 'phone': peers = '2-4' names peer 4"):
+        Config(peers=4, profiles={"phone": {"peers": "2-4"}})
+    assert "names peer 9" in fails("run", "--slowdown", "9:4")
+    path = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=3))
+    assert "peers 0..1" in fails("peer", "--config", str(path), "--peers", "2", "--slowdown",
+                                 "2:2")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://[::]:5555", "tcp://10.0.0.5:0",
+     "tcp://10.0.0.5:65536", "10.0.0.5:5555", "tcp://10.0.0.5"],
+)  # fmt: skip
+def test_advertise_must_be_a_concrete_tcp_address(bad: str) -> None:
+    with pytest.raises(ConfigError, match=f"advertise = {re.escape(repr(bad))}.*tcp://HOST:PORT"):
+        Config(advertise=bad)
+    assert "advertise =" in fails("run", "--advertise", bad)
+
+
+def test_good_advertise_and_metrics_hook_values_pass() -> None:
+    for good in ("tcp://10.0.0.5:5555", "tcp://node7.cluster:1", "tcp://[fe80::1]:65535", ""):
+        assert Config(advertise=good).advertise == good
+    assert Config(metrics_hook="my_pkg.hooks:make_sink").metrics_hook == "my_pkg.hooks:make_sink"
+    for bad in ("nope", "pkg:", ":f", "pkg:f:g"):
+        with pytest.raises(ConfigError, match=r"metrics_hook = .*module:function"):
+            Config(metrics_hook=bad)
+
+
+# -- provenance ----------------------------------------------------------------------------
+
+
+def test_resolved_names_the_algorithm_and_gamma_that_run() -> None:
+    lossy = resolved(Config(codec="topk:0.01"))
+    assert (lossy.algorithm, lossy.gamma) == ("choco", 0.03)
+    assert resolved(Config(codec="qsgd:4")).gamma == 0.1
+    assert (resolved(Config()).algorithm, resolved(Config()).gamma) == ("dense", 0.0)
+    assert resolved(Config(codec="topk:0.01", gamma=0.2)).gamma == 0.2  # given: kept
+    assert resolved(Config(mode="ring")).algorithm == "auto"  # the ring mode averages no models
+    assert resolved(lossy) == lossy
+
+
+def test_run_launches_and_announces_the_resolved_config(
+    tmp_path: Path, launched: list[Config]
+) -> None:
+    message = fails("run", "--codec", "topk:0.01", "--out", str(tmp_path / "r"))
+    assert "choco (γ 0.03), codec topk:0.01" in message  # the banner
+    assert (launched[0].algorithm, launched[0].gamma) == ("choco", 0.03)  # its config.toml
+
+
+# -- Ctrl-C --------------------------------------------------------------------------------
+
+
+def test_ctrl_c_of_a_founding_peer_waiting_for_others_exits_130_at_once(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=3))
+    out = tmp_path / "p"
+    proc, _ = start_peer("--config", str(config), "--out", str(out), "--set", "codec=topk:0.01",
+                         log=tmp_path / "p.log")  # fmt: skip
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        code = proc.wait(timeout=5)
+    finally:
+        proc.kill()
+        proc.communicate()
+    took = time.monotonic() - started
+    log = (tmp_path / "p.log").read_text()
+    assert code == 130 and took < 5, (code, took, log)
+    assert "interrupted before training started" in log and "Traceback" not in log
+    assert "gossip: ring, choco (γ 0.03), codec topk:0.01" in log  # the banner's line
+    recorded = tomllib.loads((out / "config.toml").read_text())
+    assert (recorded["algorithm"], recorded["gamma"], recorded["codec"]) == (
+        "choco",
+        0.03,
+        "topk:0.01",
+    )
+
+
+def test_ctrl_c_in_run_or_sweep_exits_with_the_signal_code_and_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Config] = []
+
+    def launch(config: Config, **kwargs: Any) -> dict[str, Any]:
+        calls.append(config)
+        raise launcher.Interrupted(signal.SIGINT if len(calls) == 1 else signal.SIGTERM)
+
+    monkeypatch.setattr(launcher, "launch", launch)
+    code, _, stderr = invoke("run", "--out", str(tmp_path / "r"))
+    assert (code, stderr.split()[-1]) == (130, "interrupted")
+    path = write_config(tmp_path / "exp.toml", small_config(tmp_path))
+    code, _, stderr = invoke("sweep", str(path), "--grid", "lr=0.1,0.05", "--out",
+                             str(tmp_path / "sw"))  # fmt: skip
+    assert code == 128 + signal.SIGTERM and stderr.endswith("interrupted")
+    assert len(calls) == 2, "the sweep went on to its next variant"
+
+
+def test_report_takes_several_directories_and_an_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gossipdl.experiments import report
+
+    asked: list[tuple[list[Path], Path | None]] = []
+    monkeypatch.setattr(
+        report, "write_report", lambda dirs, out: asked.append((dirs, out)) or [Path("x.md")]
+    )
+    code, _, stderr = invoke("report", "a", "b", "c", "--out", "cmp")
+    assert code == 0, stderr
+    assert asked == [([Path("a"), Path("b"), Path("c")], Path("cmp"))]
+    invoke("report", "a")
+    assert asked[1] == ([Path("a")], None)
