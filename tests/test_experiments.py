@@ -64,7 +64,8 @@ def test_a_peer_offline_in_its_window_sends_and_hears_nothing_then_rejoins(
     flaky = list(run.records(2))
     offline = [r for r in flaky if r["online"] is False]
     assert len(offline) >= 2, "peer 2 logged nothing while offline"
-    assert all(1.4 <= r["time"] <= 3.7 for r in offline)
+    began = flaky[0]["time"]  # time counts from the launch; the windows from training's start
+    assert all(1.4 <= r["time"] - began <= 3.7 for r in offline)
     # The device was away: no steps, nothing crossed its link; the counters stand still.
     assert len({(r["step"], r["bytes_sent"], r["bytes_received"]) for r in offline}) == 1
     assert flaky[-1]["dropped_reasons"].get("offline", 0) > 0
@@ -74,7 +75,7 @@ def test_a_peer_offline_in_its_window_sends_and_hears_nothing_then_rejoins(
     for peer_id in (0, 1):  # the others dropped it meanwhile
         assert any(r["members"] == 2 for r in run.records(peer_id))
     # Back online: it was told it had been dropped, rejoined, and traffic flows again.
-    back = [r for r in flaky if r["time"] > 3.5]
+    back = [r for r in flaky if r["time"] - began > 3.5]
     assert flaky[-1]["rejoins"] >= 1
     assert any(r["members"] == 3 for r in back)
     assert back[-1]["bytes_received"] > offline[-1]["bytes_received"]
@@ -122,7 +123,7 @@ def test_a_2x2_sweep_makes_four_runs_one_table_and_overlaid_plots(tmp_path: Path
         assert summary["peers_finished"] == 2
     sweep = json.loads((root / "sweep.json").read_text())
     assert [v["name"] for v in sweep["variants"]] == names
-    assert sweep["variants"][2]["settings"] == {"codec": "topk:0.5", "lr": "0.1"}
+    assert sweep["variants"][2]["settings"] == {"codec": "topk:0.5", "lr": 0.1}
     sent = {v["name"]: v["total_bytes_sent"] for v in sweep["variants"]}
     assert sent["codec-topk_0.5__lr-0.1"] < sent["codec-none__lr-0.1"]
     # One comparison table on the console and in report.md, a row per variant.
@@ -133,7 +134,7 @@ def test_a_2x2_sweep_makes_four_runs_one_table_and_overlaid_plots(tmp_path: Path
     accuracy = axes_of(root / "report" / "accuracy.png")
     assert [(a["xlabel"], a["xscale"]) for a in accuracy] == [
         ("local steps", "linear"),
-        ("wall time (s)", "linear"),
+        ("training time (s, start-up excluded)", "linear"),
         ("total bytes sent by all peers (log scale)", "log"),
     ]
     assert all(a["ylabel"] == "mean test accuracy" and a["lines"] == 4 for a in accuracy)

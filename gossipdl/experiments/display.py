@@ -112,7 +112,7 @@ def summary_table(summary: dict[str, Any], title: str = "gossipdl run") -> Table
         f"mean test accuracy {'-' if mean is None else f'{mean:.4f}'} · "
         f"consensus distance {'-' if cd is None else f'{cd:.3g}'} · "
         f"sent {human_bytes(summary['total_bytes_sent'])} · "
-        f"wall time {summary['wall_time_s']:.1f} s · "
+        f"start-up {summary['startup_s']:.1f} s + training {summary['training_s']:.1f} s · "
         f"{summary['peers_finished']}/{len(summary['peers'])} peers finished"
     )
     return table
@@ -168,15 +168,16 @@ def _rate(bps: float) -> str:
 
 
 def sweep_table(entries: list[dict[str, Any]], title: str = "gossipdl sweep") -> Table:
-    """One row per variant of a sweep: its settings, accuracy, bytes and wall time."""
+    """One row per variant of a sweep: its settings, accuracy, bytes, start-up and training
+    time."""
     table = Table(title=title)
     keys = list(entries[0]["settings"]) if entries else []
-    for name in (*keys, "mean acc", "min acc", "finished", "sent", "wall s"):
+    for name in (*keys, "mean acc", "min acc", "finished", "sent", "start-up s", "training s"):
         table.add_column(name, justify="left" if name in keys else "right")
     for e in entries:
-        settings = [e["settings"][k] for k in keys]
+        settings = [str(e["settings"][k]) for k in keys]
         if "error" in e:
-            table.add_row(*settings, f"[red]failed: {e['error']}[/]", "", "", "", "")
+            table.add_row(*settings, f"[red]failed: {e['error']}[/]", "", "", "", "", "")
             continue
         table.add_row(
             *settings,
@@ -184,6 +185,7 @@ def sweep_table(entries: list[dict[str, Any]], title: str = "gossipdl sweep") ->
             "-" if e["min_accuracy"] is None else f"{e['min_accuracy']:.4f}",
             str(e["peers_finished"]),
             human_bytes(e["total_bytes_sent"]),
-            f"{e['wall_time_s']:.1f}",
+            f"{e['startup_s']:.1f}",
+            f"{e['training_s']:.1f}",
         )
     return table

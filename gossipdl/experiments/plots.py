@@ -1,14 +1,17 @@
 """PNG plots of runs, drawn with matplotlib's file-only backend (no display needed).
 
 Every PNG carries, in a ``gossipdl-axes`` text chunk, what each of its panels
-shows (title, axis labels and scales, how many lines): tests and scripts
-check a plot by reading the file, not by eye.
+shows (title, axis labels and scales, how many lines, the legend's labels,
+and how many of each marked artist: ``band`` for a mean ± standard deviation
+band, ``start-up`` for the span before training): tests and scripts check a
+plot by reading the file, not by eye.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +43,12 @@ ACCURACY_VS_BYTES = Panel(
     "bytes_sent", "accuracy", "total bytes sent by all peers (log scale)", "mean test accuracy",
     log_x=True,
 )  # fmt: skip
-ACCURACY_VS_TIME = Panel("time_s", "accuracy", "wall time (s)", "mean test accuracy")
+ACCURACY_VS_TIME = Panel(
+    "training_s", "accuracy", "training time (s, start-up excluded)", "mean test accuracy"
+)
 ACCURACY_VS_STEPS = Panel("step", "accuracy", "local steps", "mean test accuracy")
+BAND = "band"  # the gid of a shaded mean ± standard deviation band
+STARTUP = "start-up"  # the gid of the shaded span before training began
 
 
 def save_figure(fig: Any, path: Path) -> Path:
@@ -54,6 +61,10 @@ def save_figure(fig: Any, path: Path) -> Path:
             "xscale": ax.get_xscale(),
             "yscale": ax.get_yscale(),
             "lines": len(ax.lines),
+            "legend": [t.get_text() for t in legend.get_texts()]
+            if (legend := ax.get_legend())
+            else [],
+            "marks": dict(Counter(gid for c in ax.get_children() if (gid := c.get_gid()))),
         }
         for ax in fig.axes
         if ax.get_label() != "<colorbar>"
@@ -76,20 +87,30 @@ def plot_curves(
     vertical and horizontal lines (an event, a target).
 
     ``curves`` maps a label to points as
-    :func:`gossipdl.experiments.summary.accuracy_curve` returns them. On a
-    log axis, points at x <= 0 (nothing sent yet) are left out.
+    :func:`gossipdl.experiments.summary.accuracy_curve` returns them; points
+    that carry ``<y>_std`` (:func:`~gossipdl.experiments.summary.mean_curve`)
+    get a shaded band of ± one standard deviation around the line. On a log
+    axis, points at x <= 0 (nothing sent yet) are left out.
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), dpi=120)
     for ax, panel in zip([axes] if len(panels) == 1 else axes, panels, strict=True):
         for label, points in curves.items():
             shown = [p for p in points if not panel.log_x or p[panel.x] > 0]
-            ax.plot(
-                [p[panel.x] for p in shown],
-                [p[panel.y] for p in shown],
-                marker="o",
-                markersize=3,
-                label=label,
-            )
+            x = [p[panel.x] for p in shown]
+            y = [p[panel.y] for p in shown]
+            (line,) = ax.plot(x, y, marker="o", markersize=3, label=label)
+            spread = f"{panel.y}_std"
+            if shown and spread in shown[0]:
+                std = [p[spread] for p in shown]
+                ax.fill_between(
+                    x,
+                    [a - s for a, s in zip(y, std, strict=True)],
+                    [a + s for a, s in zip(y, std, strict=True)],
+                    color=line.get_color(),
+                    alpha=0.2,
+                    linewidth=0,
+                    gid=BAND,
+                )
         if panel.log_x:
             ax.set_xscale("log")
         if mark_x is not None:
@@ -105,12 +126,16 @@ def plot_curves(
     return save_figure(fig, path)
 
 
-def plot_timeline(records: Mapping[int, Records], path: Path, title: str) -> Path:
+def plot_timeline(
+    records: Mapping[int, Records], path: Path, title: str, startup_s: float = 0.0
+) -> Path:
     """Per-peer timelines over wall time: online or offline, busy or idle, bytes sent.
 
     ``records`` maps a peer id to its metrics lines (``time``, ``online``,
     ``idle_s``, ``bytes_sent``). Between two lines a peer was busy for the
-    share of the time it did not spend waiting for others (``idle_s``).
+    share of the time it did not spend waiting for others (``idle_s``); the
+    time before a resumed life's first line it was away (dead). The first
+    ``startup_s`` seconds (forming the swarm) are shaded in every panel.
     """
     fig, (up, busy, sent) = plt.subplots(
         3, 1, figsize=(10, 8), dpi=120, sharex=True, layout="constrained"
@@ -119,7 +144,7 @@ def plot_timeline(records: Mapping[int, Records], path: Path, title: str) -> Pat
     for peer_id, lines in sorted(records.items()):
         spans = [(a, b) for a, b in itertools.pairwise(lines) if b["time"] > a["time"]]
         bars = [(a["time"], b["time"] - a["time"]) for a, b in spans]
-        away = [not b.get("online", True) for _, b in spans]
+        away = [not b.get("online", True) or bool(b.get("resumed")) for _, b in spans]
         offline = [bar for bar, off in zip(bars, away, strict=True) if off]
         up.broken_barh(bars, (peer_id - 0.4, 0.8), facecolors="tab:green")
         up.broken_barh(offline, (peer_id - 0.4, 0.8), facecolors="tab:red")
@@ -138,6 +163,10 @@ def plot_timeline(records: Mapping[int, Records], path: Path, title: str) -> Pat
     for ax in (up, busy):
         ax.set_ylabel("peer")
         ax.set_yticks(sorted(records))
+    if startup_s > 0:
+        for ax in (up, busy, sent):
+            label = f"start-up ({startup_s:.1f} s)"
+            ax.axvspan(0, startup_s, color="tab:orange", alpha=0.15, gid=STARTUP, label=label)
     fig.colorbar(plt.cm.ScalarMappable(cmap=colormap), ax=(up, busy, sent), label="busy share")
     sent.set_title("bytes sent")
     sent.set_xlabel("wall time (s)")

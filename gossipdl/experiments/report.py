@@ -1,19 +1,34 @@
-"""``gossipdl report DIR``: PNG plots and a markdown table for a run or a sweep directory.
+"""``gossipdl report DIR [DIR ...]``: PNG plots and markdown tables that compare runs.
 
-Writes into ``DIR/report/``: ``accuracy.png`` (mean test accuracy against
-local steps, wall time and bytes sent, one line per variant), ``timeline.png``
-(per peer: online or offline, busy or waiting, bytes sent; one file per
-variant for a sweep, ``timeline-<variant>.png``) and ``report.md``, a table of
-the results with the plots linked.
+Each DIR is a run directory or a sweep's (``sweep.json``: its variants are
+the runs). Directories whose peers carry the same ``swarm`` id are one run
+(``gossipdl peer``/``join`` on each machine of a swarm write their own
+directory) and are merged: its peers come from all of them. Runs whose
+``config.toml`` differ only in ``seed`` (and in keys that do not change
+results: output paths and addresses) form a group, shown as the mean ± the
+sample standard deviation over its runs; legends and the group table name a
+group by the config keys that vary between the groups.
+
+Writes, into ``DIR/report/`` for one directory and into
+``<common parent>/report-<names>/`` for several (unless ``out`` is given):
+``accuracy.png`` (mean test accuracy against local steps, training time and
+bytes sent, a line per group with a shaded band for groups of several runs),
+``timeline.png`` per run (``timeline-<run>.png`` when there are several, or
+a sweep; the start-up span shaded) and ``report.md``, the tables with the
+plots linked.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import os
+import re
+import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from gossipdl.config import Config, ConfigError, read_config_file, to_dict
 from gossipdl.experiments.display import human_bytes
 from gossipdl.experiments.plots import (
     ACCURACY_VS_BYTES,
@@ -22,19 +37,38 @@ from gossipdl.experiments.plots import (
     plot_curves,
     plot_timeline,
 )
-from gossipdl.experiments.summary import accuracy_curve, summarize
-from gossipdl.experiments.sweep import SWEEP_FILE
+from gossipdl.experiments.summary import (
+    Run,
+    accuracy_curve,
+    mean_curve,
+    peer_lines,
+    startup_time,
+    summary_of,
+)
+from gossipdl.experiments.sweep import REPORT_DIR, SWEEP_FILE
 from gossipdl.rundir import RunDir
 
-REPORT_DIR = "report"
+# config keys that say where output goes or how peers reach each other, not what is computed
+NOT_RESULTS = frozenset({"out", "host", "advertise", "tensorboard", "csv", "metrics_hook"})
+_LONGEST_NAME = 60  # characters of directory names in a default ``report-<names>`` folder
+STAT_HEADERS = (
+    "finished",
+    "mean acc",
+    "min acc",
+    "start-up s",
+    "training s",
+    "bytes sent",
+    "dropped",
+)
 
 
 class ReportError(ValueError):
     """A directory that holds no run to report on; the message says what is missing."""
 
 
-def runs_of(root: Path) -> dict[str, RunDir]:
-    """The runs under ``root``: a sweep's variants (``sweep.json``), else ``root`` itself."""
+def run_dirs(root: Path) -> list[RunDir]:
+    """The run directories in ``root`` that hold peer metrics: a sweep's variants
+    (``sweep.json``), else ``root`` itself."""
     if not root.is_dir():
         raise ReportError(f"{root} is not a directory; pass a run or sweep directory")
     sweep = root / SWEEP_FILE
@@ -45,10 +79,10 @@ def runs_of(root: Path) -> dict[str, RunDir]:
             raise ReportError(
                 f'{sweep} lists no variants ({{"variants": [{{"name": ...}}]}}); re-run the sweep'
             ) from None
-        runs = {name: RunDir(root / name) for name in names}
+        runs = [RunDir(root / name) for name in names]
     else:
-        runs = {root.resolve().name: RunDir(root)}
-    runs = {name: run for name, run in runs.items() if run.peer_ids()}
+        runs = [RunDir(root)]
+    runs = [run for run in runs if run.peer_ids()]
     if not runs:
         raise ReportError(
             f"{root} holds no peer metrics (peers/<id>.jsonl); is it a gossipdl run directory?"
@@ -64,6 +98,89 @@ def _read_json(path: Path) -> Any:
         raise ReportError(f"{path} is not readable JSON ({exc}); re-run, or restore it") from None
 
 
+def swarm_of(run: RunDir) -> str | None:
+    """The ``swarm`` id on the first lines of ``run``'s peers (None for runs from before
+    swarm ids: such a directory is a run of its own)."""
+    ids = set()
+    for peer_id in run.peer_ids():
+        first = next(run.records(peer_id), None)
+        if first is not None and first.get("swarm"):
+            ids.add(str(first["swarm"]))
+    if len(ids) > 1:
+        raise ReportError(
+            f"{run.root} holds peers of {len(ids)} swarms ({', '.join(sorted(ids))}); a run "
+            "directory holds one run: move the other swarm's peers/<id>.jsonl into a directory "
+            "of their own"
+        )
+    return next(iter(ids), None)
+
+
+def runs_of(directories: Sequence[Path]) -> list[Run]:
+    """The runs in ``directories`` (a sweep's variants each); directories whose peers carry
+    the same swarm id are merged into one run."""
+    by_swarm: dict[str, list[RunDir]] = {}
+    seen: set[Path] = set()
+    for directory in directories:
+        for run in run_dirs(directory):
+            root = run.root.resolve()
+            if root not in seen:
+                seen.add(root)
+                by_swarm.setdefault(swarm_of(run) or str(root), []).append(run)
+    return [Run(*dirs) for dirs in by_swarm.values()]
+
+
+def run_names(runs: Sequence[Run]) -> list[str]:
+    """Each run's name: its directories' paths below the deepest folder holding all of them,
+    joined by ``+`` when it was merged from several."""
+    roots = [d.root.resolve() for run in runs for d in run.dirs]
+    base = Path(os.path.commonpath(roots))
+    if base in roots:
+        base = base.parent
+    return ["+".join(str(d.root.resolve().relative_to(base)) for d in run.dirs) for run in runs]
+
+
+def _config(run: Run) -> dict[str, Any] | None:
+    """The run's config.toml over the defaults (a run from an older gossipdl lacks newer keys);
+    None when none of its directories has one."""
+    path = next((d.config for d in run.dirs if d.config.is_file()), None)
+    if path is None:
+        return None
+    try:
+        return {**to_dict(Config()), **read_config_file(path)}
+    except ConfigError as exc:
+        raise ReportError(f"{exc}; restore it, or delete it to report the run alone") from None
+
+
+def _value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def group_runs(configs: Sequence[dict[str, Any] | None]) -> list[tuple[list[int], dict[str, str]]]:
+    """Indices of the runs whose configs differ only in ``seed`` and NOT_RESULTS keys, each
+    group with the values of the keys that vary between the groups (a run without a config
+    is a group of its own, named by nothing)."""
+    members: dict[str, list[int]] = {}
+    settings: dict[str, dict[str, Any]] = {}
+    for i, config in enumerate(configs):
+        if config is None:
+            members[f"#{i}"] = [i]
+            continue
+        kept = {k: v for k, v in config.items() if k not in NOT_RESULTS and k != "seed"}
+        key = json.dumps(kept, sort_keys=True)
+        members.setdefault(key, []).append(i)
+        settings[key] = kept
+    keys = dict.fromkeys(k for kept in settings.values() for k in kept)
+    varying = [
+        k
+        for k in keys
+        if len({json.dumps(s.get(k), sort_keys=True) for s in settings.values()}) > 1
+    ]
+    return [
+        (indices, {k: _value(settings[key].get(k)) for k in varying} if key in settings else {})
+        for key, indices in members.items()
+    ]
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub-flavoured markdown table."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
@@ -71,48 +188,108 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines) + "\n"
 
 
-def _accuracy(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
+def _spread(values: Sequence[float | None], fmt: Callable[[float], str]) -> str:
+    """One cell: the value, or for several runs mean ± sample standard deviation; "-" if none."""
+    known = [v for v in values if v is not None]
+    if len(known) < 2:
+        return fmt(known[0]) if known else "-"
+    return f"{fmt(statistics.fmean(known))} ± {fmt(statistics.stdev(known))}"
 
 
-def write_report(root: str | Path) -> list[Path]:
-    """Draw the plots and write ``report.md`` for the run or sweep at ``root``; returns the
-    files written."""
-    root = Path(root)
-    runs = runs_of(root)
-    out = root / REPORT_DIR
-    sweep = len(runs) > 1 or (root / SWEEP_FILE).is_file()
-    title = f"{'sweep' if sweep else 'run'} {root.resolve().name}"
+def stat_cells(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """The STAT_HEADERS cells of one run, or of a group of runs aggregated."""
+
+    def spread(key: str, fmt: Callable[[float], str]) -> str:
+        return _spread([s[key] for s in summaries], fmt)
+
+    finished = sum(s["peers_finished"] for s in summaries)
+    return [
+        f"{finished}/{sum(len(s['peers']) for s in summaries)}",
+        spread("mean_accuracy", lambda v: f"{v:.4f}"),
+        spread("min_accuracy", lambda v: f"{v:.4f}"),
+        spread("startup_s", lambda v: f"{v:.1f}"),
+        spread("training_s", lambda v: f"{v:.1f}"),
+        spread("total_bytes_sent", human_bytes),
+        spread("total_messages_dropped", lambda v: f"{v:.0f}"),
+    ]
+
+
+def _default_out(directories: Sequence[Path]) -> Path:
+    """``DIR/report`` for one directory; for several, ``report-<their names>`` in the deepest
+    folder holding them all."""
+    if len(directories) == 1:
+        return directories[0] / REPORT_DIR
+    roots = [d.resolve() for d in directories]
+    names = "+".join(root.name for root in roots)
+    if len(names) > _LONGEST_NAME:
+        names = f"{roots[0].name}+{len(roots) - 1}-more"
+    return Path(os.path.commonpath(roots)) / f"report-{names}"
+
+
+def write_report(directories: Sequence[Path], out: Path | None = None) -> list[Path]:
+    """Draw the plots and write ``report.md`` comparing the runs in ``directories`` (run or
+    sweep directories) into ``out``; returns the files written."""
+    directories = list({Path(d).resolve(): Path(d) for d in directories}.values())
+    if not directories:
+        raise ReportError("no directory to report on; pass one or more run or sweep directories")
+    runs = runs_of(directories)
+    names = run_names(runs)
+    out = out or _default_out(directories)
+    sweep = len(directories) == 1 and (directories[0] / SWEEP_FILE).is_file()
+    several = sweep or len(runs) > 1
+    configs = [_config(run) for run in runs]
+    groups = group_runs(configs)
+    labels = [
+        ", ".join(f"{k}={v}" for k, v in varying.items())
+        or (names[indices[0]] if len(indices) == 1 else f"mean of {len(indices)} runs")
+        for indices, varying in groups
+    ]
+    if sweep:
+        title = f"sweep {directories[0].resolve().name}"
+    else:
+        title = f"run {names[0]}" if len(runs) == 1 else f"{len(runs)} runs"
+    if any(len(indices) > 1 for indices, _ in groups):
+        title += " (mean ± std over seeds)"
     files = [
         plot_curves(
-            {name: accuracy_curve(run) for name, run in runs.items()},
+            {
+                label: mean_curve([accuracy_curve(runs[i]) for i in indices])
+                for label, (indices, _) in zip(labels, groups, strict=True)
+            },
             out / "accuracy.png",
             title,
             panels=(ACCURACY_VS_STEPS, ACCURACY_VS_TIME, ACCURACY_VS_BYTES),
         )
     ]
-    rows = []
-    for name, run in runs.items():
-        timeline = out / (f"timeline-{name}.png" if sweep else "timeline.png")
-        records = {peer_id: list(run.records(peer_id)) for peer_id in run.peer_ids()}
-        files.append(plot_timeline(records, timeline, f"{name}: peers over time"))
-        summary = _read_json(run.summary) if run.summary.is_file() else summarize(run)
-        rows.append(
+    summaries = [summary_of(run) for run in runs]
+    run_rows = []
+    for run, name, config, summary in zip(runs, names, configs, summaries, strict=True):
+        safe = re.sub(r"[^A-Za-z0-9._+-]", "_", name)
+        timeline = out / (f"timeline-{safe}.png" if several else "timeline.png")
+        lines = peer_lines(run)
+        files.append(
+            plot_timeline(lines, timeline, f"{name}: peers over time", startup_time(lines))
+        )
+        run_rows.append(
             [
                 name,
-                f"{summary['peers_finished']}/{len(summary['peers'])}",
-                _accuracy(summary["mean_accuracy"]),
-                _accuracy(summary["min_accuracy"]),
-                f"{summary['wall_time_s']:.1f}",
-                human_bytes(summary["total_bytes_sent"]),
-                summary["total_messages_dropped"],
+                (config or {}).get("seed", "-"),
+                *stat_cells([summary]),
                 f"![timeline]({timeline.name})",
             ]
         )
-    table = markdown_table(
-        ["variant", "finished", "mean acc", "min acc", "wall s", "bytes sent", "dropped", ""],
-        rows,
-    )
+    sections = [f"# {title}\n"]
+    if len(runs) > 1:
+        group_rows = [
+            [label, len(indices), *stat_cells([summaries[i] for i in indices])]
+            for label, (indices, _) in zip(labels, groups, strict=True)
+        ]
+        sections.append(
+            "Runs that differ only by seed are one group: mean ± sample standard deviation "
+            "over its runs.\n\n" + markdown_table(["group", "runs", *STAT_HEADERS], group_rows)
+        )
+    sections.append("![accuracy](accuracy.png)\n")
+    sections.append("## Runs\n\n" + markdown_table(["run", "seed", *STAT_HEADERS, ""], run_rows))
     report = out / "report.md"
-    report.write_text(f"# {title}\n\n{table}\n![accuracy](accuracy.png)\n")
+    report.write_text("\n".join(sections))
     return [*files, report]

@@ -1,71 +1,169 @@
-"""Turn a run directory's per-peer metrics and final models into ``summary.json``."""
+"""Turn a run's per-peer metrics and final models into ``summary.json`` and accuracy curves.
+
+The readers here take a :class:`Run`, the peers of one run read from one or
+more run directories (``gossipdl peer``/``join`` on each machine of a swarm
+write their own), or a single :class:`~gossipdl.rundir.RunDir`.
+"""
 
 from __future__ import annotations
 
 import json
+import statistics
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from gossipdl.config import load_config, to_dict
+from gossipdl.experiments.provenance import provenance
 from gossipdl.rundir import RunDir, write_json_atomic
 
 
-def consensus_distance(run: RunDir, peer_ids: list[int]) -> float | None:
+class Run:
+    """The peers of one run, read from one or more run directories as if they were one (a
+    swarm whose machines each wrote their own directory)."""
+
+    def __init__(self, *dirs: RunDir) -> None:
+        self.dirs = dirs
+
+    def peer_ids(self) -> list[int]:
+        """Ids of the peers that wrote metrics in any of the directories, sorted."""
+        return sorted({peer_id for d in self.dirs for peer_id in d.peer_ids()})
+
+    def records(self, peer_id: int) -> Iterator[dict[str, Any]]:
+        """One peer's metrics lines (a torn last line is skipped); a peer that wrote in several
+        directories (resumed on another machine) reads as its lives in the order they began."""
+        lives = [list(d.records(peer_id)) for d in self.dirs if d.metrics(peer_id).is_file()]
+        for life in sorted(lives, key=lambda lines: lines[0].get("unix_time", 0) if lines else 0):
+            yield from life
+
+    def model(self, peer_id: int) -> Path | None:
+        """The peer's final model file, None if no directory holds one."""
+        return next((d.model(peer_id) for d in self.dirs if d.model(peer_id).is_file()), None)
+
+    def servers(self) -> list[dict[str, Any]]:
+        """The parameter-server shards' counters (mode ps), from every directory."""
+        return [
+            {"shard": k, **json.loads(d.server_stats(k).read_text())}
+            for d in self.dirs
+            for k in d.server_shards()
+        ]
+
+
+def view(run: Run | RunDir) -> Run:
+    """``run`` as a :class:`Run` (a single directory becomes a one-directory view)."""
+    return run if isinstance(run, Run) else Run(run)
+
+
+def consensus_distance(run: Run | RunDir, peer_ids: list[int]) -> float | None:
     """Mean squared distance of the final models to their average, (1/n) Σ ||x_i − x̄||².
 
     None when fewer than two final models were saved.
     """
     vectors = []
-    for peer_id in peer_ids:
-        path = run.model(peer_id)
-        if path.is_file():
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            vectors.append(torch.cat([t.reshape(-1).double() for t in state.values()]))
+    for path in filter(None, map(view(run).model, peer_ids)):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        vectors.append(torch.cat([t.reshape(-1).double() for t in state.values()]))
     if len(vectors) < 2:
         return None
     stacked = torch.stack(vectors)
     return float(((stacked - stacked.mean(0)) ** 2).sum(1).mean())
 
 
-def accuracy_curve(run: RunDir) -> list[dict[str, float]]:
+def peer_lines(run: Run | RunDir) -> dict[int, list[dict[str, Any]]]:
+    """Each peer's metrics lines; a peer with none yet (only a torn first line) is left out."""
+    run = view(run)
+    lines = {peer_id: list(run.records(peer_id)) for peer_id in run.peer_ids()}
+    return {peer_id: records for peer_id, records in lines.items() if records}
+
+
+def startup_time(lines: dict[int, list[dict[str, Any]]]) -> float:
+    """Seconds from the swarm's start until its last peer began training: the latest ``time``
+    of the peers' first ``start`` lines (0.0 when no peer wrote one)."""
+    starts = (
+        next((r["time"] for r in records if r.get("start")), None) for records in lines.values()
+    )
+    return max((t for t in starts if t is not None), default=0.0)
+
+
+def accuracy_curve(run: Run | RunDir) -> list[dict[str, float]]:
     """Mean test accuracy over the peers at every step all of them evaluated, with the cost so far.
 
     One point per such step: ``step``, ``time_s`` (the slowest peer's seconds
-    since its start), ``bytes_sent`` and ``messages_sent`` (model
-    transmissions; both summed over the peers, up to that step) and
-    ``accuracy`` (the peers' mean). Feeds the accuracy-vs-bytes plots.
+    since the swarm's start), ``training_s`` (the same, less the run's start-up
+    time), ``bytes_sent`` and ``messages_sent`` (model transmissions; both
+    summed over the peers, up to that step) and ``accuracy`` (the peers'
+    mean). Feeds the accuracy-vs-bytes plots.
     """
+    lines = peer_lines(run)
+    startup = startup_time(lines)
     evaluations: dict[int, dict[int, dict[str, Any]]] = {}
-    peer_ids = run.peer_ids()
-    for peer_id in peer_ids:
-        for record in run.records(peer_id):
+    for peer_id, records in lines.items():
+        for record in records:
             if record.get("accuracy") is not None:
                 evaluations.setdefault(record["step"], {})[peer_id] = record
-    return [
-        {
-            "step": step,
-            "time_s": max(r.get("time", 0.0) for r in by_peer.values()),
-            "bytes_sent": sum(r.get("bytes_sent", 0) for r in by_peer.values()),
-            "messages_sent": sum(r.get("model_messages_sent", 0) for r in by_peer.values()),
-            "accuracy": sum(r["accuracy"] for r in by_peer.values()) / len(by_peer),
-        }
-        for step, by_peer in sorted(evaluations.items())
-        if len(by_peer) == len(peer_ids)
-    ]
+    curve = []
+    for step, by_peer in sorted(evaluations.items()):
+        if len(by_peer) < len(lines):
+            continue
+        time_s = max(r.get("time", 0.0) for r in by_peer.values())
+        curve.append(
+            {
+                "step": step,
+                "time_s": time_s,
+                "training_s": time_s - startup,
+                "bytes_sent": sum(r.get("bytes_sent", 0) for r in by_peer.values()),
+                "messages_sent": sum(r.get("model_messages_sent", 0) for r in by_peer.values()),
+                "accuracy": sum(r["accuracy"] for r in by_peer.values()) / len(by_peer),
+            }
+        )
+    return curve
+
+
+def mean_curve(curves: Sequence[Sequence[dict[str, float]]]) -> list[dict[str, float]]:
+    """Several runs' curves (seeds) as one: at every step all of them reached, each key's mean
+    and, as ``<key>_std``, its sample standard deviation (the band a plot shades).
+
+    Example:
+        >>> point = mean_curve([[{"step": 1, "accuracy": 0.5}], [{"step": 1, "accuracy": 0.7}]])[0]
+        >>> round(point["accuracy"], 3), round(point["accuracy_std"], 3)
+        (0.6, 0.141)
+    """
+    if len(curves) < 2:
+        return [dict(point) for curve in curves for point in curve]
+    by_step = [{point["step"]: point for point in curve} for curve in curves]
+    steps = sorted(set.intersection(*(set(points) for points in by_step)))
+    mean = []
+    for step in steps:
+        points = [points[step] for points in by_step]
+        mean.append(
+            {
+                name: value
+                for key in points[0]
+                for name, value in (
+                    (key, statistics.fmean(p[key] for p in points)),
+                    (f"{key}_std", statistics.stdev(p[key] for p in points)),
+                )
+            }
+        )
+    return mean
 
 
 def _last(records: list[dict[str, Any]], key: str) -> Any:
     return next((r[key] for r in reversed(records) if r.get(key) is not None), None)
 
 
-def summarize(run: RunDir, wall_time_s: float | None = None) -> dict[str, Any]:
-    """Compute and write ``summary.json`` from whatever the peers wrote."""
+def summary_of(run: Run | RunDir, wall_time_s: float | None = None) -> dict[str, Any]:
+    """Totals and per-peer results of ``run``, from whatever its peers wrote (nothing written).
+
+    ``wall_time_s`` (default: the last peer's last ``time``) splits into
+    ``startup_s`` (until the last peer began training) and ``training_s``.
+    """
+    run = view(run)
+    lines = peer_lines(run)
     peers = []
-    for peer_id in run.peer_ids():
-        records = list(run.records(peer_id))
-        if not records:
-            continue
+    for peer_id, records in lines.items():
         last = records[-1]
         peers.append(
             {
@@ -85,15 +183,17 @@ def summarize(run: RunDir, wall_time_s: float | None = None) -> dict[str, Any]:
                 "idle_s": last.get("idle_s", 0.0),
                 "neighbour_misses": last.get("neighbour_misses", 0),
                 "time_s": last.get("time", 0.0),
+                "device": last.get("device"),
             }
         )
-    servers = [
-        {"shard": k, **json.loads(run.server_stats(k).read_text())} for k in run.server_shards()
-    ]
+    servers = run.servers()
     server_bytes = sum(s.get("bytes_sent", 0) for s in servers)
     accuracies = [p["accuracy"] for p in peers if p["accuracy"] is not None]
     finished = [p["accuracy"] for p in peers if p["finished"] and p["accuracy"] is not None]
-    summary = {
+    if wall_time_s is None:
+        wall_time_s = max((p["time_s"] for p in peers), default=0.0)
+    startup_s = startup_time(lines)
+    return {
         "mean_accuracy": sum(accuracies) / len(accuracies) if accuracies else None,
         # the peers that ran to the end (after a peer died, the mean above includes its
         # last evaluation)
@@ -109,13 +209,20 @@ def summarize(run: RunDir, wall_time_s: float | None = None) -> dict[str, Any]:
         "total_messages_sent": sum(p["messages_sent"] for p in peers),
         "total_socket_messages_sent": sum(p["socket_messages_sent"] for p in peers),
         "total_messages_dropped": sum(p["messages_dropped"] for p in peers),
-        "wall_time_s": wall_time_s
-        if wall_time_s is not None
-        else max((p["time_s"] for p in peers), default=0.0),
+        "wall_time_s": wall_time_s,
+        "startup_s": startup_s,
+        "training_s": wall_time_s - startup_s,
         "peers_finished": sum(p["finished"] for p in peers),
         "peers": peers,
         "servers": servers,
-        "config": to_dict(load_config(run.config)) if run.config.is_file() else None,
     }
+
+
+def summarize(run: RunDir, wall_time_s: float | None = None) -> dict[str, Any]:
+    """Compute and write ``summary.json`` from whatever the peers wrote, with the config and
+    the provenance (versions, commit, host, devices, command line) of this process."""
+    summary = summary_of(run, wall_time_s)
+    summary["config"] = to_dict(load_config(run.config)) if run.config.is_file() else None
+    summary["provenance"] = provenance(p["device"] for p in summary["peers"] if p["device"])
     write_json_atomic(run.summary, summary)
     return summary

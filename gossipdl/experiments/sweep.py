@@ -5,6 +5,7 @@ four combinations. Every variant's config is built and validated before the
 first one starts, each runs into ``DIR/<variant>/`` (a normal run
 directory), and ``DIR/sweep.json`` lists them with their settings and
 results; a variant that fails is recorded as failed and the others still run.
+A ``DIR`` that already holds a run or a sweep is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from gossipdl.config import FIELDS, Config, ConfigError
-from gossipdl.rundir import write_json_atomic
+from gossipdl.rundir import RunDir, write_json_atomic
 
-Grid = dict[str, list[str]]
+Grid = dict[str, list[Any]]  # values as typed on the command line, or parsed
 SWEEP_FILE = "sweep.json"
+REPORT_DIR = "report"
 
 
 def parse_grid(items: Sequence[str]) -> Grid:
@@ -49,14 +51,28 @@ def parse_grid(items: Sequence[str]) -> Grid:
     return grid
 
 
-def variant_name(settings: dict[str, str]) -> str:
+def variant_name(settings: dict[str, Any]) -> str:
     """A directory name for one combination: ``codec-topk_0.01__topology-ring``."""
     parts = [f"{key}-{value}" for key, value in settings.items()]
     return "__".join(re.sub(r"[^A-Za-z0-9._-]", "_", part) for part in parts)
 
 
-def plan(base: Config, grid: Grid, out: Path) -> list[tuple[str, dict[str, str], Config]]:
-    """Every combination as (name, settings, validated config writing to ``out/name``)."""
+def occupied(directory: Path) -> list[str]:
+    """What in ``directory`` shows a run or a sweep already wrote there (empty if nothing)."""
+    run = RunDir(directory)
+    marks = [
+        directory / SWEEP_FILE,
+        directory / REPORT_DIR,
+        run.config,
+        run.summary,
+        run.root / "peers",
+    ]
+    return [mark.name for mark in marks if mark.exists()]
+
+
+def plan(base: Config, grid: Grid, out: Path) -> list[tuple[str, dict[str, Any], Config]]:
+    """Every combination as (name, settings, validated config writing to ``out/name``); an
+    ``out`` or variant directory that already holds a run or a sweep is a ConfigError."""
     variants = []
     for values in itertools.product(*grid.values()):
         settings = dict(zip(grid, values, strict=True))
@@ -66,6 +82,13 @@ def plan(base: Config, grid: Grid, out: Path) -> list[tuple[str, dict[str, str],
         except ConfigError as exc:
             raise ConfigError(f"variant {name}: {exc}") from None
         variants.append((name, settings, config))
+    for directory in [out, *(Path(config.out) for _, _, config in variants)]:
+        found = occupied(directory)
+        if found:
+            raise ConfigError(
+                f"{directory} already holds a run or a sweep ({', '.join(found)}); its results "
+                "would be mixed with or replaced by the new ones: choose another --out or delete it"
+            )
     return variants
 
 
@@ -95,6 +118,8 @@ def run_sweep(
                     "min_accuracy": summary["min_accuracy"],
                     "total_bytes_sent": summary["total_bytes_sent"],
                     "wall_time_s": summary["wall_time_s"],
+                    "startup_s": summary["startup_s"],
+                    "training_s": summary["training_s"],
                     "peers_finished": summary["peers_finished"],
                 }
             )

@@ -1,0 +1,289 @@
+"""`gossipdl report` compares runs honestly: seeds aggregated to mean ± std, legends that name
+what varies, one machine's directory per swarm member merged into one run, start-up apart
+from training, and summary.json says what produced it. Run directories are written by hand
+(metrics lines as peers write them) except for one real run."""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import gossipdl_cmd
+from PIL import Image
+from test_experiments import axes_of
+
+from gossipdl.config import Config, ConfigError, to_toml
+from gossipdl.experiments.plots import AXES_KEY
+from gossipdl.experiments.provenance import PACKAGE_DIR, git_state
+from gossipdl.experiments.report import write_report
+from gossipdl.experiments.summary import Run, accuracy_curve, summarize, summary_of
+from gossipdl.experiments.sweep import parse_grid, plan, run_sweep
+from gossipdl.rundir import RunDir
+
+STEPS = 30
+
+
+def fake_run(
+    root: Path,
+    *,
+    peers: tuple[int, ...] = (0, 1),
+    swarm: str | None = None,
+    startup: float = 2.0,
+    skill: float = 0.5,
+    devices: tuple[str, ...] = ("cpu",),
+    **config: Any,
+) -> RunDir:
+    """A finished run directory: config.toml, and per peer the lines a peer writes (a start
+    line at step 0, an evaluation every 10 steps, a final line). The last peer starts
+    ``startup`` seconds after the swarm did; accuracy at step s is ``skill`` + s/1000 + the
+    peer's id/100; each peer sends 100 bytes a step."""
+    run = RunDir(root).create()
+    values = {"peers": len(peers), "dataset": "synthetic", "model": "logistic", "steps": STEPS}
+    run.config.write_text(to_toml(Config(**{**values, **config, "out": str(root)})))
+    for k, peer in enumerate(peers):
+        lines = []
+        for step in range(0, STEPS + 1, 10):
+            line: dict[str, Any] = {
+                "peer": peer,
+                "step": step,
+                "time": startup - 0.5 * k + 0.1 * step if step == 0 else startup + 0.1 * step,
+                "unix_time": 1.7e9 + step,
+                "loss": 1.0,
+                "accuracy": skill + step / 1000 + peer / 100,
+                "bytes_sent": 100 * step,
+                "messages_dropped": peer,
+            }
+            if step == 0:
+                line.update(start=True, **({"swarm": swarm} if swarm else {}))
+            if step == STEPS:
+                line.update(final=True, stopped_early=False, device=devices[k % len(devices)])
+            lines.append(json.dumps(line) + "\n")
+        run.metrics(peer).write_text("".join(lines))
+    return run
+
+
+def panels(path: Path) -> list[dict[str, Any]]:
+    """What a PNG's panels show, from its axes chunk alone: ``axes_of`` also checks the
+    picture (seconds for a wide one), done once per kind of plot."""
+    with Image.open(path) as image:
+        return list(json.loads(image.text[AXES_KEY]))
+
+
+def table_rows(report: Path, first_cell: str) -> list[list[str]]:
+    """The cells of report.md's table rows whose first cell is ``first_cell``."""
+    rows = [
+        [cell.strip() for cell in line.strip("|\n ").split("|")]
+        for line in report.read_text().splitlines()
+        if line.startswith("|")
+    ]
+    return [row for row in rows if row[0] == first_cell]
+
+
+def test_three_seeds_are_one_group_drawn_as_a_band_and_tabled_as_mean_plus_minus_std(
+    tmp_path: Path,
+) -> None:
+    dirs = [fake_run(tmp_path / f"s{seed}", seed=seed, skill=0.5 + 0.1 * seed) for seed in range(3)]
+    files = write_report([d.root for d in dirs])
+    out = tmp_path / "report-s0+s1+s2"  # several directories: next to them, named by them
+    assert out / "accuracy.png" in files and out / "report.md" in files
+    for panel in axes_of(out / "accuracy.png"):
+        assert panel["lines"] == 1 and panel["marks"] == {"band": 1}, panel
+        assert panel["legend"] == ["mean of 3 runs"]
+    means = [summary_of(d)["mean_accuracy"] for d in dirs]
+    (group,) = table_rows(out / "report.md", "mean of 3 runs")
+    assert group[1] == "3"
+    assert group[3] == f"{statistics.fmean(means):.4f} ± {statistics.stdev(means):.4f}"
+    assert group[2] == "6/6"
+    for seed in range(3):  # and each run on its own row, with its timeline
+        (row,) = table_rows(out / "report.md", f"s{seed}")
+        assert row[1] == str(seed) and "±" not in row[3]
+        assert len(panels(out / f"timeline-s{seed}.png")) == 3
+    # one run alone: no band, no ±
+    write_report([dirs[0].root])
+    assert all(p["marks"] == {} for p in panels(dirs[0].root / "report" / "accuracy.png"))
+    assert "±" not in (dirs[0].root / "report" / "report.md").read_text()
+
+
+def test_the_legend_names_only_the_config_keys_that_vary(tmp_path: Path) -> None:
+    dirs = [
+        fake_run(tmp_path / "a" / "run", codec="none", seed=0),
+        fake_run(tmp_path / "b" / "run", codec="none", seed=1, host="10.0.0.1"),  # not a result
+        fake_run(tmp_path / "c" / "run", codec="topk:0.5", seed=0, skill=0.3),
+        fake_run(tmp_path / "d" / "run", codec="topk:0.5", seed=1, skill=0.35),
+    ]
+    out = tmp_path / "cmp"
+    write_report([d.root for d in dirs], out)
+    for panel in panels(out / "accuracy.png"):
+        assert panel["legend"] == ["codec=none", "codec=topk:0.5"]
+        assert panel["lines"] == 2 and panel["marks"] == {"band": 2}
+    for label in ("codec=none", "codec=topk:0.5"):
+        assert table_rows(out / "report.md", label)[0][1] == "2"
+    # runs in folders of one name are told apart by their paths
+    assert [table_rows(out / "report.md", f"{x}/run")[0][1] for x in "abcd"] == list("0101")
+    # a key that changes results splits a group even with equal seeds
+    fake_run(tmp_path / "e", codec="none", seed=0, lr=0.2)
+    write_report([dirs[0].root, tmp_path / "e"], out)
+    assert panels(out / "accuracy.png")[0]["legend"] == ["lr=0.05", "lr=0.2"]
+
+
+def test_directories_of_one_swarm_are_merged_into_one_run(tmp_path: Path) -> None:
+    machine_a = fake_run(tmp_path / "machine-a", peers=(0, 1), swarm="5eed", startup=1.0)
+    machine_b = fake_run(tmp_path / "machine-b", peers=(2, 3), swarm="5eed", startup=3.0)
+    other = fake_run(tmp_path / "other", peers=(0, 1), swarm="0ther")
+    merged = summary_of(Run(machine_a, machine_b))
+    assert [p["id"] for p in merged["peers"]] == [0, 1, 2, 3]
+    assert merged["total_bytes_sent"] == 4 * 100 * STEPS
+    assert merged["total_messages_dropped"] == 0 + 1 + 2 + 3
+    assert merged["startup_s"] == 3.0  # the last peer of either machine to begin
+    curve = accuracy_curve(Run(machine_a, machine_b))
+    assert curve[0]["accuracy"] == pytest.approx(0.5 + (0 + 1 + 2 + 3) / 400)
+    assert curve[-1]["bytes_sent"] == 4 * 100 * STEPS
+
+    out = tmp_path / "out"
+    write_report([machine_a.root, machine_b.root, other.root], out)
+    report = out / "report.md"
+    (row,) = table_rows(report, "machine-a+machine-b")
+    assert row[2] == "4/4" and row[5] == "3.0"
+    assert table_rows(report, "other")[0][2] == "2/2"
+    assert not table_rows(report, "machine-a")
+    timeline = panels(out / "timeline-machine-a+machine-b.png")
+    assert timeline[2]["lines"] == 4  # every machine's peers on one timeline
+    # one swarm alone: one run, its report in the first directory's folder's report-<names>
+    write_report([machine_a.root, machine_b.root])
+    merged_report = tmp_path / "report-machine-a+machine-b" / "report.md"
+    assert table_rows(merged_report, "machine-a+machine-b")[0][2] == "4/4"
+    # runs from before swarm ids: each directory is a run of its own
+    old_a = fake_run(tmp_path / "old-a", peers=(0, 1))
+    old_b = fake_run(tmp_path / "old-b", peers=(2, 3))
+    write_report([old_a.root, old_b.root], out)
+    assert table_rows(report, "old-a")[0][2] == table_rows(report, "old-b")[0][2] == "2/2"
+
+
+def test_start_up_and_training_time_are_apart_in_summary_tables_and_plots(
+    tmp_path: Path,
+) -> None:
+    run = fake_run(tmp_path / "run", startup=4.0)
+    # a resumed second life's start line: the run's start-up is still its first lives'
+    with run.metrics(0).open("a") as f:
+        f.write(json.dumps({"peer": 0, "step": 20, "time": 50.0, "start": True}) + "\n")
+        f.write(json.dumps({"peer": 0, "step": STEPS, "time": 60.0, "final": True}) + "\n")
+    summary = summarize(run)
+    assert summary["startup_s"] == 4.0
+    assert summary["wall_time_s"] == 60.0 and summary["training_s"] == 56.0
+    written = json.loads(run.summary.read_text())
+    assert (written["startup_s"], written["training_s"]) == (4.0, 56.0)
+    assert summarize(run, wall_time_s=70.0)["training_s"] == 66.0
+    curve = accuracy_curve(run)
+    assert [p["training_s"] for p in curve] == pytest.approx([p["time_s"] - 4.0 for p in curve])
+    assert curve[0]["training_s"] == 0.0
+
+    write_report([run.root])
+    accuracy = panels(run.root / "report" / "accuracy.png")
+    assert accuracy[1]["xlabel"] == "training time (s, start-up excluded)"
+    timeline = axes_of(run.root / "report" / "timeline.png")
+    assert [panel["marks"] for panel in timeline] == [{"start-up": 1}] * 3
+    assert "start-up (4.0 s)" in timeline[2]["legend"]
+    report = run.root / "report" / "report.md"
+    (header,) = table_rows(report, "run")[:1]
+    assert header[5:7] == ["start-up s", "training s"]
+    (row,) = table_rows(report, "run")[1:]  # computed from the metrics: wall = last time
+    assert row[5:7] == ["4.0", "56.0"]
+
+
+def test_summary_json_records_what_produced_the_run(tmp_path: Path) -> None:
+    run = fake_run(tmp_path / "run", peers=(0, 1, 2), devices=("cuda:1", "cuda:0"))
+    found = summarize(run)["provenance"]
+    assert found == json.loads(run.summary.read_text())["provenance"]
+    assert found["gossipdl"] == metadata.version("gossipdl")
+    assert found["torch"] == torch.__version__
+    assert found["python"] == platform.python_version()
+    assert found["host"] == socket.gethostname()
+    assert found["devices"] == ["cuda:0", "cuda:1"]
+    assert found["command"] == sys.argv
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["git", "--no-optional-locks", "-C", str(PACKAGE_DIR), *args],
+            capture_output=True,
+            text=True,
+        )
+
+    head = git("rev-parse", "HEAD")
+    if head.returncode == 0:  # gossipdl runs from a checkout (as in development)
+        assert found["git_commit"] == head.stdout.strip()
+        status = git("status", "--porcelain", "--untracked-files=no").stdout
+        assert found["git_dirty"] is bool(status.strip())
+    else:
+        assert found["git_commit"] is None and found["git_dirty"] is None
+    assert git_state(tmp_path) == (None, None)  # not a checkout
+
+
+def test_a_real_run_writes_provenance_and_its_start_up_then_reports(tmp_path: Path) -> None:
+    done = subprocess.run(
+        gossipdl_cmd(
+            "run", "--peers", "2", "--steps", "20", "--dataset", "synthetic", "--model",
+            "logistic", "--eval-every", "10", "--out", "run", "--no-progress",
+        ),
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["provenance"]["devices"] == ["cpu"]
+    assert summary["provenance"]["command"][1:3] == ["run", "--peers"]
+    assert summary["startup_s"] > 0  # forming the swarm takes time, on one clock
+    assert summary["startup_s"] + summary["training_s"] == pytest.approx(summary["wall_time_s"])
+    write_report([tmp_path / "run"])
+    assert (tmp_path / "run" / "report" / "timeline.png").is_file()
+
+
+def test_sweep_refuses_a_directory_that_holds_a_run_or_a_sweep(tmp_path: Path) -> None:
+    base = Config(peers=2, dataset="synthetic", model="logistic", steps=STEPS)
+    grid = parse_grid(["codec=none,topk:0.5"])
+
+    def launch(config: Config) -> dict[str, Any]:
+        pytest.fail(f"a variant started ({config.out}) in a directory that was refused")
+
+    for mark, make in [
+        ("sweep.json", lambda d: (d / "sweep.json").write_text('{"variants": []}')),
+        ("report", lambda d: (d / "report").mkdir()),
+        ("config.toml", lambda d: fake_run(d)),
+        ("peers", lambda d: (d / "peers").mkdir()),
+    ]:
+        out = tmp_path / mark
+        out.mkdir()
+        make(out)
+        before = sorted(p.name for p in out.iterdir())
+        with pytest.raises(ConfigError, match=f"already holds a run or a sweep .*{mark}"):
+            run_sweep(base, grid, out, launch)
+        assert sorted(p.name for p in out.iterdir()) == before
+    # a variant's directory that holds a run is refused too, before any variant starts
+    fake_run(tmp_path / "fresh" / "codec-topk_0.5")
+    with pytest.raises(ConfigError, match=re.escape("codec-topk_0.5 already holds")):
+        plan(base, grid, tmp_path / "fresh")
+    assert len(plan(base, grid, tmp_path / "new")) == 2  # an empty or missing one is fine
+
+
+def test_a_live_run_with_torn_lines_reports_what_is_complete(tmp_path: Path) -> None:
+    run = fake_run(tmp_path / "live", peers=(0, 1), swarm="11fe")
+    with run.metrics(1).open("a") as f:
+        f.write('{"peer": 1, "step": 31, "ti')  # being written now
+    run.metrics(2).write_text('{"peer": 2, "st')  # a joiner's first line, half written
+    summary = summary_of(run)
+    assert [p["id"] for p in summary["peers"]] == [0, 1]
+    assert summary["peers"][1]["steps"] == STEPS
+    curve = accuracy_curve(run)
+    assert [p["step"] for p in curve] == [0, 10, 20, 30]
+    write_report([run.root])
+    (row,) = table_rows(run.root / "report" / "report.md", "live")
+    assert row[2] == "2/2"
+    assert panels(run.root / "report" / "accuracy.png")[0]["lines"] == 1
