@@ -11,6 +11,10 @@ Every script describes its table as a list of :class:`Column` and hands rows
     }
 
 Numbers in the JSON are the unrounded values; the table only formats them.
+
+Every script ends with ``run_script(main)``: SIGINT (Ctrl-C) or SIGTERM stops the
+whole benchmark, with the processes it started, and exits with 128 + the signal
+(130 or 143) after one line on stderr; the next setting never starts.
 """
 
 from __future__ import annotations
@@ -20,15 +24,21 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from gossipdl.experiments.launcher import Interrupted
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,54 @@ class Column:
         if callable(self.fmt):
             return self.fmt(value)
         return self.fmt.format(value)
+
+
+def run_script(main: Callable[[], None]) -> None:
+    """Run a script's ``main``; SIGINT or SIGTERM unwinds it (``finally`` blocks and
+    :func:`~gossipdl.experiments.launcher.launch` stop what it started), then one line
+    says so and the exit code is 128 + the signal."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        _ignore_stop_signals()  # a second Ctrl-C must not cut the clean-up short
+        raise Interrupted(signum)
+
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, interrupt)
+    try:
+        main()
+    except Interrupted as exc:
+        _ignore_stop_signals()
+        print(
+            f"{Path(sys.argv[0]).name}: interrupted by {signal.Signals(exc.signum).name}; "
+            f"stopped it and every process it started (exit code {exc.exit_code})",
+            file=sys.stderr,
+        )
+        raise SystemExit(exc.exit_code) from None
+
+
+def _ignore_stop_signals() -> None:
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def start_worker(process: BaseProcess) -> None:
+    """Start a script's worker process with SIGINT blocked for its whole life (it inherits
+    the mask): Ctrl-C, which a terminal sends to the whole process group, then stops only
+    the script, whose clean-up stops its workers, and no worker prints a traceback. A stop
+    signal that comes while the worker starts is acted on once it has started."""
+    # The mask is per thread and another thread of this process may take the signal, whose
+    # handler would then stop start() halfway: stand-in handlers hold it meanwhile.
+    held: list[int] = []
+    handlers = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in _STOP_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    if held:
+        signal.raise_signal(held[0])
 
 
 def benchmark_parser(doc: str, quick: str) -> argparse.ArgumentParser:

@@ -66,7 +66,7 @@ import time
 from typing import Any
 
 import torch
-from _common import Column, benchmark_parser, report
+from _common import Column, benchmark_parser, report, run_script, start_worker
 
 IMPLS = ("gossipdl", "gloo")
 TARGET_PROCS, TARGET_NUMEL, TARGET_RATIO = 4, 25_000_000, 1.25
@@ -190,11 +190,11 @@ def run_config(ctx: Any, procs: int, numel: int, warmup: int, repeats: int) -> d
         )
         for r in range(procs)
     ]
-    for w in workers:
-        w.start()
     by_rank: dict[int, tuple[dict[str, list[float]], bool, float]] = {}
     deadline = time.monotonic() + WORKER_TIMEOUT_S + 60
     try:
+        for w in workers:
+            start_worker(w)
         while len(by_rank) < procs:
             try:
                 rank, times, ok, err = results.get(timeout=1.0)
@@ -332,4 +332,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

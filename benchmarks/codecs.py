@@ -43,7 +43,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from _common import Column, benchmark_parser, report
+from _common import Column, benchmark_parser, report, run_script
 
 from gossipdl.compression import build_codec
 from gossipdl.compression._kernels import native_kernels, numpy_kernels
@@ -240,4 +240,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -54,6 +54,7 @@ from _common import (
     benchmark_parser,
     fresh_run_dir,
     report,
+    run_script,
 )
 from rich.console import Console
 
@@ -160,8 +161,8 @@ def run_scenario(key: str, args: argparse.Namespace, console: Console) -> dict[s
         killed = victims(config.peers)
         started = time.monotonic()
         with LiveProgress(run, config.steps, console=console) as display:
-            swarm.start()
             try:
+                swarm.start()
                 while swarm.running():
                     time.sleep(0.2)
                     display.refresh()
@@ -292,4 +293,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -46,6 +46,7 @@ from _common import (
     benchmark_parser,
     fresh_run_dir,
     report,
+    run_script,
 )
 from rich.console import Console
 
@@ -150,4 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -44,7 +44,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from _common import Column, add_swarm_options, benchmark_parser, fresh_run_dir, report
+from _common import Column, add_swarm_options, benchmark_parser, fresh_run_dir, report, run_script
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
@@ -156,4 +156,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from _common import Column, benchmark_parser, report
+from _common import Column, benchmark_parser, report, run_script, start_worker
 
 from gossipdl.transport import Message, Transport, decode, encode
 
@@ -183,12 +183,12 @@ class Pair:
         self.rx, rx_child = ctx.Pipe()
         receiver = _gossipdl_receiver if impl == "gossipdl" else _raw_receiver
         self.sender_proc = ctx.Process(target=_sender, args=(tx_child, impl, numel), daemon=True)
-        self.sender_proc.start()
+        start_worker(self.sender_proc)
         ack_address = self.tx.recv()
         self.receiver_proc = ctx.Process(
             target=receiver, args=(rx_child, ack_address, numel), daemon=True
         )
-        self.receiver_proc.start()
+        start_worker(self.receiver_proc)
         self.tx.send(self.rx.recv())
 
     def run(self, count: int) -> list[float]:
@@ -322,4 +322,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

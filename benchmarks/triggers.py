@@ -56,6 +56,7 @@ from _common import (
     benchmark_parser,
     fresh_run_dir,
     report,
+    run_script,
 )
 from rich.console import Console
 
@@ -242,4 +243,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

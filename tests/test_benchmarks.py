@@ -33,6 +33,14 @@ def test_every_benchmark_explains_its_options(name: str) -> None:
     assert "--quick" in done.stdout and "--json FILE" in done.stdout
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "benchmarks").glob("[a-z]*.py")))
+def test_every_benchmark_stops_whole_on_a_signal(name: str) -> None:
+    """Each script runs under ``run_script``: SIGINT or SIGTERM ends the whole benchmark
+    (tests/test_interrupt.py shows it on a swarm-launching and a process-spawning one)."""
+    source = (ROOT / "benchmarks" / f"{name}.py").read_text()
+    assert source.endswith('if __name__ == "__main__":\n    run_script(main)\n')
+
+
 def test_transport_benchmark_compares_with_raw_pyzmq(tmp_path: Path) -> None:
     result = run_benchmark("transport", tmp_path, "--quick")
     impls = {row["impl"]: row for row in result["rows"]}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+import zmq.auth
 from conftest import gossipdl_cmd, last_record, small_config, start_peer, wait_for, write_config
 
 from gossipdl import Peer
@@ -184,6 +186,42 @@ def test_allow_lists_and_key_directories_are_checked(tmp_path: Path) -> None:
         generate_keys(directory)
 
 
+def test_a_secret_key_is_written_private_and_both_files_name_the_pair(tmp_path: Path) -> None:
+    public, secret = generate_keys(tmp_path / "k", "alice")
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE(public.stat().st_mode) & 0o077 == 0o044  # public: anyone may read it
+    for path in (public, secret):
+        assert 'name = "alice"' in [line.strip() for line in path.read_text().splitlines()]
+    assert "secret-key" in secret.read_text() and "secret-key" not in public.read_text()
+    with pytest.raises(CurveError, match="cannot be a file name"):
+        generate_keys(tmp_path / "k", "../elsewhere")
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_a_secret_key_others_may_read_is_refused_with_the_fix(mode: int, tmp_path: Path) -> None:
+    directory, key = _keys(tmp_path, "a")
+    secret = directory / "peer.key_secret"
+    secret.chmod(mode)
+    with pytest.raises(CurveError) as refused:
+        load_curve(directory, _allow(tmp_path / "allow.txt", key))
+    assert str(secret) in str(refused.value) and f"mode {mode:04o}" in str(refused.value)
+    assert f"chmod 600 {secret}" in str(refused.value)
+
+
+def test_key_files_written_before_labels_still_load(tmp_path: Path) -> None:
+    """Pairs from pyzmq's create_certificates (older gossipdl): no name, secret left 0644."""
+    old = tmp_path / "old"
+    old.mkdir()
+    public, secret = (Path(p) for p in zmq.auth.create_certificates(str(old), "peer"))
+    key = load_curve_public(public)
+    allow = _allow(tmp_path / "allow.txt", key)
+    with pytest.raises(CurveError, match="chmod 600"):
+        load_curve(old, allow)
+    secret.chmod(0o600)
+    curve = load_curve(old, allow)
+    assert curve.public == key and curve.allowed == {key}
+
+
 def test_keys_generate_prints_the_public_key_and_peer_refuses_half_a_setup(
     tmp_path: Path,
 ) -> None:
@@ -192,6 +230,8 @@ def test_keys_generate_prints_the_public_key_and_peer_refuses_half_a_setup(
     assert done.returncode == 0, done.stderr
     key = done.stdout.split()[0]
     assert key == load_curve_public(tmp_path / "k" / "peer.key")
+    assert done.stdout.startswith(f"{key}  # peer")  # the line to paste, labelled with the name
+    assert read_allow_list(_allow(tmp_path / "allow.txt", done.stdout.strip())) == {key}
     done = subprocess.run(gossipdl_cmd("peer", "--secure", "--keys", str(tmp_path / "k")),
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2 and "--allow FILE" in done.stderr

@@ -23,12 +23,12 @@ from typing import IO, Any
 
 from rich.console import Console
 
-from gossipdl.config import Config, ConfigError, to_toml
+from gossipdl.config import ADVERTISE_ENV, Config, ConfigError, resolved, to_toml
 from gossipdl.data import DataError, load_dataset, partition
 from gossipdl.experiments.display import LiveProgress
 from gossipdl.experiments.summary import summarize
 from gossipdl.models import build_model
-from gossipdl.rundir import RunDir, default_run_dir
+from gossipdl.rundir import RUN_START_ENV, RunDir, default_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,16 @@ _SERVER_EXIT_S = 5.0
 
 class LaunchError(RuntimeError):
     """A peer process could not start or died; the message names it and its log."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT or SIGTERM (``signum``) after saving what it measured; a
+    program that ends on it exits with ``exit_code``, 128 + the signal, as shells do."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.exit_code = 128 + signum
 
 
 def preflight(config: Config) -> int:
@@ -159,11 +169,11 @@ class Placement:
 
 
 class _StopOnSignal:
-    """While active (in the main thread): SIGINT and SIGTERM set ``asked`` instead of raising
+    """While active (in the main thread): SIGINT and SIGTERM set ``signum`` instead of raising
     at whatever line the launcher is on, so a Ctrl-C always ends in an orderly stop."""
 
     def __init__(self) -> None:
-        self.asked = False
+        self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopOnSignal:
@@ -173,7 +183,7 @@ class _StopOnSignal:
         return self
 
     def _ask(self, signum: int, frame: object) -> None:
-        self.asked = True
+        self.signum = self.signum or signum
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
@@ -181,7 +191,11 @@ class _StopOnSignal:
 
 
 class Swarm:
-    """The peer processes of one local run; ``place`` puts peer k on an emulated host."""
+    """The peer processes of one local run; ``place`` puts peer k on an emulated host.
+
+    Every process it starts (restarts too) is told the swarm's start, as unix time in
+    ``RUN_START_ENV``, so all peers' metrics count ``time`` from the same instant.
+    """
 
     def __init__(
         self,
@@ -197,9 +211,10 @@ class Swarm:
         self._place = place or (lambda rank: Placement())
         self._threads = config.threads or max(1, (os.cpu_count() or 1) // config.processes)
         self._env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != ADVERTISE_ENV},  # one machine's
             "OMP_NUM_THREADS": str(self._threads),
             "PYTHONUNBUFFERED": "1",
+            RUN_START_ENV: f"{time.time():.6f}",
         }
 
     def start(self) -> None:
@@ -310,11 +325,19 @@ def launch(
 
     ``until``, asked about four times a second with the run directory, ends
     the run early when it returns True (e.g. a target accuracy reached, or a
-    time budget spent): every peer finishes its step and reports, as on Ctrl-C.
-    Ctrl-C stops every peer cleanly and still writes what was measured. A peer
+    time budget spent): every peer finishes its step and reports, as on Ctrl-C. A peer
     that dies stops the swarm and raises LaunchError naming it, after the summary is
     written, except where the run ``carries_on`` without it (then a warning names it).
+    SIGINT (Ctrl-C) or SIGTERM stops every peer cleanly, writes what was measured, then
+    raises :class:`Interrupted` (a KeyboardInterrupt), so a caller running several swarms
+    stops too.
     """
+    if config.advertise:
+        raise ConfigError(
+            f"advertise = {config.advertise!r} names one peer's address, and a launch starts "
+            f"{config.processes} on this machine; give it to `gossipdl peer` or `join`, one "
+            "per machine (here, `host` sets the address peers listen on)"
+        )
     run = RunDir(config.out or default_run_dir())
     if run.peer_ids() or run.summary.exists():
         raise ConfigError(
@@ -322,18 +345,18 @@ def launch(
             "choose another --out or delete it"
         )
     run.create()
-    config = config.replace(out=str(run.root))
+    config = resolved(config.replace(out=str(run.root)))  # config.toml says what ran
     preflight(config)
     run.config.write_text(to_toml(config))
     swarm = Swarm(config, run)
     started = time.monotonic()
-    interrupted = ended_early = False
+    ended_early = False
     failed: dict[int, int] = {}
     stop = _StopOnSignal()
     with stop, LiveProgress(run, config.steps, console=console, enabled=progress) as display:
         try:
             swarm.start()
-            while swarm.running() and not stop.asked:
+            while swarm.running() and stop.signum is None:
                 time.sleep(0.25)
                 display.refresh()
                 if until is not None and until(run):
@@ -346,20 +369,20 @@ def launch(
                     swarm.stop()
                     break
         except KeyboardInterrupt:
-            stop.asked = True
+            stop.signum = stop.signum or signal.SIGINT
         finally:
-            interrupted = stop.asked
-            if interrupted:
+            if stop.signum is not None:
                 swarm.stop()
             swarm.close()
     summary = summarize(run, time.monotonic() - started)
     summary_failed = failed or swarm.failed()
-    if interrupted:
+    if stop.signum is not None:
         log.warning(
             "interrupted: the swarm was stopped early; %s holds what was measured",
             run.root,
         )
-    elif ended_early:  # peers stopped mid-round may have failed on the way out
+        raise Interrupted(stop.signum)
+    if ended_early:  # peers stopped mid-round may have failed on the way out
         log.info("%s: ended early, as asked", run.root)
     elif summary_failed and carries_on(config):
         log.warning(

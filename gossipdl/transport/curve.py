@@ -1,24 +1,33 @@
 """CurveZMQ keys and allow-lists: who may talk to a peer, checked at the handshake.
 
 A peer's key pair is two files written by ``gossipdl keys generate DIR``
-(``DIR/peer.key`` public, ``DIR/peer.key_secret`` secret, ZeroMQ's
-certificate format). An allow-list is a text file with one public key
-(40 Z85 characters) per line, optionally followed by a label; a line whose
-first word starts with ``#`` (and is not a 40-character key) is a comment.
- With CURVE on, every connection is encrypted, and a connection
+(``DIR/NAME.key`` public, ``DIR/NAME.key_secret`` secret, ZeroMQ's
+certificate format with the pair's name as ``name`` metadata). The secret
+file is created with mode 0600 and, as ssh does, refused when group or others
+may read or write it. An allow-list is a text file with one public key
+(40 Z85 characters) per line, optionally followed by a label (``KEY  # NAME``);
+a line whose first word starts with ``#`` (and is not a 40-character key) is
+a comment. With CURVE on, every connection is encrypted, and a connection
 whose key is not on the receiver's list is refused during the handshake (ZAP),
 before any message of it is read.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import zmq
 import zmq.auth
 
 KEY_CHARS = 40  # a Z85-encoded 32-byte Curve25519 key
 KEY_TRY_S = 1 / 3  # how long one allow-list key gets to reach a peer whose key is not known
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # a key name is a file stem
+_SECRET_MODE, _PUBLIC_MODE = 0o600, 0o644
 
 
 class CurveError(ValueError):
@@ -35,13 +44,43 @@ class Curve:
 
 
 def generate_keys(directory: Path, name: str = "peer") -> tuple[Path, Path]:
-    """Write a new key pair into ``directory``; returns (public file, secret file)."""
+    """Write a new key pair labelled ``name`` into ``directory``; returns (public file, secret
+    file). The secret file is created with mode 0600: it is never readable by others."""
+    if not _NAME.fullmatch(name):
+        raise CurveError(
+            f"key name {name!r} cannot be a file name: use letters, digits, '_', '-' and "
+            "(not first) '.'"
+        )
     directory.mkdir(parents=True, exist_ok=True)
-    secret = directory / f"{name}.key_secret"
-    if secret.exists():
-        raise CurveError(f"{secret} already exists; keys are never overwritten, pick another DIR")
-    made = zmq.auth.create_certificates(str(directory), name)
-    return Path(made[0]), Path(made[1])
+    public_file, secret_file = directory / f"{name}.key", directory / f"{name}.key_secret"
+    for path in (public_file, secret_file):
+        if path.exists():
+            raise CurveError(
+                f"{path} already exists; keys are never overwritten, pick another DIR or --name"
+            )
+    public, secret = (key.decode() for key in zmq.curve_keypair())
+    _write_key_file(secret_file, _SECRET_MODE, name, public, secret)
+    _write_key_file(public_file, _PUBLIC_MODE, name, public)
+    return public_file, secret_file
+
+
+def _write_key_file(path: Path, mode: int, name: str, public: str, secret: str = "") -> None:
+    """One certificate file (``secret``: the secret one), created with ``mode`` from the start."""
+    what = "secret key: keep it private, mode 0600" if secret else "public key: share it"
+    text = (
+        f"#   gossipdl CURVE {what}\n"
+        f"#   key pair {name!r}, generated {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n"
+        f'metadata\n    name = "{name}"\n'
+        f'curve\n    public-key = "{public}"\n'
+    )
+    if secret:
+        text += f'    secret-key = "{secret}"\n'
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except OSError as exc:
+        raise CurveError(f"cannot create {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def read_allow_list(path: Path) -> frozenset[str]:
@@ -86,6 +125,7 @@ def load_curve(keys: Path, allow: Path) -> Curve:
             f"{keys} must hold exactly one *.key_secret file (found {found}); "
             "make one with: gossipdl keys generate DIR"
         )
+    _check_private(secrets[0])
     try:
         public, secret = zmq.auth.load_certificate(str(secrets[0]))
     except (OSError, ValueError) as exc:
@@ -93,6 +133,16 @@ def load_curve(keys: Path, allow: Path) -> Curve:
     if secret is None:
         raise CurveError(f"{secrets[0]} holds no secret key")
     return Curve(public.decode(), secret.decode(), read_allow_list(allow))
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a secret key file that group or others may read or write, as ssh does."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise CurveError(
+            f"{path} has mode {mode:04o}: a secret key must be readable by its owner only "
+            f"(anyone who reads it can pose as this peer); fix it with: chmod 600 {path}"
+        )
 
 
 def listed_key(curve: Curve, attempt: int) -> str:

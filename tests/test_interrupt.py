@@ -1,0 +1,168 @@
+"""A signal stops everything a launcher or a benchmark started: no orphan peers, no next
+setting, one line and exit code 128 + the signal; and every process a launch starts is told
+the run's start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import gossipdl_cmd, last_record, small_config, wait_for, write_config
+
+from gossipdl.experiments.launcher import Placement, Swarm
+from gossipdl.rundir import RUN_START_ENV, RunDir
+
+ROOT = Path(__file__).resolve().parents[1]
+STOP_S = 15  # a stopped run's peers finish their step and report: seconds, not minutes
+
+
+def live_processes() -> dict[int, tuple[int, bytes]]:
+    """Every live (not zombie) process: pid -> (parent pid, command line)."""
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            state, parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue  # not a process, or one that just ended
+        if state != "Z":
+            found[int(proc.name)] = (int(parent), cmdline)
+    return found
+
+
+def processes_naming(path: Path) -> list[int]:
+    """Live processes whose command line names ``path``: a run's peers."""
+    return [pid for pid, (_, cmd) in live_processes().items() if str(path).encode() in cmd]
+
+
+def blocks_sigint(pid: int) -> bool:
+    """Whether process ``pid`` never sees SIGINT: its mask in /proc blocks it."""
+    status = (Path("/proc") / str(pid) / "status").read_text()
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:"))
+    return bool(int(mask, 16) & (1 << (signal.SIGINT - 1)))
+
+
+def start(command: list[str], cwd: Path) -> subprocess.Popen[str]:
+    """``command`` in a session of its own: whatever it leaves behind can be killed."""
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def stopped(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    """The exit code and stderr of ``proc``, which must end within ``STOP_S`` seconds."""
+    try:
+        _, stderr = proc.communicate(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"still running {STOP_S}s after the signal; stderr:\n{stderr}")
+    return proc.returncode, stderr
+
+
+def cleanup(proc: subprocess.Popen[str]) -> None:
+    """Kill what a failed test left running."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def test_sigterm_stops_a_benchmark_its_peers_and_its_next_setting(tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    proc = start(
+        [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--quick", "--peers", "2",
+         "--steps", "1000000", "--only", "dense,choco-topk", "--out", str(out)], tmp_path,
+    )  # fmt: skip
+    first = out / "dense"
+    try:
+        wait_for(lambda: all(last_record(first / "peers" / f"{i}.jsonl") for i in (0, 1)),
+                 60, "the first setting's peers to train")  # fmt: skip
+        proc.send_signal(signal.SIGTERM)  # to the script alone: it must stop its peers itself
+        code, stderr = stopped(proc)
+    finally:
+        cleanup(proc)
+    assert code == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr
+    assert stderr.splitlines()[-1].startswith("convergence.py: interrupted by SIGTERM")
+    assert not processes_naming(out), "peer processes left running"
+    assert (first / "summary.json").is_file()  # what was measured is kept
+    assert not (out / "choco-topk").exists(), "the next setting was started"
+
+
+@pytest.mark.parametrize(
+    "signum, group",
+    [(signal.SIGINT, True), (signal.SIGTERM, False)],
+    ids=["ctrl-c-to-the-group", "sigterm-to-the-script"],
+)
+def test_a_signal_stops_a_benchmark_and_the_workers_it_spawned(
+    signum: int, group: bool, tmp_path: Path
+) -> None:
+    proc = start(
+        [sys.executable, str(ROOT / "benchmarks" / "allreduce.py"), "--procs", "2",
+         "--sizes", "100k", "--repeats", "100000", "--warmup", "1"], tmp_path,
+    )  # fmt: skip
+    try:
+        workers = wait_for(
+            lambda: [pid for pid, (parent, cmd) in live_processes().items()
+                     if parent == proc.pid and b"spawn_main" in cmd],
+            60, "the ranks to start",
+        )  # fmt: skip
+        assert all(blocks_sigint(p) for p in workers)  # born so: no traceback from each
+        if group:
+            os.killpg(proc.pid, signum)  # what the terminal does on Ctrl-C
+        else:
+            proc.send_signal(signum)
+        code, stderr = stopped(proc)
+    finally:
+        cleanup(proc)
+    assert code == 128 + signum, stderr
+    assert "Traceback" not in stderr
+    name = signal.Signals(signum).name
+    assert stderr.splitlines()[-1].startswith(f"allreduce.py: interrupted by {name}")
+    wait_for(lambda: not set(workers) & live_processes().keys(), 5, "the ranks to exit")
+
+
+def test_sigint_to_gossipdl_run_stops_its_peers_and_exits_130(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2, steps=1_000_000))
+    out = tmp_path / "run"
+    proc = start(gossipdl_cmd("run", str(config), "--out", str(out), "--no-progress"), tmp_path)
+    try:
+        wait_for(lambda: all(last_record(out / "peers" / f"{i}.jsonl") for i in (0, 1)),
+                 60, "the peers to train")  # fmt: skip
+        proc.send_signal(signal.SIGINT)  # to the launcher alone: it must stop its peers itself
+        code, stderr = stopped(proc)
+    finally:
+        cleanup(proc)
+    assert code == 130, stderr
+    assert "Traceback" not in stderr and "interrupted" in stderr
+    assert not processes_naming(out), "peer processes left running"
+    assert (out / "summary.json").is_file()
+
+
+def test_every_process_a_swarm_starts_is_told_the_same_run_start(tmp_path: Path) -> None:
+    config = small_config(tmp_path, peers=2, steps=1_000_000)
+    run = RunDir(config.out).create()
+    write_config(run.config, config)
+    told = tmp_path / "told"  # each process the swarm starts appends what it was told
+    record = f'echo "${RUN_START_ENV}" >> {told}; exec "$@"'
+    before = time.time()
+    swarm = Swarm(config, run, place=lambda rank: Placement(prefix=("sh", "-c", record, "sh")))
+    after = time.time()
+    try:
+        swarm.start()
+        wait_for(lambda: len(told.read_text().split()) == 2, 30, "both peers to start")
+        swarm.kill(1)
+        swarm.restart(1)
+        wait_for(lambda: len(told.read_text().split()) == 3, 30, "the restarted peer to start")
+    finally:
+        swarm.stop(grace=5)
+        swarm.close()
+    values = told.read_text().split()
+    assert len(set(values)) == 1
+    assert before - 1e-6 <= float(values[0]) <= after + 1e-6  # written to the microsecond
