@@ -97,7 +97,7 @@ def test_a_dead_bootstrap_is_one_error_within_seconds(tmp_path: Path) -> None:
     dead = f"tcp://127.0.0.1:{_free_port()}"
     for command in (
         ("peer", "--config", str(config), "--bootstrap", dead, "--out", str(tmp_path / "p")),
-        ("join", dead, "--out", str(tmp_path / "j")),
+        ("join", dead, "--timeout", "3", "--out", str(tmp_path / "j")),
     ):
         done, took = _run(*command)
         assert done.returncode == 2 and took < 20, (command, took, done.stderr)

@@ -183,7 +183,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_rejoins(tmp_path: Path) -
         second = starts[1]
         assert second["resumed"] and second["swarm"] == starts[0]["swarm"]
         assert second["swarm_start"] == starts[0]["swarm_start"]
-        assert second["time"] - before["time"] >= second["down_s"] > 0
+        assert second["time"] - before["time"] >= second["down_s"] - 0.001 > 0  # both rounded
         for key in ("bytes_sent", "bytes_received", "model_messages_sent", "messages_sent"):
             assert second[key] >= before[key] > 0, key
         wait_for(lambda: _record(out, 1)["step"] >= saved + 30, 30, "peer 1 to train on")

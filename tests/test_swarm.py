@@ -13,7 +13,7 @@ import pytest
 import tomllib
 from conftest import gossipdl_cmd, last_record, peer_pids, small_config, wait_for
 
-from gossipdl.config import ConfigError, from_dict, to_dict
+from gossipdl.config import ConfigError, from_dict, resolved, to_dict
 from gossipdl.experiments.launcher import launch
 from gossipdl.experiments.summary import accuracy_curve
 from gossipdl.peers.runner import lr_at
@@ -37,7 +37,7 @@ def test_swarm_trains_and_writes_the_run_directory(tmp_path: Path) -> None:
     summary = launch(config, progress=False)
     run = RunDir(config.out)
 
-    assert from_dict(tomllib.loads(run.config.read_text())) == config
+    assert from_dict(tomllib.loads(run.config.read_text())) == resolved(config)  # what ran
     peers = json.loads(run.peers_json.read_text())
     assert sorted(p["id"] for p in peers) == [0, 1, 2, 3]
     assert all(p["address"].startswith("tcp://127.0.0.1:") for p in peers)
