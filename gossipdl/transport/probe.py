@@ -20,7 +20,7 @@ from gossipdl.transport.sockets import TransportError
 
 # Keep trying this long: under torchrun or srun every rank starts at once, and the others
 # may look for rank 0 before it listens.
-CONNECT_WAIT_S = 8.0
+CONNECT_WAIT_S = 5.0
 _PROBE_TIMEOUT_S = 1.0
 _SIGNATURE = b"\xff" + b"\x00" * 7 + b"\x01" + b"\x7f"
 _GREETING_BYTES = 64  # signature 10, version 2, mechanism 20, as-server 1, filler 31
