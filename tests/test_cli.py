@@ -13,7 +13,6 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import click
 import pytest
 import tomllib
 import typer
@@ -88,7 +87,7 @@ def trained(monkeypatch: pytest.MonkeyPatch) -> list[Config]:
 def commands() -> Iterator[tuple[str, ...]]:
     """Every command path of the app, groups included: (), ("run",), ("keys", "generate")."""
 
-    def walk(command: click.Command, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+    def walk(command: Any, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
         yield path
         for name, sub in getattr(command, "commands", {}).items():
             yield from walk(sub, (*path, name))
