@@ -1,0 +1,20 @@
+"""The simulated engine: virtual peers on a virtual clock over an in-memory network.
+
+Building blocks so far: :class:`Scheduler` (virtual time, deterministic event
+order) and :class:`SimNetwork` (the real encoded frames over device links,
+with partitions, clogs, deaths, drops, duplicates and reordering injected).
+"""
+
+from gossipdl.sim.clock import ClockError, Scheduler, Timer
+from gossipdl.sim.network import DROP_REASONS, NetworkError, NodeStats, SimNetwork, frames_size
+
+__all__ = [
+    "DROP_REASONS",
+    "ClockError",
+    "NetworkError",
+    "NodeStats",
+    "Scheduler",
+    "SimNetwork",
+    "Timer",
+    "frames_size",
+]

@@ -1,0 +1,210 @@
+"""An in-memory network on virtual time: real encoded frames, device links, injected faults.
+
+Each node (a virtual peer) has the same :class:`~gossipdl.transport.shaping.Link`
+the real transport emulates: a message occupies the sender's uplink for its
+size over the bandwidth, travels ``latency`` ± ``jitter``, is lost with the
+link's ``loss``, and then occupies the receiver's downlink. What travels is
+the list of frames the real wire encoder made, copied when sent (as bytes on
+a wire are fixed once sent), so every byte is counted as in a real run.
+
+Faults a schedule injects: partitions between groups of nodes, a clogged
+direction between two nodes (messages wait until it is unclogged), a dead
+node, random drops, duplicates and extra delay that reorders. Every message
+sent ends in exactly one place of :attr:`SimNetwork.ledger`: ``delivered``,
+or dropped under a named reason, or still in flight; duplicates are counted
+apart. Deterministic: the same seed and the same sends give the same
+deliveries at the same instants.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gossipdl.sim.clock import Scheduler
+from gossipdl.transport.shaping import Link, LinkProfile
+
+Handler = Callable[[int, list[bytes]], None]  # (sender, frames)
+# Why a message did not arrive; each is a key of the ledger.
+DROP_REASONS = ("link_loss", "offline", "partition", "dead", "injected_loss")
+
+
+class NetworkError(ValueError):
+    """A send between nodes that were never attached, or a fault setting out of range."""
+
+
+@dataclass
+class NodeStats:
+    """What crossed one node's link, counted as the real transport counts it."""
+
+    bytes_sent: int = 0
+    header_bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+
+
+@dataclass
+class _Node:
+    handler: Handler
+    link: Link
+    stats: NodeStats = field(default_factory=NodeStats)
+    alive: bool = True
+
+
+def frames_size(frames: Iterable[Any]) -> int:
+    """Bytes of a message's frames: what the real transport counts as sent."""
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+class SimNetwork:
+    """Nodes by integer id, their links, and the faults currently injected."""
+
+    def __init__(self, clock: Scheduler, seed: int = 0) -> None:
+        self.clock = clock
+        self.seed = seed
+        self.ledger: Counter[str] = Counter()
+        self._nodes: dict[int, _Node] = {}
+        self._rng = random.Random(seed)
+        self._groups: dict[int, int] | None = None  # node -> its side of a partition
+        self._rest = 0  # the side of every node named in no group
+        self._clogged: dict[tuple[int, int], list[tuple[int, list[bytes]]]] = {}
+        self._loss = self._duplicate = self._reorder_s = 0.0
+        self._in_flight = 0
+
+    # ----------------------------------------------------------------- nodes
+    def attach(self, node: int, handler: Handler, link: LinkProfile | None = None) -> None:
+        """Add (or bring back, after :meth:`kill`) ``node``, whose messages go to ``handler``."""
+        profile = link or LinkProfile()
+        self._nodes[node] = _Node(handler, Link(profile, self.seed * 7919 + node))
+
+    def kill(self, node: int) -> None:
+        """The node is gone: what it would receive is dropped as ``dead``, even if in flight."""
+        self._node(node).alive = False
+
+    def start_link(self, node: int) -> None:
+        """Start the node's offline-window clock now (when it starts training)."""
+        self._node(node).link.start(self.clock.now)
+
+    def stats(self, node: int) -> NodeStats:
+        """The node's byte and message counters."""
+        return self._node(node).stats
+
+    def online(self, node: int) -> bool:
+        """Whether the node's link is up now (outside its offline windows)."""
+        return self._node(node).link.online(self.clock.now)
+
+    @property
+    def in_flight(self) -> int:
+        """Messages sent and neither delivered nor dropped yet (clogged ones included)."""
+        return self._in_flight
+
+    def _node(self, node: int) -> _Node:
+        try:
+            return self._nodes[node]
+        except KeyError:
+            raise NetworkError(f"node {node} is not attached to the network") from None
+
+    # ----------------------------------------------------------------- faults
+    def partition(self, groups: Sequence[Collection[int]]) -> None:
+        """Split the nodes: a message between two groups is dropped (``partition``); nodes
+        in no group form one more group."""
+        self._groups = {node: k for k, group in enumerate(groups) for node in group}
+        self._rest = len(groups)
+
+    def heal(self) -> None:
+        """End the partition."""
+        self._groups = None
+
+    def clog(self, src: int, dst: int) -> None:
+        """Hold every message from ``src`` to ``dst`` until :meth:`unclog`."""
+        self._clogged.setdefault((src, dst), [])
+
+    def unclog(self, src: int, dst: int) -> None:
+        """Release what the clog held, in order, as if sent now."""
+        for sender, frames in self._clogged.pop((src, dst), []):
+            self._in_flight -= 1
+            self._travel(sender, dst, frames)
+
+    def inject(self, loss: float = 0.0, duplicate: float = 0.0, reorder_s: float = 0.0) -> None:
+        """From now on drop a fraction ``loss`` of messages (``injected_loss``), deliver a
+        fraction ``duplicate`` twice, and delay each by up to ``reorder_s`` extra seconds
+        (messages overtake each other)."""
+        if not (0 <= loss < 1 and 0 <= duplicate < 1 and reorder_s >= 0):
+            raise NetworkError(
+                f"loss = {loss}, duplicate = {duplicate}, reorder_s = {reorder_s}: rates must "
+                "be in [0, 1) and the delay non-negative"
+            )
+        self._loss, self._duplicate, self._reorder_s = loss, duplicate, reorder_s
+
+    # ----------------------------------------------------------------- traffic
+    def send(self, src: int, dst: int, frames: Sequence[Any]) -> None:
+        """Send one message (header frame first) from ``src`` to ``dst``."""
+        sender = self._node(src)
+        self._node(dst)  # attached (it may die before the message arrives)
+        copied = [bytes(memoryview(f)) for f in frames]
+        stats = sender.stats
+        stats.bytes_sent += frames_size(copied)
+        stats.header_bytes_sent += len(copied[0])
+        stats.messages_sent += 1
+        self.ledger["sent"] += 1
+        if not sender.link.online(self.clock.now):
+            self.ledger["offline"] += 1
+            return
+        if self._groups is not None and self._side(src) != self._side(dst):
+            self.ledger["partition"] += 1
+            return
+        if (src, dst) in self._clogged:
+            self._clogged[(src, dst)].append((src, copied))
+            self._in_flight += 1
+            return
+        self._travel(src, dst, copied)
+
+    def _side(self, node: int) -> int:
+        assert self._groups is not None
+        return self._groups.get(node, self._rest)
+
+    def _travel(self, src: int, dst: int, frames: list[bytes]) -> None:
+        """Put a message on ``src``'s uplink; schedule its arrival (and a duplicate's)."""
+        if self._loss and self._rng.random() < self._loss:
+            self.ledger["injected_loss"] += 1
+            return
+        arrival = self._nodes[src].link.send(frames_size(frames), self.clock.now, str(dst))
+        if arrival is None:
+            self.ledger["link_loss"] += 1
+            return
+        copies = 2 if self._duplicate and self._rng.random() < self._duplicate else 1
+        self.ledger["duplicated"] += copies - 1
+        for _ in range(copies):
+            extra = self._rng.uniform(0, self._reorder_s) if self._reorder_s else 0.0
+            self._in_flight += 1
+            self.clock.at(arrival + extra, lambda: self._arrive(src, dst, frames))
+
+    def _arrive(self, src: int, dst: int, frames: list[bytes]) -> None:
+        """At the receiver's downlink: it is read once the downlink has carried it."""
+        node = self._nodes[dst]
+        ready = node.link.receive(frames_size(frames), self.clock.now)
+        self.clock.at(ready, lambda: self._deliver(src, dst, frames))
+
+    def _deliver(self, src: int, dst: int, frames: list[bytes]) -> None:
+        self._in_flight -= 1
+        node = self._nodes[dst]
+        if not node.alive:
+            self.ledger["dead"] += 1
+            return
+        if not node.link.online(self.clock.now):
+            self.ledger["offline"] += 1
+            return
+        self.ledger["delivered"] += 1
+        node.stats.bytes_received += frames_size(frames)
+        node.stats.messages_received += 1
+        node.handler(src, frames)
+
+    def balanced(self) -> bool:
+        """Whether every message sent is accounted for: delivered, dropped under a named
+        reason, or in flight (duplicates are extra deliveries, counted apart)."""
+        settled = sum(self.ledger[r] for r in ("delivered", *DROP_REASONS))
+        return self.ledger["sent"] + self.ledger["duplicated"] == settled + self._in_flight

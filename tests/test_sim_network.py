@@ -1,0 +1,135 @@
+"""The simulated network on virtual time: no sockets, no sleeps, the same result every run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gossipdl.sim import ClockError, NetworkError, Scheduler, SimNetwork, frames_size
+from gossipdl.transport import decode, encode
+from gossipdl.transport.shaping import LinkProfile, parse_link
+
+Arrivals = list[tuple[float, int, int, int]]  # (time, receiver, sender, round)
+
+
+def _swarm(
+    n: int, seed: int = 0, link: LinkProfile | None = None
+) -> tuple[Scheduler, SimNetwork, Arrivals]:
+    clock = Scheduler()
+    net = SimNetwork(clock, seed)
+    seen: Arrivals = []
+    for node in range(n):
+
+        def handler(sender: int, frames: list[bytes], node: int = node) -> None:
+            msg = decode(frames, 1 << 30)  # the real decoder reads what the real encoder made
+            seen.append((clock.now, node, sender, msg.round))
+
+        net.attach(node, handler, link)
+    return clock, net, seen
+
+
+def _model(round: int, size: int = 1000) -> list[bytes]:
+    return encode("params", 0, round, round, [np.full(size, round, np.float32)])
+
+
+def test_the_clock_runs_events_in_time_then_schedule_order_and_refuses_the_past() -> None:
+    clock, seen = Scheduler(), []
+    for name, when in (("c", 2.0), ("a", 1.0), ("b", 1.0)):
+        clock.at(when, lambda name=name: seen.append((name, clock.now)))
+    cancelled = clock.after(1.5, lambda: seen.append(("x", clock.now)))
+    cancelled.cancel()
+    assert clock.run(until=1.7) == 2 and clock.now == 1.7
+    assert seen == [("a", 1.0), ("b", 1.0)]
+    clock.run()
+    assert seen[-1] == ("c", 2.0)
+    with pytest.raises(ClockError, match="cannot schedule"):
+        clock.at(1.0, lambda: None)
+    with pytest.raises(ClockError, match="non-negative"):
+        clock.after(float("nan"), lambda: None)
+
+
+def test_a_message_takes_its_size_over_the_bandwidth_plus_the_latency_and_counts_its_bytes() -> (
+    None
+):
+    link = parse_link("up=8mbit,down=8mbit,latency=50ms")  # 1 MB/s each way
+    clock, net, seen = _swarm(2, link=link)
+    frames = _model(1, size=250_000)  # 1 MB of float32 plus the header
+    size = frames_size(frames)
+    net.send(0, 1, frames)
+    net.send(0, 1, _model(2, size=250_000))  # queues behind the first on the uplink
+    clock.run()
+    first, second = (t for t, *_ in seen)
+    # uplink 1 MB/s, 50 ms, then the downlink carries it in another second
+    assert first == pytest.approx(size / 1e6 + 0.05 + size / 1e6)
+    assert second == pytest.approx(first + size / 1e6)  # the uplink serialises
+    assert [r for *_, r in seen] == [1, 2]
+    assert net.stats(0).bytes_sent == net.stats(1).bytes_received == 2 * size
+    assert net.stats(0).header_bytes_sent == len(frames[0]) * 2
+    assert net.ledger["delivered"] == 2 and net.balanced()
+
+
+def test_frames_are_copied_when_sent_as_bytes_on_a_wire_are() -> None:
+    clock, net, _ = _swarm(2)
+    got: list[np.ndarray] = []
+    net.attach(1, lambda s, f: got.append(decode(f, 1 << 30).arrays[0].copy()))
+    array = np.zeros(10, np.float32)
+    net.send(0, 1, encode("params", 0, 0, 0, [array]))
+    array[:] = 7  # the sender goes on training before the message arrives
+    clock.run()
+    assert got[0].tolist() == [0.0] * 10
+
+
+def test_partitions_clogs_deaths_and_injected_faults_are_each_accounted_for() -> None:
+    clock, net, seen = _swarm(4, seed=3)
+    net.partition([{0, 1}, {2}])  # node 3 is in no group: a side of its own
+    for dst in (1, 2, 3):
+        net.send(0, dst, _model(0))
+    clock.run()
+    assert [(node, sender) for _, node, sender, _ in seen] == [(1, 0)]
+    assert net.ledger["partition"] == 2
+    net.heal()
+    net.clog(0, 1)
+    net.send(0, 1, _model(1))
+    clock.run()
+    assert len(seen) == 1 and net.in_flight == 1  # held, not lost
+    net.unclog(0, 1)
+    clock.run()
+    assert seen[-1][1:] == (1, 0, 1) and net.in_flight == 0
+    net.send(0, 2, _model(2))
+    net.kill(2)  # dies while the message is on its way
+    net.inject(loss=0.5, duplicate=0.5, reorder_s=0.01)
+    for r in range(200):
+        net.send(1, 3, _model(r))
+    clock.run()
+    assert net.ledger["dead"] == 1
+    assert 60 < net.ledger["injected_loss"] < 140 and net.ledger["duplicated"] > 20
+    rounds = [r for _, node, _, r in seen if node == 3]
+    assert rounds != sorted(rounds)  # extra delay let messages overtake each other
+    assert net.balanced()
+
+
+def test_the_same_seed_gives_the_same_deliveries_and_another_seed_does_not() -> None:
+    def trace(seed: int) -> Arrivals:
+        clock, net, seen = _swarm(3, seed, parse_link("up=1mbit,latency=20ms,jitter=10ms,loss=5%"))
+        net.inject(duplicate=0.1, reorder_s=0.005)
+        for r in range(100):
+            net.send(r % 3, (r + 1) % 3, _model(r, size=100))
+        clock.run()
+        return seen
+
+    assert trace(1) == trace(1)
+    assert trace(1) != trace(2)
+
+
+def test_offline_windows_and_unknown_nodes() -> None:
+    clock, net, seen = _swarm(2, link=LinkProfile(offline=((1.0, 2.0),)))
+    for node in (0, 1):
+        net.start_link(node)
+    clock.at(1.5, lambda: net.send(0, 1, _model(0)))  # inside the window: nothing leaves
+    clock.at(2.5, lambda: net.send(0, 1, _model(1)))
+    clock.run()
+    assert [r for *_, r in seen] == [1] and net.ledger["offline"] == 1 and net.balanced()
+    with pytest.raises(NetworkError, match="node 9 is not attached"):
+        net.send(0, 9, _model(0))
+    with pytest.raises(NetworkError, match="rates must be in"):
+        net.inject(loss=1.0)
