@@ -44,10 +44,12 @@ def test_a_profile_reads_its_link_slowdown_and_windows() -> None:
         "jitter": "5ms",
         "loss": "1%",
         "slowdown": 3,
+        "step_time": "250ms",
         "offline": ["30s-40s", "5-10"],
     }
     profile = parse_profile("phone", table, 4)
-    assert profile.peers == (0, 1) and profile.slowdown == 3.0
+    assert profile.peers == (0, 1) and profile.slowdown == 3.0 and profile.step_time == 0.25
+    assert parse_profile("board", {"peers": "2", "step_time": 1.5}, 4).step_time == 1.5
     link = profile.link
     assert (link.uplink_bps, link.downlink_bps) == (10e6, 20e6)
     assert (link.latency_s, link.jitter_s, link.loss) == (0.02, 0.005, 0.01)
@@ -61,6 +63,9 @@ def test_a_profile_reads_its_link_slowdown_and_windows() -> None:
         ({"up": "1mbit"}, "names no peers"),
         ({"peers": "0", "slowdown": 0.5}, "slowdown"),
         ({"peers": "0", "slowdown": "fast"}, "slowdown"),
+        ({"peers": "0", "step_time": "250"}, "step_time"),  # seconds or ms? say which
+        ({"peers": "0", "step_time": "-1s"}, "step_time"),
+        ({"peers": "0", "step_time": True}, "step_time"),
         ({"peers": "0", "latency": "20"}, "latency is given in ms or s"),
         ({"peers": "0", "offline": ["10s-5s"]}, "START < END"),
         ({"peers": "0", "offline": ["0s-10s", "5s-20s"]}, "overlap"),
@@ -79,12 +84,9 @@ def test_one_peer_in_two_profiles_is_an_error() -> None:
 
 def test_a_profile_overrides_the_swarm_wide_link_and_slowdown() -> None:
     profiles = {"phone": {"peers": "1", "up": "1mbit", "slowdown": 2}}
-    link, slowdown = device_of(1, 4, profiles, "up=50mbit", "0:3")
-    assert (link.uplink_bps, slowdown) == (1e6, 2.0)
-    link, slowdown = device_of(0, 4, profiles, "up=50mbit", "0:3")
-    assert (link.uplink_bps, slowdown) == (50e6, 3.0)
-    link, slowdown = device_of(None, 4, profiles, "up=50mbit", "0:3")  # no rank yet
-    assert (link.uplink_bps, slowdown) == (50e6, 1.0)
+    for peer_id, uplink, slowdown in ((1, 1e6, 2.0), (0, 50e6, 3.0), (None, 50e6, 1.0)):
+        device = device_of(peer_id, 4, profiles, "up=50mbit", "0:3")  # None: no rank yet
+        assert (device.link.uplink_bps, device.slowdown) == (uplink, slowdown)
 
 
 def test_profiles_round_trip_through_the_run_directory_toml() -> None:
@@ -186,3 +188,21 @@ def test_an_offline_link_sends_and_receives_nothing_then_carries_traffic_again()
     finally:
         a.close()
         b.close()
+
+
+def test_a_step_time_makes_every_step_last_at_least_that_long(tmp_path: Path) -> None:
+    """A host faster than the device it stands in for waits out the rest of each step, so a
+    real run and a simulated one can be compared on equal terms."""
+    from conftest import small_config
+
+    from gossipdl.experiments.launcher import launch
+    from gossipdl.rundir import RunDir
+
+    config = small_config(tmp_path, peers=2, steps=12, log_every=1,
+                          profiles={"board": {"peers": "0-1", "step_time": "150ms"}})  # fmt: skip
+    launch(config, progress=False)
+    run = RunDir(config.out)
+    for peer_id in (0, 1):
+        times = [r["time"] for r in run.records(peer_id)]
+        steps = np.diff(times[:-1])  # start, one line per step; then the final line
+        assert len(steps) == 12 and steps.min() >= 0.15 - 1e-3, steps

@@ -143,9 +143,11 @@ def unreached_windows(config: Config, summary: dict[str, Any]) -> list[str]:
 
 
 def profiles_table(config: Config) -> Table:
-    """Which peers emulate which device: link, slowdown and offline windows per profile."""
+    """Which peers emulate which device: link, slowdown, step time and offline windows per
+    profile."""
     table = Table(title="device profiles")
-    for name in ("profile", "peers", "up", "down", "latency", "loss", "slowdown", "offline"):
+    columns = ("profile", "peers", "up", "down", "latency", "loss", "slowdown", "step time")
+    for name in (*columns, "offline"):
         table.add_column(name)
     for name, table_values in config.profiles.items():
         profile = parse_profile(name, table_values, config.peers)
@@ -158,6 +160,7 @@ def profiles_table(config: Config) -> Table:
             f"{link.latency_s * 1e3:g} ± {link.jitter_s * 1e3:g} ms" if link.latency_s else "-",
             f"{link.loss:.1%}" if link.loss else "-",
             f"{profile.slowdown:g}x" if profile.slowdown > 1 else "-",
+            f"≥ {profile.step_time * 1e3:g} ms" if profile.step_time else "-",
             ", ".join(f"{a:g}-{b:g} s" for a, b in link.offline) or "-",
         )
     return table

@@ -12,7 +12,9 @@ study how averaging triggers react to such drift).
 
 Device profiles (the ``[profiles.NAME]`` tables of an experiment file) give
 named groups of peers an access link (bandwidth, latency, jitter, loss and
-offline windows, emulated by ``transport.shaping``) and a slowdown: phones,
+offline windows, emulated by ``transport.shaping``), a slowdown and a
+``step_time`` (the least time one step takes: a step done sooner waits out
+the rest, so a fast host can stand in for a slow device): phones,
 sensor boards or cars on bad links, next to better-connected peers. Inside an
 offline window the device is away: the link drops everything and the training
 loop takes no steps (``peers.runner``).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +35,8 @@ from gossipdl.config import did_you_mean
 from gossipdl.transport.shaping import LinkError, LinkProfile, parse_link, parse_windows
 
 LINK_KEYS = ("up", "down", "latency", "jitter", "loss")
-PROFILE_KEYS = ("peers", *LINK_KEYS, "slowdown", "offline")
+PROFILE_KEYS = ("peers", *LINK_KEYS, "slowdown", "step_time", "offline")
+_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ms|s)")  # a string names its unit
 
 
 class ConditionError(ValueError):
@@ -122,13 +126,15 @@ def parse_drift(spec: str) -> Drift | None:
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """One kind of device: its access link (with its offline windows) and how much slower it
-    computes than the machine it is emulated on."""
+    """One kind of device: its access link (with its offline windows), how much slower it
+    computes than the machine it is emulated on, and the least time one of its training steps
+    takes (``step_time``, seconds; 0: as fast as the host), which the simulator also uses."""
 
     name: str
     peers: tuple[int, ...]
     link: LinkProfile = dataclasses.field(default_factory=LinkProfile)
     slowdown: float = 1.0
+    step_time: float = 0.0
 
 
 def parse_peer_ids(value: Any, peers: int, what: str) -> tuple[int, ...]:
@@ -183,6 +189,7 @@ def parse_profile(name: str, table: Mapping[str, Any], peers: int) -> DeviceProf
     slowdown = table.get("slowdown", 1.0)
     if isinstance(slowdown, bool) or not isinstance(slowdown, int | float) or not slowdown >= 1:
         raise ConditionError(f"{what}: slowdown = {slowdown!r}; use a number >= 1 (2: 2x slower)")
+    step_time = parse_duration(table.get("step_time", 0), f"{what}: step_time")
     try:
         link = parse_link(",".join(f"{k}={table[k]}" for k in LINK_KEYS if k in table))
         offline = parse_windows(table.get("offline", []))
@@ -193,6 +200,7 @@ def parse_profile(name: str, table: Mapping[str, Any], peers: int) -> DeviceProf
         parse_peer_ids(table["peers"], peers, what),
         dataclasses.replace(link, offline=offline),
         float(slowdown),
+        step_time,
     )
 
 
@@ -213,11 +221,35 @@ def parse_profiles(tables: Mapping[str, Any], peers: int) -> dict[int, DevicePro
 
 def device_of(
     peer_id: int | None, peers: int, profiles: Mapping[str, Any], link: str, slowdown: str
-) -> tuple[LinkProfile, float]:
-    """A peer's link and slowdown: its profile's, else the swarm-wide ``link`` and
+) -> DeviceProfile:
+    """A peer's device: its profile, else one made of the swarm-wide ``link`` and
     ``slowdown`` specs (a peer without a rank yet gets the swarm-wide link)."""
     profile = parse_profiles(profiles, peers).get(peer_id) if peer_id is not None else None
     if profile is not None:
-        return profile.link, profile.slowdown
+        return profile
     factor = parse_slowdown(slowdown).get(peer_id, 1.0) if peer_id is not None else 1.0
-    return parse_link(link), factor
+    ids = () if peer_id is None else (peer_id,)
+    return DeviceProfile("", ids, parse_link(link), factor)
+
+
+def parse_duration(value: Any, what: str) -> float:
+    """Seconds from ``"250ms"``, ``"1.5s"`` (a string names its unit) or a number of seconds
+    (>= 0).
+
+    Example:
+        >>> parse_duration("250ms", "step_time"), parse_duration(2, "step_time")
+        (0.25, 2.0)
+    """
+    usage = f'{what} = {value!r}; use a duration such as "250ms" or "1.5s" (0: no minimum)'
+    if isinstance(value, bool):
+        raise ConditionError(usage)
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.fullmatch(str(value).replace(" ", ""))
+        if match is None:
+            raise ConditionError(usage)
+        seconds = float(match[1]) * (1e-3 if match[2] == "ms" else 1.0)
+    if not 0 <= seconds < math.inf:
+        raise ConditionError(usage)
+    return seconds

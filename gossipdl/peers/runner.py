@@ -35,7 +35,7 @@ from gossipdl.peers.checkpoint import (
     save_atomic,
     save_checkpoint,
 )
-from gossipdl.peers.conditions import Drift, device_of, parse_drift
+from gossipdl.peers.conditions import DeviceProfile, Drift, device_of, parse_drift
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import Peer, PeerError
@@ -43,7 +43,6 @@ from gossipdl.peers.sinks import MetricsSinks
 from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.probe import CONNECT_WAIT_S
-from gossipdl.transport.shaping import LinkProfile
 
 log = logging.getLogger(__name__)
 AWAY_POLL_S = 0.25  # how often a device inside an offline window looks again (and logs)
@@ -195,7 +194,7 @@ def train_peer(
             dead_after=config.dead_after,
             resume_step=resume_step,
             curve=curve,
-            link=_device(config, rank)[0],
+            link=_device(config, rank).link,
             swarm_config=to_dict(config),
             on_members=write_members,
             on_listening=on_listening,
@@ -248,7 +247,7 @@ def _server_worker(
         timeout=config.round_timeout,
         max_message_bytes=int(config.max_message_mb * 2**20),
         seed=config.seed,
-        link=_device(config, rank)[0],
+        link=_device(config, rank).link,
         curve=curve,
         advertise=config.advertise or None,
     )
@@ -271,9 +270,9 @@ def _last_life(run: RunDir, peer_id: int) -> dict[str, Any] | None:
     return last[0] if last else None
 
 
-def _device(config: Config, peer_id: int | None) -> tuple[LinkProfile, float]:
-    """The emulated link and slowdown of peer ``peer_id``: its device profile's, else the
-    swarm-wide ``link`` and ``slowdown``."""
+def _device(config: Config, peer_id: int | None) -> DeviceProfile:
+    """The emulated device of peer ``peer_id`` (link, slowdown, step time): its profile,
+    else the swarm-wide ``link`` and ``slowdown``."""
     return device_of(peer_id, config.peers, config.profiles, config.link, config.slowdown)
 
 
@@ -358,7 +357,7 @@ def _loop(
     sampler = BatchSampler(dataset.x_train[shard], dataset.y_train[shard], batch, seed, device)
     x_test = torch.as_tensor(dataset.x_test, device=device)
     y_test = torch.as_tensor(dataset.y_test, device=device)
-    slowdown = _device(config, peer.id)[1]
+    emulated = _device(config, peer.id)
     drift = parse_drift(config.drift)
     if drift is not None and not drift.affects(peer.id, config.peers):
         drift = None
@@ -375,7 +374,7 @@ def _loop(
         len(shard),
         device,
         peer.steps,
-        f", {slowdown:g}x slower" if slowdown > 1 else "",
+        _emulation(emulated),
     )
 
     def record(**extra: Any) -> dict[str, Any]:
@@ -426,8 +425,7 @@ def _loop(
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
-            if slowdown > 1:  # a straggler: the step takes ``slowdown`` times as long
-                time.sleep((slowdown - 1) * (time.monotonic() - computed))
+            _take_as_long(emulated, computed)
             peer.step()
             losses.append(loss.item())
             if config.checkpoint_every and peer.steps % config.checkpoint_every == 0:
@@ -453,6 +451,22 @@ def _loop(
         sinks.close()
     log.info("peer %d: done at step %d, test accuracy %.4f", peer.id, peer.steps, accuracy)
     return final
+
+
+def _emulation(device: DeviceProfile) -> str:
+    """How the peer's compute is slowed, for its first log line ("" when it is not)."""
+    slower = f", {device.slowdown:g}x slower" if device.slowdown > 1 else ""
+    least = f", at least {device.step_time:g} s a step" if device.step_time else ""
+    return slower + least
+
+
+def _take_as_long(device: DeviceProfile, started: float) -> None:
+    """Make the step begun at ``started`` (monotonic) last as a slower device's would: a
+    straggler's ``slowdown`` times as long, and at least the profile's ``step_time``."""
+    took = time.monotonic() - started
+    wait = max((device.slowdown - 1) * took, device.step_time - took)
+    if wait > 0:
+        time.sleep(wait)
 
 
 def _finished(config: Config, peer: Peer | ServerWorker) -> bool:
