@@ -362,8 +362,8 @@ def _loop(
     if drift is not None and not drift.affects(peer.id, config.peers):
         drift = None
     previous = _last_life(run, peer.id) if resumed else None
+    sinks = MetricsSinks(config, run, peer.id)  # first: a sink that cannot open leaves no file
     metrics = run.metrics(peer.id).open("a", buffering=1)
-    sinks = MetricsSinks(config, run, peer.id)
     swarm, start = _swarm(peer)
     carried = {k: previous.get(k, 0) for k in CARRIED} if previous else {}
     carried_drops: dict[str, int] = dict(previous.get("dropped_reasons", {})) if previous else {}
