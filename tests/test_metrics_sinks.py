@@ -109,3 +109,13 @@ def test_a_resumed_csv_keeps_the_first_life_and_widens_its_header(tmp_path: Path
     assert [r["step"] for r in rows] == ["0", "10", "20"]
     assert rows[1]["resumed"] == "True" and rows[0]["resumed"] == ""
     assert json.loads(rows[1]["dropped"]) == {"x": 1}
+
+
+def test_a_sink_that_cannot_work_stops_the_peer_before_it_listens(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2))
+    done = subprocess.run(
+        gossipdl_cmd("peer", "--config", str(config), "--metrics-hook", "nosuchmodule:sink"),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "listening on" not in done.stdout
+    assert "metrics_hook = 'nosuchmodule:sink': cannot load it" in " ".join(done.stderr.split())

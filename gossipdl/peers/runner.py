@@ -39,7 +39,7 @@ from gossipdl.peers.conditions import DeviceProfile, Drift, device_of, parse_dri
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import Peer, PeerError
-from gossipdl.peers.sinks import MetricsSinks
+from gossipdl.peers.sinks import MetricsSinks, check_sinks
 from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.probe import CONNECT_WAIT_S
@@ -143,6 +143,7 @@ def train_peer(
     ``connect_wait``: how long to keep trying a bootstrap address where nothing listens (a
     launcher that starts every rank at once passes its start-up timeout)."""
     stop = stop or threading.Event()
+    check_sinks(config)
     device = pick_device(config.device, local_index)
     dataset = load_dataset(config.dataset)
     torch.manual_seed(config.seed)  # every peer starts from the same model
@@ -362,7 +363,7 @@ def _loop(
     if drift is not None and not drift.affects(peer.id, config.peers):
         drift = None
     previous = _last_life(run, peer.id) if resumed else None
-    sinks = MetricsSinks(config, run, peer.id)  # first: a sink that cannot open leaves no file
+    sinks = MetricsSinks(config, run, peer.id)  # first: a sink that fails leaves no file open
     metrics = run.metrics(peer.id).open("a", buffering=1)
     swarm, start = _swarm(peer)
     carried = {k: previous.get(k, 0) for k in CARRIED} if previous else {}

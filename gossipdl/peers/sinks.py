@@ -35,14 +35,7 @@ class _TensorBoard:
     """One event file per peer under ``DIR/peer-<id>``: every number against the step."""
 
     def __init__(self, root: str, peer_id: int) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ConfigError(
-                f"tensorboard = {root!r} needs the tensorboard package: pip install "
-                "tensorboard, or leave --tensorboard out"
-            ) from None
-        self._writer = SummaryWriter(log_dir=str(Path(root) / f"peer-{peer_id}"))
+        self._writer = _summary_writer(root)(log_dir=str(Path(root) / f"peer-{peer_id}"))
 
     def __call__(self, line: dict[str, Any]) -> None:
         for key, value in _scalars(line).items():
@@ -89,17 +82,42 @@ class _Csv:
             self._file.close()
 
 
-def _hook(spec: str, run: RunDir, peer_id: int) -> Sink:
-    """The user's ``module:function(peer_id, run_dir)``, called once; returns the sink."""
+def _summary_writer(root: str) -> Any:
+    """TensorBoard's ``SummaryWriter`` class, or a ConfigError saying how to get it."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError(
+            f"tensorboard = {root!r} needs the tensorboard package: pip install "
+            "tensorboard, or leave --tensorboard out"
+        ) from None
+    return SummaryWriter
+
+
+def _hook_factory(spec: str) -> Callable[[int, Path], Any]:
+    """The user's ``module:function``, imported (not called)."""
     module_name, _, name = spec.partition(":")
     try:
-        factory = getattr(importlib.import_module(module_name), name)
+        return getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(
             f"metrics_hook = {spec!r}: cannot load it ({exc}); give module:function importable "
             "from the current directory"
         ) from None
-    sink = factory(peer_id, run.root)
+
+
+def check_sinks(config: Config) -> None:
+    """Fail now, before the peer joins anyone, if a sink the config asks for cannot work
+    (tensorboard not installed, a hook that does not import)."""
+    if config.tensorboard:
+        _summary_writer(config.tensorboard)
+    if config.metrics_hook:
+        _hook_factory(config.metrics_hook)
+
+
+def _hook(spec: str, run: RunDir, peer_id: int) -> Sink:
+    """The user's ``module:function(peer_id, run_dir)``, called once; returns the sink."""
+    sink = _hook_factory(spec)(peer_id, run.root)
     if not callable(sink):
         raise ConfigError(
             f"metrics_hook = {spec!r} returned {type(sink).__name__}, not a callable taking a "
