@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gossipdl.sim import ClockError, NetworkError, Scheduler, SimNetwork, frames_size
+from gossipdl.sim import ClockError, NetworkError, Scheduler, SimNetwork
 from gossipdl.transport import decode, encode
 from gossipdl.transport.shaping import LinkProfile, parse_link
+from gossipdl.transport.wire import frames_size
 
 Arrivals = list[tuple[float, int, int, int]]  # (time, receiver, sender, round)
 

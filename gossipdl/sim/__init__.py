@@ -6,15 +6,13 @@ with partitions, clogs, deaths, drops, duplicates and reordering injected).
 """
 
 from gossipdl.sim.clock import ClockError, Scheduler, Timer
-from gossipdl.sim.network import DROP_REASONS, NetworkError, NodeStats, SimNetwork, frames_size
+from gossipdl.sim.network import DROP_REASONS, NetworkError, SimNetwork
 
 __all__ = [
     "DROP_REASONS",
     "ClockError",
     "NetworkError",
-    "NodeStats",
     "Scheduler",
     "SimNetwork",
     "Timer",
-    "frames_size",
 ]

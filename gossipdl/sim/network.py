@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gossipdl.sim.clock import Scheduler
 from gossipdl.transport.shaping import Link, LinkProfile
+from gossipdl.transport.sockets import TransportStats
+from gossipdl.transport.wire import frames_size
 
 Handler = Callable[[int, list[bytes]], None]  # (sender, frames)
 # Why a message did not arrive; each is a key of the ledger.
@@ -37,27 +39,11 @@ class NetworkError(ValueError):
 
 
 @dataclass
-class NodeStats:
-    """What crossed one node's link, counted as the real transport counts it."""
-
-    bytes_sent: int = 0
-    header_bytes_sent: int = 0
-    bytes_received: int = 0
-    messages_sent: int = 0
-    messages_received: int = 0
-
-
-@dataclass
 class _Node:
     handler: Handler
     link: Link
-    stats: NodeStats = field(default_factory=NodeStats)
+    stats: TransportStats = field(default_factory=TransportStats)  # the real counters
     alive: bool = True
-
-
-def frames_size(frames: Iterable[Any]) -> int:
-    """Bytes of a message's frames: what the real transport counts as sent."""
-    return sum(memoryview(f).nbytes for f in frames)
 
 
 class SimNetwork:
@@ -89,8 +75,9 @@ class SimNetwork:
         """Start the node's offline-window clock now (when it starts training)."""
         self._node(node).link.start(self.clock.now)
 
-    def stats(self, node: int) -> NodeStats:
-        """The node's byte and message counters."""
+    def stats(self, node: int) -> TransportStats:
+        """The node's byte and message counters, the same object a real peer's transport
+        keeps (``snapshot()`` gives the same metrics keys)."""
         return self._node(node).stats
 
     def online(self, node: int) -> bool:

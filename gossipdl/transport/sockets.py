@@ -31,7 +31,7 @@ from gossipdl.transport.addresses import address_problem, advertised_address, is
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import Link, LinkProfile
-from gossipdl.transport.wire import MAX_HEADER_BYTES, Message, WireError, decode
+from gossipdl.transport.wire import MAX_HEADER_BYTES, Message, WireError, decode, frames_size
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +321,7 @@ class Transport:
             while True:
                 while held and held[0][0] <= time.monotonic():
                     _, _, address, frames = heapq.heappop(held)
-                    size = _size(frames)
+                    size = frames_size(frames)
                     destination = destinations[address]
                     destination.held -= size
                     self._send_now(destinations, address, frames, size)
@@ -348,7 +348,7 @@ class Transport:
                     self._forget(destinations, address)
                     continue
                 frames = message
-                size = _size(frames)
+                size = frames_size(frames)
                 destination = destinations.setdefault(address, _Destination())
                 destinations.move_to_end(address)
                 if not self._has_room(destination, address, size):
@@ -367,7 +367,7 @@ class Transport:
                 destination.held += size
                 heapq.heappush(held, (arrival, next(order), address, frames))
             for _, _, address, frames in sorted(held):  # closing: what is held goes now
-                self._send_now(destinations, address, frames, _size(frames))
+                self._send_now(destinations, address, frames, frames_size(frames))
             # Give queued messages a moment to leave before the sockets close.
             for destination in destinations.values():
                 if destination.socket is not None:
@@ -474,7 +474,7 @@ class Transport:
 
     def _count_sent(self, frames: list[Any]) -> None:
         with self.stats.lock:
-            self.stats.bytes_sent += _size(frames)
+            self.stats.bytes_sent += frames_size(frames)
             self.stats.header_bytes_sent += len(frames[0])
             self.stats.messages_sent += 1
 
@@ -554,10 +554,6 @@ class Transport:
             self.failure = exc
             if self._on_failure is not None:
                 self._on_failure(exc)
-
-
-def _size(frames: list[Any]) -> int:
-    return sum(len(f) for f in frames)
 
 
 def _send_tracked(dealer: zmq.Socket, frames: list[Any]) -> zmq.MessageTracker:

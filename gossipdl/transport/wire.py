@@ -14,7 +14,7 @@ is built, so nothing malformed ever reaches a model.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +156,11 @@ def encode(
         "meta": meta or {},
     }
     return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def frames_size(frames: Iterable[Any]) -> int:
+    """Bytes of a message's frames: what is counted as sent and received."""
+    return sum(memoryview(f).nbytes for f in frames)
 
 
 def _field(header: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
