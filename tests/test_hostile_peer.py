@@ -333,6 +333,35 @@ def join_as_member(hostile: Hostile, address: str) -> dict[str, Any]:
             return header
 
 
+def test_a_join_that_reaches_a_founder_before_it_founded_waits_for_it(hostile: Hostile) -> None:
+    """A launched rank can join before rank 0 has founded (its socket listens first): that
+    join is dropped, not answered with a table that lacks the founder; the retry gets in."""
+    made: list[Peer] = []
+    listening: list[str] = []
+    meta = {"address": hostile.address, "want_id": 1, "key": "", NONCE: "early"}
+
+    def join_early(address: str) -> None:  # runs after the bind, before the founding
+        listening.append(address)
+        hostile.send(address, encode("join", -1, 0, 0, meta=meta))
+        time.sleep(1.0)  # the join is handled (or dropped) by now
+
+    def build() -> None:
+        made.append(Peer(torch.nn.Linear(3, 2), min_peers=2, on_listening=join_early))
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    try:
+        assert hostile.receive(1.5) is None, "a founder that has not founded answered a join"
+        welcome = join_as_member(hostile, listening[0])
+        assert [m[0] for m in welcome["meta"]["members"]] == [0, 1]
+        thread.join(30)
+        assert dropped(made[0], "not_member_yet") == 1
+    finally:
+        thread.join(30)
+        for peer in made:
+            peer.close()
+
+
 def test_a_spoofed_welcome_cannot_hijack_a_join(
     hostile: Hostile, caplog: pytest.LogCaptureFixture
 ) -> None:

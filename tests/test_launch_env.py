@@ -96,7 +96,9 @@ def test_peers_started_like_torchrun_or_srun_form_one_swarm(launcher: str, tmp_p
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log))
     try:
         for rank, proc in enumerate(procs):
-            assert proc.wait(timeout=120) == 0, (tmp_path / f"{rank}.log").read_text()
+            code = proc.wait(timeout=120)
+            logs = "\n".join((tmp_path / f"{r}.log").read_text() for r in range(3))
+            assert code == 0, f"rank {rank} failed; every rank's log:\n{logs}"
     finally:
         for proc in procs:
             if proc.poll() is None:

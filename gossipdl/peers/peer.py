@@ -1344,6 +1344,10 @@ class Peer:
         Joins and info requests come from strangers by nature; welcomes and models must
         answer a request of ours (:class:`Asked`); everything else, member tables included,
         must come from a member, over that member's key when CURVE is on."""
+        if msg.kind in ("join", "info_request") and self.id < 0:
+            # Not a member yet (a founder that has not founded, a joiner not yet welcomed):
+            # an answer now would hand out a table without us in it. The asker retries.
+            raise WireError("not_member_yet", f"{msg.kind} before this peer is in a swarm")
         if msg.kind == "join":
             self._on_join(msg)
             return
