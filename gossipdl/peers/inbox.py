@@ -1,76 +1,33 @@
-"""Per-round mailbox of model messages, filled by the receive thread, drained by training.
-
-A message for a round the peer has finished is late: dropped, or with
-``keep_late`` kept for the averager (a CHOCO update counts whenever it comes),
-as is one that arrives for the current round after the peer stopped waiting
-for it. Messages for
-future rounds are kept (a neighbour may be a round or many ahead, e.g. a
-newcomer waiting at its first round), but at most ``max_pending`` rounds per
-sender, and at most ``max_pending`` late ones per sender until the peer takes
-them, so a runaway sender cannot grow memory without bound. ``admit`` says
-whether a message would be kept before the caller decodes its payload to full
-size.
-"""
+"""The real engine's mailbox: the protocol's :class:`Mailbox` behind a lock, filled by the
+receive thread, with a blocking wait for the training thread."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from gossipdl.transport.wire import WireError
+from gossipdl.protocol.mailbox import Mailbox
 
 
 class Inbox:
-    """Holds ``{round: {sender: payload}}`` for the current and future rounds."""
+    """A :class:`Mailbox` shared by threads: every call under one condition."""
 
     def __init__(self, max_pending: int = 8, keep_late: bool = False) -> None:
         self._cond = threading.Condition()
-        self._rounds: dict[int, dict[int, Any]] = {}
-        self._pending: Counter[int] = Counter()
-        self._floor = 0
-        self._max_pending = max_pending
-        self._keep_late = keep_late
-        self._late: list[tuple[int, int, Any]] = []
-        self._late_from: Counter[int] = Counter()  # sender -> its entries in _late
-        self._taken: dict[int, set[int]] = {}  # round -> senders already handed to the peer
-        self._sent_by: dict[int, int] = {}  # sender -> last round it says it sent
+        self._box = Mailbox(max_pending, keep_late)
 
     def admit(self, sender: int, round: int) -> None:
-        """Raise the WireError ``put`` would raise for ``sender``'s message for ``round``, so
-        a message that will be refused is refused before its payload is decoded."""
+        """See :meth:`Mailbox.admit`."""
         with self._cond:
-            self._admitted_late(sender, round)
+            self._box.admit(sender, round)
 
     def put(self, sender: int, round: int, payload: Any) -> None:
-        """Store a payload; raises WireError('late' / 'too_many_pending' / 'duplicate')."""
+        """See :meth:`Mailbox.put`; wakes the wait."""
         with self._cond:
-            if self._admitted_late(sender, round):
-                self._late.append((sender, round, payload))
-                self._late_from[sender] += 1
-                return
-            self._rounds.setdefault(round, {})[sender] = payload
-            self._pending[sender] += 1
+            self._box.put(sender, round, payload)
             self._cond.notify_all()
-
-    def _admitted_late(self, sender: int, round: int) -> bool:
-        """Whether the message is kept as a late one (False: for its round); WireError if it
-        is not kept at all. The lock is held."""
-        if round < self._floor:
-            if self._keep_late and self._late_from[sender] < self._max_pending:
-                return True
-            raise WireError("late", f"round {round} arrived after round {self._floor} began")
-        if sender in self._rounds.get(round, {}):
-            raise WireError("duplicate", f"second message for round {round}")
-        if self._pending[sender] >= self._max_pending:
-            raise WireError(
-                "too_many_pending",
-                f"already {self._max_pending} future rounds queued (this peer is at "
-                f"{self._floor}, the message is for {round})",
-            )
-        return False
 
     def wait(self, round: int, expected: Callable[[], set[int]], timeout: float) -> dict[int, Any]:
         """Block until every id in ``expected()`` has sent ``round`` or ``timeout`` passes.
@@ -82,68 +39,36 @@ class Inbox:
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
-                slot = self._rounds.get(round, {})
                 remaining = deadline - time.monotonic()
-                if expected() <= slot.keys() | self._ahead(round) or remaining <= 0:
-                    self._taken.setdefault(round, set()).update(slot)
-                    return dict(slot)
+                if self._box.complete(round, expected()) or remaining <= 0:
+                    return self._box.take(round)
                 self._cond.wait(min(remaining, 0.5))
 
-    def _ahead(self, round: int) -> set[int]:
-        """Senders already heard from for a later round: their message for ``round`` was lost
-        (one connection delivers in order), so waiting longer for them is pointless."""
-        later = {sender for r, slot in self._rounds.items() if r > round for sender in slot}
-        return later | {sender for sender, r in self._sent_by.items() if r >= round}
-
     def sent(self, sender: int, round: int) -> None:
-        """``sender`` says (on the connection its messages take, so after them) that it sent
-        everything up to ``round``: what has not come by now is lost, stop waiting for it."""
+        """See :meth:`Mailbox.sent`; wakes the wait when it is news."""
         with self._cond:
-            if round > self._sent_by.get(sender, -1):
-                self._sent_by[sender] = round
+            if self._box.sent(sender, round):
                 self._cond.notify_all()
 
     def advance(self, round: int) -> None:
-        """Forget every round below ``round``; later arrivals for them are late."""
+        """See :meth:`Mailbox.advance`."""
         with self._cond:
-            self._floor = max(self._floor, round)
-            for r in [r for r in self._rounds if r < self._floor]:
-                taken = self._taken.pop(r, set())
-                for sender, payload in self._rounds.pop(r).items():
-                    self._pending[sender] -= 1
-                    if self._keep_late and sender not in taken:
-                        self._late.append((sender, r, payload))
-                        self._late_from[sender] += 1
-            for r in [r for r in self._taken if r < self._floor]:
-                del self._taken[r]
+            self._box.advance(round)
 
     def forget(self, sender: int) -> None:
-        """Drop what ``sender`` said it sent: it rejoined and counts rounds anew (or it was
-        forgotten)."""
+        """See :meth:`Mailbox.forget`."""
         with self._cond:
-            self._sent_by.pop(sender, None)
+            self._box.forget(sender)
 
     def move_to(self, round: int) -> None:
-        """Wait next for ``round``: like ``advance``, but an earlier round forgets everything
-        (a peer that rejoins takes the swarm's round, which may be behind its own)."""
-        with self._cond:  # a reentrant lock: advance takes it again
-            if round >= self._floor:
-                self.advance(round)
-                return
-            self._rounds.clear()
-            self._pending.clear()
-            self._taken.clear()
-            self._late.clear()
-            self._late_from.clear()
-            self._sent_by.clear()
-            self._floor = round
+        """See :meth:`Mailbox.move_to`."""
+        with self._cond:
+            self._box.move_to(round)
 
     def drain_late(self) -> list[tuple[int, int, Any]]:
-        """``(sender, round, payload)`` of messages kept after their round had passed."""
+        """See :meth:`Mailbox.drain_late`."""
         with self._cond:
-            late, self._late = self._late, []
-            self._late_from.clear()
-        return late
+            return self._box.drain_late()
 
     def notify(self) -> None:
         """Wake waiters so they re-check who they are waiting for."""

@@ -16,7 +16,7 @@ import re
 import secrets
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -38,7 +38,21 @@ from gossipdl.coordinator.ring import (
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
 from gossipdl.peers.inbox import Inbox
 from gossipdl.peers.membership import MAX_ID, MAX_MEMBERS, Member, Membership, parse_members
-from gossipdl.topologies import Topology, build_topology
+from gossipdl.protocol.failure import FailureDetector
+from gossipdl.protocol.kinds import (
+    COMPRESSED_KINDS,
+    LOSSY_KINDS,
+    MAX_ALARMS,
+    MAX_RESYNC_AHEAD,
+    MAX_RESYNCS_PER_SENDER,
+    MAX_WALKS,
+    MODEL_KINDS,
+    PEER_META,
+    RESYNC_LEAD,
+    SYNC_AT,
+    WALK_AGE,
+)
+from gossipdl.protocol.rounds import Topologies, arrivals, topology_changes
 from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.addresses import check_address
 from gossipdl.transport.asked import NONCE, Asked, echoed_nonce
@@ -53,18 +67,8 @@ log = logging.getLogger(__name__)
 
 _RETRY_S = 1.0
 _SWARM_ID = re.compile(r"[0-9a-f]{1,32}")  # a swarm id in a welcome
-_DEAD_HEARTBEAT_EVERY = 5  # heartbeats to a peer declared dead go out this many times rarer
-MODEL_KINDS = frozenset({"params", "public", "reply", "walk", "model"})  # counted as transmissions
-LOSSY_KINDS = frozenset({"params", "public", "reply", "walk"})  # ``loss`` may drop these
-COMPRESSED_KINDS = frozenset({"params", "reply", "walk"})  # travel through the swarm's codec
-WALK_AGE = "_age"  # meta key of a walking model's age, next to the codec's own meta
-SYNC_AT = "_sync_at"  # meta key of the sync rounds a dynamic-trigger message announces
-PEER_META = frozenset({WALK_AGE, SYNC_AT, NONCE})  # the peer's meta keys, not the codec's
-MAX_ALARMS = 64  # more pending syncs than this in one message is a malformed message
-MAX_WALKS = 64  # walking models queued for the next merge; more are dropped
-# Limits on what a remote sender can make a peer hold or do; each drop is counted by reason.
-MAX_RESYNC_AHEAD = 100_000  # a resync asked for a round further ahead: ``resync_too_far``
-MAX_RESYNCS_PER_SENDER = 8  # resyncs one neighbour may have pending: ``too_many_pending``
+# Limits on what a remote sender can make a peer hold or do (the protocol's own limits are
+# in gossipdl.protocol.kinds); each drop is counted by reason.
 MAX_ANSWER_RATE = 20.0  # answers to join/info requests per second, all senders together:
 #                         a request names its reply address, so this bounds how hard a stream
 #                         of requests can make a peer dial a third party (``answer_rate``)
@@ -72,7 +76,6 @@ MAX_STRANGER_SOCKETS = 64  # connections beyond one per member (replies to joine
 EARLY_S = 2.0  # a member table from a sender not known yet waits this long for news of it
 MAX_EARLY = 32  # such tables held at once; the oldest is refused beyond it (``unknown_sender``)
 FORGET_AFTER_S = 600.0  # an ended member silent this long is forgotten: no more heartbeats
-MAX_TOPOLOGIES = 16  # topologies kept built, one per member set seen (churn makes new ones)
 
 
 class PeerError(RuntimeError):
@@ -291,7 +294,7 @@ class Peer:
         self._resuming = resume_step is not None
         self._resync_at: set[int] = set()
         self._last_ids: tuple[int, ...] | None = None
-        self._topologies: OrderedDict[tuple[int, ...], Topology] = OrderedDict()
+        self._topologies = Topologies(self.topology_spec, seed)
         self._walk_rng = random.Random(seed * 104729 + (rank or 0))
         self._loss_rng = random.Random(seed * 7919 + (rank or 0))
         self._round_times: deque[float] = deque(maxlen=32)  # read by others as a copy
@@ -303,12 +306,9 @@ class Peer:
         self._walks: deque[tuple[torch.Tensor, int]] = deque()  # deque: thread-safe handoff
         # -- watch thread only --
         self.declared_dead = 0
-        self._known_at: dict[int, float] = {}  # id -> when the watch thread first saw it
-        self._away_until = 0.0  # the last moment the device was offline: it heard nothing then
         # -- guarded by _lock (written by several threads) --
         self._lock = threading.Lock()
-        self._heard: dict[int, float] = {}  # id -> when its last accepted message came
-        self._sent: dict[int, float] = {}  # id -> when we last sent it anything
+        self._detector = FailureDetector(heartbeat, dead_after, forget_after)  # heard, sent
         self._last_seq: dict[int, int] = {}  # id -> the last sequence number accepted from it
         self._gap = False  # a message was lost: resync (set by receive, taken by training)
         self._early: deque[tuple[float, Message]] = deque()  # tables from senders not known yet
@@ -558,7 +558,7 @@ class Peer:
         """The sync rounds at or after ``t`` this peer knows of, after raising one for
         ``t + spread`` if the local condition fails and no sync comes sooner."""
         ids = self.membership.active(t)
-        horizon = t + (self._topology(ids).spread_rounds(t) if len(ids) > 1 else 0)
+        horizon = t + (self._topologies.over(ids).spread_rounds(t) if len(ids) > 1 else 0)
         with self._alarm_lock:
             covered = any(t <= a <= horizon for a in self._alarms)
         violated = not covered and self.trigger.violated(x, self._reference)
@@ -595,12 +595,7 @@ class Peer:
 
     def _merge_round(self, x: torch.Tensor, rnd: Round, got: dict[int, Any]) -> torch.Tensor:
         """Hand what arrived in round ``rnd`` (and late for earlier ones) to the averager."""
-        arrived = {
-            j: Arrival(w, got[j][0], rnd.index, got[j][1])
-            for j, w in rnd.weights.items()
-            if j in got
-        }
-        missing = [j for j in rnd.weights if j not in got]
+        arrived, missing = arrivals(rnd, got)
         return self.averager.incoming(x, rnd, arrived, missing, self._late_arrivals())
 
     def _live(self, ids: Any) -> list[int]:
@@ -860,7 +855,8 @@ class Peer:
         self._learn_keys(self.membership.members())
         now = time.monotonic()
         with self._lock:  # silent while apart
-            self._heard = {m.id: now for m in self.membership.members()}
+            for m in self.membership.members():
+                self._detector.heard(m.id, now)
         me = self.membership.get(self.id)
         assert me is not None
         self._inbox.move_to(me.since)  # keep what arrives for our first round from now on
@@ -979,26 +975,7 @@ class Peer:
 
     def _mixing(self, round: int) -> tuple[dict[int, float], float]:
         """Neighbour id -> weight, and the self weight, for ``round``."""
-        ids = self.membership.active(round)
-        if self.id not in ids or len(ids) == 1:
-            return {}, 1.0
-        row = self._topology(ids).weights(ids.index(self.id), round)
-        me = ids.index(self.id)
-        return {ids[p]: w for p, w in row.items() if p != me}, row.get(me, 0.0)
-
-    def _topology(self, ids: list[int]) -> Topology:
-        """The swarm's topology over the members ``ids`` (built once per member set; the
-        ``MAX_TOPOLOGIES`` most recently used are kept)."""
-        key = tuple(ids)
-        topology = self._topologies.get(key)
-        if topology is None:
-            topology = self._topologies[key] = build_topology(
-                self.topology_spec, len(ids), self.seed
-            )
-            while len(self._topologies) > MAX_TOPOLOGIES:
-                self._topologies.popitem(last=False)
-        self._topologies.move_to_end(key)
-        return topology
+        return self._topologies.mixing(self.membership.active(round), self.id, round)
 
     def _send(
         self,
@@ -1014,7 +991,7 @@ class Peer:
         if member is None or self._lost_id():
             return
         with self._lock:
-            self._sent[peer_id] = time.monotonic()  # it needs no heartbeat for a while
+            self._detector.sent(peer_id, time.monotonic())  # no heartbeat due for a while
         with self._seq_lock:
             self._seq[peer_id] += 1
             seq = self._seq[peer_id]
@@ -1080,12 +1057,7 @@ class Peer:
 
     def _topology_changes(self) -> set[int]:
         """Rounds at which a peer joins or is dropped: everyone resyncs there."""
-        return {
-            r
-            for m in self.membership.members()
-            for r in (m.since, m.until)
-            if r is not None and r > self._first_round
-        }
+        return topology_changes(self.membership.members(), self._first_round)
 
     def _dense_destinations(self, rnd: Round) -> set[int]:
         """Neighbours that get the dense public copy this round instead of the update."""
@@ -1100,7 +1072,7 @@ class Peer:
 
     def _request_resync(self) -> None:
         """Ask every neighbour for its dense public copy two rounds from now."""
-        target = self.round + 2
+        target = self.round + RESYNC_LEAD
         with self._lock:
             self._gap = False
         self.averager.needs_resync = False
@@ -1119,7 +1091,7 @@ class Peer:
             if member.until is None:  # new, or back: its rounds and its silence start over
                 self._inbox.forget(member.id)
                 with self._lock:
-                    self._heard[member.id] = now
+                    self._detector.heard(member.id, now)
             old = before[member.id]
             if old is not None and old.until is None and old.address != member.address:
                 self._lost_to(old, member)
@@ -1177,45 +1149,32 @@ class Peer:
                 log.exception("peer %d: error in the heartbeat thread; carrying on", self.id)
 
     def _watch_once(self) -> None:
-        """One pass of the watch thread: heartbeats due, members silent too long, ended
-        members silent for ``forget_after`` forgotten."""
+        """One pass of the watch thread: the failure detector's verdicts, carried out."""
         now = time.monotonic()
         self._expire_early(now)
         if self.id < 0 or self._lost_id():
             return
-        if not self.transport.online:  # away (churn): silence is ours, not the others'
-            self._away_until = now
         me = self.membership.get(self.id)
         life = me.since if me is not None else 0  # which of our lives the heartbeat speaks for
         with self._lock:
-            heard, sent = dict(self._heard), dict(self._sent)
-        for member in self.membership.members():
-            j = member.id
-            known = self._known_at.setdefault(j, now)
-            if j == self.id:
-                continue
-            ended = member.until is not None
-            silent = now - max(heard.get(j, 0.0), known, self._away_until)
-            past = member.until is not None and member.until <= self.round
-            if past and silent > self.forget_after:
-                self._forget(j, silent)
-                continue
-            if self.membership.why_left(j) is not None:
-                continue
-            every = self.heartbeat * (_DEAD_HEARTBEAT_EVERY if ended else 1)
-            # New members get a moment for the news of them to reach everyone.
-            if now - known >= self.heartbeat and now - sent.get(j, 0.0) >= every:
-                with self._lock:
-                    self._sent[j] = now
+            if not self.transport.online:  # away (churn): silence is ours, not the others'
+                self._detector.away(now)
+            verdicts = self._detector.check(
+                now,
+                self.id,
+                self.membership.members(),
+                self.round,
+                sentence=self.started and not self.ring,  # a ring names its dead on timeout
+                left=lambda j: self.membership.why_left(j) is not None,
+            )
+        for j, silent in verdicts.forget:
+            self._forget(j, silent)
+        for j in verdicts.heartbeats:
+            member = self.membership.get(j)
+            if member is not None:
                 self._reply(member.address, "alive", sent=self._sent_round, life=life)
-            if (
-                self.started
-                and not self.ring  # a ring stops on its own timeout, naming the dead peer
-                and not ended
-                and member.since <= self.round
-                and silent > self.dead_after
-            ):
-                self._declare_dead(j, silent)
+        for j, silent in verdicts.dead:
+            self._declare_dead(j, silent)
 
     def _forget(self, peer_id: int, silent: float) -> None:
         """Forget a member that ended and stayed silent for ``forget_after``: no heartbeats,
@@ -1223,10 +1182,9 @@ class Peer:
         member = self.membership.forget(peer_id)
         if member is None:
             return
-        self._known_at.pop(peer_id, None)
         with self._lock:
-            for clock in (self._heard, self._sent, self._last_seq):
-                clock.pop(peer_id, None)
+            self._detector.forget(peer_id)
+            self._last_seq.pop(peer_id, None)
         self._inbox.forget(peer_id)
         self._answers.forget(peer_id)
         self.transport.forget(member.address)
@@ -1378,7 +1336,7 @@ class Peer:
             table = parse_members(msg.meta.get("members"), self.membership.limit)
             self._hear_table(msg.sender, table)
         with self._lock:
-            self._heard[msg.sender] = time.monotonic()
+            self._detector.heard(msg.sender, time.monotonic())
         if msg.kind == "alive":
             self._hear_heartbeat(msg, sender)
         if msg.kind in ("params", "public", "quiet", "reply"):
@@ -1541,7 +1499,7 @@ class Peer:
             member = Member(peer_id, address, since, key=msg.key)
             self._merge([member])
             with self._lock:
-                self._heard[peer_id] = time.monotonic()
+                self._detector.heard(peer_id, time.monotonic())
             log.info(
                 "peer %d: %s %s as peer %d from round %d",
                 self.id,

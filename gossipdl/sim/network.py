@@ -26,7 +26,7 @@ from typing import Any
 
 from gossipdl.sim.clock import Scheduler
 from gossipdl.transport.shaping import Link, LinkProfile
-from gossipdl.transport.sockets import TransportStats
+from gossipdl.transport.stats import TransportStats
 from gossipdl.transport.wire import frames_size
 
 Handler = Callable[[int, list[bytes]], None]  # (sender, frames)
@@ -140,6 +140,7 @@ class SimNetwork:
         self.ledger["sent"] += 1
         if not sender.link.online(self.clock.now):
             self.ledger["offline"] += 1
+            stats.drop("offline")  # counted where the real transport counts it
             return
         if self._groups is not None and self._side(src) != self._side(dst):
             self.ledger["partition"] += 1
@@ -162,6 +163,7 @@ class SimNetwork:
         arrival = self._nodes[src].link.send(frames_size(frames), self.clock.now, str(dst))
         if arrival is None:
             self.ledger["link_loss"] += 1
+            self._nodes[src].stats.drop("link_loss")
             return
         copies = 2 if self._duplicate and self._rng.random() < self._duplicate else 1
         self.ledger["duplicated"] += copies - 1
@@ -184,6 +186,7 @@ class SimNetwork:
             return
         if not node.link.online(self.clock.now):
             self.ledger["offline"] += 1
+            node.stats.drop("offline")
             return
         self.ledger["delivered"] += 1
         node.stats.bytes_received += frames_size(frames)

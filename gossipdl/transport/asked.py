@@ -14,9 +14,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from gossipdl.transport.wire import Message, WireError
+from gossipdl.transport.wire import NONCE, Message, WireError
 
-NONCE = "nonce"  # the meta key a request carries and its reply echoes
 MAX_ASKED = 1024  # requests remembered (open or answered); the oldest is forgotten beyond it
 
 

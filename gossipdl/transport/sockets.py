@@ -19,7 +19,7 @@ import math
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,6 +31,7 @@ from gossipdl.transport.addresses import address_problem, advertised_address, is
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import Link, LinkProfile
+from gossipdl.transport.stats import TransportStats
 from gossipdl.transport.wire import MAX_HEADER_BYTES, Message, WireError, decode, frames_size
 
 log = logging.getLogger(__name__)
@@ -54,38 +55,6 @@ IDLE_SOCKET_S = 30.0  # a connection unused this long is closed: nobody is diall
 
 class TransportError(RuntimeError):
     """The endpoint could not be set up (e.g. the listen port is taken)."""
-
-
-@dataclass
-class TransportStats:
-    """Counters of what crossed the sockets; updated by the transport threads."""
-
-    bytes_sent: int = 0
-    header_bytes_sent: int = 0  # of bytes_sent, the msgpack headers (frame 0)
-    bytes_received: int = 0
-    messages_sent: int = 0
-    messages_received: int = 0
-    handshakes_refused: int = 0  # CURVE connections whose key is not on the allow-list
-    dropped: Counter[str] = field(default_factory=Counter)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def drop(self, reason: str) -> None:
-        """Count one message dropped for ``reason``."""
-        with self.lock:
-            self.dropped[reason] += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        """A consistent copy of the counters as plain JSON-ready values."""
-        with self.lock:
-            return {
-                "bytes_sent": self.bytes_sent,
-                "header_bytes_sent": self.header_bytes_sent,
-                "bytes_received": self.bytes_received,
-                "messages_sent": self.messages_sent,
-                "messages_received": self.messages_received,
-                "handshakes_refused": self.handshakes_refused,
-                "messages_dropped": dict(self.dropped),
-            }
 
 
 @dataclass

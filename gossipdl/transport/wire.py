@@ -68,6 +68,9 @@ DTYPES: dict[str, np.dtype] = {
 }
 
 
+NONCE = "nonce"  # the meta key a request carries and its reply echoes
+
+
 class WireError(ValueError):
     """A message that fails validation; ``reason`` is the short code counted in metrics."""
 

@@ -1,0 +1,220 @@
+"""Who is in the swarm: one entry per peer id, each a span of rounds it takes part in.
+
+A member takes part from round ``since`` up to, not including, round
+``until`` (``None``: still in). A join sets ``since`` a few rounds ahead; a
+graceful leave or a death sets ``until`` a few rounds ahead, so every peer
+switches to the topology over the remaining members at the same round.
+
+Entries are merged so that peers hearing announcements in any order agree: a
+later life of a peer (larger ``since``, after it rejoined) replaces an earlier
+one, and within one life the earliest announced ``until`` wins. Two newcomers
+let in at the same moment by different members can get the same id and
+``since``; then the entry with the smaller address keeps the id everywhere,
+and the other newcomer joins again (see ``Peer``).
+
+A table holds at most ``limit`` entries (``MAX_MEMBERS``): a message that
+would grow it further is refused whole (reason ``too_many_members``), so a
+sender cannot make a peer track, dial and heartbeat without bound. An entry
+that ended long ago can be forgotten; its id keeps a tombstone so that a
+stale table cannot bring that life back.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gossipdl.transport.address_syntax import address_problem
+from gossipdl.transport.wire import WireError
+
+MAX_MEMBERS = 512  # entries in a member table, live or ended; drop reason ``too_many_members``
+MAX_ID = 2**31 - 1  # the largest peer id (ids name files in the run directory)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One peer: its id, the address of its ROUTER socket, and the rounds it takes part in."""
+
+    id: int
+    address: str
+    since: int = 0
+    until: int | None = None
+    key: str = ""  # its CURVE public key (Z85), "" in a swarm without CURVE
+
+    def takes_part(self, round: int) -> bool:
+        """Whether the member is in the topology of ``round``."""
+        return self.since <= round and (self.until is None or round < self.until)
+
+    def newer_than(self, other: Member) -> bool:
+        """Whether this entry should replace ``other`` (same id) when the two are merged."""
+        if self.since != other.since:
+            return self.since > other.since
+        if self.address != other.address:  # two newcomers given one id at once
+            return self.address < other.address
+        return self.until is not None and (other.until is None or self.until < other.until)
+
+
+def _round(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
+    """Validate a member list received on the wire (``[[id, address, since, until, key],
+    ...]``; ``until`` may be left out or ``None``, ``key`` left out or ``""``): at most
+    ``limit`` entries, ids up to ``MAX_ID``, addresses a peer may dial."""
+    if not isinstance(value, list):
+        raise WireError("bad_meta", f"member list is {type(value).__name__}, expected a list")
+    if len(value) > limit:
+        raise WireError(
+            "too_many_members", f"a member list of {len(value)} entries; the limit is {limit}"
+        )
+    members = []
+    for entry in value:
+        if not (
+            isinstance(entry, list)
+            and len(entry) in (3, 4, 5)
+            and _round(entry[0])
+            and entry[0] <= MAX_ID
+            and address_problem(entry[1]) is None
+            and _round(entry[2])
+            and (len(entry) == 3 or entry[3] is None or (_round(entry[3]) and entry[3] > entry[2]))
+            and (len(entry) < 5 or (isinstance(entry[4], str) and len(entry[4]) in (0, 40)))
+        ):
+            raise WireError(
+                "bad_meta", f"member entry {entry!r} is not [id, tcp://address, since, until]"
+            )
+        members.append(Member(*entry))
+    return members
+
+
+class MemberTable:
+    """The member table, at most ``limit`` entries. ``guard`` is held around every call: the
+    real engine passes a lock (three threads share the table), the simulator nothing."""
+
+    def __init__(
+        self,
+        members: list[Member] | None = None,
+        limit: int = MAX_MEMBERS,
+        guard: AbstractContextManager[Any] | None = None,
+    ) -> None:
+        self._lock = guard if guard is not None else nullcontext()
+        self.limit = limit
+        self._members: dict[int, Member] = {}
+        self._left: dict[int, str] = {}  # id -> why it stopped, as it announced
+        self._forgotten: OrderedDict[int, int] = OrderedDict()  # id -> until of its last life
+        if members:
+            self.merge(members)
+
+    def merge(self, members: list[Member]) -> list[Member]:
+        """Take in announced entries; returns those that added or changed something.
+        ``too_many_members`` (nothing taken) if the table would outgrow its limit."""
+        changed = []
+        with self._lock:
+            fresh = [m for m in members if not self._stale(m)]
+            new = {m.id for m in fresh} - self._members.keys()
+            if len(self._members) + len(new) > self.limit:
+                raise WireError(
+                    "too_many_members",
+                    f"{len(new)} new member(s) would outgrow the table's limit of {self.limit}",
+                )
+            for member in fresh:
+                known = self._members.get(member.id)
+                if known is None or member.newer_than(known):
+                    if known is not None and member.since > known.since:
+                        self._left.pop(member.id, None)  # a new life: it is back
+                    self._forgotten.pop(member.id, None)
+                    self._members[member.id] = member
+                    changed.append(member)
+        return changed
+
+    def _stale(self, member: Member) -> bool:
+        """Whether ``member`` is a life that ended before we forgot it (lock held)."""
+        return member.since < self._forgotten.get(member.id, -1)
+
+    def replace_all(self, members: list[Member]) -> None:
+        """Adopt another peer's table wholesale (rejoining after this peer was dropped)."""
+        with self._lock:
+            self._members = {m.id: m for m in members[: self.limit]}
+            self._left = {i: why for i, why in self._left.items() if i in self._members}
+            for i in self._members:
+                self._forgotten.pop(i, None)
+
+    def forget(self, peer_id: int) -> Member | None:
+        """Remove an ended entry (no heartbeats, no socket for it any more) and keep a
+        tombstone, so a stale table cannot bring that life back; returns the entry."""
+        with self._lock:
+            member = self._members.get(peer_id)
+            if member is None or member.until is None:
+                return None
+            del self._members[peer_id]
+            self._left.pop(peer_id, None)
+            self._forgotten[peer_id] = member.until
+            while len(self._forgotten) > self.limit:
+                self._forgotten.popitem(last=False)
+            return member
+
+    def end(self, peer_id: int, until: int) -> Member | None:
+        """Take ``peer_id`` out of the topology from round ``until``; returns the changed
+        entry, or None if it was already out by then."""
+        with self._lock:
+            known = self._members.get(peer_id)
+            if known is None:
+                return None
+            ended = replace(known, until=max(until, known.since + 1))
+            if not ended.newer_than(known):
+                return None
+            self._members[peer_id] = ended
+            return ended
+
+    def get(self, peer_id: int) -> Member | None:
+        """The member with this id, or None."""
+        with self._lock:
+            return self._members.get(peer_id)
+
+    def by_address(self, address: str) -> Member | None:
+        """The member listening on ``address``, or None."""
+        with self._lock:
+            return next((m for m in self._members.values() if m.address == address), None)
+
+    def active(self, round: int) -> list[int]:
+        """Sorted ids of the members in the topology of ``round`` (one that left without
+        ending yet included: ``gone`` tells)."""
+        with self._lock:
+            return sorted(i for i, m in self._members.items() if m.takes_part(round))
+
+    def mark_left(self, peer_id: int, reason: str = "") -> None:
+        """Record that a peer stopped training (and why, if it said); nobody waits for it."""
+        with self._lock:
+            self._left[peer_id] = reason
+
+    def gone(self, peer_id: int) -> bool:
+        """Whether nobody should wait for the peer: it left, or it was declared dead."""
+        with self._lock:
+            member = self._members.get(peer_id)
+            return peer_id in self._left or (member is not None and member.until is not None)
+
+    def why_left(self, peer_id: int) -> str | None:
+        """The reason a peer gave when it stopped ("" if none), or None if it has not left."""
+        with self._lock:
+            return self._left.get(peer_id)
+
+    def next_id(self) -> int:
+        """The smallest id above every known one."""
+        with self._lock:
+            return max(self._members, default=-1) + 1
+
+    def members(self) -> list[Member]:
+        """All members sorted by id."""
+        with self._lock:
+            return sorted(self._members.values(), key=lambda m: m.id)
+
+    def in_swarm(self) -> list[int]:
+        """Sorted ids of the members not ended (dead or left for good)."""
+        with self._lock:
+            return sorted(i for i, m in self._members.items() if m.until is None)
+
+    def wire(self) -> list[list[Any]]:
+        """The member list as sent on the wire."""
+        return [[m.id, m.address, m.since, m.until, m.key] for m in self.members()]

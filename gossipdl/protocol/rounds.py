@@ -1,0 +1,61 @@
+"""A round as the protocol sees it: the mixing row over the members, the rounds the topology
+changes, and what goes to the averager once the round's messages are in."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from gossipdl.averaging import Arrival, Round
+from gossipdl.protocol.failure import MemberView
+from gossipdl.topologies import Topology, build_topology
+
+MAX_TOPOLOGIES = 16  # topologies kept built, one per member set seen (churn makes new ones)
+
+
+class Topologies:
+    """The swarm's topology over each member set (the ``MAX_TOPOLOGIES`` most recently used
+    are kept built): one graph per set of ids, the same on every peer."""
+
+    def __init__(self, spec: str, seed: int) -> None:
+        self.spec = spec
+        self.seed = seed
+        self._built: OrderedDict[tuple[int, ...], Topology] = OrderedDict()
+
+    def over(self, ids: list[int]) -> Topology:
+        """The topology over the members ``ids`` (sorted)."""
+        key = tuple(ids)
+        topology = self._built.get(key)
+        if topology is None:
+            topology = self._built[key] = build_topology(self.spec, len(ids), self.seed)
+            while len(self._built) > MAX_TOPOLOGIES:
+                self._built.popitem(last=False)
+        self._built.move_to_end(key)
+        return topology
+
+    def mixing(self, ids: list[int], me: int, round: int) -> tuple[dict[int, float], float]:
+        """Neighbour id -> weight, and the self weight, of peer ``me`` in ``round`` among the
+        active members ``ids``; alone (or not a member) it keeps its own model."""
+        if me not in ids or len(ids) == 1:
+            return {}, 1.0
+        index = ids.index(me)
+        row = self.over(ids).weights(index, round)
+        return {ids[p]: w for p, w in row.items() if p != index}, row.get(index, 0.0)
+
+
+def topology_changes(members: Iterable[MemberView], first_round: int) -> set[int]:
+    """Rounds after ``first_round`` at which a member joins or is dropped: everyone resyncs
+    there (CHOCO's public copies must start again from dense ones)."""
+    return {r for m in members for r in (m.since, m.until) if r is not None and r > first_round}
+
+
+def arrivals(
+    rnd: Round, got: Mapping[int, tuple[Any, bool]]
+) -> tuple[dict[int, Arrival], list[int]]:
+    """What came for ``rnd`` as the averager takes it (``got``: id -> (value, dense)), and
+    which neighbours of the round sent nothing."""
+    arrived = {
+        j: Arrival(w, got[j][0], rnd.index, got[j][1]) for j, w in rnd.weights.items() if j in got
+    }
+    return arrived, [j for j in rnd.weights if j not in got]
