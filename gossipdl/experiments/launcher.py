@@ -168,7 +168,7 @@ class Placement:
     host: str | None = None
 
 
-class _StopOnSignal:
+class StopOnSignal:
     """While active (in the main thread): SIGINT and SIGTERM set ``signum`` instead of raising
     at whatever line the launcher is on, so a Ctrl-C always ends in an orderly stop."""
 
@@ -176,7 +176,7 @@ class _StopOnSignal:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> _StopOnSignal:
+    def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._ask)
@@ -352,7 +352,7 @@ def launch(
     started = time.monotonic()
     ended_early = False
     failed: dict[int, int] = {}
-    stop = _StopOnSignal()
+    stop = StopOnSignal()
     with stop, LiveProgress(run, config.steps, console=console, enabled=progress) as display:
         try:
             swarm.start()

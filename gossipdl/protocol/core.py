@@ -1,0 +1,544 @@
+"""One gossip peer as a state machine: events in, actions out, no I/O (h11's way).
+
+The engine says what happened: a message's frames came from a member
+(:meth:`GossipCore.receive`), the local steps of a round are done
+(:meth:`GossipCore.open_round`), time is now t (:meth:`GossipCore.poll`,
+:meth:`GossipCore.tick`). The core answers with :class:`Send` actions (frames the
+real wire encoder made, for a member) and, once a round is over, the model to
+continue from. It never blocks, sleeps, reads a clock or opens a socket, and its
+random generators are seeded from the swarm's seed, so the same events give the
+same answers: the simulator runs thousands of these on a virtual clock.
+
+What it runs: synchronous rounds of any averager (dense gossip, CHOCO,
+broadcast) under the ``always``/``periodic`` trigger, the two-phase rounds of the
+dynamic trigger, gossip learning's walks, CHOCO's resyncs after a lost message or
+a topology change, heartbeats that say which round a member last sent, and death
+sentences announced to the swarm (a member out of the topology a few rounds
+ahead). Joining a running swarm and rejoining stay with the real engine for now.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any
+
+import torch
+
+from gossipdl.averaging import Arrival, Averager, Round
+from gossipdl.averaging.gossip_learning import GossipLearning
+from gossipdl.averaging.triggers import Trigger
+from gossipdl.compression import CodecError, Payload
+from gossipdl.protocol.failure import FailureDetector
+from gossipdl.protocol.kinds import (
+    COMPRESSED_KINDS,
+    LOSSY_KINDS,
+    MAX_ALARMS,
+    MAX_RESYNC_AHEAD,
+    MAX_RESYNCS_PER_SENDER,
+    MAX_WALKS,
+    MODEL_KINDS,
+    PEER_META,
+    RESYNC_LEAD,
+    SYNC_AT,
+    WALK_AGE,
+)
+from gossipdl.protocol.mailbox import Mailbox
+from gossipdl.protocol.membership import Member, MemberTable, parse_members
+from gossipdl.protocol.rounds import Topologies, arrivals, topology_changes
+from gossipdl.transport.wire import Message, WireError, decode, encode, meta_int
+
+ROUND_TIMES_KEPT = 32  # rounds whose end times set the join margin
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``frames`` (header first, as the wire encoder made them) to member ``to``."""
+
+    to: int
+    kind: str
+    frames: list[Any]
+
+
+@dataclass
+class Progress:
+    """What a poll moved: messages to send now, and the model once the round is over."""
+
+    sends: list[Send] = field(default_factory=list)
+    model: torch.Tensor | None = None
+
+
+@dataclass
+class Counters:
+    """What a peer counts for its metrics lines (the real engine's names)."""
+
+    model_messages_sent: int = 0
+    neighbour_misses: int = 0
+    resyncs: int = 0
+    syncs: int = 0
+    declared_dead: int = 0
+    idle_s: float = 0.0
+
+
+class _Phase(Enum):
+    IDLE = "idle"  # training: no round open
+    FIRST = "first"  # waiting for the round's messages
+    ANSWERS = "answers"  # dynamic trigger: waiting for the quiet neighbours' replies
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The swarm's protocol settings (one :class:`~gossipdl.config.Config`'s worth)."""
+
+    topology: str = "ring"
+    round_timeout: float = 10.0
+    heartbeat: float = 1.0
+    dead_after: float = 5.0
+    forget_after: float = 600.0
+    join_margin_rounds: int = 20
+    loss: float = 0.0  # model messages dropped on purpose (an emulated lossy peer)
+    max_message_bytes: int = 1 << 30
+    seed: int = 0
+
+
+class GossipCore:
+    """The protocol of peer ``me`` in a swarm that formed with ``members``."""
+
+    def __init__(
+        self,
+        me: int,
+        members: Sequence[Member],
+        *,
+        averager: Averager,
+        trigger: Trigger,
+        settings: Settings,
+        model: torch.Tensor,
+    ) -> None:
+        self.id = me
+        self.averager = averager
+        self.trigger = trigger
+        self.settings = settings
+        self.codec = averager.codec.spec
+        self.numel = model.numel()
+        self.device = model.device
+        self.membership = MemberTable(list(members))
+        self.topologies = Topologies(settings.topology, settings.seed)
+        self.detector = FailureDetector(
+            settings.heartbeat, settings.dead_after, settings.forget_after
+        )
+        self.counters = Counters()
+        self.dropped: list[WireError] = []  # refused messages, for the engine to count
+        self.notes: list[str] = []  # what a log would say, for the engine to log
+        self.round = 0
+        self._first_round = 0
+        self._sent_round = -1  # the last round whose messages all went out
+        self._inbox = Mailbox(keep_late=averager.accepts_late)
+        self._answers = Mailbox(keep_late=averager.accepts_late)  # dynamic, phase 2
+        self._seq: dict[int, int] = {}  # per-member sequence numbers of what we sent
+        self._last_seq: dict[int, int] = {}  # the last sequence number accepted per sender
+        self._gap = False  # a message was lost: resync
+        self._resync_at: set[int] = set()
+        self._dense_for: dict[int, set[int]] = {}  # round -> who asked for our public copy
+        self._last_ids: tuple[int, ...] | None = None
+        self._alarms: set[int] = set()  # dynamic trigger: rounds the swarm syncs
+        self._final_round: int | None = None
+        self._reference = model.clone()  # dynamic trigger: the model agreed at the last sync
+        self._walks: deque[tuple[torch.Tensor, int]] = deque()
+        self.age = 0  # gossip learning: steps behind the walking model
+        self._round_times: deque[float] = deque(maxlen=ROUND_TIMES_KEPT)
+        self._walk_rng = random.Random(settings.seed * 104729 + me)
+        self._loss_rng = random.Random(settings.seed * 7919 + me)
+        self._phase = _Phase.IDLE
+        self._open: tuple[Round, torch.Tensor, float] | None = None  # round, x, its start
+        self._sync = True  # dynamic trigger: this peer syncs in the open round
+        self._kept: dict[int, Any] = {}  # dynamic: the updates phase 1 brought
+        self._quiet: set[int] = set()  # dynamic: the quiet neighbours phase 2 waits for
+        self._now = 0.0  # the time of the event being handled
+        self.deadline: float | None = None  # when the open wait gives up (a timer to set)
+
+    # ----------------------------------------------------------------- rounds
+    def sync_at_step(self, step: int) -> None:
+        """The round ending by local step ``step`` syncs the whole swarm (the last one)."""
+        last = step // self.trigger.period - 1
+        self._final_round = last
+        if self.trigger.dynamic and last >= self.round:
+            self._alarms.add(last)
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a round is open (the engine polls it instead of training)."""
+        return self._phase is not _Phase.IDLE
+
+    def open_round(self, now: float, x: torch.Tensor) -> list[Send]:
+        """The local steps of a round are done with model ``x``: send what the round sends."""
+        assert self._phase is _Phase.IDLE, "a round is already open"
+        self._now = now
+        t = self.round
+        if self.averager.asynchronous:
+            return self._walk(x, t, now)
+        rnd = self._round_view(t)
+        dense_to = self._dense_destinations(rnd)
+        tag: dict[str, Any] = {}
+        sync = True
+        if self.trigger.dynamic:
+            alarms = self._pending_alarms(x, t)
+            tag = {SYNC_AT: alarms}
+            sync = rnd.resync or bool(dense_to) or t in alarms
+        payload = self.averager.outgoing(x, rnd) if sync else None
+        public = self.averager.public_copy() if dense_to else None
+        sends = []
+        for j in self._live(rnd.weights):
+            if public is not None and j in dense_to:
+                sends += self._send(j, "public", t, public, tag)
+            elif payload is not None:
+                sends += self._send(j, "params", t, payload, tag)
+            else:
+                sends += self._send(j, "quiet", t, None, tag)
+        self._sent_round = t
+        self._open = (rnd, x, now)
+        self._sync = sync
+        self._phase = _Phase.FIRST
+        self.deadline = now + self.settings.round_timeout
+        return sends
+
+    def poll(self, now: float, online: bool = True) -> Progress:
+        """Move the open round on if its messages are in or its wait timed out (``online``:
+        False while this device is away, when it waits for nobody)."""
+        if self._open is None:
+            return Progress()
+        self._now = now
+        rnd, x, _ = self._open
+        if self.averager.asynchronous:
+            return self._end(now, x)
+        first = self._phase is _Phase.FIRST
+        box = self._inbox if first else self._answers
+        expected = set(self._live(rnd.weights if first else self._quiet))
+        if online and not box.complete(rnd.index, expected) and now < (self.deadline or 0.0):
+            return Progress()
+        got = box.take(rnd.index)
+        missed = sorted(j for j in expected if j not in got)
+        self.counters.neighbour_misses += len(missed)
+        if missed:
+            self.notes.append(f"round {rnd.index}: no model from {missed}; averaged without them")
+        if not self.trigger.dynamic:
+            return self._end(now, self._merge(x, rnd, got))
+        if not first:
+            return self._end_dynamic(now, {**self._kept, **got}, took_part=True)
+        synced = {j for j, (value, _) in got.items() if value is not None}
+        self._kept = {j: v for j, v in got.items() if j in synced}
+        if self._sync:  # the quiet neighbours answer with their update next
+            self._quiet = {j for j in got if j not in synced}
+            if not self._quiet:
+                return self._end_dynamic(now, self._kept, took_part=True)
+            self._phase = _Phase.ANSWERS
+            self.deadline = now + self.settings.round_timeout
+            return self.poll(now, online)  # the answers may be in already
+        if not synced:
+            return self._end_dynamic(now, {}, took_part=False)
+        payload = self.averager.outgoing(x, rnd)
+        answer = rnd.weights if self.averager.uses_public_copies else synced
+        tag = {SYNC_AT: sorted(self._alarms)}
+        sends = [
+            s for j in self._live(answer) for s in self._send(j, "reply", rnd.index, payload, tag)
+        ]
+        progress = self._end_dynamic(now, self._kept, took_part=True)
+        progress.sends[:0] = sends
+        return progress
+
+    def _end_dynamic(self, now: float, got: dict[int, Any], took_part: bool) -> Progress:
+        """Merge a dynamic round (``Peer._dynamic_round``): dense gossip gives every silent
+        edge's weight to the peer itself; CHOCO keeps its weights and mixes only if it took
+        part. An edge carries models iff one of its ends synced."""
+        assert self._open is not None
+        rnd, x, _ = self._open
+        if self.averager.uses_public_copies:
+            rnd = replace(rnd, mix=took_part)
+        else:
+            edges = set(rnd.weights) if self._sync else set(got)
+            silent = sum(w for j, w in rnd.weights.items() if j not in edges)
+            rnd = replace(
+                rnd,
+                weights={j: w for j, w in rnd.weights.items() if j in edges},
+                self_weight=rnd.self_weight + silent,
+            )
+        new = self._merge(x, rnd, got)
+        if took_part:
+            self.counters.syncs += 1
+            self._reference = new.clone()
+        return self._end(now, new)
+
+    def _end(self, now: float, new: torch.Tensor) -> Progress:
+        """Close the round: the next one begins; a resync is asked for if one is due."""
+        assert self._open is not None
+        self.counters.idle_s += now - self._open[2]
+        self.round += 1
+        self._inbox.advance(self.round)
+        self._answers.advance(self.round)
+        self._round_times.append(now)
+        self._phase, self._open, self.deadline = _Phase.IDLE, None, None
+        self._kept, self._quiet = {}, set()
+        sends: list[Send] = []
+        if self.averager.uses_public_copies and (self._gap or self.averager.needs_resync):
+            sends = self._request_resync()
+        return Progress(sends, new)
+
+    def _merge(self, x: torch.Tensor, rnd: Round, got: dict[int, Any]) -> torch.Tensor:
+        arrived, missing = arrivals(rnd, got)
+        return self.averager.incoming(x, rnd, arrived, missing, self._late_arrivals())
+
+    def _late_arrivals(self) -> list[tuple[int, Arrival]]:
+        return [
+            (j, Arrival(self._mixing(r)[0].get(j, 0.0), value, r, dense))
+            for box in (self._inbox, self._answers)
+            for j, r, (value, dense) in box.drain_late()
+            if value is not None
+        ]
+
+    def _walk(self, x: torch.Tensor, t: int, now: float) -> list[Send]:
+        """Gossip learning: merge the models that walked in, send ours on to one neighbour;
+        the round is over at once (:meth:`poll` hands the merged model back)."""
+        assert isinstance(self.averager, GossipLearning)
+        while self._walks:
+            value, age = self._walks.popleft()
+            x, self.age = self.averager.merge(x, self.age, value, age)
+        self._open = (Round(t, {}, 1.0), x, now)
+        self._phase = _Phase.FIRST
+        neighbours = self._live(self._mixing(t)[0])
+        if not neighbours:
+            return []
+        payload = self.averager.outgoing(x, Round(t, {}, 1.0))
+        target = self._walk_rng.choice(sorted(neighbours))
+        return self._send(target, "walk", t, payload, {WALK_AGE: self.age})
+
+    def _round_view(self, t: int) -> Round:
+        weights, self_weight = self._mixing(t)
+        resync = False
+        if self.averager.uses_public_copies:
+            ids = tuple(self.membership.active(t))
+            changes = topology_changes(self.membership.members(), self._first_round)
+            self._last_ids = ids
+            resync = t == self._first_round or t in changes or t in self._resync_at
+        return Round(t, weights, self_weight, resync)
+
+    def neighbours(self, round: int | None = None) -> list[int]:
+        """Ids of the neighbours in ``round`` (default: the next round)."""
+        return sorted(self._mixing(self.round if round is None else round)[0])
+
+    def _mixing(self, round: int) -> tuple[dict[int, float], float]:
+        return self.topologies.mixing(self.membership.active(round), self.id, round)
+
+    def _live(self, ids: Any) -> list[int]:
+        return [j for j in ids if not self.membership.gone(j)]
+
+    def _dense_destinations(self, rnd: Round) -> set[int]:
+        if not self.averager.uses_public_copies:
+            return set()
+        due = [r for r in self._dense_for if r <= rnd.index]
+        asked = set().union(*(self._dense_for.pop(r) for r in due))
+        changes = topology_changes(self.membership.members(), self._first_round)
+        if rnd.index == self._first_round or rnd.index in changes:
+            return set(rnd.weights)
+        return asked & set(rnd.weights)
+
+    def _pending_alarms(self, x: torch.Tensor, t: int) -> list[int]:
+        ids = self.membership.active(t)
+        horizon = t + (self.topologies.over(ids).spread_rounds(t) if len(ids) > 1 else 0)
+        covered = any(t <= a <= horizon for a in self._alarms)
+        violated = not covered and self.trigger.violated(x, self._reference)
+        self._alarms = {a for a in self._alarms if a >= t} | ({horizon} if violated else set())
+        return sorted(self._alarms)
+
+    def _request_resync(self) -> list[Send]:
+        target = self.round + RESYNC_LEAD
+        self._gap = False
+        self.averager.needs_resync = False
+        self._resync_at = {r for r in self._resync_at if r >= self.round} | {target}
+        self.counters.resyncs += 1
+        self.notes.append(f"resync with its neighbours at round {target}")
+        sends: list[Send] = []
+        for j in self._mixing(target)[0]:
+            sends += self._send(j, "resync_request", None, None, {"round": target})
+        return sends
+
+    # ----------------------------------------------------------------- time
+    def tick(self, now: float, online: bool = True) -> list[Send]:
+        """Heartbeats due and death sentences at ``now`` (the engine calls it every half
+        heartbeat)."""
+        self._now = now
+        if not online:
+            self.detector.away(now)
+        me = self.membership.get(self.id)
+        life = me.since if me is not None else 0
+        verdicts = self.detector.check(
+            now,
+            self.id,
+            self.membership.members(),
+            self.round,
+            sentence=True,
+            left=lambda j: self.membership.why_left(j) is not None,
+        )
+        sends: list[Send] = []
+        for j, _ in verdicts.forget:
+            self.membership.forget(j)
+            self.detector.forget(j)
+            self._last_seq.pop(j, None)
+        for j in verdicts.heartbeats:
+            meta = {"sent": self._sent_round, "life": life}
+            sends.append(Send(j, "alive", encode("alive", self.id, 0, self.round, meta=meta)))
+        for j, silent in verdicts.dead:
+            sends += self._declare_dead(j, silent)
+        return sends
+
+    def _declare_dead(self, j: int, silent: float) -> list[Send]:
+        until = self.round + self._join_margin()
+        if self.membership.end(j, until) is None:
+            return []
+        self.counters.declared_dead += 1
+        self.notes.append(
+            f"no word from peer {j} for {silent:.1f}s; declared dead, out from round {until}"
+        )
+        return self._announce()
+
+    def _announce(self) -> list[Send]:
+        sends: list[Send] = []
+        for j in self.membership.in_swarm():
+            if j != self.id:
+                sends += self._send(j, "members", None, None, {"members": self.membership.wire()})
+        return sends
+
+    def _join_margin(self) -> int:
+        times = list(self._round_times)
+        if len(times) < 2 or times[-1] <= times[0]:
+            return self.settings.join_margin_rounds
+        rate = (len(times) - 1) / (times[-1] - times[0])
+        return max(self.settings.join_margin_rounds, math.ceil(0.5 * rate))
+
+    # ----------------------------------------------------------------- messages
+    def _send(
+        self, j: int, kind: str, round: int | None, payload: Payload | None, meta: dict[str, Any]
+    ) -> list[Send]:
+        """One message to member ``j`` (none if it is not one); model messages may be dropped
+        on purpose (``loss``), counted like the real engine's ``injected_loss``."""
+        if self.membership.get(j) is None:
+            return []
+        self._seq[j] = self._seq.get(j, 0) + 1
+        if kind in MODEL_KINDS:
+            self.counters.model_messages_sent += 1
+        self.detector.sent(j, self._now)
+        loss = self.settings.loss
+        if kind in LOSSY_KINDS and loss and self._loss_rng.random() < loss:
+            self.dropped.append(WireError("injected_loss", f"{kind} to {j} dropped on purpose"))
+            return []
+        codec = self.codec if kind in COMPRESSED_KINDS else "none"
+        arrays = payload.arrays if payload is not None else ()
+        meta = {**(payload.meta if payload is not None else {}), **meta}
+        frames = encode(
+            kind, self.id, self._seq[j], self.round if round is None else round, arrays, meta, codec
+        )
+        return [Send(j, kind, frames)]
+
+    def receive(self, now: float, frames: Sequence[Any]) -> list[Send]:
+        """A message's frames arrived: decode, check and take it in. A message the protocol
+        refuses raises :class:`WireError` (the engine counts its reason)."""
+        self._now = now
+        msg = decode(frames, self.settings.max_message_bytes)
+        sender = self.membership.get(msg.sender)
+        if sender is None:
+            raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
+        self.detector.heard(msg.sender, now)
+        sends = self._on_message(msg, sender)
+        self._track_seq(msg)
+        return sends
+
+    def _on_message(self, msg: Message, sender: Member) -> list[Send]:
+        if msg.kind in ("params", "public"):
+            dense = msg.kind == "public"
+            self._hear_alarms(msg)
+            self._inbox.put(msg.sender, msg.round, (self._decode(msg, dense, self._inbox), dense))
+        elif msg.kind == "quiet":
+            self._hear_alarms(msg)
+            self._inbox.put(msg.sender, msg.round, (None, False))
+        elif msg.kind == "reply":
+            self._hear_alarms(msg)
+            self._answers.put(
+                msg.sender, msg.round, (self._decode(msg, False, self._answers), False)
+            )
+        elif msg.kind == "walk":
+            age = meta_int(msg.meta, WALK_AGE, "walk age")
+            if len(self._walks) >= MAX_WALKS:
+                raise WireError("too_many_pending", f"{MAX_WALKS} walking models already queued")
+            self._walks.append((self._decode(msg, False), age))
+        elif msg.kind == "alive":
+            sent = meta_int(msg.meta, "sent", "heartbeat round", default=-1, minimum=-1)
+            life = meta_int(msg.meta, "life", "heartbeat life", default=0)
+            if life == sender.since and sender.until is None:
+                self._inbox.sent(msg.sender, sent)
+        elif msg.kind == "resync_request":
+            wanted = meta_int(msg.meta, "round", "resync round", minimum=None)
+            if wanted > self.round + MAX_RESYNC_AHEAD:
+                raise WireError("resync_too_far", f"a resync at round {wanted}")
+            pending = sum(msg.sender in who for who in self._dense_for.values())
+            if pending >= MAX_RESYNCS_PER_SENDER:
+                raise WireError("too_many_pending", f"{pending} resyncs of this sender pending")
+            self._dense_for.setdefault(max(wanted, self.round + 1), set()).add(msg.sender)
+        elif msg.kind == "members":
+            self._hear_table(msg.sender, parse_members(msg.meta.get("members")))
+        else:
+            raise WireError("unexpected", f"a {msg.kind!r} message, which the core does not run")
+        return []
+
+    def _hear_table(self, sender: int, members: list[Member]) -> None:
+        """Merge a member table, unless it comes from a member we dropped or from an earlier
+        life of its sender, or says we are out (the real engine rejoins then)."""
+        theirs = {m.id: m for m in members}
+        known, said = self.membership.get(sender), theirs.get(sender)
+        if known is not None and (said is None or said.since < known.since):
+            return
+        if known is not None and known.until is not None:
+            return
+        me = theirs.get(self.id)
+        if me is not None and me.until is not None:
+            self.notes.append(f"peer {sender} says we were dropped")
+            return
+        for member in self.membership.merge(members):
+            if member.until is None:
+                self._inbox.forget(member.id)
+
+    def _hear_alarms(self, msg: Message) -> None:
+        alarms = msg.meta.get(SYNC_AT, [])
+        if (
+            not isinstance(alarms, list)
+            or len(alarms) > MAX_ALARMS
+            or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in alarms)
+        ):
+            raise WireError("bad_meta", f"sync alarms {alarms!r} are not a short list of rounds")
+        if self.trigger.dynamic:
+            heard = self._alarms.union(a for a in alarms if a >= self.round)
+            self._alarms = set(sorted(heard)[:MAX_ALARMS])
+
+    def _decode(self, msg: Message, dense: bool, box: Mailbox | None = None) -> torch.Tensor:
+        expected = "none" if dense else self.codec
+        if msg.codec != expected:
+            raise WireError("bad_codec", f"codec {msg.codec!r}, this swarm uses {expected!r}")
+        if box is not None:
+            box.admit(msg.sender, msg.round)
+        meta = {k: v for k, v in msg.meta.items() if k not in PEER_META}
+        try:
+            return self.averager.decode(
+                Payload(tuple(msg.arrays), meta), dense, self.numel, self.device
+            )
+        except CodecError as exc:
+            raise WireError("bad_payload", str(exc)) from None
+
+    def _track_seq(self, msg: Message) -> None:
+        if msg.seq <= 0:
+            return
+        last = self._last_seq.get(msg.sender)
+        self._last_seq[msg.sender] = max(msg.seq, last or 0)
+        if last is not None and msg.seq > last + 1:
+            self._gap = True
+            self.notes.append(f"{msg.seq - last - 1} message(s) from peer {msg.sender} were lost")

@@ -1,0 +1,422 @@
+"""The simulated engine: a config's swarm as virtual peers in one process, on virtual time.
+
+Each virtual peer is the protocol core (:class:`~gossipdl.protocol.core.GossipCore`)
+with a real model, optimizer and data shard. Its messages are the real wire
+encoder's frames, carried by :class:`~gossipdl.sim.network.SimNetwork` over the
+peers' device links; a local step takes the profile's ``step_time`` of virtual
+time (without one, the time one step took when measured on this host, times the
+profile's ``slowdown``). The run directory is the real engine's contract
+(``config.toml``, ``peers.json``, ``peers/<id>.jsonl``, ``summary.json``) with
+virtual seconds in ``time`` and the total in ``simulated_time_s``: ``report`` and
+``sweep`` read it unchanged. The same config and seed give byte-identical metrics
+files, apart from fields that name wall-clock time (``unix_time``, ``swarm_start``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import parameters_to_vector
+
+from gossipdl.averaging import build_averager, check_trigger, parse_trigger
+from gossipdl.config import Config, ConfigError, resolved, to_dict, to_toml
+from gossipdl.data import BatchSampler, Dataset, load_dataset
+from gossipdl.models import build_model
+from gossipdl.peers.checkpoint import save_atomic
+from gossipdl.peers.conditions import DeviceProfile, device_of
+from gossipdl.peers.runner import AWAY_POLL_S, evaluate, json_line, lr_at, make_optimizer, shard_for
+from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
+from gossipdl.protocol.membership import Member
+from gossipdl.rundir import RunDir, default_run_dir
+from gossipdl.sim.clock import Scheduler
+from gossipdl.sim.network import SimNetwork
+from gossipdl.transport.wire import WireError
+
+log = logging.getLogger(__name__)
+MEASURED_STEPS = 5  # steps timed on the host when no profile gives a step time
+SIM_MODES = ("gossip",)
+
+
+class SimulationError(ValueError):
+    """A config the simulator cannot run; the message says what to change."""
+
+
+def sim_address(peer_id: int) -> str:
+    """The address a virtual peer has in ``peers.json`` (a name no machine has)."""
+    return f"tcp://peer-{peer_id}.sim:5555"
+
+
+def measure_step_time(config: Config, dataset: Dataset) -> float:
+    """Seconds one local training step of ``config``'s model and batch takes on this host
+    (the fastest of a few, after a warm-up): the step time of a profile without one."""
+    torch.manual_seed(config.seed)
+    model = build_model(
+        config.model, dataset.input_shape, dataset.num_classes, list(config.hidden) or None
+    )
+    optimizer = make_optimizer(config, model)
+    sampler = BatchSampler(dataset.x_train, dataset.y_train, config.batch_size, config.seed)
+    best = float("inf")
+    for _ in range(MEASURED_STEPS + 1):
+        x, y = sampler.next()
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+@dataclass
+class VirtualPeer:
+    """One peer of the simulated swarm: its protocol core and what it trains."""
+
+    id: int
+    core: GossipCore
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    sampler: BatchSampler
+    device: DeviceProfile
+    step_time: float
+    metrics: Any  # the open peers/<id>.jsonl
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    done: bool = False
+    dead: bool = False
+    finished_at: float = 0.0  # virtual time of its last step
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())
+
+
+class Simulation:
+    """The swarm of ``config`` (mode ``gossip``) in ``run``, ready to :meth:`run`."""
+
+    def __init__(self, config: Config, run: RunDir, *, step_time: float | None = None) -> None:
+        if config.mode not in SIM_MODES:
+            raise SimulationError(
+                f"mode {config.mode!r} is not simulated yet; the simulator runs gossip "
+                f"(algorithms dense, choco, broadcast, gossip-learning with any trigger)"
+            )
+        self.config = config
+        self.run_dir = run
+        self.clock = Scheduler()
+        self.network = SimNetwork(self.clock, seed=config.seed)
+        self.dataset = load_dataset(config.dataset)
+        self.x_test = torch.as_tensor(self.dataset.x_test)
+        self.y_test = torch.as_tensor(self.dataset.y_test)
+        self.measured = step_time if step_time is not None else None
+        self.swarm_start = round(time.time(), 3)  # wall clock: names when the run began
+        self.swarm_id = f"{config.seed:08x}{config.peers:08x}"
+        trigger = parse_trigger(config.trigger)
+        settings = Settings(
+            topology=config.topology,
+            round_timeout=config.round_timeout,
+            heartbeat=config.heartbeat,
+            dead_after=config.dead_after,
+            forget_after=config.forget_after,
+            loss=config.loss,
+            max_message_bytes=int(config.max_message_mb * 2**20),
+            seed=config.seed,
+        )
+        members = [Member(i, sim_address(i), 0) for i in range(config.peers)]
+        torch.manual_seed(config.seed)  # every peer starts from the same model
+        template = build_model(
+            config.model,
+            self.dataset.input_shape,
+            self.dataset.num_classes,
+            list(config.hidden) or None,
+        )
+        self.peers: list[VirtualPeer] = []
+        for i in range(config.peers):
+            model = copy.deepcopy(template)
+            averager = build_averager(
+                config.algorithm, config.codec, config.seed, config.gamma or None
+            )
+            check_trigger(trigger, averager)
+            flat = parameters_to_vector(model.parameters()).detach()
+            core = GossipCore(
+                i, members, averager=averager, trigger=trigger, settings=settings, model=flat
+            )
+            core.sync_at_step(config.steps)
+            device = device_of(i, config.peers, config.profiles, config.link, config.slowdown)
+            shard = shard_for(config, self.dataset, i)
+            sampler = BatchSampler(
+                self.dataset.x_train[shard],
+                self.dataset.y_train[shard],
+                config.batch_size,
+                config.seed + 1000 + i,
+            )
+            peer = VirtualPeer(
+                i,
+                core,
+                model,
+                make_optimizer(config, model),
+                sampler,
+                device,
+                self._step_time(device),
+                metrics=None,
+            )
+            self.peers.append(peer)
+            self.network.attach(i, self._handler(peer), device.link)
+
+    def _step_time(self, device: DeviceProfile) -> float:
+        """Virtual seconds of one local step on ``device``."""
+        if device.step_time:
+            return device.step_time
+        if self.measured is None:
+            self.measured = measure_step_time(self.config, self.dataset)
+            log.info("one local step takes %.2f ms on this host", self.measured * 1e3)
+        return self.measured * device.slowdown
+
+    # ----------------------------------------------------------------- events
+    def _handler(self, peer: VirtualPeer) -> Callable[[int, list[bytes]], None]:
+        def deliver(sender: int, frames: list[bytes]) -> None:
+            if peer.dead:
+                return
+            now = self.clock.now
+            try:
+                sends = peer.core.receive(now, frames)
+            except WireError as exc:
+                self.network.stats(peer.id).drop(exc.reason)
+                return
+            self._send(peer, sends)
+            if peer.core.waiting:
+                self._progress(peer, peer.core.poll(now, self.network.online(peer.id)))
+
+        return deliver
+
+    def _send(self, peer: VirtualPeer, sends: list[Send]) -> None:
+        for error in peer.core.dropped:
+            self.network.stats(peer.id).drop(error.reason)
+        peer.core.dropped.clear()
+        for note in peer.core.notes:
+            log.debug("peer %d at %.3fs: %s", peer.id, self.clock.now, note)
+        peer.core.notes.clear()
+        for send in sends:
+            self.network.send(peer.id, send.to, send.frames)
+
+    def _progress(self, peer: VirtualPeer, progress: Progress) -> None:
+        """Carry out a poll's answer: send, and once the round is over take its model."""
+        self._send(peer, progress.sends)
+        if progress.model is not None:
+            _set_params(peer.params, progress.model)
+            self._after_round(peer)
+        elif peer.core.deadline is not None:
+            deadline = peer.core.deadline
+            self.clock.at(deadline, lambda: self._timeout(peer, deadline))
+
+    def _timeout(self, peer: VirtualPeer, deadline: float) -> None:
+        if peer.core.waiting and peer.core.deadline == deadline and not peer.dead:
+            self._progress(peer, peer.core.poll(self.clock.now, self.network.online(peer.id)))
+
+    def _tick(self, peer: VirtualPeer) -> None:
+        """Heartbeats and death sentences every half heartbeat, while the peer runs."""
+        if peer.done or peer.dead:
+            return
+        self._send(peer, peer.core.tick(self.clock.now, self.network.online(peer.id)))
+        self.clock.after(self.config.heartbeat / 2, lambda: self._tick(peer))
+
+    def _step(self, peer: VirtualPeer) -> None:
+        """One local step ends now: the optimizer step, then a round if the trigger says."""
+        if peer.dead:
+            return
+        if not self.network.online(peer.id):  # away (churn): no steps, no traffic
+            self._record(peer)
+            self.clock.after(AWAY_POLL_S, lambda: self._step(peer))
+            return
+        for group in peer.optimizer.param_groups:
+            group["lr"] = lr_at(self.config, peer.steps)
+        x, y = peer.sampler.next()
+        peer.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(peer.model(x), y)
+        loss.backward()
+        peer.optimizer.step()
+        peer.losses.append(loss.item())
+        peer.steps += 1
+        if peer.core.trigger.ends_round(peer.steps):
+            flat = parameters_to_vector(peer.model.parameters()).detach()
+            sends = peer.core.open_round(self.clock.now, flat)
+            self._send(peer, sends)
+            self._progress(peer, peer.core.poll(self.clock.now, self.network.online(peer.id)))
+        else:
+            self._after_round(peer)
+
+    def _after_round(self, peer: VirtualPeer) -> None:
+        """Metrics due at this step, then the next step (or the end)."""
+        config = self.config
+        if peer.steps >= config.steps:
+            self._finish(peer)
+            return
+        due = config.eval_every and peer.steps % config.eval_every == 0
+        if due:
+            accuracy, test_loss = evaluate(peer.model, self.x_test, self.y_test)
+            self._record(peer, accuracy=round(accuracy, 6), test_loss=round(test_loss, 6))
+        elif peer.steps % config.log_every == 0:
+            self._record(peer)
+        self.clock.after(peer.step_time, lambda: self._step(peer))
+
+    def _finish(self, peer: VirtualPeer) -> None:
+        accuracy, test_loss = evaluate(peer.model, self.x_test, self.y_test)
+        save_atomic(peer.model.state_dict(), self.run_dir.model(peer.id))
+        self._record(
+            peer,
+            accuracy=round(accuracy, 6),
+            test_loss=round(test_loss, 6),
+            final=True,
+            stopped_early=peer.steps < self.config.steps,
+            device="sim",
+        )
+        peer.done, peer.finished_at = True, self.clock.now
+
+    def _record(self, peer: VirtualPeer, **extra: Any) -> None:
+        """One metrics line, with the real runner's keys."""
+        stats = self.network.stats(peer.id).snapshot()
+        dropped = Counter(stats.pop("messages_dropped"))
+        counters = peer.core.counters
+        now = self.clock.now
+        line = {
+            "peer": peer.id,
+            "step": peer.steps,
+            "time": round(now, 4),
+            "unix_time": round(self.swarm_start + now, 3),
+            "loss": round(float(np.mean(peer.losses)), 6) if peer.losses else None,
+            **stats,
+            "model_messages_sent": counters.model_messages_sent,
+            "syncs": counters.syncs if peer.core.trigger.dynamic else peer.core.round,
+            "neighbour_misses": counters.neighbour_misses,
+            "resyncs": counters.resyncs,
+            "idle_s": round(counters.idle_s, 4),
+            "members": len(peer.core.membership.in_swarm()),
+            "declared_dead": counters.declared_dead,
+            "rejoins": 0,
+            "online": self.network.online(peer.id),
+            "sockets": len(peer.core.membership.in_swarm()) - 1,
+            "messages_dropped": sum(dropped.values()),
+            "dropped_reasons": dict(sorted(dropped.items())),
+            **extra,
+        }
+        peer.metrics.write(json_line(line))
+        peer.losses.clear()
+
+    # ----------------------------------------------------------------- faults
+    def kill(self, peer_id: int) -> None:
+        """Peer ``peer_id`` dies now (kill -9): no more steps, messages, heartbeats; what is
+        on its way to it is dropped as ``dead``."""
+        peer = self.peers[peer_id]
+        peer.dead = True
+        self.network.kill(peer_id)
+
+    # ----------------------------------------------------------------- the run
+    @staticmethod
+    def _later(event: Callable[[VirtualPeer], None], peer: VirtualPeer) -> Callable[[], None]:
+        return lambda: event(peer)
+
+    def run(
+        self,
+        on_progress: Callable[[int, float], None] | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> float:
+        """Run every peer to ``steps`` (or until ``should_stop()``); returns the simulated
+        seconds it took. ``on_progress(steps done by all peers, simulated time)`` is called
+        as it goes."""
+        config = self.config
+        self.run_dir.write_members((p.id, sim_address(p.id)) for p in self.peers)
+        try:
+            for peer in self.peers:
+                peer.metrics = self.run_dir.metrics(peer.id).open("w", buffering=1)
+                accuracy, test_loss = evaluate(peer.model, self.x_test, self.y_test)
+                self._record(
+                    peer,
+                    accuracy=round(accuracy, 6),
+                    test_loss=round(test_loss, 6),
+                    start=True,
+                    swarm=self.swarm_id,
+                    swarm_start=self.swarm_start,
+                )
+                self.network.start_link(peer.id)
+                self.clock.after(peer.step_time, self._later(self._step, peer))
+                self.clock.after(config.heartbeat / 2, self._later(self._tick, peer))
+            while not all(p.done or p.dead for p in self.peers) and not should_stop():
+                if self.clock.run(max_events=2000) == 0:
+                    stuck = [p.id for p in self.peers if not (p.done or p.dead)]
+                    raise SimulationError(f"peers {stuck} wait for events that never come")
+                if on_progress is not None:
+                    on_progress(sum(p.steps for p in self.peers), self.clock.now)
+        finally:
+            for peer in self.peers:
+                if peer.metrics is not None:
+                    peer.metrics.close()
+        return max(p.finished_at for p in self.peers) if self.finished else self.clock.now
+
+    @property
+    def finished(self) -> bool:
+        """Whether every peer ran to its last step (or died)."""
+        return all(p.done or p.dead for p in self.peers)
+
+
+def _set_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy ``flat`` into the parameters."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+
+
+def simulate(
+    config: Config,
+    *,
+    step_time: float | None = None,
+    on_progress: Callable[[int, float], None] | None = None,
+) -> dict[str, Any]:
+    """Simulate ``config``'s swarm into its run directory and summarise it: the summary of
+    ``gossipdl run``, plus ``engine`` "sim", ``simulated_time_s`` and ``host_time_s``."""
+    from gossipdl.experiments.launcher import Interrupted, StopOnSignal
+    from gossipdl.experiments.summary import summarize
+    from gossipdl.rundir import write_json_atomic
+
+    run = RunDir(config.out or default_run_dir())
+    if run.peer_ids() or run.summary.exists():
+        raise ConfigError(
+            f"{run.root} already holds a run (its metrics would be mixed with the new ones); "
+            "choose another --out or delete it"
+        )
+    run.create()
+    config = resolved(config.replace(out=str(run.root)))
+    run.config.write_text(to_toml(config))
+    started = time.perf_counter()
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the same sums in the same order every run
+    try:
+        with StopOnSignal() as stop:
+            simulation = Simulation(config, run, step_time=step_time)
+            simulated = simulation.run(on_progress, lambda: stop.signum is not None)
+    finally:
+        torch.set_num_threads(torch_threads)
+    summary = summarize(run)
+    summary.update(
+        engine="sim",
+        simulated_time_s=round(simulated, 4),
+        host_time_s=round(time.perf_counter() - started, 3),
+        step_time_s=simulation.measured,
+        network=dict(sorted(simulation.network.ledger.items())),
+    )
+    summary["config"] = to_dict(config)
+    write_json_atomic(run.summary, summary)
+    if stop.signum is not None:
+        log.warning(
+            "interrupted: the simulation stopped early; %s holds what it measured", run.root
+        )
+        raise Interrupted(stop.signum)
+    return summary

@@ -1,0 +1,139 @@
+"""The simulated engine: the real protocol core, encoder and codecs on virtual time."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import gossipdl_cmd, small_config
+
+from gossipdl.config import Config, load_config
+from gossipdl.rundir import RunDir
+from gossipdl.sim.engine import SimulationError, simulate
+
+WALL_CLOCK = re.compile(rb'"(unix_time|swarm_start)":[0-9.e+-]+')  # the fields that may differ
+
+
+def lossy_swarm(tmp_path: Path, out: str, link_loss: float = 0.05, **changes: Any) -> Config:
+    """Six CHOCO peers on slow, lossy, jittery links: every random draw matters."""
+    profile = {"peers": "*", "up": "2mbit", "down": "4mbit", "latency": "20ms",
+               "jitter": "5ms", "loss": link_loss, "step_time": "100ms"}  # fmt: skip
+    values: dict[str, Any] = {
+        "peers": 6,
+        "codec": "topk:0.05",
+        "steps": 40,
+        "eval_every": 20,
+        "log_every": 5,
+        "profiles": {"edge": profile},
+        "out": str(tmp_path / out),
+        **changes,
+    }
+    return small_config(tmp_path, **values)
+
+
+def files(run: Path) -> dict[str, bytes]:
+    """Every metrics file and the summary, wall-clock fields masked."""
+    found = {p.name: p.read_bytes() for p in sorted((run / "peers").glob("*.jsonl"))}
+    summary = json.loads((run / "summary.json").read_text())
+    for key in ("provenance", "host_time_s", "step_time_s"):
+        summary.pop(key)
+    summary["config"].pop("out")
+    found["summary.json"] = json.dumps(summary, sort_keys=True).encode()
+    return {name: WALL_CLOCK.sub(rb'"\1":0', data) for name, data in found.items()}
+
+
+def test_the_same_config_and_seed_give_byte_identical_files(tmp_path: Path) -> None:
+    first = simulate(lossy_swarm(tmp_path, "a"))
+    again = simulate(lossy_swarm(tmp_path, "b"))
+    assert files(tmp_path / "a") == files(tmp_path / "b")
+    assert first["network"]["link_loss"] > 0 and first["peers_finished"] == 6
+    other = simulate(lossy_swarm(tmp_path, "c", seed=1))
+    assert files(tmp_path / "c") != files(tmp_path / "a"), "the seed changes nothing"
+    assert again["simulated_time_s"] == first["simulated_time_s"] != other["simulated_time_s"]
+
+
+def test_links_and_step_time_set_the_simulated_time(tmp_path: Path) -> None:
+    """40 steps of 100 ms, each round waiting on 20 ms links: about 4.8 s, never less than
+    the compute alone; the lines say the same in ``time``."""
+    summary = simulate(lossy_swarm(tmp_path, "run", profiles={}), step_time=0.1)
+    assert summary["simulated_time_s"] == pytest.approx(4.0, abs=1e-6)  # no link: compute only
+    slow = simulate(lossy_swarm(tmp_path, "slow", link_loss=0.0))
+    assert 4.4 < slow["simulated_time_s"] < 8.0
+    last = (tmp_path / "slow" / "peers" / "0.jsonl").read_text().splitlines()[-1]
+    assert json.loads(last)["time"] == pytest.approx(slow["simulated_time_s"], abs=0.05)
+    assert slow["peers"][0]["idle_s"] > 0.3
+
+
+def test_bytes_and_accuracy_match_a_real_run_of_the_same_config(tmp_path: Path) -> None:
+    """The quick start's kind of swarm, real processes against virtual peers: the same
+    model messages, the same payload bytes (the real run adds start-up and heartbeat
+    messages), the same accuracy to within a point."""
+    config = small_config(tmp_path, peers=4, steps=60, log_every=20)
+    real = tmp_path / "real"
+    done = subprocess.run(
+        gossipdl_cmd("run", str(_toml(tmp_path, config)), "--out", str(real), "--no-progress"),
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    sim = simulate(config.replace(out=str(tmp_path / "sim")), step_time=0.01)
+    real_summary = json.loads((real / "summary.json").read_text())
+    assert sim["total_messages_sent"] == real_summary["total_messages_sent"]
+    assert abs(sim["mean_accuracy"] - real_summary["mean_accuracy"]) <= 0.01
+    ratio = sim["total_bytes_sent"] / real_summary["total_bytes_sent"]
+    assert 0.97 < ratio <= 1.0
+
+
+def _toml(tmp_path: Path, config: Config) -> Path:
+    from gossipdl.config import to_toml
+
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(config))
+    return path
+
+
+def test_a_dead_peer_is_declared_dead_and_the_ring_goes_on(tmp_path: Path) -> None:
+    """Peer 2 stops for good at 1 s: its neighbours time out, declare it dead after
+    dead_after, announce it, and the ring closes over the gap (CHOCO resyncs there)."""
+    from gossipdl.sim.engine import Simulation
+
+    config = lossy_swarm(tmp_path, "run", profiles={}, codec="topk:0.1", steps=60,
+                         dead_after=1.0, heartbeat=0.25, round_timeout=0.5)  # fmt: skip
+    run = RunDir(config.out).create()
+    sim = Simulation(config, run, step_time=0.05)
+    sim.clock.at(1.0, lambda: sim.kill(2))
+    sim.run()
+    lines = {i: [json.loads(x) for x in run.metrics(i).read_text().splitlines()] for i in range(6)}
+    assert lines[2][-1]["step"] < 30 and not lines[2][-1].get("final")
+    for i in (0, 1, 3, 4, 5):
+        assert lines[i][-1]["final"] and lines[i][-1]["members"] == 5
+    assert lines[1][-1]["declared_dead"] + lines[3][-1]["declared_dead"] >= 1
+    assert sim.peers[1].core.neighbours() == [0, 3]  # the ring closed over the gap
+    assert sim.network.balanced()
+
+
+def test_what_the_simulator_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(SimulationError, match="mode 'ring' is not simulated"):
+        simulate(small_config(tmp_path, mode="ring"))
+
+
+def test_gossipdl_simulate_writes_a_run_directory_report_reads(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    done = subprocess.run(
+        gossipdl_cmd("simulate", "--peers", "5", "--steps", "30", "--dataset", "synthetic",
+                     "--model", "logistic", "--eval-every", "10", "--step-time", "50ms",
+                     "--out", str(out), "--no-progress"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "simulated 1.5 s of swarm time" in done.stderr
+    assert load_config(out / "config.toml").peers == 5
+    members = json.loads((out / "peers.json").read_text())
+    assert members[0]["address"] == "tcp://peer-0.sim:5555"
+    report = subprocess.run(gossipdl_cmd("report", str(out)), capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    assert (out / "report" / "accuracy.png").is_file()
