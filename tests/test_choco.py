@@ -82,11 +82,11 @@ def test_a_lost_message_is_detected_and_repaired_by_a_dense_resync() -> None:
         run_rounds(peers, 5)
         assert consistent(peers, "complete")
         lossy = next(p for p in peers if p.id == 0)
-        lossy._loss = 1.0  # drop everything peer 0 sends for one round, on purpose
+        lossy.core.loss = 1.0  # drop everything peer 0 sends for one round, on purpose
 
         def restore(peer: Peer) -> None:
             if peer is lossy and peer.round == 6:
-                peer._loss = 0.0
+                peer.core.loss = 0.0
 
         run_rounds(peers, 2, before=restore)
         assert lossy.stats()["messages_dropped"]["injected_loss"] == 2

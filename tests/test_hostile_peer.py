@@ -32,7 +32,8 @@ from gossipdl import Peer
 from gossipdl.config import ConfigError
 from gossipdl.coordinator.server import ShardServer, serve
 from gossipdl.peers.membership import parse_members
-from gossipdl.peers.peer import MAX_ANSWER_RATE, MAX_RESYNCS_PER_SENDER, PeerError
+from gossipdl.peers.peer import MAX_ANSWER_RATE, PeerError
+from gossipdl.protocol.kinds import MAX_RESYNCS_PER_SENDER
 from gossipdl.transport import Transport, encode
 from gossipdl.transport.asked import NONCE
 from gossipdl.trust import RemoteCodeError, config_from_peer

@@ -17,7 +17,7 @@ from gossipdl.averaging import TriggerError, age_weighted_merge, parse_trigger
 from gossipdl.config import ConfigError
 from gossipdl.experiments.launcher import launch
 from gossipdl.peers.conditions import Drift, parse_drift, parse_slowdown
-from gossipdl.peers.inbox import Inbox
+from gossipdl.protocol.mailbox import Mailbox
 from gossipdl.rundir import RunDir
 
 # ----------------------------------------------------------------- pure parts
@@ -85,16 +85,18 @@ def test_config_refuses_combinations_that_cannot_work() -> None:
         small_config(Path("."), algorithm="gossip-learning", trigger="dynamic:1")
 
 
-def test_inbox_keeps_an_update_that_comes_after_its_round_stopped_waiting() -> None:
-    inbox = Inbox(keep_late=True)
-    assert inbox.wait(0, lambda: {1, 2}, timeout=0.05) == {}
-    inbox.put(1, 0, "q1")  # round 0 is still open, but nobody waits for it any more
-    inbox.advance(1)
-    assert inbox.drain_late() == [(1, 0, "q1")]
-    inbox.put(2, 1, "q2")
-    assert inbox.wait(1, lambda: {2}, timeout=1) == {2: "q2"}
-    inbox.advance(2)
-    assert inbox.drain_late() == []  # what was handed out is not handed out twice
+def test_the_mailbox_keeps_an_update_that_comes_after_its_round_stopped_waiting() -> None:
+    box = Mailbox(keep_late=True)
+    assert not box.complete(0, {1, 2}) and box.take(0) == {}  # the round gave up waiting
+    box.put(1, 0, "q1")  # round 0 is still open, but nobody waits for it any more
+    box.advance(1)
+    assert box.drain_late() == [(1, 0, "q1")]
+    box.put(2, 1, "q2")
+    assert box.complete(1, {2}) and box.take(1) == {2: "q2"}
+    box.advance(2)
+    assert box.drain_late() == []  # what was handed out is not handed out twice
+    box.sent(3, 2)  # peer 3 says it sent round 2: what did not come was lost
+    assert box.complete(2, {3})
 
 
 # ----------------------------------------------------------------- peers in this process

@@ -11,24 +11,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import random
 import re
 import secrets
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from gossipdl.averaging import Arrival, Round, build_averager
+from gossipdl.averaging import build_averager
 from gossipdl.averaging.base import dense_payload
-from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.averaging.triggers import check_trigger, parse_trigger
-from gossipdl.compression import CodecError, Payload
+from gossipdl.compression import Payload
 from gossipdl.coordinator.ring import (
     RING_CHECKS_FINITE,
     RING_SEND_HWM,
@@ -36,23 +33,8 @@ from gossipdl.coordinator.ring import (
     check_ring_codec,
 )
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
-from gossipdl.peers.inbox import Inbox
 from gossipdl.peers.membership import MAX_ID, MAX_MEMBERS, Member, Membership, parse_members
-from gossipdl.protocol.failure import FailureDetector
-from gossipdl.protocol.kinds import (
-    COMPRESSED_KINDS,
-    LOSSY_KINDS,
-    MAX_ALARMS,
-    MAX_RESYNC_AHEAD,
-    MAX_RESYNCS_PER_SENDER,
-    MAX_WALKS,
-    MODEL_KINDS,
-    PEER_META,
-    RESYNC_LEAD,
-    SYNC_AT,
-    WALK_AGE,
-)
-from gossipdl.protocol.rounds import Topologies, arrivals, topology_changes
+from gossipdl.protocol.core import CORE_KINDS, GossipCore, Send, Settings
 from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.addresses import check_address
 from gossipdl.transport.asked import NONCE, Asked, echoed_nonce
@@ -95,6 +77,16 @@ def outranks(side: set[int], other: set[int]) -> bool:
     if not other:
         return True
     return (len(side), -min(side)) > (len(other), -min(other))
+
+
+def _counted(name: str) -> property:
+    """A read-only Peer attribute that is the protocol core's counter ``name``."""
+
+    def read(peer: Peer) -> Any:
+        with peer._core:
+            return getattr(peer.core.counters, name)
+
+    return property(read, doc=f"The protocol core's count of {name.replace('_', ' ')}.")
 
 
 class Peer:
@@ -242,33 +234,46 @@ class Peer:
         self._ring_lock = threading.Lock()
         self.reduces_gradients = ring and optimizer is not None and self.trigger.period == 1
         self.seed = seed
-        self.round_timeout = round_timeout
         self.startup_timeout = startup_timeout
-        self.join_margin_rounds = join_margin_rounds
-        self.heartbeat = heartbeat
-        self.dead_after = dead_after
-        self.forget_after = forget_after
         self.connect_wait = connect_wait
         self.curve = curve
         self._key = curve.public if curve is not None else ""
         self.swarm_config = swarm_config or {}
         self._on_members = on_members
-        self._loss = loss
         # Who owns what. Four threads touch a peer: training (step, gossip, forming), receive
         # (the transport's, running _on_message), watch (heartbeats, deaths) and send (the
-        # transport's, owning the sockets). Each field below is either owned by one thread,
-        # guarded by the lock named next to it, or an object with a lock of its own
-        # (Membership, Inbox, Asked, the transport's stats). Ints and references other
-        # threads only read (round, id, started, _sent_round, _published) are written whole
-        # by their owner; a reader sees the old or the new value, never a mix.
+        # transport's, owning the sockets). The protocol core (rounds, mailboxes, resyncs,
+        # failure detection, sequence numbers, counters) is guarded by ``_core``, a condition
+        # that also wakes a round waiting for messages. Every other field is owned by one
+        # thread, guarded by the lock named next to it, or an object with a lock of its own
+        # (Membership, Asked, the transport's stats). References other threads only read
+        # (started, _published) are written whole by their owner.
         self.membership = Membership(limit=max_members)  # own lock
-        self._inbox = Inbox(keep_late=self.averager.accepts_late)  # own lock
-        self._answers = Inbox(keep_late=self.averager.accepts_late)  # own lock; dynamic, phase 2
         self._asked = Asked()  # own lock: nonces of our requests and their answers
+        self._core = threading.Condition(threading.RLock())
+        settings = Settings(
+            topology=self.topology_spec,
+            round_timeout=round_timeout,
+            heartbeat=heartbeat,
+            dead_after=dead_after,
+            forget_after=forget_after,
+            join_margin_rounds=join_margin_rounds,
+            loss=loss,
+            max_message_bytes=max_message_bytes,
+            seed=seed,
+        )
+        self.core = GossipCore(
+            -1,
+            self.membership,
+            averager=self.averager,
+            trigger=self.trigger,
+            settings=settings,
+            model=self._flat(),
+            stream=rank or 0,
+        )
         # -- written by the training thread (others read) --
-        self.id = -1
-        self.round = 0
         self.steps = resume_step or 0
+        self.core.age = self.steps
         self.started = False
         # The swarm's identity and clock: a founder's, which a welcome hands on (a fixed
         # address list names its swarm by the list). Run directories of one swarm written on
@@ -279,51 +284,23 @@ class Peer:
             else secrets.token_hex(8)
         )
         self.swarm_start = time.time() if swarm_start is None else swarm_start
-        self._final_round: int | None = None  # the last round training runs (sync_at_step)
-        self._sent_round = -1  # the last round whose messages all went out (heartbeats say it)
         # -- training thread only --
-        self._first_round = 0
         self._first_wait = 0.0
-        self.syncs = 0
-        self.age = self.steps
-        self.neighbour_misses = 0
-        self.idle_s = 0.0
-        self.resyncs = 0
         self.rejoins = 0
         self._wanted_id = rank  # the id asked for (None: any); asked again if ours goes to another
         self._resuming = resume_step is not None
-        self._resync_at: set[int] = set()
-        self._last_ids: tuple[int, ...] | None = None
-        self._topologies = Topologies(self.topology_spec, seed)
-        self._walk_rng = random.Random(seed * 104729 + (rank or 0))
-        self._loss_rng = random.Random(seed * 7919 + (rank or 0))
-        self._round_times: deque[float] = deque(maxlen=32)  # read by others as a copy
-        self._reference = self._flat()  # dynamic trigger: the model agreed at the last sync
         # (round, model at its start): what a model request gets, a tensor nobody writes to
-        self._published: tuple[int, torch.Tensor] = (0, self._reference.clone())
+        self._published: tuple[int, torch.Tensor] = (0, self.core.reference.clone())
         # -- receive thread only --
         self._answer_budget = RateLimiter(MAX_ANSWER_RATE)
-        self._walks: deque[tuple[torch.Tensor, int]] = deque()  # deque: thread-safe handoff
-        # -- watch thread only --
-        self.declared_dead = 0
         # -- guarded by _lock (written by several threads) --
         self._lock = threading.Lock()
-        self._detector = FailureDetector(heartbeat, dead_after, forget_after)  # heard, sent
-        self._last_seq: dict[int, int] = {}  # id -> the last sequence number accepted from it
-        self._gap = False  # a message was lost: resync (set by receive, taken by training)
         self._early: deque[tuple[float, Message]] = deque()  # tables from senders not known yet
         # -- handoffs: set once by the receive thread, acted on by the training thread --
         self._rejoin_via: str | None = None  # a live member that says we were dropped; set
         #                                      only while None, cleared once the rejoin is done
         self._failure: BaseException | None = None  # why the receive thread stopped: stop too
         # -- guarded by the lock next to them --
-        self._seq: Counter[int] = Counter()  # _seq_lock, with model_messages_sent
-        self._seq_lock = threading.Lock()
-        self.model_messages_sent = 0
-        self._dense_for: dict[int, set[int]] = {}  # _dense_lock: round -> who asked a resync
-        self._dense_lock = threading.Lock()
-        self._alarms: set[int] = set()  # _alarm_lock: dynamic trigger, rounds the swarm syncs
-        self._alarm_lock = threading.Lock()
         self._ready_from: set[int] = set()  # _changed, which also wakes waits on the table
         self._changed = threading.Condition()
         self._closed = False
@@ -374,7 +351,8 @@ class Peer:
         if self.optimizer is not None:
             self.optimizer.step()
         self.steps += 1
-        self.age += 1
+        with self._core:
+            self.core.age += 1
         if self.trigger.ends_round(self.steps):
             self.gossip()
 
@@ -383,11 +361,8 @@ class Peer:
         trigger; other triggers sync every round anyway). Every peer must ask for the same
         step: the runner asks for the last one, so a swarm ends on an agreed model. A join
         that would start after that round is refused: the newcomer would train no step."""
-        last = step // self.trigger.period - 1
-        self._final_round = last
-        if self.trigger.dynamic and last >= self.round:
-            with self._alarm_lock:
-                self._alarms.add(last)
+        with self._core:
+            self.core.sync_at_step(step)
 
     @torch.no_grad()
     def gossip(self) -> None:
@@ -400,21 +375,54 @@ class Peer:
         t = self.round
         if not self.reduces_gradients:  # gradients were averaged before the local step
             x = self._flat()
-            if self.ring:
-                new = self._ring_round(x)
-            elif self.averager.asynchronous:
-                new = self._walk_round(x, t)
-            else:
-                round_ = self._dynamic_round if self.trigger.dynamic else self._sync_round
-                new = round_(x, self._round(t))
+            new = self._ring_round(x) if self.ring else self._core_round(x)
             self._set_params(new)
             self._published = (t + 1, new)  # what a model request gets from now on
-        self.round = t + 1
-        self._inbox.advance(self.round)
-        self._answers.advance(self.round)
-        self._round_times.append(time.monotonic())
-        if self.averager.uses_public_copies and (self._gap or self.averager.needs_resync):
-            self._request_resync()
+        if self.ring:
+            with self._core:
+                self.core.advance(time.monotonic())
+
+    def _core_round(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the protocol core's round with model ``x``: send, wait for the messages it
+        needs (woken by each arrival, up to its deadline), send what it asks, merge."""
+        first_wait, self._first_wait = self._first_wait, 0.0
+        with self._core:
+            sends = self.core.open_round(time.monotonic(), x, timeout=first_wait or None)
+        self._carry_out(sends)
+        while True:
+            with self._core:
+                progress = self.core.poll(time.monotonic(), online=not self._away())
+                if progress.model is None and not progress.sends:
+                    deadline = self.core.deadline or time.monotonic()
+                    self._core.wait(max(0.0, min(0.5, deadline - time.monotonic())))
+                    continue
+            self._carry_out(progress.sends)
+            if progress.model is not None:
+                self._check_failure()
+                return progress.model
+
+    def _away(self) -> bool:
+        """Whether this peer waits for nobody: it must rejoin, is offline or broke."""
+        return (
+            self._rejoin_via is not None
+            or self._lost_id()
+            or not self.transport.online
+            or self._failure is not None
+        )
+
+    def _carry_out(self, sends: list[Send]) -> None:
+        """Send what the core asked for; count what it dropped and log what it noted."""
+        with self._core:
+            dropped, self.core.dropped = self.core.dropped, []
+            notes, self.core.notes = self.core.notes, []
+        for error in dropped:
+            self.transport.stats.drop(error.reason)
+        for note in notes:
+            log.info("peer %d: %s", self.id, note)
+        for send in sends:
+            member = self.membership.get(send.to)
+            if member is not None:
+                self.transport.send(member.address, send.frames)
 
     def _allreduce_gradients(self) -> None:
         """Replace every gradient by its mean over the ring (a missing one counts as zero)."""
@@ -429,8 +437,10 @@ class Peer:
         reducer = self._reducer()
         if isinstance(reducer, RingAllReduce):
             return reducer.allreduce_mean_(x)
-        self._reference += reducer.allreduce_mean_(x - self._reference)
-        return self._reference.clone()
+        with self._core:
+            reference = self.core.reference
+        reference += reducer.allreduce_mean_(x - reference)
+        return reference.clone()
 
     def _reducer(self) -> RingAllReduce | LowRankAllReduce:
         """The ring over the members the swarm formed with (built once, by either thread),
@@ -446,7 +456,7 @@ class Peer:
                         numel,
                         self._send_chunk,
                         codec="fp16" if self.codec == "fp16" else "none",
-                        timeout=self.round_timeout,
+                        timeout=self.core.settings.round_timeout,
                         gone=self.membership.why_left,
                     )
 
@@ -464,202 +474,58 @@ class Peer:
         member = self.membership.get(peer_id)
         if member is None:
             raise PeerError(f"peer {self.id}: peer {peer_id} is not a member")
-        self.model_messages_sent += 1
+        with self._core:
+            self.core.counters.model_messages_sent += 1
         self.transport.send(member.address, frames)
-
-    def _sync_round(self, x: torch.Tensor, rnd: Round) -> torch.Tensor:
-        """Send to every neighbour, wait for every neighbour (up to the timeout), merge."""
-        payload = self.averager.outgoing(x, rnd)
-        dense_to = self._dense_destinations(rnd)
-        public = self.averager.public_copy() if dense_to else None
-        for j in self._live(rnd.weights):
-            if public is not None and j in dense_to:
-                self._send(j, "public", round=rnd.index, payload=public)
-            else:
-                self._send(j, "params", round=rnd.index, payload=payload)
-        self._sent_round = rnd.index
-        got = self._wait(self._inbox, rnd.index, set(rnd.weights), first=True)
-        return self._merge_round(x, rnd, got)
-
-    def _dynamic_round(self, x: torch.Tensor, rnd: Round) -> torch.Tensor:
-        """A round of the dynamic trigger (Kamp et al. 2018).
-
-        A peer whose local condition fails raises an alarm: a sync of the whole
-        swarm ``spread`` rounds ahead, the rounds its news needs to reach every
-        peer (:meth:`Topology.spread_rounds`; 1 on a complete graph, the
-        diameter on a static one). Every message of a round carries the alarms
-        its sender knows, so all peers sync in the same round: every edge
-        carries models, as in a periodic round (on a complete graph the exact
-        average of Kamp et al.'s full sync), and every reference moves to the
-        result. In the other rounds peers send a ``quiet`` vote of a few bytes.
-
-        A round can also sync for some peers only (a resync, or an alarm heard
-        too late), in two phases:
-
-        1. A syncing peer sends its update to every neighbour, the others a vote.
-        2. A quiet peer with a syncing neighbour answers with its own update:
-           CHOCO to every neighbour (all must see each change of its public
-           copy; one that is not waiting adds it as a late update), dense
-           gossip only to the neighbours that synced.
-
-        An edge carries models iff one of its ends synced. Dense gossip gives
-        the weight of every silent edge to the peer itself, so the mixing
-        matrix stays symmetric and doubly stochastic; CHOCO keeps its full
-        weights (its s tracks every public copy) and takes a consensus step
-        only when it took part. Peers that took part move their reference to
-        the result.
-        """
-        alarms = self._pending_alarms(x, rnd.index)
-        tag = {SYNC_AT: alarms}
-        dense_to = self._dense_destinations(rnd)
-        sync = rnd.resync or bool(dense_to) or rnd.index in alarms
-        payload = self.averager.outgoing(x, rnd) if sync else None
-        public = self.averager.public_copy() if dense_to else None
-        for j in self._live(rnd.weights):
-            if public is not None and j in dense_to:
-                self._send(j, "public", round=rnd.index, payload=public, meta=tag)
-            elif payload is not None:
-                self._send(j, "params", round=rnd.index, payload=payload, meta=tag)
-            else:
-                self._send(j, "quiet", round=rnd.index, meta=tag)
-        self._sent_round = rnd.index
-        got = self._wait(self._inbox, rnd.index, set(rnd.weights), first=True)
-        synced = {j for j, (value, _) in got.items() if value is not None}
-        if sync:
-            quiet = {j for j in got if j not in synced}
-            got = {j: v for j, v in got.items() if j in synced}
-            got.update(self._wait(self._answers, rnd.index, quiet))
-        elif synced:
-            payload = self.averager.outgoing(x, rnd)
-            answer = rnd.weights if self.averager.uses_public_copies else synced
-            for j in self._live(answer):
-                self._send(j, "reply", round=rnd.index, payload=payload, meta=tag)
-            got = {j: v for j, v in got.items() if j in synced}
-        else:
-            got = {}
-        took_part = sync or bool(synced)
-        if self.averager.uses_public_copies:
-            rnd = replace(rnd, mix=took_part)
-        else:
-            edges = set(rnd.weights) if sync else synced
-            silent = sum(w for j, w in rnd.weights.items() if j not in edges)
-            rnd = replace(
-                rnd,
-                weights={j: w for j, w in rnd.weights.items() if j in edges},
-                self_weight=rnd.self_weight + silent,
-            )
-        new = self._merge_round(x, rnd, got)
-        if took_part:
-            self.syncs += 1
-            self._reference = new.clone()
-        return new
-
-    def _pending_alarms(self, x: torch.Tensor, t: int) -> list[int]:
-        """The sync rounds at or after ``t`` this peer knows of, after raising one for
-        ``t + spread`` if the local condition fails and no sync comes sooner."""
-        ids = self.membership.active(t)
-        horizon = t + (self._topologies.over(ids).spread_rounds(t) if len(ids) > 1 else 0)
-        with self._alarm_lock:
-            covered = any(t <= a <= horizon for a in self._alarms)
-        violated = not covered and self.trigger.violated(x, self._reference)
-        with self._alarm_lock:
-            self._alarms = {a for a in self._alarms if a >= t} | ({horizon} if violated else set())
-            return sorted(self._alarms)
-
-    def _hear_alarms(self, msg: Message) -> None:
-        """Add the sync rounds a neighbour's message announces (dynamic trigger)."""
-        alarms = msg.meta.get(SYNC_AT, [])
-        if (
-            not isinstance(alarms, list)
-            or len(alarms) > MAX_ALARMS
-            or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in alarms)
-        ):
-            raise WireError("bad_meta", f"sync alarms {alarms!r} are not a short list of rounds")
-        if self.trigger.dynamic:
-            with self._alarm_lock:  # kept bounded whatever a neighbour announces
-                heard = self._alarms.union(a for a in alarms if a >= self.round)
-                self._alarms = set(sorted(heard)[:MAX_ALARMS])
-
-    def _walk_round(self, x: torch.Tensor, t: int) -> torch.Tensor:
-        """Gossip learning: merge the models that walked in, send ours on to one neighbour."""
-        assert isinstance(self.averager, GossipLearning)
-        while self._walks:
-            value, age = self._walks.popleft()
-            x, self.age = self.averager.merge(x, self.age, value, age)
-        neighbours = self._live(self._mixing(t)[0])
-        if neighbours:
-            payload = self.averager.outgoing(x, Round(t, {}, 1.0))
-            target = self._walk_rng.choice(sorted(neighbours))
-            self._send(target, "walk", round=t, payload=payload, meta={WALK_AGE: self.age})
-        return x
-
-    def _merge_round(self, x: torch.Tensor, rnd: Round, got: dict[int, Any]) -> torch.Tensor:
-        """Hand what arrived in round ``rnd`` (and late for earlier ones) to the averager."""
-        arrived, missing = arrivals(rnd, got)
-        return self.averager.incoming(x, rnd, arrived, missing, self._late_arrivals())
-
-    def _live(self, ids: Any) -> list[int]:
-        """The ids nobody should wait for: they left or were declared dead."""
-        return [j for j in ids if not self.membership.gone(j)]
-
-    def _wait(self, inbox: Inbox, t: int, expected: set[int], first: bool = False) -> dict:
-        """Wait for round ``t`` from ``expected`` (minus peers that left); log who missed it."""
-        started = time.monotonic()
-        timeout = self.round_timeout
-        if first:
-            timeout, self._first_wait = self._first_wait or self.round_timeout, 0.0
-
-        def waiting_for() -> set[int]:  # nobody, once we know we must rejoin, are away or broke
-            away = (
-                self._rejoin_via is not None
-                or self._lost_id()
-                or not self.transport.online
-                or self._failure is not None
-            )
-            return set() if away else set(self._live(expected))
-
-        got = inbox.wait(t, waiting_for, timeout)
-        self._check_failure()
-        waited = time.monotonic() - started
-        self.idle_s += waited
-        late_ones = [j for j in self._live(expected) if j not in got]
-        if late_ones:
-            self.neighbour_misses += len(late_ones)
-            log.info(
-                "peer %d round %d: no model from %s (waited %.1fs of %.1fs); averaged without them",
-                self.id,
-                t,
-                late_ones,
-                waited,
-                timeout,
-            )
-        return got
-
-    def _late_arrivals(self) -> list[tuple[int, Arrival]]:
-        """Updates that came after their round (CHOCO and broadcast still count them)."""
-        return [
-            (j, Arrival(self._mixing(r)[0].get(j, 0.0), value, r, dense))
-            for inbox in (self._inbox, self._answers)
-            for j, r, (value, dense) in inbox.drain_late()
-            if value is not None
-        ]
 
     def neighbours(self, round: int | None = None) -> list[int]:
         """Ids of the neighbours in ``round`` (default: the next round)."""
-        return sorted(self._mixing(self.round if round is None else round)[0])
+        with self._core:
+            return self.core.neighbours(round)
+
+    @property
+    def id(self) -> int:
+        """This peer's id in the swarm (-1 until it has one)."""
+        return self.core.id
+
+    @id.setter
+    def id(self, value: int) -> None:
+        self.core.id = value
+
+    @property
+    def round(self) -> int:
+        """The round this peer is in (the next one it runs)."""
+        return self.core.round
+
+    @property
+    def age(self) -> int:
+        """Gossip learning: how many steps the model has taken (merges average it)."""
+        return self.core.age
+
+    @property
+    def dead_after(self) -> float:
+        """Seconds of silence after which this peer declares a member dead."""
+        return self.core.detector.dead_after
+
+    @dead_after.setter
+    def dead_after(self, seconds: float) -> None:
+        with self._core:
+            self.core.detector.dead_after = seconds
+
+    syncs = _counted("syncs")
+    resyncs = _counted("resyncs")
+    declared_dead = _counted("declared_dead")
+    neighbour_misses = _counted("neighbour_misses")
+    model_messages_sent = _counted("model_messages_sent")
+    idle_s = _counted("idle_s")
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics: bytes and messages from the sockets, misses, idle time."""
+        with self._core:
+            counted = self.core.metrics()
         return {
             **self.transport.stats.snapshot(),
-            "round": self.round,
-            "model_messages_sent": self.model_messages_sent,
-            "syncs": self.syncs if self.trigger.dynamic else self.round,
-            "neighbour_misses": self.neighbour_misses,
-            "resyncs": self.resyncs,
-            "idle_s": round(self.idle_s, 4),
-            "members": len(self.membership.in_swarm()),
-            "declared_dead": self.declared_dead,
+            **counted,
             "rejoins": self.rejoins,
             "online": self.transport.online,
             "sockets": self.transport.open_sockets,
@@ -669,10 +535,7 @@ class Peer:
         """The receive thread met an error that is not a bad message (a bug, memory ran out):
         wake every wait, so the training thread stops with it (``_check_failure``)."""
         self._failure = exc
-        with self._changed:
-            self._changed.notify_all()
-        self._inbox.notify()
-        self._answers.notify()
+        self._wake()
 
     def _check_failure(self) -> None:
         """Raise PeerError if the receive thread stopped on an error (traceback logged)."""
@@ -690,13 +553,9 @@ class Peer:
         self._closed = True
         self._watch_stop.set()
         self._watcher.join(2.0)
-        # Everyone drops us from the same round: ours plus the notice a newcomer gets.
-        meta: dict[str, Any] = {"until": self.round + self._join_margin()}
-        if reason:
-            meta["reason"] = reason[:500]
-        for member in self.membership.members():
-            if member.id != self.id and not self.membership.gone(member.id):
-                self._send(member.id, "leave", round=self.round, meta=meta)
+        with self._core:
+            sends = self.core.leave(reason)
+        self._carry_out(sends)
         self.transport.close()
 
     def __enter__(self) -> Peer:
@@ -752,7 +611,7 @@ class Peer:
                         f"--bootstrap {self.address}"
                     )
             self.started = True
-        neighbours = set(self._mixing(0)[0])
+        neighbours = set(self.neighbours(0))
         # Said again every second to the neighbours not ready yet, which answer with theirs:
         # one that did not know us when ours came dropped it (only members speak for the
         # swarm), and so did we with one that came before we knew its sender.
@@ -826,9 +685,11 @@ class Peer:
         pause longer than ``dead_after``): its table, its round and step count, our own model."""
         address = self._rejoin_via  # kept set until done: notices meanwhile are ignored
         assert address is not None
-        self._sent_round = -1  # our heartbeats no longer vouch for rounds we count anew
+        with self._core:
+            self.core.sent_round = -1  # our heartbeats no longer vouch for rounds counted anew
         try:
-            welcome = self._join(address, self.id, timeout=self.round_timeout, rejoin=True)
+            timeout = self.core.settings.round_timeout
+            welcome = self._join(address, self.id, timeout=timeout, rejoin=True)
         except PeerError as exc:
             log.warning("peer %d: could not rejoin through %s: %s", self.id, address, exc)
             return
@@ -842,7 +703,8 @@ class Peer:
         A PeerError (that id is taken for good) ends this peer."""
         members = self.membership.members()
         via = ",".join(m.address for m in members if m.until is None and m.id != self.id)
-        self.id, self._sent_round = -1, -1  # a newcomer again
+        with self._core:
+            self.id, self.core.sent_round = -1, -1  # a newcomer again
         welcome = self._join(via, self._wanted_id, timeout=self.startup_timeout)
         self._start_again(welcome)
 
@@ -854,13 +716,12 @@ class Peer:
         self.membership.replace_all(parse_members(welcome.meta["members"], self.membership.limit))
         self._learn_keys(self.membership.members())
         now = time.monotonic()
-        with self._lock:  # silent while apart
-            for m in self.membership.members():
-                self._detector.heard(m.id, now)
         me = self.membership.get(self.id)
         assert me is not None
-        self._inbox.move_to(me.since)  # keep what arrives for our first round from now on
-        self._answers.move_to(me.since)
+        with self._core:
+            for m in self.membership.members():  # silent while apart
+                self.core.detector.heard(m.id, now)
+            self.core.move_to(me.since)  # keep what arrives for our first round from now on
         self._members_changed()
         self.rejoins += 1
         self._start_late(me.since, take_model=False)
@@ -870,14 +731,14 @@ class Peer:
     def _start_late(self, since: int, take_model: bool = True) -> None:
         """Start at round ``since`` of a running swarm, aligned with a neighbour's round;
         a newcomer takes that neighbour's model, a restarted peer keeps its own."""
-        for j in sorted(self._mixing(since)[0]):
+        for j in self.neighbours(since):
             member = self.membership.get(j)
             assert member is not None
             try:
                 reply = self._request(
                     member.address, "model_request", {}, "model", timeout=10.0, key=member.key
                 )
-                model = self._decode(reply, dense=True) if take_model else None
+                model = self.core.decode(reply, dense=True) if take_model else None
             except PeerError as exc:
                 if self._lost_id():
                     return  # the caller asks for another id
@@ -887,17 +748,16 @@ class Peer:
                 exc.sender = j
                 self.transport.refused(exc)
                 continue
-            self.round = self._first_round = max(since, reply.round)
+            start = max(since, reply.round)
             if model is not None:
                 with torch.no_grad():
                     self._set_params(model)
-                self.steps = self.age = self.round * self.trigger.period
-            self._reference = self._flat()
-            self._published = (self.round, self._reference.clone())
-            self._last_ids = None
-            self._inbox.move_to(self.round)
-            self._answers.move_to(self.round)
-            self._sent_round = self.round - 1
+                self.steps = start * self.trigger.period
+            with self._core:
+                self.core.start_at(start, self._flat())
+                if model is not None:
+                    self.core.age = self.steps
+            self._published = (start, self.core.reference.clone())
             self.started = True
             # The swarm reaches our first round only after ``since - reply.round`` more rounds.
             self._first_wait = self.startup_timeout
@@ -973,10 +833,6 @@ class Peer:
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
-    def _mixing(self, round: int) -> tuple[dict[int, float], float]:
-        """Neighbour id -> weight, and the self weight, for ``round``."""
-        return self._topologies.mixing(self.membership.active(round), self.id, round)
-
     def _send(
         self,
         peer_id: int,
@@ -985,102 +841,13 @@ class Peer:
         payload: Payload | None = None,
         meta: dict[str, Any] | None = None,
     ) -> None:
-        """Send one message, ``meta`` next to the payload's own; model messages may be
-        dropped on purpose (``loss``)."""
-        member = self.membership.get(peer_id)
-        if member is None or self._lost_id():
+        """Send one message through the core (which numbers it and may drop a model message
+        on purpose, ``loss``), ``meta`` next to the payload's own."""
+        if self._lost_id():
             return
-        with self._lock:
-            self._detector.sent(peer_id, time.monotonic())  # no heartbeat due for a while
-        with self._seq_lock:
-            self._seq[peer_id] += 1
-            seq = self._seq[peer_id]
-            if kind in MODEL_KINDS:
-                self.model_messages_sent += 1
-        if kind in LOSSY_KINDS and self._loss and self._loss_rng.random() < self._loss:
-            self.transport.stats.drop("injected_loss")  # the receiver sees a gap in ``seq``
-            return
-        codec = self.codec if kind in COMPRESSED_KINDS else "none"
-        arrays = payload.arrays if payload is not None else ()
-        meta = {**(payload.meta if payload is not None else {}), **(meta or {})}
-        frames = encode(
-            kind, self.id, seq, self.round if round is None else round, arrays, meta, codec
-        )
-        self.transport.send(member.address, frames)
-
-    def _decode(self, msg: Message, dense: bool, inbox: Inbox | None = None) -> torch.Tensor:
-        """A received model payload as a tensor on this peer's device; WireError if unusable.
-        With ``inbox``, only once it would keep the message: the codec is checked first, then
-        the inbox's admission, and only then is the payload decoded to full size."""
-        expected = "none" if dense else self.codec
-        if msg.codec != expected:
-            raise WireError("bad_codec", f"codec {msg.codec!r}, this swarm uses {expected!r}")
-        if inbox is not None:
-            inbox.admit(msg.sender, msg.round)
-        meta = {k: v for k, v in msg.meta.items() if k not in PEER_META}
-        try:
-            return self.averager.decode(
-                Payload(tuple(msg.arrays), meta), dense, self.numel, self.device
-            )
-        except CodecError as exc:
-            raise WireError("bad_payload", str(exc)) from None
-
-    def _track_seq(self, msg: Message) -> None:
-        """Per-sender sequence numbers have no gaps unless a message was lost or refused."""
-        if msg.seq <= 0:
-            return
-        with self._lock:
-            last = self._last_seq.get(msg.sender)
-            self._last_seq[msg.sender] = max(msg.seq, last or 0)
-            if last is not None and msg.seq > last + 1:
-                self._gap = True
-        if last is not None and msg.seq > last + 1:
-            log.warning(
-                "peer %d: %d message(s) from peer %d were lost",
-                self.id,
-                msg.seq - last - 1,
-                msg.sender,
-            )
-
-    def _round(self, t: int) -> Round:
-        """This peer's view of round ``t``: mixing weights, and whether it resyncs."""
-        weights, self_weight = self._mixing(t)
-        resync = False
-        if self.averager.uses_public_copies:
-            ids = tuple(self.membership.active(t))
-            changes = self._topology_changes()
-            if self._last_ids not in (None, ids) and t not in changes:
-                self._request_resync()  # the topology changed and we learnt it too late
-            self._last_ids = ids
-            resync = t == self._first_round or t in changes or t in self._resync_at
-        return Round(t, weights, self_weight, resync)
-
-    def _topology_changes(self) -> set[int]:
-        """Rounds at which a peer joins or is dropped: everyone resyncs there."""
-        return topology_changes(self.membership.members(), self._first_round)
-
-    def _dense_destinations(self, rnd: Round) -> set[int]:
-        """Neighbours that get the dense public copy this round instead of the update."""
-        if not self.averager.uses_public_copies:
-            return set()
-        with self._dense_lock:
-            due = [r for r in self._dense_for if r <= rnd.index]
-            asked = set().union(*(self._dense_for.pop(r) for r in due))
-        if rnd.index == self._first_round or rnd.index in self._topology_changes():
-            return set(rnd.weights)
-        return asked & set(rnd.weights)
-
-    def _request_resync(self) -> None:
-        """Ask every neighbour for its dense public copy two rounds from now."""
-        target = self.round + RESYNC_LEAD
-        with self._lock:
-            self._gap = False
-        self.averager.needs_resync = False
-        self._resync_at = {r for r in self._resync_at if r >= self.round} | {target}
-        self.resyncs += 1
-        for j in self._mixing(target)[0]:
-            self._send(j, "resync_request", meta={"round": target})
-        log.info("peer %d: resync with its neighbours at round %d", self.id, target)
+        with self._core:
+            sends = self.core.send(peer_id, kind, round, payload, meta or {})
+        self._carry_out(sends)
 
     def _merge(self, members: list[Member]) -> None:
         before = {m.id: self.membership.get(m.id) for m in members}
@@ -1089,9 +856,9 @@ class Peer:
         now = time.monotonic()
         for member in changed:
             if member.until is None:  # new, or back: its rounds and its silence start over
-                self._inbox.forget(member.id)
-                with self._lock:
-                    self._detector.heard(member.id, now)
+                with self._core:
+                    self.core.forget_rounds(member.id)
+                    self.core.detector.heard(member.id, now)
             old = before[member.id]
             if old is not None and old.until is None and old.address != member.address:
                 self._lost_to(old, member)
@@ -1125,93 +892,67 @@ class Peer:
 
     def _members_changed(self) -> None:
         """Wake whoever waits on the member table (formation, rounds) and report it."""
-        with self._changed:
-            self._changed.notify_all()
-        self._inbox.notify()
-        self._answers.notify()
+        self._wake()
         if self._on_members is not None:
             self._on_members(self.membership.members())
 
+    def _wake(self) -> None:
+        """Wake every wait (formation, requests, a round) to look again."""
+        with self._changed:
+            self._changed.notify_all()
+        with self._core:
+            self._core.notify_all()
+
     def _announce(self) -> None:
         """Send the member table to every member still in the swarm."""
-        for j in self.membership.in_swarm():
-            if j != self.id:
-                self._send(j, "members", meta={"members": self.membership.wire()})
+        with self._core:
+            sends = self.core.announce()
+        self._carry_out(sends)
 
     # ----------------------------------------------------------------- watch thread
     def _watch(self) -> None:
         """Every half heartbeat: a heartbeat to each member that heard nothing from us for a
         while, and a death sentence for each member silent past ``dead_after``."""
-        while not self._watch_stop.wait(self.heartbeat / 2):
+        while not self._watch_stop.wait(self.core.detector.heartbeat / 2):
             try:
                 self._watch_once()
             except Exception:  # a bug in one pass must not end heartbeats and death sentences
                 log.exception("peer %d: error in the heartbeat thread; carrying on", self.id)
 
     def _watch_once(self) -> None:
-        """One pass of the watch thread: the failure detector's verdicts, carried out."""
+        """One pass of the watch thread: the core's heartbeats, forgotten members and death
+        sentences, carried out (sockets closed, logged, the table reported)."""
         now = time.monotonic()
         self._expire_early(now)
         if self.id < 0 or self._lost_id():
             return
-        me = self.membership.get(self.id)
-        life = me.since if me is not None else 0  # which of our lives the heartbeat speaks for
-        with self._lock:
-            if not self.transport.online:  # away (churn): silence is ours, not the others'
-                self._detector.away(now)
-            verdicts = self._detector.check(
+        with self._core:
+            tick = self.core.tick(
                 now,
-                self.id,
-                self.membership.members(),
-                self.round,
+                online=self.transport.online,  # away (churn): silence is ours
                 sentence=self.started and not self.ring,  # a ring names its dead on timeout
-                left=lambda j: self.membership.why_left(j) is not None,
             )
-        for j, silent in verdicts.forget:
-            self._forget(j, silent)
-        for j in verdicts.heartbeats:
-            member = self.membership.get(j)
-            if member is not None:
-                self._reply(member.address, "alive", sent=self._sent_round, life=life)
-        for j, silent in verdicts.dead:
-            self._declare_dead(j, silent)
-
-    def _forget(self, peer_id: int, silent: float) -> None:
-        """Forget a member that ended and stayed silent for ``forget_after``: no heartbeats,
-        no socket, no per-peer state for it any more (a tombstone keeps its life dead)."""
-        member = self.membership.forget(peer_id)
-        if member is None:
-            return
-        with self._lock:
-            self._detector.forget(peer_id)
-            self._last_seq.pop(peer_id, None)
-        self._inbox.forget(peer_id)
-        self._answers.forget(peer_id)
-        self.transport.forget(member.address)
-        log.info(
-            "peer %d: forgot peer %d (out since round %s, silent for %.0fs)",
-            self.id,
-            peer_id,
-            member.until,
-            silent,
-        )
-
-    def _declare_dead(self, peer_id: int, silent: float) -> None:
-        """Drop a silent member from the topology a few rounds ahead and tell the others."""
-        until = self.round + self._join_margin()
-        if self.membership.end(peer_id, until) is None:
-            return
-        self.declared_dead += 1
-        log.warning(
-            "peer %d: no word from peer %d for %.1fs; declared dead, out of the topology "
-            "from round %d",
-            self.id,
-            peer_id,
-            silent,
-            until,
-        )
-        self._members_changed()
-        self._announce()
+        for member, silent in tick.forgotten:
+            self.transport.forget(member.address)
+            log.info(
+                "peer %d: forgot peer %d (out since round %s, silent for %.0fs)",
+                self.id,
+                member.id,
+                member.until,
+                silent,
+            )
+        for peer_id, silent, until in tick.dead:
+            log.warning(
+                "peer %d: no word from peer %d for %.1fs; declared dead, out of the topology "
+                "from round %d",
+                self.id,
+                peer_id,
+                silent,
+                until,
+            )
+        if tick.dead:
+            self._members_changed()
+        self._carry_out(tick.sends)
 
     def _hear_table(self, sender: int, members: list[Member]) -> None:
         """Take in a member table from ``sender``.
@@ -1244,20 +985,7 @@ class Peer:
                 "peer %d: peer %d says we were dropped; rejoining through it", self.id, sender
             )
             self._rejoin_via = theirs.get(sender, known).address
-            self._inbox.notify()  # a round waiting on our old side ends now
-            self._answers.notify()
-
-    def _join_margin(self) -> int:
-        """Rounds of notice a newcomer gets: ``join_margin_rounds`` or 0.5 s of rounds, if more.
-
-        The announcement must reach every member before they get there; the
-        rate is measured over the last rounds, so fast swarms get more rounds.
-        """
-        times = list(self._round_times)
-        if len(times) < 2 or times[-1] <= times[0]:
-            return self.join_margin_rounds
-        rate = (len(times) - 1) / (times[-1] - times[0])
-        return max(self.join_margin_rounds, math.ceil(0.5 * rate))
+            self._wake()  # a round waiting on our old side ends now
 
     # ----------------------------------------------------------------- receive thread
     def _receive(self, msg: Message) -> None:
@@ -1335,32 +1063,20 @@ class Peer:
         if msg.kind in ("ready", "members", "dropped"):
             table = parse_members(msg.meta.get("members"), self.membership.limit)
             self._hear_table(msg.sender, table)
-        with self._lock:
-            self._detector.heard(msg.sender, time.monotonic())
+        with self._core:
+            self.core.detector.heard(msg.sender, time.monotonic())
+            if msg.kind in CORE_KINDS:  # the round protocol's own: the core takes them in
+                self.core.take(time.monotonic(), msg, sender)
+                self._core.notify_all()
         if msg.kind == "alive":
-            self._hear_heartbeat(msg, sender)
-        if msg.kind in ("params", "public", "quiet", "reply"):
-            self._hear_alarms(msg)
-        if msg.kind in ("params", "public"):
-            dense = msg.kind == "public"
-            self._inbox.put(msg.sender, msg.round, (self._decode(msg, dense, self._inbox), dense))
-        elif msg.kind == "quiet":
-            self._inbox.put(msg.sender, msg.round, (None, False))
-        elif msg.kind == "reply":
-            answer = self._decode(msg, False, self._answers)
-            self._answers.put(msg.sender, msg.round, (answer, False))
+            self._hear_heartbeat(sender)
+        elif msg.kind == "leave":
+            self._members_changed()
         elif msg.kind == "chunk":
             if not self.ring:
                 raise WireError("unexpected", "a chunk, but this swarm does not all-reduce")
             reducer = self._reducer()  # a low-rank reducer's factors travel on its ring
             (reducer if isinstance(reducer, RingAllReduce) else reducer.ring).deliver(msg)
-        elif msg.kind == "walk":
-            age = meta_int(msg.meta, WALK_AGE, "walk age")
-            if len(self._walks) >= MAX_WALKS:
-                raise WireError("too_many_pending", f"{MAX_WALKS} walking models already queued")
-            self._walks.append((self._decode(msg, False), age))
-        elif msg.kind == "resync_request":
-            self._hear_resync_request(msg)
         elif msg.kind == "ready":
             with self._changed:
                 self._ready_from.add(msg.sender)
@@ -1375,21 +1091,9 @@ class Peer:
             round_, model = self._published  # one reference read: a round and its model
             meta = {NONCE: echoed_nonce(msg.meta)}
             self._send(msg.sender, "model", round=round_, payload=dense_payload(model), meta=meta)
-        elif msg.kind == "leave":
-            reason = meta_text(msg.meta, "reason")
-            until = meta_int(msg.meta, "until", "leave round")
-            self.membership.mark_left(msg.sender, reason)
-            self.membership.end(msg.sender, until)
-            self._members_changed()
-            log.info(
-                "peer %d: peer %d left at round %d, out of the topology from round %d %s",
-                self.id,
-                msg.sender,
-                msg.round,
-                until,
-                reason,
-            )
-        self._track_seq(msg)  # only messages that were accepted: a dropped one leaves a gap
+        with self._core:
+            self.core.track_seq(msg)  # only messages accepted: a dropped one leaves a gap
+        self._carry_out([])  # what the core noted (lost messages, departures) goes to the log
 
     def _check_welcome(self, msg: Message) -> list[Member]:
         """A welcome names our id (at most ``MAX_ID``) and its member table (returned), or
@@ -1411,34 +1115,10 @@ class Peer:
                 raise WireError("bad_meta", "a welcome's swarm_start is not finite")
         return table
 
-    def _hear_resync_request(self, msg: Message) -> None:
-        """Note that the sender wants our dense public copy at a round: at most
-        ``MAX_RESYNC_AHEAD`` rounds ahead, ``MAX_RESYNCS_PER_SENDER`` pending per sender."""
-        wanted = meta_int(msg.meta, "round", "resync round", minimum=None)
-        if wanted > self.round + MAX_RESYNC_AHEAD:
-            raise WireError(
-                "resync_too_far",
-                f"a resync at round {wanted}, more than {MAX_RESYNC_AHEAD} rounds after ours "
-                f"({self.round})",
-            )
-        with self._dense_lock:
-            pending = sum(msg.sender in who for who in self._dense_for.values())
-            if pending >= MAX_RESYNCS_PER_SENDER:
-                raise WireError(
-                    "too_many_pending", f"{pending} resyncs of this sender already pending"
-                )
-            self._dense_for.setdefault(max(wanted, self.round + 1), set()).add(msg.sender)
-
-    def _hear_heartbeat(self, msg: Message, sender: Member) -> None:
-        """A heartbeat says which round the sender last sent: a model of that round not here
-        yet was lost, so the round stops waiting for it (instead of ``round_timeout``). It
-        counts only for the sender's current life (one sent before it rejoined may arrive
-        after). One from a member we dropped as dead gets our table back, so it can rejoin."""
-        sent = meta_int(msg.meta, "sent", "heartbeat round", default=-1, minimum=-1)
-        life = meta_int(msg.meta, "life", "heartbeat life", default=0)
-        if life == sender.since and sender.until is None:
-            self._inbox.sent(msg.sender, sent)
-        dead = sender.until is not None and self.membership.why_left(msg.sender) is None
+    def _hear_heartbeat(self, sender: Member) -> None:
+        """A heartbeat from a member we dropped as dead gets our table back, so it can rejoin
+        (the core took the round it vouches for)."""
+        dead = sender.until is not None and self.membership.why_left(sender.id) is None
         if dead and self.started:
             self._reply(sender.address, "dropped", members=self.membership.wire())
 
@@ -1493,13 +1173,13 @@ class Peer:
                 want = member.id
             known = self.membership.get(want) if want is not None else None
             peer_id = want if want is not None else self.membership.next_id()
-            since = self.round + self._join_margin() if self.started else 0
+            since = self.round + self.core.join_margin() if self.started else 0
             if known is not None:  # a new life starts after the last one
                 since = max(since, known.until or 0, known.since + 1)
             member = Member(peer_id, address, since, key=msg.key)
             self._merge([member])
-            with self._lock:
-                self._detector.heard(peer_id, time.monotonic())
+            with self._core:
+                self.core.detector.heard(peer_id, time.monotonic())
             log.info(
                 "peer %d: %s %s as peer %d from round %d",
                 self.id,
@@ -1528,8 +1208,8 @@ class Peer:
         is counted under if a limit refused it), or None if it can."""
         if self.ring and self.started:
             return "a ring all-reduce cannot take members once it started; start all together", None
-        final = self._final_round
-        if final is not None and self.started and self.round + self._join_margin() > final:
+        final = self.core.final_round
+        if final is not None and self.started and self.round + self.core.join_margin() > final:
             return (
                 f"the swarm has finished training (its last round is {final}, it is at round "
                 f"{self.round}): a newcomer would train no step; start a new swarm",

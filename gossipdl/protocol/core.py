@@ -1,20 +1,27 @@
 """One gossip peer as a state machine: events in, actions out, no I/O (h11's way).
 
-The engine says what happened: a message's frames came from a member
-(:meth:`GossipCore.receive`), the local steps of a round are done
-(:meth:`GossipCore.open_round`), time is now t (:meth:`GossipCore.poll`,
+The engine says what happened: a member's message arrived (:meth:`GossipCore.take`,
+or :meth:`GossipCore.receive` with its raw frames), the local steps of a round are
+done (:meth:`GossipCore.open_round`), time is now t (:meth:`GossipCore.poll`,
 :meth:`GossipCore.tick`). The core answers with :class:`Send` actions (frames the
 real wire encoder made, for a member) and, once a round is over, the model to
-continue from. It never blocks, sleeps, reads a clock or opens a socket, and its
-random generators are seeded from the swarm's seed, so the same events give the
-same answers: the simulator runs thousands of these on a virtual clock.
+continue from; ``deadline`` says when it next wants a poll. It never blocks,
+sleeps, reads a clock or opens a socket, and its random generators are seeded
+from the swarm's seed, so the same events give the same answers.
+
+Both engines drive it: :class:`gossipdl.Peer` from its threads (every call under
+one lock, a round's wait on a condition the receive thread notifies) and the
+simulator from a virtual clock (:mod:`gossipdl.sim.engine`).
 
 What it runs: synchronous rounds of any averager (dense gossip, CHOCO,
 broadcast) under the ``always``/``periodic`` trigger, the two-phase rounds of the
 dynamic trigger, gossip learning's walks, CHOCO's resyncs after a lost message or
-a topology change, heartbeats that say which round a member last sent, and death
+a topology change, heartbeats that say which round a member last sent, death
 sentences announced to the swarm (a member out of the topology a few rounds
-ahead). Joining a running swarm and rejoining stay with the real engine for now.
+ahead), graceful leaves, sequence numbers and their gaps. Forming a swarm,
+joining a running one and rejoining after being dropped are still the real
+engine's (:class:`gossipdl.Peer`); the simulator's swarms form at once and do not
+rejoin.
 """
 
 from __future__ import annotations
@@ -50,9 +57,14 @@ from gossipdl.protocol.kinds import (
 from gossipdl.protocol.mailbox import Mailbox
 from gossipdl.protocol.membership import Member, MemberTable, parse_members
 from gossipdl.protocol.rounds import Topologies, arrivals, topology_changes
-from gossipdl.transport.wire import Message, WireError, decode, encode, meta_int
+from gossipdl.transport.wire import Message, WireError, decode, encode, meta_int, meta_text
 
 ROUND_TIMES_KEPT = 32  # rounds whose end times set the join margin
+# The messages the core takes in (:meth:`GossipCore.take`); joins, member tables and model
+# requests stay with the engine for now.
+CORE_KINDS = frozenset(
+    {"params", "public", "quiet", "reply", "walk", "alive", "resync_request", "leave"}
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,16 @@ class Progress:
 
     sends: list[Send] = field(default_factory=list)
     model: torch.Tensor | None = None
+
+
+@dataclass
+class Tick:
+    """What a watch pass decided and did: heartbeats and announcements to send, members
+    forgotten (their entries) and declared dead (id, seconds silent, round out)."""
+
+    sends: list[Send] = field(default_factory=list)
+    forgotten: list[tuple[Member, float]] = field(default_factory=list)
+    dead: list[tuple[int, float, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -106,18 +128,22 @@ class Settings:
 
 
 class GossipCore:
-    """The protocol of peer ``me`` in a swarm that formed with ``members``."""
+    """The protocol of peer ``me`` (-1 until it has an id) over the member table ``members``
+    (the engine's: the real one shares it with its join handling, behind a lock)."""
 
     def __init__(
         self,
         me: int,
-        members: Sequence[Member],
+        members: MemberTable,
         *,
         averager: Averager,
         trigger: Trigger,
         settings: Settings,
         model: torch.Tensor,
+        stream: int | None = None,
     ) -> None:
+        """``model``: the flat parameters it starts from; ``stream``: which of the seed's
+        random streams it draws from (default ``me``)."""
         self.id = me
         self.averager = averager
         self.trigger = trigger
@@ -125,17 +151,18 @@ class GossipCore:
         self.codec = averager.codec.spec
         self.numel = model.numel()
         self.device = model.device
-        self.membership = MemberTable(list(members))
+        self.membership = members
         self.topologies = Topologies(settings.topology, settings.seed)
         self.detector = FailureDetector(
             settings.heartbeat, settings.dead_after, settings.forget_after
         )
         self.counters = Counters()
+        self.loss = settings.loss  # model messages dropped on purpose (a test may change it)
         self.dropped: list[WireError] = []  # refused messages, for the engine to count
         self.notes: list[str] = []  # what a log would say, for the engine to log
         self.round = 0
-        self._first_round = 0
-        self._sent_round = -1  # the last round whose messages all went out
+        self.first_round = 0  # the round this peer started at (it resyncs there)
+        self.sent_round = -1  # the last round whose messages all went out (heartbeats say it)
         self._inbox = Mailbox(keep_late=averager.accepts_late)
         self._answers = Mailbox(keep_late=averager.accepts_late)  # dynamic, phase 2
         self._seq: dict[int, int] = {}  # per-member sequence numbers of what we sent
@@ -145,13 +172,14 @@ class GossipCore:
         self._dense_for: dict[int, set[int]] = {}  # round -> who asked for our public copy
         self._last_ids: tuple[int, ...] | None = None
         self._alarms: set[int] = set()  # dynamic trigger: rounds the swarm syncs
-        self._final_round: int | None = None
-        self._reference = model.clone()  # dynamic trigger: the model agreed at the last sync
+        self.final_round: int | None = None
+        self.reference = model.clone()  # the model agreed at the last sync (dynamic trigger)
         self._walks: deque[tuple[torch.Tensor, int]] = deque()
         self.age = 0  # gossip learning: steps behind the walking model
         self._round_times: deque[float] = deque(maxlen=ROUND_TIMES_KEPT)
-        self._walk_rng = random.Random(settings.seed * 104729 + me)
-        self._loss_rng = random.Random(settings.seed * 7919 + me)
+        stream = me if stream is None else stream
+        self._walk_rng = random.Random(settings.seed * 104729 + stream)
+        self._loss_rng = random.Random(settings.seed * 7919 + stream)
         self._phase = _Phase.IDLE
         self._open: tuple[Round, torch.Tensor, float] | None = None  # round, x, its start
         self._sync = True  # dynamic trigger: this peer syncs in the open round
@@ -164,7 +192,7 @@ class GossipCore:
     def sync_at_step(self, step: int) -> None:
         """The round ending by local step ``step`` syncs the whole swarm (the last one)."""
         last = step // self.trigger.period - 1
-        self._final_round = last
+        self.final_round = last
         if self.trigger.dynamic and last >= self.round:
             self._alarms.add(last)
 
@@ -173,14 +201,15 @@ class GossipCore:
         """Whether a round is open (the engine polls it instead of training)."""
         return self._phase is not _Phase.IDLE
 
-    def open_round(self, now: float, x: torch.Tensor) -> list[Send]:
-        """The local steps of a round are done with model ``x``: send what the round sends."""
+    def open_round(self, now: float, x: torch.Tensor, timeout: float | None = None) -> list[Send]:
+        """The local steps of a round are done with model ``x``: send what the round sends.
+        Its messages are waited for ``timeout`` seconds (default ``round_timeout``)."""
         assert self._phase is _Phase.IDLE, "a round is already open"
         self._now = now
         t = self.round
         if self.averager.asynchronous:
             return self._walk(x, t, now)
-        rnd = self._round_view(t)
+        rnd, sends = self._round_view(t)
         dense_to = self._dense_destinations(rnd)
         tag: dict[str, Any] = {}
         sync = True
@@ -190,19 +219,18 @@ class GossipCore:
             sync = rnd.resync or bool(dense_to) or t in alarms
         payload = self.averager.outgoing(x, rnd) if sync else None
         public = self.averager.public_copy() if dense_to else None
-        sends = []
-        for j in self._live(rnd.weights):
+        for j in self.live(rnd.weights):
             if public is not None and j in dense_to:
-                sends += self._send(j, "public", t, public, tag)
+                sends += self.send(j, "public", t, public, tag)
             elif payload is not None:
-                sends += self._send(j, "params", t, payload, tag)
+                sends += self.send(j, "params", t, payload, tag)
             else:
-                sends += self._send(j, "quiet", t, None, tag)
-        self._sent_round = t
+                sends += self.send(j, "quiet", t, None, tag)
+        self.sent_round = t
         self._open = (rnd, x, now)
         self._sync = sync
         self._phase = _Phase.FIRST
-        self.deadline = now + self.settings.round_timeout
+        self.deadline = now + (timeout or self.settings.round_timeout)
         return sends
 
     def poll(self, now: float, online: bool = True) -> Progress:
@@ -211,12 +239,12 @@ class GossipCore:
         if self._open is None:
             return Progress()
         self._now = now
-        rnd, x, _ = self._open
-        if self.averager.asynchronous:
-            return self._end(now, x)
+        rnd, x, opened = self._open
+        if self.averager.asynchronous:  # a walk waits for nothing: over when it began
+            return self._end(opened, x)
         first = self._phase is _Phase.FIRST
         box = self._inbox if first else self._answers
-        expected = set(self._live(rnd.weights if first else self._quiet))
+        expected = set(self.live(rnd.weights if first else self._quiet))
         if online and not box.complete(rnd.index, expected) and now < (self.deadline or 0.0):
             return Progress()
         got = box.take(rnd.index)
@@ -243,7 +271,7 @@ class GossipCore:
         answer = rnd.weights if self.averager.uses_public_copies else synced
         tag = {SYNC_AT: sorted(self._alarms)}
         sends = [
-            s for j in self._live(answer) for s in self._send(j, "reply", rnd.index, payload, tag)
+            s for j in self.live(answer) for s in self.send(j, "reply", rnd.index, payload, tag)
         ]
         progress = self._end_dynamic(now, self._kept, took_part=True)
         progress.sends[:0] = sends
@@ -268,17 +296,14 @@ class GossipCore:
         new = self._merge(x, rnd, got)
         if took_part:
             self.counters.syncs += 1
-            self._reference = new.clone()
+            self.reference = new.clone()
         return self._end(now, new)
 
     def _end(self, now: float, new: torch.Tensor) -> Progress:
         """Close the round: the next one begins; a resync is asked for if one is due."""
         assert self._open is not None
         self.counters.idle_s += now - self._open[2]
-        self.round += 1
-        self._inbox.advance(self.round)
-        self._answers.advance(self.round)
-        self._round_times.append(now)
+        self.advance(now)
         self._phase, self._open, self.deadline = _Phase.IDLE, None, None
         self._kept, self._quiet = {}, set()
         sends: list[Send] = []
@@ -286,13 +311,38 @@ class GossipCore:
             sends = self._request_resync()
         return Progress(sends, new)
 
+    def advance(self, now: float) -> None:
+        """The next round begins at ``now`` (a round of the ring all-reduce calls it too)."""
+        self.round += 1
+        self._inbox.advance(self.round)
+        self._answers.advance(self.round)
+        self._round_times.append(now)
+
+    def forget_rounds(self, peer: int) -> None:
+        """``peer`` is new or back: the rounds it said it sent count no more."""
+        self._inbox.forget(peer)
+
+    def start_at(self, round: int, model: torch.Tensor) -> None:
+        """Start at ``round`` of a running swarm with ``model`` (a newcomer or a peer back):
+        it resyncs there, its mailboxes wait for that round, heartbeats vouch for none."""
+        self.round = self.first_round = round
+        self.reference = model.clone()
+        self._last_ids = None
+        self.move_to(round)
+        self.sent_round = round - 1
+
+    def move_to(self, round: int) -> None:
+        """Keep what arrives for ``round`` on (a rejoin may go back to the swarm's round)."""
+        self._inbox.move_to(round)
+        self._answers.move_to(round)
+
     def _merge(self, x: torch.Tensor, rnd: Round, got: dict[int, Any]) -> torch.Tensor:
         arrived, missing = arrivals(rnd, got)
         return self.averager.incoming(x, rnd, arrived, missing, self._late_arrivals())
 
     def _late_arrivals(self) -> list[tuple[int, Arrival]]:
         return [
-            (j, Arrival(self._mixing(r)[0].get(j, 0.0), value, r, dense))
+            (j, Arrival(self.mixing(r)[0].get(j, 0.0), value, r, dense))
             for box in (self._inbox, self._answers)
             for j, r, (value, dense) in box.drain_late()
             if value is not None
@@ -307,31 +357,49 @@ class GossipCore:
             x, self.age = self.averager.merge(x, self.age, value, age)
         self._open = (Round(t, {}, 1.0), x, now)
         self._phase = _Phase.FIRST
-        neighbours = self._live(self._mixing(t)[0])
+        neighbours = self.live(self.mixing(t)[0])
         if not neighbours:
             return []
         payload = self.averager.outgoing(x, Round(t, {}, 1.0))
         target = self._walk_rng.choice(sorted(neighbours))
-        return self._send(target, "walk", t, payload, {WALK_AGE: self.age})
+        return self.send(target, "walk", t, payload, {WALK_AGE: self.age})
 
-    def _round_view(self, t: int) -> Round:
-        weights, self_weight = self._mixing(t)
-        resync = False
+    def _round_view(self, t: int) -> tuple[Round, list[Send]]:
+        """This peer's view of round ``t`` (mixing weights, whether it resyncs), and the
+        resync requests due when the topology changed and we learnt it too late."""
+        weights, self_weight = self.mixing(t)
+        resync, sends = False, []
         if self.averager.uses_public_copies:
             ids = tuple(self.membership.active(t))
-            changes = topology_changes(self.membership.members(), self._first_round)
+            changes = topology_changes(self.membership.members(), self.first_round)
+            if self._last_ids not in (None, ids) and t not in changes:
+                sends = self._request_resync()
             self._last_ids = ids
-            resync = t == self._first_round or t in changes or t in self._resync_at
-        return Round(t, weights, self_weight, resync)
+            resync = t == self.first_round or t in changes or t in self._resync_at
+        return Round(t, weights, self_weight, resync), sends
+
+    def metrics(self) -> dict[str, Any]:
+        """The protocol's part of a metrics line (the run directory's keys)."""
+        counters = self.counters
+        return {
+            "round": self.round,
+            "model_messages_sent": counters.model_messages_sent,
+            "syncs": counters.syncs if self.trigger.dynamic else self.round,
+            "neighbour_misses": counters.neighbour_misses,
+            "resyncs": counters.resyncs,
+            "idle_s": round(counters.idle_s, 4),
+            "members": len(self.membership.in_swarm()),
+            "declared_dead": counters.declared_dead,
+        }
 
     def neighbours(self, round: int | None = None) -> list[int]:
         """Ids of the neighbours in ``round`` (default: the next round)."""
-        return sorted(self._mixing(self.round if round is None else round)[0])
+        return sorted(self.mixing(self.round if round is None else round)[0])
 
-    def _mixing(self, round: int) -> tuple[dict[int, float], float]:
+    def mixing(self, round: int) -> tuple[dict[int, float], float]:
         return self.topologies.mixing(self.membership.active(round), self.id, round)
 
-    def _live(self, ids: Any) -> list[int]:
+    def live(self, ids: Any) -> list[int]:
         return [j for j in ids if not self.membership.gone(j)]
 
     def _dense_destinations(self, rnd: Round) -> set[int]:
@@ -339,8 +407,8 @@ class GossipCore:
             return set()
         due = [r for r in self._dense_for if r <= rnd.index]
         asked = set().union(*(self._dense_for.pop(r) for r in due))
-        changes = topology_changes(self.membership.members(), self._first_round)
-        if rnd.index == self._first_round or rnd.index in changes:
+        changes = topology_changes(self.membership.members(), self.first_round)
+        if rnd.index == self.first_round or rnd.index in changes:
             return set(rnd.weights)
         return asked & set(rnd.weights)
 
@@ -348,7 +416,7 @@ class GossipCore:
         ids = self.membership.active(t)
         horizon = t + (self.topologies.over(ids).spread_rounds(t) if len(ids) > 1 else 0)
         covered = any(t <= a <= horizon for a in self._alarms)
-        violated = not covered and self.trigger.violated(x, self._reference)
+        violated = not covered and self.trigger.violated(x, self.reference)
         self._alarms = {a for a in self._alarms if a >= t} | ({horizon} if violated else set())
         return sorted(self._alarms)
 
@@ -360,57 +428,71 @@ class GossipCore:
         self.counters.resyncs += 1
         self.notes.append(f"resync with its neighbours at round {target}")
         sends: list[Send] = []
-        for j in self._mixing(target)[0]:
-            sends += self._send(j, "resync_request", None, None, {"round": target})
+        for j in self.mixing(target)[0]:
+            sends += self.send(j, "resync_request", None, None, {"round": target})
         return sends
 
     # ----------------------------------------------------------------- time
-    def tick(self, now: float, online: bool = True) -> list[Send]:
-        """Heartbeats due and death sentences at ``now`` (the engine calls it every half
-        heartbeat)."""
+    def tick(self, now: float, online: bool = True, sentence: bool = True) -> Tick:
+        """Heartbeats due, members forgotten and death sentences at ``now`` (the engine calls
+        it every half heartbeat). ``sentence``: silence may be punished (the swarm formed)."""
         self._now = now
         if not online:
             self.detector.away(now)
         me = self.membership.get(self.id)
-        life = me.since if me is not None else 0
+        life = me.since if me is not None else 0  # which of our lives the heartbeat speaks for
         verdicts = self.detector.check(
             now,
             self.id,
             self.membership.members(),
             self.round,
-            sentence=True,
+            sentence=sentence,
             left=lambda j: self.membership.why_left(j) is not None,
         )
-        sends: list[Send] = []
-        for j, _ in verdicts.forget:
-            self.membership.forget(j)
-            self.detector.forget(j)
-            self._last_seq.pop(j, None)
+        tick = Tick()
+        for j, silent in verdicts.forget:
+            member = self.membership.forget(j)
+            if member is not None:
+                self.detector.forget(j)
+                self._last_seq.pop(j, None)
+                self._inbox.forget(j)
+                self._answers.forget(j)
+                tick.forgotten.append((member, silent))
         for j in verdicts.heartbeats:
-            meta = {"sent": self._sent_round, "life": life}
-            sends.append(Send(j, "alive", encode("alive", self.id, 0, self.round, meta=meta)))
+            meta = {"sent": self.sent_round, "life": life}
+            tick.sends.append(Send(j, "alive", encode("alive", self.id, 0, self.round, meta=meta)))
         for j, silent in verdicts.dead:
-            sends += self._declare_dead(j, silent)
-        return sends
+            until = self.round + self.join_margin()
+            if self.membership.end(j, until) is not None:
+                self.counters.declared_dead += 1
+                tick.dead.append((j, silent, until))
+                tick.sends += self.announce()
+        return tick
 
-    def _declare_dead(self, j: int, silent: float) -> list[Send]:
-        until = self.round + self._join_margin()
-        if self.membership.end(j, until) is None:
-            return []
-        self.counters.declared_dead += 1
-        self.notes.append(
-            f"no word from peer {j} for {silent:.1f}s; declared dead, out from round {until}"
-        )
-        return self._announce()
+    def leave(self, reason: str = "") -> list[Send]:
+        """This peer stops: every member still in drops it from the same round (ours plus
+        the notice a newcomer gets), knowing why."""
+        meta: dict[str, Any] = {"until": self.round + self.join_margin()}
+        if reason:
+            meta["reason"] = reason[:500]
+        return [
+            m
+            for member in self.membership.members()
+            if member.id != self.id and not self.membership.gone(member.id)
+            for m in self.send(member.id, "leave", self.round, None, meta)
+        ]
 
-    def _announce(self) -> list[Send]:
+    def announce(self) -> list[Send]:
+        """The member table, to every member still in the swarm."""
         sends: list[Send] = []
         for j in self.membership.in_swarm():
             if j != self.id:
-                sends += self._send(j, "members", None, None, {"members": self.membership.wire()})
+                sends += self.send(j, "members", None, None, {"members": self.membership.wire()})
         return sends
 
-    def _join_margin(self) -> int:
+    def join_margin(self) -> int:
+        """Rounds of notice a change gets: ``join_margin_rounds``, or 0.5 s of rounds if more
+        (the announcement must reach every member before they get there)."""
         times = list(self._round_times)
         if len(times) < 2 or times[-1] <= times[0]:
             return self.settings.join_margin_rounds
@@ -418,7 +500,7 @@ class GossipCore:
         return max(self.settings.join_margin_rounds, math.ceil(0.5 * rate))
 
     # ----------------------------------------------------------------- messages
-    def _send(
+    def send(
         self, j: int, kind: str, round: int | None, payload: Payload | None, meta: dict[str, Any]
     ) -> list[Send]:
         """One message to member ``j`` (none if it is not one); model messages may be dropped
@@ -429,8 +511,7 @@ class GossipCore:
         if kind in MODEL_KINDS:
             self.counters.model_messages_sent += 1
         self.detector.sent(j, self._now)
-        loss = self.settings.loss
-        if kind in LOSSY_KINDS and loss and self._loss_rng.random() < loss:
+        if kind in LOSSY_KINDS and self.loss and self._loss_rng.random() < self.loss:
             self.dropped.append(WireError("injected_loss", f"{kind} to {j} dropped on purpose"))
             return []
         codec = self.codec if kind in COMPRESSED_KINDS else "none"
@@ -441,37 +522,41 @@ class GossipCore:
         )
         return [Send(j, kind, frames)]
 
-    def receive(self, now: float, frames: Sequence[Any]) -> list[Send]:
-        """A message's frames arrived: decode, check and take it in. A message the protocol
-        refuses raises :class:`WireError` (the engine counts its reason)."""
-        self._now = now
+    def receive(self, now: float, frames: Sequence[Any]) -> None:
+        """The simulator's way in: a message's frames arrived; decode, check and take it in.
+        A message the protocol refuses raises :class:`WireError` (the engine counts it)."""
         msg = decode(frames, self.settings.max_message_bytes)
         sender = self.membership.get(msg.sender)
         if sender is None:
             raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
         self.detector.heard(msg.sender, now)
-        sends = self._on_message(msg, sender)
-        self._track_seq(msg)
-        return sends
+        if msg.kind == "members":
+            self._hear_table(msg.sender, parse_members(msg.meta.get("members")))
+        else:
+            self.take(now, msg, sender)
+        self.track_seq(msg)
 
-    def _on_message(self, msg: Message, sender: Member) -> list[Send]:
+    def take(self, now: float, msg: Message, sender: Member) -> None:
+        """Take in a round-protocol message (a kind in ``CORE_KINDS``) from member ``sender``,
+        checked by the engine; :class:`WireError` if it cannot be used."""
+        self._now = now
         if msg.kind in ("params", "public"):
             dense = msg.kind == "public"
             self._hear_alarms(msg)
-            self._inbox.put(msg.sender, msg.round, (self._decode(msg, dense, self._inbox), dense))
+            self._inbox.put(msg.sender, msg.round, (self.decode(msg, dense, self._inbox), dense))
         elif msg.kind == "quiet":
             self._hear_alarms(msg)
             self._inbox.put(msg.sender, msg.round, (None, False))
         elif msg.kind == "reply":
             self._hear_alarms(msg)
             self._answers.put(
-                msg.sender, msg.round, (self._decode(msg, False, self._answers), False)
+                msg.sender, msg.round, (self.decode(msg, False, self._answers), False)
             )
         elif msg.kind == "walk":
             age = meta_int(msg.meta, WALK_AGE, "walk age")
             if len(self._walks) >= MAX_WALKS:
                 raise WireError("too_many_pending", f"{MAX_WALKS} walking models already queued")
-            self._walks.append((self._decode(msg, False), age))
+            self._walks.append((self.decode(msg, False), age))
         elif msg.kind == "alive":
             sent = meta_int(msg.meta, "sent", "heartbeat round", default=-1, minimum=-1)
             life = meta_int(msg.meta, "life", "heartbeat life", default=0)
@@ -480,16 +565,28 @@ class GossipCore:
         elif msg.kind == "resync_request":
             wanted = meta_int(msg.meta, "round", "resync round", minimum=None)
             if wanted > self.round + MAX_RESYNC_AHEAD:
-                raise WireError("resync_too_far", f"a resync at round {wanted}")
+                raise WireError(
+                    "resync_too_far",
+                    f"a resync at round {wanted}, more than {MAX_RESYNC_AHEAD} rounds after ours "
+                    f"({self.round})",
+                )
             pending = sum(msg.sender in who for who in self._dense_for.values())
             if pending >= MAX_RESYNCS_PER_SENDER:
-                raise WireError("too_many_pending", f"{pending} resyncs of this sender pending")
+                raise WireError(
+                    "too_many_pending", f"{pending} resyncs of this sender already pending"
+                )
             self._dense_for.setdefault(max(wanted, self.round + 1), set()).add(msg.sender)
-        elif msg.kind == "members":
-            self._hear_table(msg.sender, parse_members(msg.meta.get("members")))
+        elif msg.kind == "leave":
+            reason = meta_text(msg.meta, "reason")
+            until = meta_int(msg.meta, "until", "leave round")
+            self.membership.mark_left(msg.sender, reason)
+            self.membership.end(msg.sender, until)
+            self.notes.append(
+                f"peer {msg.sender} left at round {msg.round}, out of the topology from round "
+                f"{until} {reason}"
+            )
         else:
             raise WireError("unexpected", f"a {msg.kind!r} message, which the core does not run")
-        return []
 
     def _hear_table(self, sender: int, members: list[Member]) -> None:
         """Merge a member table, unless it comes from a member we dropped or from an earlier
@@ -520,7 +617,7 @@ class GossipCore:
             heard = self._alarms.union(a for a in alarms if a >= self.round)
             self._alarms = set(sorted(heard)[:MAX_ALARMS])
 
-    def _decode(self, msg: Message, dense: bool, box: Mailbox | None = None) -> torch.Tensor:
+    def decode(self, msg: Message, dense: bool, box: Mailbox | None = None) -> torch.Tensor:
         expected = "none" if dense else self.codec
         if msg.codec != expected:
             raise WireError("bad_codec", f"codec {msg.codec!r}, this swarm uses {expected!r}")
@@ -534,7 +631,7 @@ class GossipCore:
         except CodecError as exc:
             raise WireError("bad_payload", str(exc)) from None
 
-    def _track_seq(self, msg: Message) -> None:
+    def track_seq(self, msg: Message) -> None:
         if msg.seq <= 0:
             return
         last = self._last_seq.get(msg.sender)

@@ -8,8 +8,9 @@ ahead, e.g. a newcomer waiting at its first round), but at most ``max_pending``
 rounds per sender, and at most ``max_pending`` late ones per sender until the
 peer takes them, so a runaway sender cannot grow memory without bound.
 ``admit`` says whether a message would be kept before the caller decodes its
-payload to full size. The real engine wraps it in a lock and a blocking wait
-(:class:`gossipdl.peers.inbox.Inbox`); the simulator asks :meth:`complete`.
+payload to full size. Whoever waits for a round asks :meth:`complete` after each
+arrival and gives up at its deadline: the real engine on a condition variable, the
+simulator at a virtual instant.
 """
 
 from __future__ import annotations
