@@ -7,7 +7,6 @@ for the datasets and models gossipdl ships, writing the run directory.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -17,7 +16,6 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector
@@ -41,11 +39,19 @@ from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import Peer, PeerError
 from gossipdl.peers.sinks import MetricsSinks, check_sinks
 from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic
+from gossipdl.training import (
+    AWAY_POLL_S,
+    evaluate,
+    json_line,
+    lr_at,
+    make_optimizer,
+    metrics_line,
+    shard_for,
+)
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.probe import CONNECT_WAIT_S
 
 log = logging.getLogger(__name__)
-AWAY_POLL_S = 0.25  # how often a device inside an offline window looks again (and logs)
 # Counters a resumed peer carries on from its last life (the others are states, not sums).
 CARRIED = (
     "bytes_sent",
@@ -73,51 +79,6 @@ def run_start() -> float | None:
             f"{RUN_START_ENV}={value!r} is not a unix time; unset it or give seconds"
         ) from None
     return start if start is None or math.isfinite(start) else None
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """Test accuracy and mean cross-entropy over the whole held-out set."""
-    model.eval()
-    correct, loss = 0, 0.0
-    for i in range(0, len(y), 1024):
-        logits = model(x[i : i + 1024])
-        loss += F.cross_entropy(logits, y[i : i + 1024], reduction="sum").item()
-        correct += int((logits.argmax(1) == y[i : i + 1024]).sum())
-    model.train()
-    return correct / len(y), loss / len(y)
-
-
-def make_optimizer(config: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The optimizer the config names."""
-    if config.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    return torch.optim.SGD(
-        model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-    )
-
-
-def lr_at(config: Config, step: int) -> float:
-    """The learning rate for local step ``step`` (from 0): a function of the step alone, so a
-    resumed peer picks up where it left off.
-
-    ``cosine`` anneals from ``lr`` to 0 over ``steps`` (Loshchilov and Hutter 2017).
-
-    Example:
-        >>> lr_at(Config(lr=0.1, steps=100, lr_schedule="cosine"), 50)
-        0.05
-    """
-    if config.lr_schedule == "cosine":
-        return config.lr * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
-    return config.lr
-
-
-def shard_for(config: Config, dataset: Dataset, peer_id: int) -> np.ndarray:
-    """Training indices of ``peer_id``: its partition (ids beyond ``peers`` wrap around)."""
-    if config.mode == "single":
-        return np.arange(len(dataset.y_train))
-    parts = partition(dataset.y_train, config.peers, config.partition, config.seed)
-    return parts[peer_id % config.peers]
 
 
 def train_peer(
@@ -380,21 +341,11 @@ def _loop(
 
     def record(**extra: Any) -> dict[str, Any]:
         stats = peer.stats()
-        dropped = Counter(carried_drops) + Counter(stats.pop("messages_dropped"))
+        stats["messages_dropped"] = Counter(carried_drops) + Counter(stats["messages_dropped"])
         now = time.time()
         for key, base in carried.items():
             stats[key] = round(stats[key] + base, 4) if key == "idle_s" else stats[key] + base
-        line = {
-            "peer": peer.id,
-            "step": peer.steps,
-            "time": round(now - start, 4),
-            "unix_time": round(now, 3),
-            "loss": round(float(np.mean(losses)), 6) if losses else None,
-            **{k: v for k, v in stats.items() if k != "round"},
-            "messages_dropped": sum(dropped.values()),
-            "dropped_reasons": dict(dropped),
-            **extra,
-        }
+        line = metrics_line(peer.id, peer.steps, now - start, now, losses, stats, extra)
         metrics.write(json_line(line))
         sinks.write(line)
         losses.clear()
@@ -475,8 +426,3 @@ def _finished(config: Config, peer: Peer | ServerWorker) -> bool:
     if isinstance(peer, ServerWorker) and peer.rule == "fedavg":
         return peer.done
     return peer.steps >= config.steps
-
-
-def json_line(value: dict[str, Any]) -> str:
-    """One compact JSON line."""
-    return json.dumps(value, separators=(",", ":")) + "\n"

@@ -1,0 +1,93 @@
+"""What both engines do the same way around the protocol: a peer's optimizer, learning rate,
+data shard and evaluation, and the lines it writes to ``peers/<id>.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gossipdl.config import Config
+from gossipdl.data import Dataset, partition
+
+AWAY_POLL_S = 0.25  # how often a device inside an offline window looks again (and logs)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Test accuracy and mean cross-entropy over the whole held-out set."""
+    model.eval()
+    correct, loss = 0, 0.0
+    for i in range(0, len(y), 1024):
+        logits = model(x[i : i + 1024])
+        loss += F.cross_entropy(logits, y[i : i + 1024], reduction="sum").item()
+        correct += int((logits.argmax(1) == y[i : i + 1024]).sum())
+    model.train()
+    return correct / len(y), loss / len(y)
+
+
+def make_optimizer(config: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer the config names."""
+    if config.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.SGD(
+        model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+
+
+def lr_at(config: Config, step: int) -> float:
+    """The learning rate for local step ``step`` (from 0): a function of the step alone, so a
+    resumed peer picks up where it left off.
+
+    ``cosine`` anneals from ``lr`` to 0 over ``steps`` (Loshchilov and Hutter 2017).
+
+    Example:
+        >>> lr_at(Config(lr=0.1, steps=100, lr_schedule="cosine"), 50)
+        0.05
+    """
+    if config.lr_schedule == "cosine":
+        return config.lr * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
+    return config.lr
+
+
+def shard_for(config: Config, dataset: Dataset, peer_id: int) -> np.ndarray:
+    """Training indices of ``peer_id``: its partition (ids beyond ``peers`` wrap around)."""
+    if config.mode == "single":
+        return np.arange(len(dataset.y_train))
+    parts = partition(dataset.y_train, config.peers, config.partition, config.seed)
+    return parts[peer_id % config.peers]
+
+
+def metrics_line(
+    peer_id: int,
+    step: int,
+    elapsed: float,
+    unix_time: float,
+    losses: list[float],
+    stats: dict[str, Any],
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """One line of ``peers/<id>.jsonl`` (the run directory's contract, both engines): the
+    peer's counters ``stats`` at ``elapsed`` seconds into the swarm, the mean of ``losses``
+    since the last line, and ``extra`` (accuracy, start, final, ...)."""
+    dropped = stats["messages_dropped"]
+    return {
+        "peer": peer_id,
+        "step": step,
+        "time": round(elapsed, 4),
+        "unix_time": round(unix_time, 3),
+        "loss": round(float(np.mean(losses)), 6) if losses else None,
+        **{k: v for k, v in stats.items() if k not in ("round", "messages_dropped")},
+        "messages_dropped": sum(dropped.values()),
+        "dropped_reasons": dict(dropped),
+        **extra,
+    }
+
+
+def json_line(value: dict[str, Any]) -> str:
+    """One compact JSON line."""
+    return json.dumps(value, separators=(",", ":")) + "\n"
