@@ -4,5 +4,6 @@ Engines feed it events (a decoded message came, time is t, the local step
 finished) and carry out what it returns (send these frames, wake me at t, use
 this model). The real engine (:mod:`gossipdl.peers`) drives it with ZeroMQ and
 the wall clock; the simulator (:mod:`gossipdl.sim`) with an in-memory network
-and a virtual clock.
+and a virtual clock. The ring all-reduce baseline's protocol is one more such machine
+(:mod:`gossipdl.protocol.ring`).
 """
