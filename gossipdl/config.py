@@ -29,6 +29,9 @@ _PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 # ``peer`` and ``join`` read ``advertise`` from here when no --advertise is given: a launcher's
 # way to tell each peer it starts the address other machines reach it at.
 ADVERTISE_ENV = "GOSSIPDL_ADVERTISE"
+# Keys whose values are tables (``[profiles.NAME]``, ``[[faults]]``): no flag of their own,
+# set in a file or with --set; a sweep cannot vary them.
+TABLE_KEYS = ("profiles", "faults")
 
 
 class ConfigError(ValueError):
@@ -147,6 +150,14 @@ class Config:
             "latency, jitter, loss, slowdown, offline (see examples/edge-10mbit.toml)"
         },
     )
+    faults: list[dict[str, Any]] = field(
+        default_factory=list,
+        metadata={
+            "help": "simulate only: fault events, [[faults]] tables in the file, each an at time "
+            'and one action: kill = "2-3", partition = ["0-3", "4-7"], heal = true, '
+            'clog / unclog = "0>1", inject = {loss, duplicate, reorder}'
+        },
+    )
     checkpoint_every: int = field(
         default=0,
         metadata={"help": "save checkpoints/<id>.pt every N steps (0: never); see peer --resume"},
@@ -228,6 +239,13 @@ def _coerce(name: str, value: Any) -> Any:
                 '[profiles.phone] with peers = "0-3", up = "10mbit"'
             )
         return value
+    if kind == "list[dict[str, Any]]":
+        if not isinstance(value, list | tuple) or not all(isinstance(v, dict) for v in value):
+            raise ConfigError(
+                f"{name} = {value!r}: write one [[{name}]] table per event, e.g. [[faults]] "
+                'with at = "30s", kill = "3" (or --set \'faults=[{at = "30s", kill = "3"}]\')'
+            )
+        return list(value)
     if kind in ("int", "float") and isinstance(value, str):
         raise ConfigError(
             f"{name} = {value!r} is a string; write the number without quotes, e.g. "
@@ -365,20 +383,37 @@ def resolved(config: Config) -> Config:
 
 def to_toml(config: Config) -> str:
     """The config as a TOML document: flat keys, one per line, then one ``[profiles.NAME]``
-    table per device profile (every key is written, defaults too)."""
+    table per device profile and one ``[[faults]]`` table per fault event (every key is
+    written, defaults too)."""
     lines = ["# gossipdl experiment config (every key, defaults resolved)"]
     values = to_dict(config)
-    profiles = values.pop("profiles")
+    profiles, faults = values.pop("profiles"), values.pop("faults")
     lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
     for name, table in profiles.items():
         lines += ["", f"[profiles.{json.dumps(name)}]"]
         lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
+    for event in faults:
+        lines += ["", "[[faults]]"]
+        lines += [f"{_toml_key(key)} = {_toml_value(value)}" for key, value in event.items()]
     return "\n".join(lines) + "\n"
 
 
 def _toml_value(value: Any) -> str:
-    """A TOML value: JSON writes strings, numbers and lists the way TOML reads them."""
-    return str(value).lower() if isinstance(value, bool) else json.dumps(value)
+    """A TOML value: JSON writes strings, numbers and lists the way TOML reads them; tables
+    are written inline."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):
+        items = ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items())
+        return "{" + items + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def _toml_key(key: str) -> str:
+    """A TOML key: bare if it can be, else quoted."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -407,6 +442,7 @@ def _validate(c: Config) -> None:
         parse_profiles,
         parse_slowdown,
     )
+    from gossipdl.sim.faults import parse_faults
     from gossipdl.topologies import TopologyError, build_topology
     from gossipdl.transport.addresses import address_problem
     from gossipdl.transport.shaping import LinkError, parse_link
@@ -463,6 +499,7 @@ def _validate(c: Config) -> None:
         parse_slowdown(c.slowdown, c.peers)
         parse_drift(c.drift)
         devices = parse_profiles(c.profiles, c.peers)
+        parse_faults(c.faults, c.peers)
     except ConditionError as exc:
         raise ConfigError(str(exc)) from None
     _check(

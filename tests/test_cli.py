@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 import gossipdl.cli as cli
 from gossipdl.config import (
     FIELDS,
+    TABLE_KEYS,
     Config,
     ConfigError,
     from_dict,
@@ -135,7 +136,7 @@ def test_run_help_puts_every_option_in_one_of_six_panels() -> None:
     assert options.count("--") == 1 and "--help" in options  # nothing else left unpanelled
     flags = " ".join(panels[p] for p in PANELS)
     for name in FIELDS:
-        if name != "profiles":
+        if name not in TABLE_KEYS:
             assert f"--{name.replace('_', '-')} " in flags, name
     assert "--set" in panels["Swarm"] and "--progress" in panels["Output"]
 

@@ -29,6 +29,7 @@ from gossipdl.experiments.display import LiveProgress
 from gossipdl.experiments.summary import summarize
 from gossipdl.models import build_model
 from gossipdl.rundir import RUN_START_ENV, RunDir, default_run_dir
+from gossipdl.sim.faults import refuse_outside_simulation
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +333,7 @@ def launch(
     raises :class:`Interrupted` (a KeyboardInterrupt), so a caller running several swarms
     stops too.
     """
+    refuse_outside_simulation(config)
     if config.advertise:
         raise ConfigError(
             f"advertise = {config.advertise!r} names one peer's address, and a launch starts "

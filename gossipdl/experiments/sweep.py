@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gossipdl.config import FIELDS, Config, ConfigError
+from gossipdl.config import FIELDS, TABLE_KEYS, Config, ConfigError
 from gossipdl.rundir import RunDir, write_json_atomic
 
 Grid = dict[str, list[Any]]  # values as typed on the command line, or parsed
@@ -38,10 +38,10 @@ def parse_grid(items: Sequence[str]) -> Grid:
         choices = [v.strip() for v in values.split(",") if v.strip()]
         if not choices:
             raise ConfigError(f"--grid {item!r}: use KEY=VALUE1,VALUE2, e.g. codec=none,topk:0.01")
-        if key not in FIELDS or key in ("out", "profiles"):
+        if key not in FIELDS or key in ("out", *TABLE_KEYS):
             raise ConfigError(
                 f"--grid {item!r}: {key!r} is not a config key a sweep can vary; "
-                f"known keys: {sorted(set(FIELDS) - {'out', 'profiles'})}"
+                f"known keys: {sorted(set(FIELDS) - {'out', *TABLE_KEYS})}"
             )
         if key in grid:
             raise ConfigError(f"--grid {key} is given twice; list all its values in one --grid")

@@ -137,14 +137,15 @@ class DeviceProfile:
     step_time: float = 0.0
 
 
-def parse_peer_ids(value: Any, peers: int, what: str) -> tuple[int, ...]:
-    """Peer ids from ``"0-5"``, ``"6,7"``, ``"*"`` (all), an int or a list of ints.
+def parse_peer_ids(value: Any, peers: int, what: str, key: str = "peers") -> tuple[int, ...]:
+    """Peer ids from ``"0-5"``, ``"6,7"``, ``"*"`` (all), an int or a list of ints; errors
+    name ``what`` and the setting ``key`` that held them.
 
     Example:
         >>> parse_peer_ids("0-2,5", 8, "profile phone")
         (0, 1, 2, 5)
     """
-    usage = f'{what}: peers = {value!r}; use e.g. "0-5", "6,7", "*" or [0, 1] with ids < {peers}'
+    usage = f'{what}: {key} = {value!r}; use e.g. "0-5", "6,7", "*" or [0, 1] with ids < {peers}'
     if value == "*":
         return tuple(range(peers))
     items = value if isinstance(value, list) else str(value).replace(" ", "").split(",")
@@ -158,7 +159,7 @@ def parse_peer_ids(value: Any, peers: int, what: str) -> tuple[int, ...]:
             raise ConditionError(usage)
         if high >= peers:
             raise ConditionError(
-                f"{what}: peers = {value!r} names peer {high}, but {_swarm(peers)}; "
+                f"{what}: {key} = {value!r} names peer {high}, but {_swarm(peers)}; "
                 f"use ids < {peers} or raise peers"
             )
         ids.update(range(low, high + 1))

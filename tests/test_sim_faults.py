@@ -1,0 +1,205 @@
+"""Fault schedules from the config (``[[faults]]``): checked once, run on the simulator's
+virtual clock, refused by the real engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomllib
+from conftest import small_config
+from typer.testing import CliRunner
+
+import gossipdl.cli as cli
+from gossipdl.config import Config, ConfigError, from_dict, parse_setting, to_toml
+from gossipdl.peers.conditions import ConditionError
+from gossipdl.sim.engine import simulate
+from gossipdl.sim.faults import (
+    Clog,
+    Heal,
+    Inject,
+    Kill,
+    Partition,
+    Unclog,
+    parse_faults,
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI sets up logging for the process; give the next tests theirs back."""
+    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
+
+
+def fast_swarm(tmp_path: Path, faults: list[dict[str, Any]], **changes: Any) -> Config:
+    """Six peers on a ring that notice a silent neighbour within a second of virtual time."""
+    values: dict[str, Any] = {
+        "peers": 6,
+        "steps": 100,
+        "heartbeat": 0.25,
+        "dead_after": 1.0,
+        "round_timeout": 0.5,
+        "faults": faults,
+        **changes,
+    }
+    return small_config(tmp_path, **values)
+
+
+def lines(run: Path, peer: int) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run / "peers" / f"{peer}.jsonl").read_text().splitlines()]
+
+
+# -- the schedule as the config gives it ----------------------------------------------------
+
+
+def test_every_action_parses_into_its_event_in_listed_order() -> None:
+    faults = parse_faults(
+        [
+            {"at": "1.5s", "kill": "2-3"},
+            {"at": 2, "partition": ["0-1", [4, 5]]},
+            {"at": "250ms", "heal": True},
+            {"at": "3s", "clog": "0>1"},
+            {"at": "4s", "unclog": " 0 > 1 "},
+            {"at": "5s", "inject": {"loss": 0.05, "duplicate": "1%", "reorder": "50ms"}},
+            {"at": "6s", "inject": {}},
+        ],
+        8,
+    )
+    assert faults == [
+        Kill(1.5, (2, 3)),
+        Partition(2.0, ((0, 1), (4, 5))),
+        Heal(0.25),
+        Clog(3.0, 0, 1),
+        Unclog(4.0, 0, 1),
+        Inject(5.0, 0.05, 0.01, 0.05),
+        Inject(6.0, 0.0, 0.0, 0.0),
+    ]
+    assert parse_faults([], 4) == []
+
+
+@pytest.mark.parametrize(
+    ("entry", "needles"),
+    [
+        ("kill 3", ["faults[0] = 'kill 3'", "at = "]),
+        ({"kill": "3"}, ["faults[0]", "has no time", 'at = "30s"']),
+        ({"at": "30", "kill": "3"}, ["faults[0] (at 30): at = '30'", '"30s"']),
+        ({"at": "1s"}, ["faults[0] (at 1s) names none", "kill"]),
+        ({"at": "1s", "kill": "1", "heal": True}, ["names 2 actions (kill, heal)", "one table"]),
+        ({"at": "1s", "kil": "1"}, ["unknown key 'kil'", "did you mean 'kill'"]),
+        ({"at": "1s", "kill": "7"}, ["faults[0] (at 1s): kill = '7' names peer 7", "peers = 4"]),
+        ({"at": "1s", "restart": "1"}, ["restart = '1'", "rejoin", "not simulated yet"]),
+        ({"at": "1s", "partition": "0-1"}, ["partition = '0-1'", '["0-3", "4-7"]']),
+        ({"at": "1s", "partition": ["0-2", "2-3"]}, ["peer 2 in groups 0 and 1"]),
+        ({"at": "1s", "partition": ["*"]}, ["splits nothing"]),
+        ({"at": "1s", "heal": False}, ["heal = False", "write heal = true"]),
+        ({"at": "1s", "clog": "0-1"}, ["clog = '0-1'", '"0>1"']),
+        ({"at": "1s", "clog": "1>1"}, ["clog = '1>1'", "two peers"]),
+        ({"at": "1s", "unclog": "0>9"}, ["unclog = '0>9' names peer 9"]),
+        ({"at": "1s", "inject": 0.1}, ["inject = 0.1", "write a table"]),
+        ({"at": "1s", "inject": {"los": 0.1}}, ["inject: unknown key 'los'", "'loss'"]),
+        ({"at": "1s", "inject": {"loss": 1.5}}, ["inject.loss = 1.5", "[0, 1)"]),
+        ({"at": "1s", "inject": {"reorder": "50"}}, ["inject.reorder = '50'", '"250ms"']),
+    ],
+)
+def test_a_bad_event_names_its_entry_and_the_fix(entry: Any, needles: list[str]) -> None:
+    with pytest.raises(ConditionError) as info:
+        parse_faults([entry], 4)
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+
+
+def test_the_entry_named_is_the_bad_one_and_killing_everyone_is_refused() -> None:
+    with pytest.raises(ConditionError, match=r"faults\[2\] \(at 3s\)"):
+        parse_faults([{"at": 1, "heal": True}, {"at": 2, "heal": True}, {"at": "3s"}], 4)
+    with pytest.raises(ConditionError, match="every peer"):
+        parse_faults([{"at": 1, "kill": "0-1"}, {"at": 2, "kill": "2-3"}], 4)
+    with pytest.raises(ConditionError, match="list of events"):
+        parse_faults({"at": 1, "kill": "0"}, 4)
+
+
+def test_faults_are_a_config_key_set_in_a_file_or_with_set_and_written_back() -> None:
+    faults = [
+        {"at": "1s", "partition": ["0-1", "2-3"]},
+        {"at": 2.5, "heal": True},
+        {"at": "1s", "inject": {"loss": 0.05, "reorder": "50ms"}},
+    ]
+    config = Config(peers=4, faults=faults, profiles={"p": {"peers": "0", "up": "1mbit"}})
+    text = to_toml(config)
+    assert '[[faults]]\nat = "1s"\ninject = {loss = 0.05, reorder = "50ms"}' in text
+    assert from_dict(tomllib.loads(text)) == config
+    key, value = parse_setting('faults=[{at = "30s", kill = "3"}]')
+    assert from_dict({key: value}).faults == [{"at": "30s", "kill": "3"}]
+    with pytest.raises(ConfigError, match=r"faults\[0\] \(at 1s\): kill = '9' names peer 9"):
+        Config(peers=4, faults=[{"at": "1s", "kill": "9"}])
+    with pytest.raises(ConfigError, match=r"one \[\[faults\]\] table per event"):
+        from_dict({"faults": {"at": "1s", "kill": "3"}})
+
+
+# -- the schedule on the simulator ------------------------------------------------------
+
+
+def test_a_partition_splits_the_ring_and_each_side_carries_on(tmp_path: Path) -> None:
+    """At 1 s the ring 0..5 splits into 0-2 and 3-5: what crosses is dropped as
+    ``partition``, each side declares the other dead after ``dead_after`` and finishes
+    in a smaller ring. The heal at 3 s lets messages cross again, but nobody sends any:
+    the simulator's core does not rejoin members it declared dead (the real engine does)."""
+    faults = [{"at": "1s", "partition": ["0-2", "3-5"]}, {"at": "3s", "heal": True}]
+    summary = simulate(fast_swarm(tmp_path, faults), step_time=0.05)
+    assert summary["peers_finished"] == 6
+    assert summary["network"]["partition"] > 0
+    run = tmp_path / "run"
+    for peer in range(6):
+        before = [x for x in lines(run, peer) if x["time"] <= 1.0]
+        assert before[-1]["members"] == 6  # whole until the partition
+        split = [x for x in lines(run, peer) if 2.5 <= x["time"] <= 3.0]
+        assert split[-1]["members"] == 3 and split[-1]["declared_dead"] == 3  # the other side
+        last = lines(run, peer)[-1]
+        assert last["final"] and last["step"] == 100
+
+
+def test_injected_loss_duplicates_and_reordering_are_counted_and_the_run_finishes(
+    tmp_path: Path,
+) -> None:
+    faults = [
+        {"at": "0.5s", "inject": {"loss": 0.05, "duplicate": 0.1, "reorder": "20ms"}},
+        {"at": "3s", "inject": {}},  # ends it
+    ]
+    summary = simulate(fast_swarm(tmp_path, faults, peers=4, dead_after=5.0), step_time=0.05)
+    network = summary["network"]
+    assert network["injected_loss"] > 0 and network["duplicated"] > 0
+    assert summary["peers_finished"] == 4
+    assert all(peer["finished"] and peer["steps"] == 100 for peer in summary["peers"])
+    seen_twice = sum(p["dropped_reasons"].get("duplicate", 0) for p in summary["peers"])
+    assert 0 < seen_twice <= network["duplicated"]  # the receivers drop the second copy
+
+
+def test_a_killed_peer_stops_at_its_time_and_the_others_finish(tmp_path: Path) -> None:
+    summary = simulate(fast_swarm(tmp_path, [{"at": "1s", "kill": "2"}]), step_time=0.05)
+    run = tmp_path / "run"
+    dead = lines(run, 2)
+    assert dead[-1]["time"] <= 1.0 and dead[-1]["step"] <= 20 and not dead[-1].get("final")
+    for peer in (0, 1, 3, 4, 5):
+        assert lines(run, peer)[-1]["final"]
+    assert summary["network"]["dead"] > 0  # sent to it before its neighbours gave up on it
+
+
+# -- the real engine refuses them -------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["run", "peer", "sweep"])
+def test_the_real_engine_refuses_faults_naming_simulate(tmp_path: Path, command: str) -> None:
+    args = [command, "--set", 'faults=[{at = "1s", kill = "1"}]', "--out", str(tmp_path / "x")]
+    if command == "sweep":
+        path = tmp_path / "job.toml"
+        path.write_text(to_toml(small_config(tmp_path)))
+        args = [command, str(path), "--grid", "lr=0.1,0.2", *args[1:]]
+    result = CliRunner().invoke(cli.app, args, env={"COLUMNS": "80"})
+    stderr = " ".join(result.stderr.split())
+    assert result.exit_code == 2, stderr
+    assert "faults (1 event(s)) are simulated only" in stderr
+    assert "gossipdl simulate" in stderr
+    assert not (tmp_path / "x" / "peers").exists()
