@@ -25,6 +25,7 @@ from gossipdl.config import (
     ADVERTISE_ENV,
     DEFAULTS,
     FIELDS,
+    TABLE_KEYS,
     Config,
     ConfigError,
     load_config,
@@ -148,10 +149,10 @@ def _config_options(
     *, own: tuple[str, ...] = (), envvars: Mapping[str, str] | None = None
 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Give a command a flag per config key (except ``own``: its own flags of those names;
-    ``profiles``, tables, come from the file or --set) and ``--set KEY=VALUE``; it gets what
+    ``TABLE_KEYS``, tables, come from the file or --set) and ``--set KEY=VALUE``; it gets what
     they set as one keyword argument ``overrides``. ``envvars``: key -> environment variable
     read when its flag is not given. Help: the command's own options, then the panels."""
-    names = [name for name in FIELDS if name not in (*own, "profiles")]
+    names = [name for name in FIELDS if name not in (*own, *TABLE_KEYS)]
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
         signature = inspect.signature(command, eval_str=True)
@@ -259,7 +260,8 @@ def run(
     """Train a local swarm (default: 4 peers, 1-D CNN on MNIST-1D, ring, dense gossip).
 
     Device profiles (\\[profiles.NAME] tables: links, slowdown, offline windows per group of
-    peers) have no flag: give them in CONFIG_FILE, or as --set profiles={...}.
+    peers) have no flag: give them in CONFIG_FILE, or as --set profiles={...}. Fault events
+    (\\[\\[faults]] tables) run only under `gossipdl simulate`.
     """
     _setup_logging(rich=True, level=logging.WARNING)
     _launch(_load(config_file, overrides), progress)
@@ -310,16 +312,29 @@ def simulate(
     links: deterministic for a seed (give step_time in the profiles or --step-time), and
     fast enough for hundreds of peers. The run directory is the one `run` writes, with
     simulated seconds in `time`; `report` and `sweep` read it.
+
+    Fault events (\\[\\[faults]] tables: at = "30s" and one of kill, partition, heal,
+    clog, unclog, inject) come from CONFIG_FILE or --set 'faults=[{at="30s", kill="3"}]'.
     """
-    from gossipdl.experiments.display import summary_table
     from gossipdl.peers.conditions import ConditionError, parse_duration
-    from gossipdl.sim.engine import SimulationError
-    from gossipdl.sim.engine import simulate as run_simulation
 
     _setup_logging(rich=True, level=logging.WARNING)
     config = _load(config_file, overrides)
     try:
         seconds = None if step_time is None else parse_duration(step_time, "--step-time")
+    except ConditionError as exc:
+        _fail(str(exc))
+    _simulate(config, progress, seconds)
+
+
+def _simulate(config: Config, progress: bool, step_time: float | None = None) -> dict[str, Any]:
+    """Announce, simulate and tabulate one swarm; a config it cannot run exits with code 2."""
+    from gossipdl.experiments.display import summary_table
+    from gossipdl.peers.conditions import ConditionError
+    from gossipdl.sim.engine import SimulationError
+    from gossipdl.sim.engine import simulate as run_simulation
+
+    try:
         config = resolved(config.replace(out=config.out or str(default_run_dir())))
         console.print(
             f"[bold]gossipdl[/] simulate: {config.peers} virtual peer(s), {escape(_how(config))}, "
@@ -327,7 +342,7 @@ def simulate(
             f"→ {escape(config.out)}"
         )
         with _sim_progress(config, progress) as on_progress:
-            summary = run_simulation(config, step_time=seconds, on_progress=on_progress)
+            summary = run_simulation(config, step_time=step_time, on_progress=on_progress)
     except (ConfigError, SimulationError, ConditionError) as exc:
         _fail(str(exc))
     Console().print(summary_table(summary, title=f"gossipdl simulate · {config.out}"))
@@ -335,6 +350,7 @@ def simulate(
         f"simulated {summary['simulated_time_s']:.1f} s of swarm time in "
         f"{summary['host_time_s']:.1f} s on this host"
     )
+    return summary
 
 
 @contextmanager
@@ -383,6 +399,12 @@ def sweep(
         help="KEY=V1,V2: one axis of the grid (repeat for more), e.g. codec=none,topk:0.01.",
         rich_help_panel=SWARM,
     ),
+    engine: str = typer.Option(
+        "real",
+        help="real: every variant as local processes (gossipdl run); sim: simulated "
+        "(gossipdl simulate), on virtual time.",
+        rich_help_panel=OUTPUT,
+    ),
     progress: bool = _PROGRESS,
     *,
     overrides: dict[str, Any],
@@ -391,13 +413,18 @@ def sweep(
 
     Flags and --set change the file for every variant; --grid varies a key across them.
     """
+    if engine not in ("real", "sim"):
+        _fail(f"--engine {engine!r}: use real (local processes) or sim (the simulator)")
     from gossipdl.experiments.display import sweep_table
     from gossipdl.experiments.sweep import parse_grid, plan, run_sweep
+    from gossipdl.sim.faults import refuse_outside_simulation
 
     _setup_logging(rich=True, level=logging.WARNING)
     try:
         base = load_config(config_file, **overrides)
         axes = {key: [parse_value(key, v) for v in vs] for key, vs in parse_grid(grid).items()}
+        if engine == "real":
+            refuse_outside_simulation(base)
         root = Path(base.out or default_run_dir())
         variants = plan(base, axes, root)
     except ConfigError as exc:
@@ -406,7 +433,7 @@ def sweep(
 
     def one(config: Config) -> dict[str, Any]:
         try:
-            return _launch(config, progress)
+            return _launch(config, progress) if engine == "real" else _simulate(config, progress)
         except typer.Exit:
             raise RuntimeError(f"the run into {config.out} failed (see above)") from None
 
@@ -497,9 +524,14 @@ def _train(
     from gossipdl.experiments.summary import summarize
     from gossipdl.peers.peer import PeerError
     from gossipdl.peers.runner import train_peer
+    from gossipdl.sim.faults import refuse_outside_simulation
     from gossipdl.transport import TransportError
     from gossipdl.transport.probe import CONNECT_WAIT_S
 
+    try:
+        refuse_outside_simulation(config)
+    except ConfigError as exc:
+        _fail(str(exc))
     if threads:
         torch.set_num_threads(threads)
     run = RunDir(out or config.out or default_run_dir()).create()

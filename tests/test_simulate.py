@@ -116,8 +116,8 @@ def test_a_dead_peer_is_declared_dead_and_the_ring_goes_on(tmp_path: Path) -> No
 
 
 def test_what_the_simulator_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(SimulationError, match="mode 'ring' is not simulated"):
-        simulate(small_config(tmp_path, mode="ring"))
+    with pytest.raises(SimulationError, match="mode 'ps' is not simulated"):
+        simulate(small_config(tmp_path, mode="ps"))
 
 
 def test_gossipdl_simulate_writes_a_run_directory_report_reads(tmp_path: Path) -> None:
@@ -137,3 +137,18 @@ def test_gossipdl_simulate_writes_a_run_directory_report_reads(tmp_path: Path) -
                             timeout=120)  # fmt: skip
     assert report.returncode == 0, report.stderr
     assert (out / "report" / "accuracy.png").is_file()
+
+
+def test_a_sweep_runs_its_variants_in_the_simulator_with_engine_sim(tmp_path: Path) -> None:
+    config = small_config(tmp_path, peers=4, steps=20, out=str(tmp_path / "sweep"))
+    done = subprocess.run(
+        gossipdl_cmd("sweep", str(_toml(tmp_path, config)), "--grid", "codec=none,topk:0.1",
+                     "--engine", "sim", "--no-progress"),
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
+    assert len(summaries) == 2
+    for path in summaries:
+        summary = json.loads(path.read_text())
+        assert summary["engine"] == "sim" and summary["peers_finished"] == 4

@@ -13,11 +13,11 @@ import pytest
 import tomllib
 from conftest import gossipdl_cmd, last_record, peer_pids, small_config, wait_for
 
-from gossipdl.config import ConfigError, from_dict, resolved, to_dict
+from gossipdl.config import TABLE_KEYS, ConfigError, from_dict, resolved, to_dict
 from gossipdl.experiments.launcher import launch
 from gossipdl.experiments.summary import accuracy_curve
-from gossipdl.peers.runner import lr_at
 from gossipdl.rundir import RunDir
+from gossipdl.training import lr_at
 
 RECORD_KEYS = {
     "peer", "step", "time", "loss", "bytes_sent", "header_bytes_sent", "bytes_received",
@@ -110,8 +110,11 @@ def test_help_lists_every_option_with_its_default() -> None:
     )  # fmt: skip
     assert done.returncode == 0
     for key, value in to_dict(small_config(Path("."))).items():
-        # A table (device profiles) lives in the config file only; the help says where.
-        flag = f"[{key}." if isinstance(value, dict) else "--" + key.replace("_", "-")
+        # Tables (device profiles, fault events) live in the config file only; the help says
+        # where.
+        flag = "--" + key.replace("_", "-")
+        if key in TABLE_KEYS:
+            flag = f"[{key}." if isinstance(value, dict) else f"[[{key}]]"
         assert flag in done.stdout, f"{flag} missing from --help"
     assert "[default: 4]" in done.stdout and "[default: ring]" in done.stdout
 

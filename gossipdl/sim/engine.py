@@ -10,6 +10,9 @@ profile's ``slowdown``). The run directory is the real engine's contract
 virtual seconds in ``time`` and the total in ``simulated_time_s``: ``report`` and
 ``sweep`` read it unchanged. The same config and seed give byte-identical metrics
 files, apart from fields that name wall-clock time (``unix_time``, ``swarm_start``).
+
+Mode ``gossip`` runs here; mode ``ring`` (the ring all-reduce baseline) is a subclass
+in :mod:`gossipdl.sim.ring`, and :func:`simulate` picks the class for the mode.
 """
 
 from __future__ import annotations
@@ -17,33 +20,40 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector
 
-from gossipdl.averaging import build_averager, check_trigger, parse_trigger
+from gossipdl.averaging import Averager, build_averager, check_trigger, parse_trigger
 from gossipdl.config import Config, ConfigError, resolved, to_dict, to_toml
 from gossipdl.data import BatchSampler, Dataset, load_dataset
 from gossipdl.models import build_model
 from gossipdl.peers.checkpoint import save_atomic
 from gossipdl.peers.conditions import DeviceProfile, device_of
-from gossipdl.peers.runner import AWAY_POLL_S, evaluate, json_line, lr_at, make_optimizer, shard_for
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
-from gossipdl.protocol.membership import Member
+from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir, default_run_dir
 from gossipdl.sim.clock import Scheduler
+from gossipdl.sim.faults import parse_faults, schedule
 from gossipdl.sim.network import SimNetwork
+from gossipdl.training import (
+    AWAY_POLL_S,
+    evaluate,
+    json_line,
+    lr_at,
+    make_optimizer,
+    metrics_line,
+    shard_for,
+)
 from gossipdl.transport.wire import WireError
 
 log = logging.getLogger(__name__)
 MEASURED_STEPS = 5  # steps timed on the host when no profile gives a step time
-SIM_MODES = ("gossip",)
+SIM_MODES = ("gossip", "ring")
 
 
 class SimulationError(ValueError):
@@ -99,13 +109,27 @@ class VirtualPeer:
 
 
 class Simulation:
-    """The swarm of ``config`` (mode ``gossip``) in ``run``, ready to :meth:`run`."""
+    """The swarm of ``config`` (mode ``gossip``) in ``run``, ready to :meth:`run`.
+
+    Another mode's driver (:func:`simulation_for`) is a subclass that overrides the hooks:
+    :meth:`_averager` and :meth:`_topology` (what each peer's core runs), ``sentences``
+    (whether silence is punished), :meth:`_handler` (a message arrives) and :meth:`_step`
+    (a local step ends)."""
+
+    mode = "gossip"
+    sentences = True  # a member silent past dead_after is declared dead (GossipCore.tick)
 
     def __init__(self, config: Config, run: RunDir, *, step_time: float | None = None) -> None:
         if config.mode not in SIM_MODES:
             raise SimulationError(
                 f"mode {config.mode!r} is not simulated yet; the simulator runs gossip "
-                f"(algorithms dense, choco, broadcast, gossip-learning with any trigger)"
+                f"(algorithms dense, choco, broadcast, gossip-learning with any trigger) and "
+                f"ring (ring all-reduce, codecs none, fp16 and powersgd:RANK)"
+            )
+        if config.mode != self.mode:
+            raise SimulationError(
+                f"{type(self).__name__} runs mode {self.mode!r}, not {config.mode!r}; "
+                f"simulation_for({config.mode!r}) gives the class that does"
             )
         self.config = config
         self.run_dir = run
@@ -117,9 +141,10 @@ class Simulation:
         self.measured = step_time if step_time is not None else None
         self.swarm_start = round(time.time(), 3)  # wall clock: names when the run began
         self.swarm_id = f"{config.seed:08x}{config.peers:08x}"
+        self.failures: dict[int, str] = {}  # peer -> why it stopped before its last step
         trigger = parse_trigger(config.trigger)
         settings = Settings(
-            topology=config.topology,
+            topology=self._topology(),
             round_timeout=config.round_timeout,
             heartbeat=config.heartbeat,
             dead_after=config.dead_after,
@@ -139,13 +164,12 @@ class Simulation:
         self.peers: list[VirtualPeer] = []
         for i in range(config.peers):
             model = copy.deepcopy(template)
-            averager = build_averager(
-                config.algorithm, config.codec, config.seed, config.gamma or None
-            )
+            averager = self._averager()
             check_trigger(trigger, averager)
             flat = parameters_to_vector(model.parameters()).detach()
+            table = MemberTable(members)
             core = GossipCore(
-                i, members, averager=averager, trigger=trigger, settings=settings, model=flat
+                i, table, averager=averager, trigger=trigger, settings=settings, model=flat
             )
             core.sync_at_step(config.steps)
             device = device_of(i, config.peers, config.profiles, config.link, config.slowdown)
@@ -168,6 +192,16 @@ class Simulation:
             )
             self.peers.append(peer)
             self.network.attach(i, self._handler(peer), device.link)
+        schedule(parse_faults(config.faults, config.peers), self)  # the config's fault events
+
+    def _averager(self) -> Averager:
+        """The averaging rule of one peer's protocol core (a new one per peer)."""
+        config = self.config
+        return build_averager(config.algorithm, config.codec, config.seed, config.gamma or None)
+
+    def _topology(self) -> str:
+        """The topology the peers' protocol cores run."""
+        return self.config.topology
 
     def _step_time(self, device: DeviceProfile) -> float:
         """Virtual seconds of one local step on ``device``."""
@@ -185,11 +219,11 @@ class Simulation:
                 return
             now = self.clock.now
             try:
-                sends = peer.core.receive(now, frames)
+                peer.core.receive(now, frames)
             except WireError as exc:
                 self.network.stats(peer.id).drop(exc.reason)
                 return
-            self._send(peer, sends)
+            self._send(peer, [])
             if peer.core.waiting:
                 self._progress(peer, peer.core.poll(now, self.network.online(peer.id)))
 
@@ -223,7 +257,8 @@ class Simulation:
         """Heartbeats and death sentences every half heartbeat, while the peer runs."""
         if peer.done or peer.dead:
             return
-        self._send(peer, peer.core.tick(self.clock.now, self.network.online(peer.id)))
+        online = self.network.online(peer.id)
+        self._send(peer, peer.core.tick(self.clock.now, online, self.sentences).sends)
         self.clock.after(self.config.heartbeat / 2, lambda: self._tick(peer))
 
     def _step(self, peer: VirtualPeer) -> None:
@@ -277,34 +312,21 @@ class Simulation:
             device="sim",
         )
         peer.done, peer.finished_at = True, self.clock.now
+        self._send(peer, peer.core.leave())
 
     def _record(self, peer: VirtualPeer, **extra: Any) -> None:
         """One metrics line, with the real runner's keys."""
-        stats = self.network.stats(peer.id).snapshot()
-        dropped = Counter(stats.pop("messages_dropped"))
-        counters = peer.core.counters
         now = self.clock.now
-        line = {
-            "peer": peer.id,
-            "step": peer.steps,
-            "time": round(now, 4),
-            "unix_time": round(self.swarm_start + now, 3),
-            "loss": round(float(np.mean(peer.losses)), 6) if peer.losses else None,
-            **stats,
-            "model_messages_sent": counters.model_messages_sent,
-            "syncs": counters.syncs if peer.core.trigger.dynamic else peer.core.round,
-            "neighbour_misses": counters.neighbour_misses,
-            "resyncs": counters.resyncs,
-            "idle_s": round(counters.idle_s, 4),
-            "members": len(peer.core.membership.in_swarm()),
-            "declared_dead": counters.declared_dead,
+        stats = {
+            **self.network.stats(peer.id).snapshot(),
+            **peer.core.metrics(),
             "rejoins": 0,
             "online": self.network.online(peer.id),
             "sockets": len(peer.core.membership.in_swarm()) - 1,
-            "messages_dropped": sum(dropped.values()),
-            "dropped_reasons": dict(sorted(dropped.items())),
-            **extra,
         }
+        line = metrics_line(
+            peer.id, peer.steps, now, self.swarm_start + now, peer.losses, stats, extra
+        )
         peer.metrics.write(json_line(line))
         peer.losses.clear()
 
@@ -374,6 +396,14 @@ def _set_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
             offset += n
 
 
+def simulation_for(mode: str) -> type[Simulation]:
+    """The simulation class that runs ``mode`` (one of ``SIM_MODES``)."""
+    from gossipdl.sim.ring import RingSimulation  # it builds on this module
+
+    classes: dict[str, type[Simulation]] = {"gossip": Simulation, "ring": RingSimulation}
+    return classes.get(mode, Simulation)  # Simulation refuses a mode it cannot run
+
+
 def simulate(
     config: Config,
     *,
@@ -400,7 +430,7 @@ def simulate(
     torch.set_num_threads(1)  # one thread: the same sums in the same order every run
     try:
         with StopOnSignal() as stop:
-            simulation = Simulation(config, run, step_time=step_time)
+            simulation = simulation_for(config.mode)(config, run, step_time=step_time)
             simulated = simulation.run(on_progress, lambda: stop.signum is not None)
     finally:
         torch.set_num_threads(torch_threads)
@@ -412,6 +442,8 @@ def simulate(
         step_time_s=simulation.measured,
         network=dict(sorted(simulation.network.ledger.items())),
     )
+    if simulation.failures:  # a ring stops when a member dies; its peers say why
+        summary["failed"] = {str(i): why for i, why in sorted(simulation.failures.items())}
     summary["config"] = to_dict(config)
     write_json_atomic(run.summary, summary)
     if stop.signum is not None:
