@@ -152,3 +152,24 @@ def test_a_sweep_runs_its_variants_in_the_simulator_with_engine_sim(tmp_path: Pa
     for path in summaries:
         summary = json.loads(path.read_text())
         assert summary["engine"] == "sim" and summary["peers_finished"] == 4
+
+
+def test_the_timeline_of_many_simulated_peers_names_none_of_them_one_by_one(
+    tmp_path: Path,
+) -> None:
+    """Twenty peers: no twenty-entry legend over the bytes panel, time labelled as what it
+    is; up to 16 peers each is still named."""
+    from PIL import Image
+
+    from gossipdl.experiments.plots import AXES_KEY
+
+    for peers, named in ((20, False), (3, True)):
+        out = tmp_path / f"run{peers}"
+        simulate(small_config(tmp_path, peers=peers, steps=10, out=str(out)), step_time=0.01)
+        done = subprocess.run(gossipdl_cmd("report", str(out)), capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        with Image.open(out / "report" / "timeline.png") as image:
+            sent = json.loads(image.text[AXES_KEY])[2]
+        assert sent["xlabel"].startswith("time since the swarm started (s")
+        assert (f"peer {peers - 1}" in sent["legend"]) is named

@@ -22,6 +22,7 @@ import matplotlib
 matplotlib.use("Agg")  # write files; never open a window (headless machines, CI)
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 Curve = Sequence[Mapping[str, float]]
 Records = Sequence[Mapping[str, Any]]
@@ -49,6 +50,7 @@ ACCURACY_VS_TIME = Panel(
 ACCURACY_VS_STEPS = Panel("step", "accuracy", "local steps", "mean test accuracy")
 BAND = "band"  # the gid of a shaded mean ± standard deviation band
 STARTUP = "start-up"  # the gid of the shaded span before training began
+MAX_LABELLED_PEERS = 16  # a timeline names each peer (tick, legend) up to this many
 
 
 def save_figure(fig: Any, path: Path) -> Path:
@@ -162,16 +164,22 @@ def plot_timeline(
     busy.set_title("busy share of each interval (the rest: waiting for other peers; grey: away)")
     for ax in (up, busy):
         ax.set_ylabel("peer")
-        ax.set_yticks(sorted(records))
+        if len(records) <= MAX_LABELLED_PEERS:
+            ax.set_yticks(sorted(records))
+        else:  # hundreds of simulated peers: a few integer ticks, not one label each
+            ax.yaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
     if startup_s > 0:
         for ax in (up, busy, sent):
             label = f"start-up ({startup_s:.1f} s)"
             ax.axvspan(0, startup_s, color="tab:orange", alpha=0.15, gid=STARTUP, label=label)
     fig.colorbar(plt.cm.ScalarMappable(cmap=colormap), ax=(up, busy, sent), label="busy share")
     sent.set_title("bytes sent")
-    sent.set_xlabel("wall time (s)")
+    sent.set_xlabel("time since the swarm started (s; simulated seconds for gossipdl simulate)")
     sent.set_ylabel("bytes sent (MB)")
     sent.grid(True, alpha=0.3)
-    sent.legend(fontsize=7, ncol=4)
+    if len(records) <= MAX_LABELLED_PEERS:  # beyond, a legend would hide the lines
+        sent.legend(fontsize=7, ncol=4)
+    elif startup_s > 0:
+        sent.legend(handles=[h for h in sent.patches if h.get_gid() == STARTUP], fontsize=7)
     fig.suptitle(title)
     return save_figure(fig, path)

@@ -102,6 +102,7 @@ class VirtualPeer:
     done: bool = False
     dead: bool = False
     finished_at: float = 0.0  # virtual time of its last step
+    timer_at: float | None = None  # the round deadline a timer is set for
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -245,8 +246,8 @@ class Simulation:
         if progress.model is not None:
             _set_params(peer.params, progress.model)
             self._after_round(peer)
-        elif peer.core.deadline is not None:
-            deadline = peer.core.deadline
+        elif peer.core.deadline is not None and peer.core.deadline != peer.timer_at:
+            deadline = peer.timer_at = peer.core.deadline  # one timer per wait, not per message
             self.clock.at(deadline, lambda: self._timeout(peer, deadline))
 
     def _timeout(self, peer: VirtualPeer, deadline: float) -> None:
