@@ -165,3 +165,25 @@ def test_edge_benchmark_times_each_setting_to_the_target(tmp_path: Path) -> None
     assert rows["ring all-reduce (dense)"]["s_per_step"] > rows["CHOCO top-1%"]["s_per_step"]
     assert result["meta"]["best"] == "CHOCO top-1%" or not rows["CHOCO top-1%"]["reached"]
     assert (tmp_path / "e" / "edge.png").stat().st_size > 10_000
+
+
+def test_simulate_benchmark_runs_both_engines_and_the_scale_case(tmp_path: Path) -> None:
+    result = run_benchmark(
+        "simulate", tmp_path, "--quick", "--cases", "quickstart,scale", "--steps", "20",
+        "--scale-peers", "6", "--scale-steps", "10", "--out", str(tmp_path / "s"),
+    )  # fmt: skip
+    rows = result["rows"]
+    assert [(row["case"], row["engine"]) for row in rows] == [
+        ("quickstart", "real"), ("quickstart", "sim"), ("scale", "sim"),
+    ]  # fmt: skip
+    keys = {"case", "engine", "peers", "accuracy", "bytes", "time_to_target_s", "wall_s",
+            "peak_rss_mb"}  # fmt: skip
+    for row in rows:
+        assert keys <= row.keys()
+        assert row["accuracy"] is not None and row["bytes"] > 0 and row["wall_s"] > 0
+        assert (row["peak_rss_mb"] is not None) == (row["engine"] == "sim")
+    assert rows[2]["peers"] == 6 and rows[2]["peak_rss_mb"] > 0
+    quickstart = result["meta"]["fidelity"]["quickstart"]
+    assert {"accuracy_gap_points", "bytes_ratio", "accuracy_within_1_point",
+            "bytes_within_1pct", "met"} <= quickstart.keys()  # fmt: skip
+    assert {"under_20_min", "under_6_gb", "met"} <= result["meta"]["scale"].keys()
