@@ -174,7 +174,7 @@ def cases_for(args: argparse.Namespace) -> list[Case]:
 def _simulate_worker(values: dict[str, Any], conn: Connection) -> None:
     """In a fresh process: simulate the config, send back its summary and this process's
     peak resident memory (MiB), or the traceback."""
-    from gossipdl.sim.engine import simulate
+    from gossipdl.experiments.simulated import simulate
 
     exit_code = 0
     try:

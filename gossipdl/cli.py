@@ -330,9 +330,9 @@ def simulate(
 def _simulate(config: Config, progress: bool, step_time: float | None = None) -> dict[str, Any]:
     """Announce, simulate and tabulate one swarm; a config it cannot run exits with code 2."""
     from gossipdl.experiments.display import summary_table
+    from gossipdl.experiments.simulated import simulate as run_simulation
     from gossipdl.peers.conditions import ConditionError
     from gossipdl.sim.engine import SimulationError
-    from gossipdl.sim.engine import simulate as run_simulation
 
     try:
         config = resolved(config.replace(out=config.out or str(default_run_dir())))

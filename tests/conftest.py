@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -111,3 +112,18 @@ def peer_pids(run_dir: Path) -> dict[int, int]:
         if b"peer" in args and str(run_dir).encode() in args and b"--rank" in args:
             pids[int(args[args.index(b"--rank") + 1])] = int(proc.name)
     return pids
+
+
+WALL_CLOCK = re.compile(rb'"(unix_time|swarm_start)":[0-9.e+-]+')  # the fields that may differ
+
+
+def run_files(run: Path) -> dict[str, bytes]:
+    """A simulated run's metrics files and summary, with the fields that name wall-clock time
+    (or this host) masked: what must be byte-identical for the same config and seed."""
+    found = {p.name: p.read_bytes() for p in sorted((run / "peers").glob("*.jsonl"))}
+    summary = json.loads((run / "summary.json").read_text())
+    for key in ("provenance", "host_time_s", "step_time_s"):
+        summary.pop(key)
+    summary["config"].pop("out")
+    found["summary.json"] = json.dumps(summary, sort_keys=True).encode()
+    return {name: WALL_CLOCK.sub(rb'"\1":0', data) for name, data in found.items()}

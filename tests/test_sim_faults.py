@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 import gossipdl.cli as cli
 from gossipdl.config import Config, ConfigError, from_dict, parse_setting, to_toml
+from gossipdl.experiments.simulated import simulate
 from gossipdl.peers.conditions import ConditionError
-from gossipdl.sim.engine import simulate
 from gossipdl.sim.faults import (
     Clog,
     Heal,

@@ -10,18 +10,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import small_config
+from conftest import run_files, small_config
 
 from gossipdl.config import Config
 from gossipdl.experiments.launcher import launch, preflight
+from gossipdl.experiments.simulated import simulate
 from gossipdl.protocol.core import Send
 from gossipdl.protocol.ring import WAITING_FOR, RingCore, RingProgress
 from gossipdl.rundir import RunDir
-from gossipdl.sim.engine import simulate, simulation_for
+from gossipdl.sim.engine import simulation_for
 from gossipdl.sim.ring import RingSimulation
 from gossipdl.transport.wire import Message, decode
-
-WALL_CLOCK = re.compile(rb'"(unix_time|swarm_start)":[0-9.e+-]+')  # the fields that may differ
 
 
 def _wire(send: Send) -> Message:
@@ -228,18 +227,7 @@ def test_a_peer_killed_by_hand_stops_every_rank_and_every_message_is_accounted_f
     assert sim.network.balanced() and sim.finished
 
 
-def _files(run: Path) -> dict[str, bytes]:
-    """Every metrics file and the summary, wall-clock fields masked."""
-    found = {p.name: p.read_bytes() for p in sorted((run / "peers").glob("*.jsonl"))}
-    summary = json.loads((run / "summary.json").read_text())
-    for key in ("provenance", "host_time_s", "step_time_s"):
-        summary.pop(key)
-    summary["config"].pop("out")
-    found["summary.json"] = json.dumps(summary, sort_keys=True).encode()
-    return {name: WALL_CLOCK.sub(rb'"\1":0', data) for name, data in found.items()}
-
-
-def test_the_same_ring_config_and_seed_give_byte_identical_files(tmp_path: Path) -> None:
+def test_the_same_ring_config_and_seed_give_byte_identicalrun_files(tmp_path: Path) -> None:
     """Links with bandwidth, latency and jitter, PowerSGD's seeded factors: twice the same."""
     profile = {"peers": "*", "up": "5mbit", "down": "10mbit", "latency": "10ms",
                "jitter": "3ms", "step_time": "50ms"}  # fmt: skip
@@ -248,8 +236,8 @@ def test_the_same_ring_config_and_seed_give_byte_identical_files(tmp_path: Path)
                                "profiles": {"edge": profile}}  # fmt: skip
     first = simulate(ring_swarm(tmp_path, "a", **changes))
     again = simulate(ring_swarm(tmp_path, "b", **changes))
-    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    assert run_files(tmp_path / "a") == run_files(tmp_path / "b")
     assert first["peers_finished"] == 4 and first["simulated_time_s"] > 30 * 0.05
     other = simulate(ring_swarm(tmp_path, "c", seed=1, **changes))
-    assert _files(tmp_path / "c") != _files(tmp_path / "a"), "the seed changes nothing"
+    assert run_files(tmp_path / "c") != run_files(tmp_path / "a"), "the seed changes nothing"
     assert again["simulated_time_s"] == first["simulated_time_s"] != other["simulated_time_s"]

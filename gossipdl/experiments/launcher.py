@@ -52,6 +52,21 @@ class Interrupted(KeyboardInterrupt):
         self.exit_code = 128 + signum
 
 
+def fresh_run(config: Config) -> tuple[RunDir, Config]:
+    """The run directory ``config`` names (default ``runs/<timestamp>``), created, with the
+    resolved config in its ``config.toml`` (what ran); ConfigError if it holds a run."""
+    run = RunDir(config.out or default_run_dir())
+    if run.peer_ids() or run.summary.exists():
+        raise ConfigError(
+            f"{run.root} already holds a run (its metrics would be mixed with the new ones); "
+            "choose another --out or delete it"
+        )
+    run.create()
+    config = resolved(config.replace(out=str(run.root)))
+    run.config.write_text(to_toml(config))
+    return run, config
+
+
 def preflight(config: Config) -> int:
     """Load the data, partition it and build the model once here, before any process starts.
 
@@ -340,16 +355,8 @@ def launch(
             f"{config.processes} on this machine; give it to `gossipdl peer` or `join`, one "
             "per machine (here, `host` sets the address peers listen on)"
         )
-    run = RunDir(config.out or default_run_dir())
-    if run.peer_ids() or run.summary.exists():
-        raise ConfigError(
-            f"{run.root} already holds a run (its metrics would be mixed with the new ones); "
-            "choose another --out or delete it"
-        )
-    run.create()
-    config = resolved(config.replace(out=str(run.root)))  # config.toml says what ran
+    run, config = fresh_run(config)
     preflight(config)
-    run.config.write_text(to_toml(config))
     swarm = Swarm(config, run)
     started = time.monotonic()
     ended_early = False

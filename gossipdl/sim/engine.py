@@ -12,7 +12,8 @@ virtual seconds in ``time`` and the total in ``simulated_time_s``: ``report`` an
 files, apart from fields that name wall-clock time (``unix_time``, ``swarm_start``).
 
 Mode ``gossip`` runs here; mode ``ring`` (the ring all-reduce baseline) is a subclass
-in :mod:`gossipdl.sim.ring`, and :func:`simulate` picks the class for the mode.
+in :mod:`gossipdl.sim.ring`, and :func:`simulation_for` picks the class for the mode;
+:func:`gossipdl.experiments.simulated.simulate` runs one job with it.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector
 
 from gossipdl.averaging import Averager, build_averager, check_trigger, parse_trigger
-from gossipdl.config import Config, ConfigError, resolved, to_dict, to_toml
+from gossipdl.config import Config
 from gossipdl.data import BatchSampler, Dataset, load_dataset
 from gossipdl.models import build_model
 from gossipdl.peers.checkpoint import save_atomic
 from gossipdl.peers.conditions import DeviceProfile, device_of
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
-from gossipdl.rundir import RunDir, default_run_dir
+from gossipdl.rundir import RunDir
 from gossipdl.sim.clock import Scheduler
 from gossipdl.sim.faults import parse_faults, schedule
 from gossipdl.sim.network import SimNetwork
@@ -262,22 +263,29 @@ class Simulation:
         self._send(peer, peer.core.tick(self.clock.now, online, self.sentences).sends)
         self.clock.after(self.config.heartbeat / 2, lambda: self._tick(peer))
 
-    def _step(self, peer: VirtualPeer) -> None:
-        """One local step ends now: the optimizer step, then a round if the trigger says."""
+    def _computed(self, peer: VirtualPeer) -> bool:
+        """One local step's compute ends now: its gradients (the optimizer has not stepped
+        yet). False if the peer is dead, or away (churn: it looks again a moment later)."""
         if peer.dead:
-            return
-        if not self.network.online(peer.id):  # away (churn): no steps, no traffic
+            return False
+        if not self.network.online(peer.id):  # away: no steps, no traffic
             self._record(peer)
             self.clock.after(AWAY_POLL_S, lambda: self._step(peer))
-            return
+            return False
         for group in peer.optimizer.param_groups:
             group["lr"] = lr_at(self.config, peer.steps)
         x, y = peer.sampler.next()
         peer.optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(peer.model(x), y)
         loss.backward()
-        peer.optimizer.step()
         peer.losses.append(loss.item())
+        return True
+
+    def _step(self, peer: VirtualPeer) -> None:
+        """One local step ends now: the optimizer step, then a round if the trigger says."""
+        if not self._computed(peer):
+            return
+        peer.optimizer.step()
         peer.steps += 1
         if peer.core.trigger.ends_round(peer.steps):
             flat = parameters_to_vector(peer.model.parameters()).detach()
@@ -403,53 +411,3 @@ def simulation_for(mode: str) -> type[Simulation]:
 
     classes: dict[str, type[Simulation]] = {"gossip": Simulation, "ring": RingSimulation}
     return classes.get(mode, Simulation)  # Simulation refuses a mode it cannot run
-
-
-def simulate(
-    config: Config,
-    *,
-    step_time: float | None = None,
-    on_progress: Callable[[int, float], None] | None = None,
-) -> dict[str, Any]:
-    """Simulate ``config``'s swarm into its run directory and summarise it: the summary of
-    ``gossipdl run``, plus ``engine`` "sim", ``simulated_time_s`` and ``host_time_s``."""
-    from gossipdl.experiments.launcher import Interrupted, StopOnSignal
-    from gossipdl.experiments.summary import summarize
-    from gossipdl.rundir import write_json_atomic
-
-    run = RunDir(config.out or default_run_dir())
-    if run.peer_ids() or run.summary.exists():
-        raise ConfigError(
-            f"{run.root} already holds a run (its metrics would be mixed with the new ones); "
-            "choose another --out or delete it"
-        )
-    run.create()
-    config = resolved(config.replace(out=str(run.root)))
-    run.config.write_text(to_toml(config))
-    started = time.perf_counter()
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same sums in the same order every run
-    try:
-        with StopOnSignal() as stop:
-            simulation = simulation_for(config.mode)(config, run, step_time=step_time)
-            simulated = simulation.run(on_progress, lambda: stop.signum is not None)
-    finally:
-        torch.set_num_threads(torch_threads)
-    summary = summarize(run)
-    summary.update(
-        engine="sim",
-        simulated_time_s=round(simulated, 4),
-        host_time_s=round(time.perf_counter() - started, 3),
-        step_time_s=simulation.measured,
-        network=dict(sorted(simulation.network.ledger.items())),
-    )
-    if simulation.failures:  # a ring stops when a member dies; its peers say why
-        summary["failed"] = {str(i): why for i, why in sorted(simulation.failures.items())}
-    summary["config"] = to_dict(config)
-    write_json_atomic(run.summary, summary)
-    if stop.signum is not None:
-        log.warning(
-            "interrupted: the simulation stopped early; %s holds what it measured", run.root
-        )
-        raise Interrupted(stop.signum)
-    return summary

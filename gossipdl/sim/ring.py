@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from gossipdl.averaging import Averager, build_averager
@@ -33,7 +32,6 @@ from gossipdl.protocol.ring_powersgd import LowRankMean, LowRankRing
 from gossipdl.rundir import RunDir
 from gossipdl.sim.clock import Timer
 from gossipdl.sim.engine import Simulation, VirtualPeer, _set_params
-from gossipdl.training import AWAY_POLL_S, lr_at
 from gossipdl.transport.wire import WireError, decode
 
 log = logging.getLogger(__name__)
@@ -112,19 +110,8 @@ class RingSimulation(Simulation):
     def _step(self, peer: VirtualPeer) -> None:
         """One local step's compute ends now: all-reduce the gradients, then the optimizer
         step (``Peer.step`` with ``reduces_gradients``), or the optimizer step at once."""
-        if peer.dead:
+        if not self._computed(peer):
             return
-        if not self.network.online(peer.id):  # away (churn): no steps, no traffic
-            self._record(peer)
-            self.clock.after(AWAY_POLL_S, lambda: self._step(peer))
-            return
-        for group in peer.optimizer.param_groups:
-            group["lr"] = lr_at(self.config, peer.steps)
-        x, y = peer.sampler.next()
-        peer.optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(peer.model(x), y)
-        loss.backward()
-        peer.losses.append(loss.item())
         if not self.gradients:
             self._stepped(peer)
             return

@@ -1,0 +1,57 @@
+"""Run one job on the simulated engine (``gossipdl simulate``): the run directory and summary
+``gossipdl run`` writes, from virtual peers on virtual time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gossipdl.config import Config, to_dict
+from gossipdl.experiments.launcher import Interrupted, StopOnSignal, fresh_run
+from gossipdl.experiments.summary import summarize
+from gossipdl.rundir import write_json_atomic
+from gossipdl.sim.engine import simulation_for
+
+log = logging.getLogger(__name__)
+
+
+def simulate(
+    config: Config,
+    *,
+    step_time: float | None = None,
+    on_progress: Callable[[int, float], None] | None = None,
+) -> dict[str, Any]:
+    """Simulate ``config``'s swarm into its run directory and summarise it: the summary of
+    ``gossipdl run``, plus ``engine`` "sim", ``simulated_time_s`` and ``host_time_s``."""
+    run, config = fresh_run(config)
+    started = time.perf_counter()
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the same sums in the same order every run
+    try:
+        with StopOnSignal() as stop:
+            simulation = simulation_for(config.mode)(config, run, step_time=step_time)
+            simulated = simulation.run(on_progress, lambda: stop.signum is not None)
+    finally:
+        torch.set_num_threads(torch_threads)
+    summary = summarize(run)
+    summary.update(
+        engine="sim",
+        simulated_time_s=round(simulated, 4),
+        host_time_s=round(time.perf_counter() - started, 3),
+        step_time_s=simulation.measured,
+        network=dict(sorted(simulation.network.ledger.items())),
+    )
+    if simulation.failures:  # a ring stops when a member dies; its peers say why
+        summary["failed"] = {str(i): why for i, why in sorted(simulation.failures.items())}
+    summary["config"] = to_dict(config)
+    write_json_atomic(run.summary, summary)
+    if stop.signum is not None:
+        log.warning(
+            "interrupted: the simulation stopped early; %s holds what it measured", run.root
+        )
+        raise Interrupted(stop.signum)
+    return summary
