@@ -337,10 +337,12 @@ class GossipCore:
         self._answers.move_to(round)
 
     def _merge(self, x: torch.Tensor, rnd: Round, got: dict[int, Any]) -> torch.Tensor:
+        """Hand what arrived in round ``rnd`` (and late for earlier ones) to the averager."""
         arrived, missing = arrivals(rnd, got)
         return self.averager.incoming(x, rnd, arrived, missing, self._late_arrivals())
 
     def _late_arrivals(self) -> list[tuple[int, Arrival]]:
+        """Updates that came after their round (CHOCO and broadcast still count them)."""
         return [
             (j, Arrival(self.mixing(r)[0].get(j, 0.0), value, r, dense))
             for box in (self._inbox, self._answers)
@@ -397,12 +399,15 @@ class GossipCore:
         return sorted(self.mixing(self.round if round is None else round)[0])
 
     def mixing(self, round: int) -> tuple[dict[int, float], float]:
+        """Neighbour id -> weight, and the self weight, in ``round``."""
         return self.topologies.mixing(self.membership.active(round), self.id, round)
 
     def live(self, ids: Any) -> list[int]:
+        """The ids nobody should wait for removed: they left or were declared dead."""
         return [j for j in ids if not self.membership.gone(j)]
 
     def _dense_destinations(self, rnd: Round) -> set[int]:
+        """Neighbours that get the dense public copy this round instead of the update."""
         if not self.averager.uses_public_copies:
             return set()
         due = [r for r in self._dense_for if r <= rnd.index]
@@ -413,6 +418,8 @@ class GossipCore:
         return asked & set(rnd.weights)
 
     def _pending_alarms(self, x: torch.Tensor, t: int) -> list[int]:
+        """The sync rounds at or after ``t`` this peer knows of, after raising one for
+        ``t + spread`` if the local condition fails and no sync comes sooner."""
         ids = self.membership.active(t)
         horizon = t + (self.topologies.over(ids).spread_rounds(t) if len(ids) > 1 else 0)
         covered = any(t <= a <= horizon for a in self._alarms)
@@ -421,6 +428,7 @@ class GossipCore:
         return sorted(self._alarms)
 
     def _request_resync(self) -> list[Send]:
+        """Ask every neighbour for its dense public copy ``RESYNC_LEAD`` rounds from now."""
         target = self.round + RESYNC_LEAD
         self._gap = False
         self.averager.needs_resync = False
@@ -606,6 +614,7 @@ class GossipCore:
                 self._inbox.forget(member.id)
 
     def _hear_alarms(self, msg: Message) -> None:
+        """Add the sync rounds a neighbour's message announces (dynamic trigger), bounded."""
         alarms = msg.meta.get(SYNC_AT, [])
         if (
             not isinstance(alarms, list)
@@ -618,6 +627,8 @@ class GossipCore:
             self._alarms = set(sorted(heard)[:MAX_ALARMS])
 
     def decode(self, msg: Message, dense: bool, box: Mailbox | None = None) -> torch.Tensor:
+        """A received model payload as a tensor; WireError if unusable. With ``box``, only
+        once it would keep the message (checked before the payload is decoded to full size)."""
         expected = "none" if dense else self.codec
         if msg.codec != expected:
             raise WireError("bad_codec", f"codec {msg.codec!r}, this swarm uses {expected!r}")
@@ -632,6 +643,7 @@ class GossipCore:
             raise WireError("bad_payload", str(exc)) from None
 
     def track_seq(self, msg: Message) -> None:
+        """Note an accepted message's sequence number; a gap means one was lost (resync)."""
         if msg.seq <= 0:
             return
         last = self._last_seq.get(msg.sender)
