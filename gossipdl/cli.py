@@ -316,7 +316,7 @@ def simulate(
     Fault events (\\[\\[faults]] tables: at = "30s" and one of kill, partition, heal,
     clog, unclog, inject) come from CONFIG_FILE or --set 'faults=[{at="30s", kill="3"}]'.
     """
-    from gossipdl.peers.conditions import ConditionError, parse_duration
+    from gossipdl.conditions import ConditionError, parse_duration
 
     _setup_logging(rich=True, level=logging.WARNING)
     config = _load(config_file, overrides)
@@ -329,9 +329,9 @@ def simulate(
 
 def _simulate(config: Config, progress: bool, step_time: float | None = None) -> dict[str, Any]:
     """Announce, simulate and tabulate one swarm; a config it cannot run exits with code 2."""
+    from gossipdl.conditions import ConditionError
     from gossipdl.experiments.display import summary_table
     from gossipdl.experiments.simulated import simulate as run_simulation
-    from gossipdl.peers.conditions import ConditionError
     from gossipdl.sim.engine import SimulationError
 
     try:

@@ -7,14 +7,15 @@ files or environment variables for settings.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from gossipdl.suggest import did_you_mean
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -274,18 +275,6 @@ def _coerce(name: str, value: Any) -> Any:
         raise ConfigError(f"{name} = {value!r} is not a valid {kind}") from None
 
 
-def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """The end of an "unknown X" message: the nearest of ``known`` to ``word``, else them all.
-
-    Example:
-        >>> did_you_mean("stpes", ["steps", "seed"])
-        "did you mean 'steps'?"
-    """
-    known = sorted(known)
-    close = difflib.get_close_matches(word.replace("-", "_"), known, n=1)
-    return f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
-
-
 def _check_keys(values: Mapping[str, Any], where: str = "") -> None:
     """Every key of ``values`` is a config key; an unknown one names its nearest known key."""
     problems = [
@@ -431,17 +420,17 @@ def _validate(c: Config) -> None:
         parse_trigger,
     )
     from gossipdl.compression import CodecError, build_codec
-    from gossipdl.coordinator.ring import check_ring_codec
-    from gossipdl.coordinator.server import PS_RULES
-    from gossipdl.coordinator.staleness import parse_staleness
-    from gossipdl.data import available_datasets
-    from gossipdl.models import available_models
-    from gossipdl.peers.conditions import (
+    from gossipdl.conditions import (
         ConditionError,
         parse_drift,
         parse_profiles,
         parse_slowdown,
     )
+    from gossipdl.coordinator.ring import check_ring_codec
+    from gossipdl.coordinator.server import PS_RULES
+    from gossipdl.coordinator.staleness import parse_staleness
+    from gossipdl.data import available_datasets
+    from gossipdl.models import available_models
     from gossipdl.sim.faults import parse_faults
     from gossipdl.topologies import TopologyError, build_topology
     from gossipdl.transport.addresses import address_problem

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -91,3 +93,12 @@ def metrics_line(
 def json_line(value: dict[str, Any]) -> str:
     """One compact JSON line."""
     return json.dumps(value, separators=(",", ":")) + "\n"
+
+
+def save_atomic(value: Any, path: Path) -> None:
+    """``torch.save`` via a temporary file and a rename: a reader (another peer summarising
+    the run) sees the old file or the new one, never half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(value, tmp)
+    os.replace(tmp, path)

@@ -20,6 +20,7 @@ from conftest import small_config, start_peer, write_config
 from typer.testing import CliRunner
 
 import gossipdl.cli as cli
+from gossipdl.conditions import parse_slowdown
 from gossipdl.config import (
     FIELDS,
     TABLE_KEYS,
@@ -33,7 +34,6 @@ from gossipdl.config import (
     to_dict,
 )
 from gossipdl.experiments import launcher
-from gossipdl.peers.conditions import parse_slowdown
 
 PANELS = ("Swarm", "Data and model", "Optimisation", "Communication", "Faults and links", "Output")
 

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import tomllib
 
-from gossipdl.config import Config, ConfigError, from_dict, load_config, to_toml
-from gossipdl.experiments.display import unreached_windows
-from gossipdl.peers.conditions import (
+from gossipdl.conditions import (
     ConditionError,
     device_of,
     parse_peer_ids,
     parse_profile,
     parse_profiles,
 )
+from gossipdl.config import Config, ConfigError, from_dict, load_config, to_toml
+from gossipdl.experiments.display import unreached_windows
 from gossipdl.transport import Message, Transport, encode
 from gossipdl.transport.shaping import Link, LinkError, LinkProfile, parse_windows
 

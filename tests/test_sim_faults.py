@@ -14,9 +14,9 @@ from conftest import small_config
 from typer.testing import CliRunner
 
 import gossipdl.cli as cli
+from gossipdl.conditions import ConditionError
 from gossipdl.config import Config, ConfigError, from_dict, parse_setting, to_toml
 from gossipdl.experiments.simulated import simulate
-from gossipdl.peers.conditions import ConditionError
 from gossipdl.sim.faults import (
     Clog,
     Heal,

@@ -14,9 +14,9 @@ from test_peer_api import make_swarm
 
 from gossipdl import Peer
 from gossipdl.averaging import TriggerError, age_weighted_merge, parse_trigger
+from gossipdl.conditions import Drift, parse_drift, parse_slowdown
 from gossipdl.config import ConfigError
 from gossipdl.experiments.launcher import launch
-from gossipdl.peers.conditions import Drift, parse_drift, parse_slowdown
 from gossipdl.protocol.mailbox import Mailbox
 from gossipdl.rundir import RunDir
 

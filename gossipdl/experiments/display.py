@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gossipdl.conditions import parse_profile, parse_profiles
 from gossipdl.config import Config
-from gossipdl.peers.conditions import parse_profile, parse_profiles
 from gossipdl.rundir import RunDir
 
 

@@ -3,11 +3,11 @@ mid-write still leaves the previous one, and read back without unpickling code."
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from gossipdl.training import save_atomic
 
 FORMAT = 1
 
@@ -27,15 +27,6 @@ def save_checkpoint(
         "optimizer": optimizer.state_dict(),
     }
     save_atomic(state, path)
-
-
-def save_atomic(value: Any, path: Path) -> None:
-    """``torch.save`` via a temporary file and a rename: a reader (another peer summarising
-    the run) sees the old file or the new one, never half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(value, tmp)
-    os.replace(tmp, path)
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

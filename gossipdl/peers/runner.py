@@ -21,19 +21,14 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector
 
 from gossipdl.averaging import parse_trigger
+from gossipdl.conditions import DeviceProfile, Drift, device_of, parse_drift
 from gossipdl.config import Config, to_dict
 from gossipdl.coordinator.ring import chunk_bounds
 from gossipdl.coordinator.server import ShardServer, fedavg_local_steps, fedavg_rounds, serve
 from gossipdl.coordinator.worker import ServerWorker
 from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
 from gossipdl.models import build_model
-from gossipdl.peers.checkpoint import (
-    CheckpointError,
-    load_checkpoint,
-    save_atomic,
-    save_checkpoint,
-)
-from gossipdl.peers.conditions import DeviceProfile, Drift, device_of, parse_drift
+from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import Peer, PeerError
@@ -46,6 +41,7 @@ from gossipdl.training import (
     lr_at,
     make_optimizer,
     metrics_line,
+    save_atomic,
     shard_for,
 )
 from gossipdl.transport.curve import Curve

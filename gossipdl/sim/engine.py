@@ -30,11 +30,10 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector
 
 from gossipdl.averaging import Averager, build_averager, check_trigger, parse_trigger
+from gossipdl.conditions import DeviceProfile, device_of
 from gossipdl.config import Config
 from gossipdl.data import BatchSampler, Dataset, load_dataset
 from gossipdl.models import build_model
-from gossipdl.peers.checkpoint import save_atomic
-from gossipdl.peers.conditions import DeviceProfile, device_of
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
@@ -48,6 +47,7 @@ from gossipdl.training import (
     lr_at,
     make_optimizer,
     metrics_line,
+    save_atomic,
     shard_for,
 )
 from gossipdl.transport.wire import WireError

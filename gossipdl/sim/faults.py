@@ -33,10 +33,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gossipdl.config import Config, ConfigError, did_you_mean
-from gossipdl.peers.conditions import ConditionError, parse_duration, parse_peer_ids
+from gossipdl.conditions import ConditionError, parse_duration, parse_peer_ids
+from gossipdl.suggest import did_you_mean
 
 if TYPE_CHECKING:
+    from gossipdl.config import Config
     from gossipdl.sim.engine import Simulation
 
 log = logging.getLogger(__name__)
@@ -299,6 +300,8 @@ def _apply(fault: Fault, simulation: Simulation) -> None:
 def refuse_outside_simulation(config: Config) -> None:
     """The real engine's answer to a config with ``faults``: a ConfigError saying where
     they run (it cannot kill peers or split its network on a schedule)."""
+    from gossipdl.config import ConfigError  # here: the config's checks import this module
+
     if config.faults:
         raise ConfigError(
             f"faults ({len(config.faults)} event(s)) are simulated only: run this config with "

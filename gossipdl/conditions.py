@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from gossipdl.config import did_you_mean
+from gossipdl.suggest import did_you_mean
 from gossipdl.transport.shaping import LinkError, LinkProfile, parse_link, parse_windows
 
 LINK_KEYS = ("up", "down", "latency", "jitter", "loss")
@@ -53,7 +53,7 @@ def parse_slowdown(spec: str, peers: int | None = None) -> dict[int, float]:
         >>> parse_slowdown("9:4", peers=4)
         Traceback (most recent call last):
         ...
-        gossipdl.peers.conditions.ConditionError: slowdown '9:4' names peer 9, but ...
+        gossipdl.conditions.ConditionError: slowdown '9:4' names peer 9, but ...
     """
     result: dict[int, float] = {}
     for item in filter(None, spec.replace(" ", "").split(",")):
