@@ -1,5 +1,5 @@
-"""What both engines do the same way around the protocol: a peer's optimizer, learning rate,
-data shard and evaluation, and the lines it writes to ``peers/<id>.jsonl``."""
+"""What both engines do the same way around the protocol: a peer's starting model, optimizer,
+learning rate, batches and evaluation, and the lines it writes to ``peers/<id>.jsonl``."""
 
 from __future__ import annotations
 
@@ -14,9 +14,59 @@ import torch
 import torch.nn.functional as F
 
 from gossipdl.config import Config
-from gossipdl.data import Dataset, partition
+from gossipdl.data import BatchSampler, Dataset, partition
+from gossipdl.models import build_model
 
 AWAY_POLL_S = 0.25  # how often a device inside an offline window looks again (and logs)
+
+
+def initial_model(config: Config, dataset: Dataset) -> torch.nn.Module:
+    """The swarm's starting model, the same on every peer: built right after seeding torch
+    with the config's seed."""
+    torch.manual_seed(config.seed)
+    return build_model(
+        config.model, dataset.input_shape, dataset.num_classes, list(config.hidden) or None
+    )
+
+
+def peer_sampler(
+    config: Config,
+    dataset: Dataset,
+    peer_id: int,
+    step: int = 0,
+    device: torch.device | str = "cpu",
+) -> BatchSampler:
+    """Peer ``peer_id``'s batches from its shard, drawn from local step ``step`` on (a peer
+    resumed at a later step draws anew); mode single takes every peer's batch at once."""
+    shard = shard_for(config, dataset, peer_id)
+    batch = config.batch_size * (config.peers if config.mode == "single" else 1)
+    seed = config.seed + 1000 + peer_id + 7919 * step
+    return BatchSampler(dataset.x_train[shard], dataset.y_train[shard], batch, seed, device)
+
+
+def local_gradients(
+    config: Config,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sampler: BatchSampler,
+    step: int,
+) -> torch.Tensor:
+    """One local step's compute, before its optimizer step: the learning rate of ``step``, a
+    batch, and its loss's gradients; returns the loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(config, step)
+    x, y = sampler.next()
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss
+
+
+def evaluation(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """``accuracy`` and ``test_loss`` over the held-out set, rounded as a metrics line holds
+    them."""
+    accuracy, test_loss = evaluate(model, x, y)
+    return {"accuracy": round(accuracy, 6), "test_loss": round(test_loss, 6)}
 
 
 @torch.no_grad()

@@ -413,8 +413,7 @@ class Peer:
     def _carry_out(self, sends: list[Send]) -> None:
         """Send what the core asked for; count what it dropped and log what it noted."""
         with self._core:
-            dropped, self.core.dropped = self.core.dropped, []
-            notes, self.core.notes = self.core.notes, []
+            dropped, notes = self.core.reports()
         for error in dropped:
             self.transport.stats.drop(error.reason)
         for note in notes:

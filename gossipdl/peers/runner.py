@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector
 
 from gossipdl.averaging import parse_trigger
@@ -26,8 +25,7 @@ from gossipdl.config import Config, to_dict
 from gossipdl.coordinator.ring import chunk_bounds
 from gossipdl.coordinator.server import ShardServer, fedavg_local_steps, fedavg_rounds, serve
 from gossipdl.coordinator.worker import ServerWorker
-from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
-from gossipdl.models import build_model
+from gossipdl.data import Dataset, load_dataset, partition
 from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
@@ -36,11 +34,13 @@ from gossipdl.peers.sinks import MetricsSinks, check_sinks
 from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic
 from gossipdl.training import (
     AWAY_POLL_S,
-    evaluate,
+    evaluation,
+    initial_model,
     json_line,
-    lr_at,
+    local_gradients,
     make_optimizer,
     metrics_line,
+    peer_sampler,
     save_atomic,
     shard_for,
 )
@@ -103,10 +103,7 @@ def train_peer(
     check_sinks(config)
     device = pick_device(config.device, local_index)
     dataset = load_dataset(config.dataset)
-    torch.manual_seed(config.seed)  # every peer starts from the same model
-    model = build_model(
-        config.model, dataset.input_shape, dataset.num_classes, list(config.hidden) or None
-    ).to(device)
+    model = initial_model(config, dataset).to(device)
     optimizer = make_optimizer(config, model)
     single = config.mode == "single"
     resume_step = None
@@ -247,10 +244,7 @@ def run_shard(
     """Serve parameter-server shard ``shard`` until every worker left; its counters go to
     ``servers/<shard>.json`` (rewritten about once a second and at the end)."""
     dataset = load_dataset(config.dataset)
-    torch.manual_seed(config.seed)  # the workers' initial model
-    model = build_model(
-        config.model, dataset.input_shape, dataset.num_classes, list(config.hidden) or None
-    )
+    model = initial_model(config, dataset)  # the workers' initial model
     flat = parameters_to_vector(model.parameters()).detach()
     a, b = chunk_bounds(flat.numel(), config.ps_shards)[shard]
     sizes = [
@@ -309,10 +303,7 @@ def _loop(
     model = peer.model
     assert peer.optimizer is not None
     optimizer = peer.optimizer
-    shard = shard_for(config, dataset, peer.id)
-    batch = config.batch_size * (config.peers if config.mode == "single" else 1)
-    seed = config.seed + 1000 + peer.id + 7919 * peer.steps  # a resumed peer draws anew
-    sampler = BatchSampler(dataset.x_train[shard], dataset.y_train[shard], batch, seed, device)
+    sampler = peer_sampler(config, dataset, peer.id, peer.steps, device)
     x_test = torch.as_tensor(dataset.x_test, device=device)
     y_test = torch.as_tensor(dataset.y_test, device=device)
     emulated = _device(config, peer.id)
@@ -329,7 +320,7 @@ def _loop(
     log.info(
         "peer %d: training on %d samples, %s, from step %d%s",
         peer.id,
-        len(shard),
+        len(sampler.y),
         device,
         peer.steps,
         _emulation(emulated),
@@ -349,12 +340,11 @@ def _loop(
 
     peer.sync_at_step(config.steps)  # dynamic trigger: the swarm ends on an agreed model
     try:
-        accuracy, test_loss = evaluate(model, x_test, y_test)
         first = {"start": True, "swarm": swarm, "swarm_start": round(start, 3)}
         if previous is not None:  # the gap while this peer was down shows in its time
             down = time.time() - start - previous.get("time", 0.0)
             first.update(resumed=True, down_s=round(max(0.0, down), 3))
-        record(accuracy=round(accuracy, 6), test_loss=round(test_loss, 6), **first)
+        record(**evaluation(model, x_test, y_test), **first)
         while not _finished(config, peer) and not stop.is_set():
             if not peer.transport.online:  # the device is away (churn): no steps, no traffic
                 stop.wait(AWAY_POLL_S)
@@ -367,12 +357,7 @@ def _loop(
                 log.info("peer %d: labels permuted at step %d (drift)", peer.id, peer.steps)
                 drift = None
             computed = time.monotonic()
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(config, peer.steps)
-            x, y = sampler.next()
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
+            loss = local_gradients(config, model, optimizer, sampler, peer.steps)
             _take_as_long(emulated, computed)
             peer.step()
             losses.append(loss.item())
@@ -380,16 +365,14 @@ def _loop(
                 save_checkpoint(run.checkpoint(peer.id), model, optimizer, peer.steps)
             due = config.eval_every and peer.steps % config.eval_every == 0
             if due and peer.steps < config.steps:
-                accuracy, test_loss = evaluate(model, x_test, y_test)
-                record(accuracy=round(accuracy, 6), test_loss=round(test_loss, 6))
+                record(**evaluation(model, x_test, y_test))
             elif peer.steps % config.log_every == 0:
                 record()
-        accuracy, test_loss = evaluate(model, x_test, y_test)
+        evaluated = evaluation(model, x_test, y_test)
         save_atomic(model.state_dict(), run.model(peer.id))
         peer.transport.flush()  # the final line counts the last messages sent, too
         final = record(
-            accuracy=round(accuracy, 6),
-            test_loss=round(test_loss, 6),
+            **evaluated,
             final=True,
             stopped_early=peer.steps < config.steps,
             device=str(device),
@@ -397,7 +380,7 @@ def _loop(
     finally:
         metrics.close()
         sinks.close()
-    log.info("peer %d: done at step %d, test accuracy %.4f", peer.id, peer.steps, accuracy)
+    log.info("peer %d: done at step %d, test accuracy %.4f", peer.id, peer.steps, final["accuracy"])
     return final
 
 

@@ -209,8 +209,9 @@ class GossipCore:
         t = self.round
         if self.averager.asynchronous:
             return self._walk(x, t, now)
-        rnd, sends = self._round_view(t)
-        dense_to = self._dense_destinations(rnd)
+        changes = topology_changes(self.membership.members(), self.first_round)
+        rnd, sends = self._round_view(t, changes)
+        dense_to = self._dense_destinations(rnd, changes)
         tag: dict[str, Any] = {}
         sync = True
         if self.trigger.dynamic:
@@ -366,19 +367,26 @@ class GossipCore:
         target = self._walk_rng.choice(sorted(neighbours))
         return self.send(target, "walk", t, payload, {WALK_AGE: self.age})
 
-    def _round_view(self, t: int) -> tuple[Round, list[Send]]:
+    def _round_view(self, t: int, changes: set[int]) -> tuple[Round, list[Send]]:
         """This peer's view of round ``t`` (mixing weights, whether it resyncs), and the
-        resync requests due when the topology changed and we learnt it too late."""
+        resync requests due when the topology changed (at the rounds ``changes``) and we
+        learnt it too late."""
         weights, self_weight = self.mixing(t)
         resync, sends = False, []
         if self.averager.uses_public_copies:
             ids = tuple(self.membership.active(t))
-            changes = topology_changes(self.membership.members(), self.first_round)
             if self._last_ids not in (None, ids) and t not in changes:
                 sends = self._request_resync()
             self._last_ids = ids
             resync = t == self.first_round or t in changes or t in self._resync_at
         return Round(t, weights, self_weight, resync), sends
+
+    def reports(self) -> tuple[list[WireError], list[str]]:
+        """What the engine must count (messages dropped on purpose) and log since it last
+        asked."""
+        reports = (self.dropped, self.notes)
+        self.dropped, self.notes = [], []
+        return reports
 
     def metrics(self) -> dict[str, Any]:
         """The protocol's part of a metrics line (the run directory's keys)."""
@@ -406,13 +414,12 @@ class GossipCore:
         """The ids nobody should wait for removed: they left or were declared dead."""
         return [j for j in ids if not self.membership.gone(j)]
 
-    def _dense_destinations(self, rnd: Round) -> set[int]:
+    def _dense_destinations(self, rnd: Round, changes: set[int]) -> set[int]:
         """Neighbours that get the dense public copy this round instead of the update."""
         if not self.averager.uses_public_copies:
             return set()
         due = [r for r in self._dense_for if r <= rnd.index]
         asked = set().union(*(self._dense_for.pop(r) for r in due))
-        changes = topology_changes(self.membership.members(), self.first_round)
         if rnd.index == self.first_round or rnd.index in changes:
             return set(rnd.weights)
         return asked & set(rnd.weights)

@@ -33,7 +33,6 @@ from gossipdl.averaging import Averager, build_averager, check_trigger, parse_tr
 from gossipdl.conditions import DeviceProfile, device_of
 from gossipdl.config import Config
 from gossipdl.data import BatchSampler, Dataset, load_dataset
-from gossipdl.models import build_model
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
@@ -42,13 +41,14 @@ from gossipdl.sim.faults import parse_faults, schedule
 from gossipdl.sim.network import SimNetwork
 from gossipdl.training import (
     AWAY_POLL_S,
-    evaluate,
+    evaluation,
+    initial_model,
     json_line,
-    lr_at,
+    local_gradients,
     make_optimizer,
     metrics_line,
+    peer_sampler,
     save_atomic,
-    shard_for,
 )
 from gossipdl.transport.wire import WireError
 
@@ -69,10 +69,7 @@ def sim_address(peer_id: int) -> str:
 def measure_step_time(config: Config, dataset: Dataset) -> float:
     """Seconds one local training step of ``config``'s model and batch takes on this host
     (the fastest of a few, after a warm-up): the step time of a profile without one."""
-    torch.manual_seed(config.seed)
-    model = build_model(
-        config.model, dataset.input_shape, dataset.num_classes, list(config.hidden) or None
-    )
+    model = initial_model(config, dataset)
     optimizer = make_optimizer(config, model)
     sampler = BatchSampler(dataset.x_train, dataset.y_train, config.batch_size, config.seed)
     best = float("inf")
@@ -156,13 +153,7 @@ class Simulation:
             seed=config.seed,
         )
         members = [Member(i, sim_address(i), 0) for i in range(config.peers)]
-        torch.manual_seed(config.seed)  # every peer starts from the same model
-        template = build_model(
-            config.model,
-            self.dataset.input_shape,
-            self.dataset.num_classes,
-            list(config.hidden) or None,
-        )
+        template = initial_model(config, self.dataset)  # every peer starts from it
         self.peers: list[VirtualPeer] = []
         for i in range(config.peers):
             model = copy.deepcopy(template)
@@ -175,13 +166,7 @@ class Simulation:
             )
             core.sync_at_step(config.steps)
             device = device_of(i, config.peers, config.profiles, config.link, config.slowdown)
-            shard = shard_for(config, self.dataset, i)
-            sampler = BatchSampler(
-                self.dataset.x_train[shard],
-                self.dataset.y_train[shard],
-                config.batch_size,
-                config.seed + 1000 + i,
-            )
+            sampler = peer_sampler(config, self.dataset, i)
             peer = VirtualPeer(
                 i,
                 core,
@@ -232,12 +217,11 @@ class Simulation:
         return deliver
 
     def _send(self, peer: VirtualPeer, sends: list[Send]) -> None:
-        for error in peer.core.dropped:
+        dropped, notes = peer.core.reports()
+        for error in dropped:
             self.network.stats(peer.id).drop(error.reason)
-        peer.core.dropped.clear()
-        for note in peer.core.notes:
+        for note in notes:
             log.debug("peer %d at %.3fs: %s", peer.id, self.clock.now, note)
-        peer.core.notes.clear()
         for send in sends:
             self.network.send(peer.id, send.to, send.frames)
 
@@ -272,12 +256,7 @@ class Simulation:
             self._record(peer)
             self.clock.after(AWAY_POLL_S, lambda: self._step(peer))
             return False
-        for group in peer.optimizer.param_groups:
-            group["lr"] = lr_at(self.config, peer.steps)
-        x, y = peer.sampler.next()
-        peer.optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(peer.model(x), y)
-        loss.backward()
+        loss = local_gradients(self.config, peer.model, peer.optimizer, peer.sampler, peer.steps)
         peer.losses.append(loss.item())
         return True
 
@@ -303,25 +282,27 @@ class Simulation:
             return
         due = config.eval_every and peer.steps % config.eval_every == 0
         if due:
-            accuracy, test_loss = evaluate(peer.model, self.x_test, self.y_test)
-            self._record(peer, accuracy=round(accuracy, 6), test_loss=round(test_loss, 6))
+            self._record(peer, **self._evaluation(peer))
         elif peer.steps % config.log_every == 0:
             self._record(peer)
         self.clock.after(peer.step_time, lambda: self._step(peer))
 
     def _finish(self, peer: VirtualPeer) -> None:
-        accuracy, test_loss = evaluate(peer.model, self.x_test, self.y_test)
+        evaluated = self._evaluation(peer)
         save_atomic(peer.model.state_dict(), self.run_dir.model(peer.id))
         self._record(
             peer,
-            accuracy=round(accuracy, 6),
-            test_loss=round(test_loss, 6),
+            **evaluated,
             final=True,
             stopped_early=peer.steps < self.config.steps,
             device="sim",
         )
         peer.done, peer.finished_at = True, self.clock.now
         self._send(peer, peer.core.leave())
+
+    def _evaluation(self, peer: VirtualPeer) -> dict[str, float]:
+        """The peer's model on the held-out set (``accuracy``, ``test_loss``)."""
+        return evaluation(peer.model, self.x_test, self.y_test)
 
     def _record(self, peer: VirtualPeer, **extra: Any) -> None:
         """One metrics line, with the real runner's keys."""
@@ -365,11 +346,9 @@ class Simulation:
         try:
             for peer in self.peers:
                 peer.metrics = self.run_dir.metrics(peer.id).open("w", buffering=1)
-                accuracy, test_loss = evaluate(peer.model, self.x_test, self.y_test)
                 self._record(
                     peer,
-                    accuracy=round(accuracy, 6),
-                    test_loss=round(test_loss, 6),
+                    **self._evaluation(peer),
                     start=True,
                     swarm=self.swarm_id,
                     swarm_start=self.swarm_start,
