@@ -1,6 +1,6 @@
 """How peers combine models: averaging strategies behind one small interface."""
 
-from gossipdl.averaging.base import Arrival, Averager, Round
+from gossipdl.averaging.base import Arrival, Averager, Round, SharedDecodes
 from gossipdl.averaging.broadcast import Broadcast
 from gossipdl.averaging.choco import Choco, default_gamma
 from gossipdl.averaging.dense import DenseGossip
@@ -21,6 +21,7 @@ __all__ = [
     "DenseGossip",
     "GossipLearning",
     "Round",
+    "SharedDecodes",
     "Trigger",
     "TriggerError",
     "age_weighted_merge",

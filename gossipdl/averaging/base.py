@@ -7,8 +7,11 @@ so a partial round is a designed case rather than an exception path.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +67,10 @@ class Averager(ABC):
     supports_dynamic: bool = True
     # True for gossip learning: no rounds to wait for, models walk and are merged on arrival.
     asynchronous: bool = False
+    # True when ``incoming`` only reads the arrivals' values, never changes them in place, so
+    # peers in one process may be handed one shared decoded tensor (:class:`SharedDecodes`).
+    # False by default: an averager of one's own opts in once it is known not to write them.
+    arrivals_read_only: bool = False
 
     def __init__(self, codec: Codec | str = "none", seed: int = 0) -> None:
         self.codec = build_codec(codec, seed) if isinstance(codec, str) else codec
@@ -90,7 +97,76 @@ class Averager(ABC):
         missing: Sequence[int],
         late: Sequence[tuple[int, Arrival]] = (),
     ) -> torch.Tensor:
-        """The new parameter vector from ``x`` and what the neighbours sent."""
+        """The new parameter vector from ``x`` and what the neighbours sent (with
+        ``arrivals_read_only``, the arrivals' values must not be changed in place)."""
+
+
+class SharedDecodes:
+    """Decoded payloads shared by the peers of one process: a simulated swarm's broadcast is
+    decoded once, not once per neighbour.
+
+    A peer sends one payload to each of its d neighbours, and each would decode it to a
+    full-size tensor; in the simulator, where all of them live in one process, that is d
+    decodes of the same bytes. :meth:`decode` gives every receiver of the same payload
+    (the same arrays, bytes, dtypes and shapes, the same meta, for the same codec, size and
+    device) the same tensor, decoded the first time: decoding is a function of those alone
+    (the codec contract), so each receiver gets what its own decode would give. Only
+    averagers with ``arrivals_read_only`` share; the others decode as before.
+
+    Entries are keyed by content, never by object identity, and live while some receiver
+    holds the tensor (weak references) or while they are among the last ``keep`` decoded
+    (at most ``keep_bytes`` of them), so the cache holds little beyond what the receivers'
+    mailboxes hold anyway.
+
+    Example:
+        >>> from gossipdl.averaging import Choco
+        >>> shared, a, b = SharedDecodes(), Choco("topk:0.5"), Choco("topk:0.5")
+        >>> payload, _ = a.codec.encode(torch.tensor([0.0, 3.0, -1.0, 0.5]))
+        >>> x = shared.decode(a, payload, False, 4, torch.device("cpu"))
+        >>> y = shared.decode(b, payload, False, 4, torch.device("cpu"))
+        >>> x is y, x.tolist(), shared.hits
+        (True, [0.0, 3.0, -1.0, 0.0], 1)
+    """
+
+    def __init__(self, keep: int = 256, keep_bytes: int = 64 * 2**20) -> None:
+        self.keep = keep
+        self.keep_bytes = keep_bytes
+        self.hits = 0
+        self.misses = 0
+        self._held: weakref.WeakValueDictionary[Hashable, Any] = weakref.WeakValueDictionary()
+        self._recent: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._recent_bytes = 0
+
+    def decode(
+        self, averager: Averager, payload: Payload, dense: bool, numel: int, device: torch.device
+    ) -> Any:
+        """``averager.decode(payload, dense, numel, device)``, shared with every other receiver
+        of the same payload; the result must be treated as read-only."""
+        if not averager.arrivals_read_only or type(averager).decode is not Averager.decode:
+            return averager.decode(payload, dense, numel, device)
+        codec = averager._dense if dense else averager.codec
+        # repr keeps 1, 1.0, -0.0 and 0.0 apart (the same meta in another order only misses)
+        key: tuple[Any, ...] = (type(codec), codec.spec, numel, device, repr(payload.meta))
+        for a in payload.arrays:
+            key += (a.dtype.str, a.shape, a.tobytes())
+        recent = self._recent.get(key)
+        value = recent[0] if recent is not None else self._held.get(key)
+        if value is not None:
+            self.hits += 1
+            return value
+        self.misses += 1
+        value = averager.decode(payload, dense, numel, device)
+        with contextlib.suppress(TypeError):  # not weakly referenceable: kept while recent
+            self._held[key] = value
+        size = value.nbytes if isinstance(value, torch.Tensor) else 0
+        self._recent[key] = (value, size)
+        self._recent_bytes += size
+        while self._recent and (
+            len(self._recent) > self.keep or self._recent_bytes > self.keep_bytes
+        ):
+            _, (_, dropped) = self._recent.popitem(last=False)
+            self._recent_bytes -= dropped
+        return value
 
 
 def dense_payload(t: torch.Tensor) -> Payload:

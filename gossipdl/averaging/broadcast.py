@@ -29,6 +29,7 @@ class Broadcast(Averager):
     """Strom-style compressed broadcast; a natural codec is ``threshold:auto+sign``."""
 
     name = "broadcast"
+    arrivals_read_only = True  # x̄ += q_j reads q_j
     uses_public_copies = True
 
     def __init__(self, codec: str = "threshold:auto+sign", seed: int = 0) -> None:

@@ -57,6 +57,7 @@ class Choco(Averager):
     """CHOCO-SGD with codec ``codec`` and consensus step ``gamma`` (default: per codec)."""
 
     name = "choco"
+    arrivals_read_only = True  # s_i += W_ij q_j reads q_j
 
     def __init__(self, codec: Codec | str = "topk:0.01", seed: int = 0, gamma: float | None = None):
         super().__init__(codec, seed)

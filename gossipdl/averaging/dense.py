@@ -21,6 +21,7 @@ class DenseGossip(Averager):
     """
 
     name = "dense"
+    arrivals_read_only = True  # the average reads what arrived
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """The whole parameter vector, encoded."""

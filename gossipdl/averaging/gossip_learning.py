@@ -42,6 +42,7 @@ class GossipLearning(Averager):
     """Send the (encoded) model to one neighbour; merge arrivals by age (see the module doc)."""
 
     name = "gossip-learning"
+    arrivals_read_only = True  # merges walks by lerp, never in place
     asynchronous = True
     supports_dynamic = False
 

@@ -32,7 +32,17 @@ WIRE_DTYPES: frozenset[str] = frozenset(
 )
 """Array dtypes a payload may carry (bfloat16 travels as uint16)."""
 
+_WIRE_NAMES: dict[type, str] = {np.dtype(name).type: name for name in WIRE_DTYPES}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, looked up by scalar type for the wire dtypes (numpy computes ``name``
+    in Python, which the many small payloads of a simulated swarm notice)."""
+    return _WIRE_NAMES.get(dtype.type) or dtype.name
+
+
 _MAX_META_KEYS = 64
+_SCALARS = (int, float)  # exact types a meta value may have without a closer look
 _MAX_META_STR = 256
 
 
@@ -71,19 +81,21 @@ class Payload:
         for i, array in enumerate(arrays):
             if not isinstance(array, np.ndarray):
                 raise CodecError(f"payload array {i} is a {type(array).__name__}, not an ndarray")
-            if array.dtype.name not in WIRE_DTYPES:
+            if dtype_name(array.dtype) not in WIRE_DTYPES:
                 raise CodecError(
                     f"payload array {i} has dtype {array.dtype}; allowed: {sorted(WIRE_DTYPES)}"
                 )
         object.__setattr__(self, "arrays", tuple(arrays))
         meta = self.meta
-        if not isinstance(meta, Mapping):
+        if type(meta) is not dict and not isinstance(meta, Mapping):
             raise CodecError(f"payload meta must be a dict, got {type(meta).__name__}")
         if len(meta) > _MAX_META_KEYS:
             raise CodecError(f"payload meta has {len(meta)} keys, at most {_MAX_META_KEYS}")
         for key, value in meta.items():
-            if not isinstance(key, str):
+            if type(key) is not str and not isinstance(key, str):
                 raise CodecError(f"payload meta key {key!r} is not a string")
+            if type(value) in _SCALARS:  # the usual case, checked in one look-up
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float | str):
                 raise CodecError(f"payload meta {key!r} = {value!r:.80} is not an int/float/str")
             if isinstance(value, str) and len(value) > _MAX_META_STR:
@@ -191,7 +203,7 @@ def check_arrays(
     for i, (array, dtype, length) in enumerate(zip(arrays, dtypes, lengths, strict=True)):
         if array.ndim != 1:
             raise CodecError(f"{what}: array {i} has shape {array.shape}, expected 1-D")
-        if array.dtype.name != dtype:
+        if dtype_name(array.dtype) != dtype:
             raise CodecError(f"{what}: array {i} has dtype {array.dtype}, expected {dtype}")
         if length is not None and array.shape[0] != length:
             raise CodecError(f"{what}: array {i} has {array.shape[0]} elements, expected {length}")

@@ -14,8 +14,10 @@ from gossipdl.data.datasets import (
     DataError,
     Dataset,
     available_datasets,
+    builtin_dataset,
     cache_dir,
     load_dataset,
+    sized_dataset,
 )
 from gossipdl.data.loader import BatchSampler, to_tensors
 from gossipdl.data.partition import partition
@@ -25,8 +27,10 @@ __all__ = [
     "DataError",
     "Dataset",
     "available_datasets",
+    "builtin_dataset",
     "cache_dir",
     "load_dataset",
     "partition",
+    "sized_dataset",
     "to_tensors",
 ]

@@ -16,6 +16,7 @@ simulator at a virtual instant.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from gossipdl.transport.wire import WireError
@@ -69,17 +70,26 @@ class Mailbox:
     def complete(self, round: int, expected: set[int]) -> bool:
         """Whether every id in ``expected`` has sent ``round``, or is known to have lost it
         (it already spoke for a later round: one connection delivers in order)."""
-        return expected <= self._rounds.get(round, {}).keys() | self._ahead(round)
+        return not self.waiting_for(round, expected)
+
+    def waiting_for(self, round: int, ids: Iterable[int]) -> set[int]:
+        """The ids of ``ids`` that ``complete`` still waits for in ``round``: neither sent it
+        nor spoke for a later round."""
+        missing = set(ids).difference(self._rounds.get(round, ()))
+        if missing:
+            for r, slot in self._rounds.items():
+                if r > round:
+                    missing.difference_update(slot)
+            if missing and self._sent_by:
+                sent_by = self._sent_by
+                missing = {j for j in missing if j not in sent_by or sent_by[j] < round}
+        return missing
 
     def take(self, round: int) -> dict[int, Any]:
         """What arrived for ``round``; anything for it that comes later counts as late."""
         slot = self._rounds.get(round, {})
         self._taken.setdefault(round, set()).update(slot)
         return dict(slot)
-
-    def _ahead(self, round: int) -> set[int]:
-        later = {sender for r, slot in self._rounds.items() if r > round for sender in slot}
-        return later | {sender for sender, r in self._sent_by.items() if r >= round}
 
     def sent(self, sender: int, round: int) -> bool:
         """``sender`` says (on the connection its messages take, so after them) that it sent

@@ -22,16 +22,26 @@ import random
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from gossipdl.sim.clock import Scheduler
 from gossipdl.transport.shaping import Link, LinkProfile
 from gossipdl.transport.stats import TransportStats
-from gossipdl.transport.wire import frames_size
 
 Handler = Callable[[int, list[bytes]], None]  # (sender, frames)
 # Why a message did not arrive; each is a key of the ledger.
 DROP_REASONS = ("link_loss", "offline", "partition", "dead", "injected_loss")
+
+
+def _online(link: Link, now: float) -> bool:
+    """``link.online(now)``, without the call for a link that has no offline windows."""
+    return not link.profile.offline or link.online(now)
+
+
+def _nbytes(frames: list[bytes]) -> int:
+    """Bytes of a message's copied frames (``wire.frames_size`` of them, for bytes alone)."""
+    return sum(map(len, frames))
 
 
 class NetworkError(ValueError):
@@ -71,6 +81,10 @@ class SimNetwork:
         """The node is gone: what it would receive is dropped as ``dead``, even if in flight."""
         self._node(node).alive = False
 
+    def revive(self, node: int) -> None:
+        """The node, dead before, is back (a restart): messages reach it again."""
+        self._node(node).alive = True
+
     def start_link(self, node: int) -> None:
         """Start the node's offline-window clock now (when it starts training)."""
         self._node(node).link.start(self.clock.now)
@@ -82,7 +96,7 @@ class SimNetwork:
 
     def online(self, node: int) -> bool:
         """Whether the node's link is up now (outside its offline windows)."""
-        return self._node(node).link.online(self.clock.now)
+        return _online(self._node(node).link, self.clock.now)
 
     @property
     def in_flight(self) -> int:
@@ -132,13 +146,14 @@ class SimNetwork:
         """Send one message (header frame first) from ``src`` to ``dst``."""
         sender = self._node(src)
         self._node(dst)  # attached (it may die before the message arrives)
-        copied = [bytes(memoryview(f)) for f in frames]
+        # bytes are immutable: a header the encoder made as bytes goes as it is
+        copied = [f if type(f) is bytes else bytes(memoryview(f)) for f in frames]
         stats = sender.stats
-        stats.bytes_sent += frames_size(copied)
+        stats.bytes_sent += _nbytes(copied)
         stats.header_bytes_sent += len(copied[0])
         stats.messages_sent += 1
         self.ledger["sent"] += 1
-        if not sender.link.online(self.clock.now):
+        if not _online(sender.link, self.clock.now):
             self.ledger["offline"] += 1
             stats.drop("offline")  # counted where the real transport counts it
             return
@@ -160,7 +175,8 @@ class SimNetwork:
         if self._loss and self._rng.random() < self._loss:
             self.ledger["injected_loss"] += 1
             return
-        arrival = self._nodes[src].link.send(frames_size(frames), self.clock.now, str(dst))
+        size = _nbytes(frames)
+        arrival = self._nodes[src].link.send(size, self.clock.now, str(dst))
         if arrival is None:
             self.ledger["link_loss"] += 1
             self._nodes[src].stats.drop("link_loss")
@@ -170,26 +186,26 @@ class SimNetwork:
         for _ in range(copies):
             extra = self._rng.uniform(0, self._reorder_s) if self._reorder_s else 0.0
             self._in_flight += 1
-            self.clock.at(arrival + extra, lambda: self._arrive(src, dst, frames))
+            self.clock.at(arrival + extra, partial(self._arrive, src, dst, frames, size))
 
-    def _arrive(self, src: int, dst: int, frames: list[bytes]) -> None:
+    def _arrive(self, src: int, dst: int, frames: list[bytes], size: int) -> None:
         """At the receiver's downlink: it is read once the downlink has carried it."""
         node = self._nodes[dst]
-        ready = node.link.receive(frames_size(frames), self.clock.now)
-        self.clock.at(ready, lambda: self._deliver(src, dst, frames))
+        ready = node.link.receive(size, self.clock.now)
+        self.clock.at(ready, partial(self._deliver, src, dst, frames, size))
 
-    def _deliver(self, src: int, dst: int, frames: list[bytes]) -> None:
+    def _deliver(self, src: int, dst: int, frames: list[bytes], size: int) -> None:
         self._in_flight -= 1
         node = self._nodes[dst]
         if not node.alive:
             self.ledger["dead"] += 1
             return
-        if not node.link.online(self.clock.now):
+        if not _online(node.link, self.clock.now):
             self.ledger["offline"] += 1
             node.stats.drop("offline")
             return
         self.ledger["delivered"] += 1
-        node.stats.bytes_received += frames_size(frames)
+        node.stats.bytes_received += size
         node.stats.messages_received += 1
         node.handler(src, frames)
 

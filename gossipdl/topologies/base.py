@@ -79,6 +79,7 @@ class Topology(ABC):
         self._adjacency_cache: dict[int, BoolMatrix] = {}
         self._mixing_cache: dict[int, FloatMatrix] = {}
         self._spread_cache: dict[int, int] = {}
+        self._rows_cache: dict[int, dict[int, dict[int, float]]] = {}  # round key -> rank -> row
 
     @property
     def name(self) -> str:
@@ -106,9 +107,12 @@ class Topology(ABC):
     def weights(self, rank: int, round: int = 0) -> dict[int, float]:
         """Nonzero weights of row ``rank`` of the mixing matrix, self included, keyed by rank."""
         rank = self._check_rank(rank)
-        row = self.mixing_matrix(round)[rank]
-        ranks = sorted({int(j) for j in np.flatnonzero(row)} | {rank})
-        return {j: float(row[j]) for j in ranks}
+        rows = _remember(self._rows_cache, self._round_key(round), lambda _: {})
+        if rank not in rows:  # every peer asks for its row every round: read it once
+            row = self.mixing_matrix(round)[rank]
+            ranks = sorted({int(j) for j in np.flatnonzero(row)} | {rank})
+            rows[rank] = {j: float(row[j]) for j in ranks}
+        return dict(rows[rank])
 
     def spread_rounds(self, round: int = 0) -> int:
         """Rounds until news that any peer has at ``round`` reaches every peer, moving one hop

@@ -19,14 +19,6 @@ from gossipdl.transport.wire import NONCE, Message, WireError
 MAX_ASKED = 1024  # requests remembered (open or answered); the oldest is forgotten beyond it
 
 
-def echoed_nonce(meta: dict[str, Any]) -> str:
-    """The nonce a request carries, to echo in its reply; ``bad_meta`` if it has none."""
-    nonce = meta.get(NONCE)
-    if not (isinstance(nonce, str) and 0 < len(nonce) <= 64):
-        raise WireError("bad_meta", f"request nonce {nonce!r} is not a short string")
-    return nonce
-
-
 class Asked:
     """The nonces of this endpoint's requests, each with the reply kind it waits for, the
     CURVE key of the peer it went to ("" without CURVE) and its answer once one came.
