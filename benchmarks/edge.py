@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from _common import (
@@ -129,6 +130,15 @@ def reached_at(run: RunDir, target: float) -> dict[str, float] | None:
     return next((p for p in accuracy_curve(run) if p["accuracy"] >= target), None)
 
 
+def over(run: RunDir, target: float, budget: float) -> bool:
+    """Whether a setting's run may end: the peers' mean accuracy at their last common
+    evaluation reached ``target``, or ``budget`` seconds of training passed (start-up is
+    not the device's; simulated seconds in a simulated run)."""
+    curve = accuracy_curve(run)
+    spent = curve[-1]["training_s"] if curve else 0.0
+    return (curve != [] and curve[-1]["accuracy"] >= target) or spent >= budget
+
+
 def run_setting(key: str, args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """Train one setting until it reaches the target or spends the budget; read its row."""
     config = config_for(key, args)
@@ -141,13 +151,17 @@ def run_setting(key: str, args: argparse.Namespace, console: Console) -> dict[st
         if now - checked[0] < 1.0:  # reading every peer's metrics costs a little
             return False
         checked[0] = now
-        curve = accuracy_curve(run)
-        spent = curve[-1]["training_s"] if curve else 0.0  # start-up is not the device's
         stuck = now - started > args.budget + 120  # no evaluation at all: do not wait forever
-        hit = curve != [] and curve[-1]["accuracy"] >= args.target
-        return stuck or hit or spent >= args.budget
+        return stuck or over(run, args.target, args.budget)
 
     summary = launch(config, progress=not args.no_progress, console=console, until=done)
+    return setting_row(key, args, run, summary)
+
+
+def setting_row(
+    key: str, args: argparse.Namespace, run: RunDir, summary: dict[str, Any]
+) -> dict[str, Any]:
+    """One setting's row from its run directory and summary (a real or a simulated run)."""
     curve = accuracy_curve(run)
     hit = reached_at(run, args.target)
     steps = max(p["steps"] for p in summary["peers"])
@@ -165,12 +179,29 @@ def run_setting(key: str, args: argparse.Namespace, console: Console) -> dict[st
         "s_per_step": training_s / max(1, steps),
         "final_accuracy": curve[-1]["accuracy"] if curve else None,
         "wall_time_s": summary["wall_time_s"],
-        "run_dir": config.out,
+        "run_dir": str(run.root),
         "curve": curve,
     }
 
 
-def main() -> None:
+def speedup_vs_ring(
+    rows: list[dict[str, Any]], budget: float
+) -> tuple[dict[str, Any] | None, float | None, bool | None]:
+    """The best gossipdl setting that reached the target (not the ring, not the ps), how
+    many times sooner than dense ring all-reduce it got there, and whether that is a lower
+    bound (the ring did not get there within ``budget``)."""
+    reached = [r for r in rows if r["reached"] and not r["setting"].startswith(("ring", "ps"))]
+    best = min(reached, key=lambda r: r["time_to_target_s"], default=None)
+    ring = next((r for r in rows if r["setting"].startswith("ring")), None)
+    if best is None or ring is None:
+        return best, None, None
+    ring_s = ring["time_to_target_s"] if ring["reached"] else budget
+    return best, ring_s / best["time_to_target_s"], not ring["reached"]
+
+
+def options(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The benchmark's settings from ``argv`` (default: the command line), with the defaults
+    of ``--quick`` or of the full run filled in."""
     parser = benchmark_parser(__doc__, quick="3 peers, synthetic, MLP 64")
     add_swarm_options(parser, "edge", peers="default 8 (--quick: 3)")
     parser.add_argument("--target", type=float, default=None, help="default 0.45 (--quick 0.6)")
@@ -181,23 +212,21 @@ def main() -> None:
     parser.add_argument("--link", default="up=10mbit,down=10mbit,latency=20ms")
     parser.add_argument("--no-progress", action="store_true", help="no live progress bars")
     add_only_option(parser, list(SETTINGS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.peers = args.peers or (3 if args.quick else 8)
     args.target = args.target or (0.6 if args.quick else 0.45)
     args.budget = args.budget or (20.0 if args.quick else 600.0)
+    return args
 
+
+def main() -> None:
+    args = options()
     console = Console(stderr=True)
     rows = []
     for key in args.only:
         console.print(f"running {name_of(key, args)} …")
         rows.append(run_setting(key, args, console))
-    reached = [r for r in rows if r["reached"] and not r["setting"].startswith(("ring", "ps"))]
-    best = min(reached, key=lambda r: r["time_to_target_s"], default=None)
-    ring = next((r for r in rows if r["setting"].startswith("ring")), None)
-    speedup = lower_bound = None
-    if best is not None and ring is not None:
-        ring_s = ring["time_to_target_s"] if ring["reached"] else args.budget
-        speedup, lower_bound = ring_s / best["time_to_target_s"], not ring["reached"]
+    best, speedup, lower_bound = speedup_vs_ring(rows, args.budget)
     for row in rows:
         if best is not None and row["reached"]:
             row["vs_best"] = row["time_to_target_s"] / best["time_to_target_s"]

@@ -25,46 +25,69 @@ What it measures
       simulated seconds for the simulated one;
     * ``scale`` (simulated only): ``--scale-peers`` (256) virtual peers, the 1-D
       CNN on MNIST-1D, an exponential graph, CHOCO top-1%, ``--scale-steps``
-      (1000) steps, with the step time measured on this host. MNIST-1D here is
-      the fixed set every run generates (4,000 training samples, no size
-      option), so each of 256 iid shards holds about 15 samples.
+      (1000) steps, with the step time measured on this host. MNIST-1D is
+      generated with 250 training samples for every peer (``mnist1d:64000``
+      for 256 peers: the standard set's 4,000 would leave each iid shard about
+      15) and the standard 1,000 test samples; generating 64,000 takes about
+      half a minute the first time, cached after that (``gossipdl.data``);
+    * ``speed``: the edge benchmark's comparison (``benchmarks/edge.py``, its
+      settings and defaults: 8 peers, MNIST-1D, MLP 40-1024-512-10, SGD lr
+      0.05 momentum 0.9, every link 10 Mbit/s up and down with 20 ms latency)
+      of CHOCO top-1% on a ring, dense ring all-reduce, a synchronous
+      parameter server (dense) and dense gossip on a ring, each until the
+      peers' mean accuracy reaches 0.45 or the budget (600 s of training)
+      passes, simulated with the step time measured on this host; against the
+      same settings run for real here (``edge.run_setting``, about 25
+      minutes), or against a recorded real run (``--real-edge-json``, what
+      ``benchmarks/edge.py --json`` wrote with the same settings). Its
+      ranking (time to target per setting), CHOCO's speed-up over the ring,
+      and the host time each engine took.
 
     Every simulated run happens in a fresh child process, so ``peak_rss_mb``
     is that run's own peak resident memory (``ru_maxrss``, start-up and
     torch included); a real swarm is one process per peer and its rows leave
     the column empty. ``wall_s`` is the host time each run took, start-up
-    included. The parameter server is not simulated yet, so the edge
-    comparison (ring all-reduce, parameter server and gossip) is not made here.
+    included; for a real speed row it is the launch's wall time, start-up
+    included (``wall_time_s`` of the edge benchmark's row).
 
 Target
     Fidelity: on ``quickstart`` and ``choco`` the simulated mean accuracy is
     within 1 point of the real one and its total bytes within 1%; on
     ``edge`` its time to target is within 15% of the real one. Scale: 256
-    peers for 1000 steps in under 20 minutes and under 6 GB.
+    peers for 1000 steps in under 20 minutes and under 6 GB. Speed: the
+    four simulated settings take at least 20x less host time than the real
+    ones (the same ranking is reported, not a target).
 
 Run
     python benchmarks/simulate.py --json runs/bench-simulate.json
     python benchmarks/simulate.py --cases scale --scale-peers 64 --scale-steps 200
+    python benchmarks/simulate.py --cases speed --real-edge-json runs/bench-edge.json
     python benchmarks/simulate.py --quick      # small swarms, tiny MLP, 40 steps: a smoke test
 
 JSON (``--json FILE``): ``{"benchmark": "simulate", "rows": [...], "meta": {...}}``;
-each row has ``case``, ``engine`` (``real`` or ``sim``), ``peers``, ``steps``,
-``accuracy`` (the peers' mean final test accuracy), ``bytes`` (total sent),
-``time_to_target_s`` (edge case only; null when not reached),
+each row has ``case``, ``engine`` (``real`` or ``sim``), ``setting`` (speed
+rows: the edge benchmark's name of it), ``peers``, ``steps``, ``accuracy``
+(the peers' mean final test accuracy; speed rows: at the last common
+evaluation), ``bytes`` (total sent; speed rows: until the target),
+``time_to_target_s`` (edge and speed cases; null when not reached),
 ``simulated_time_s`` (sim rows), ``wall_s``, ``peak_rss_mb`` (sim rows) and
 ``run_dir``; ``meta`` holds the settings, per fidelity case the
 ``accuracy_gap_points``, ``bytes_ratio`` (sim / real) and ``time_ratio``
-(sim / real) with whether each target holds, the scale case's verdicts, and
-``met`` (every target of the cases run).
+(sim / real) with whether each target holds, the scale case's verdicts, the
+speed case's (``ranking`` and ``choco_vs_ring`` per engine, ``same_ranking``,
+``wall_ratio``: real / sim host time), and ``met`` (every target of the cases run).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import multiprocessing
 import resource
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -78,6 +101,7 @@ from _common import (
     run_script,
     start_worker,
 )
+from edge import TIME_LOG, config_for, name_of, options, over, run_setting, setting_row
 from rich.console import Console
 
 from gossipdl.config import Config, from_dict, to_dict
@@ -87,10 +111,13 @@ from gossipdl.experiments.summary import accuracy_curve
 from gossipdl.rundir import RunDir
 
 FIDELITY = ("quickstart", "choco", "edge")
-CASES = (*FIDELITY, "scale")
+CASES = (*FIDELITY, "scale", "speed")
 GROUPS = {"fidelity": FIDELITY, "scale": ("scale",)}
 ACCURACY_POINTS, BYTES_FRACTION, TIME_FRACTION = 1.0, 0.01, 0.15
 SCALE_WALL_S, SCALE_RSS_MB = 20 * 60.0, 6 * 1024.0
+SCALE_SAMPLES_PER_PEER = 250  # the scale case's MNIST-1D: this many training samples a peer
+SPEED = ("choco", "ring", "ps", "dense")  # the edge benchmark's settings the speed case runs
+SPEED_WALL_RATIO = 20.0  # the simulated settings take at least this much less host time
 MLP, QUICK_MLP = (1024, 512), (64,)
 EDGE_LINK = {"up": "10mbit", "down": "10mbit", "latency": "20ms"}
 
@@ -111,7 +138,7 @@ def cases_option(value: str) -> list[str]:
     for name in value.split(","):
         if name not in CASES and name not in GROUPS:
             raise argparse.ArgumentTypeError(
-                f"unknown case {name!r}; known: {', '.join([*GROUPS, *FIDELITY])}"
+                f"unknown case {name!r}; known: {', '.join([*GROUPS, *FIDELITY, 'speed'])}"
             )
         keys.update(GROUPS.get(name, (name,)))
     return [c for c in CASES if c in keys]
@@ -155,7 +182,7 @@ def cases_for(args: argparse.Namespace) -> list[Case]:
             Config(
                 peers=args.scale_peers,
                 model="cnn1d",
-                dataset="mnist1d",
+                dataset=f"mnist1d:{SCALE_SAMPLES_PER_PEER * args.scale_peers}",
                 topology="exponential",
                 algorithm="choco",
                 codec="topk:0.01",
@@ -167,18 +194,20 @@ def cases_for(args: argparse.Namespace) -> list[Case]:
             engines=("sim",),
         ),
     }
-    return [everything[key] for key in args.cases]
+    return [everything[key] for key in args.cases if key != "speed"]
 
 
 # ------------------------------------------------------------------ the simulated engine
-def _simulate_worker(values: dict[str, Any], conn: Connection) -> None:
-    """In a fresh process: simulate the config, send back its summary and this process's
-    peak resident memory (MiB), or the traceback."""
+def _simulate_worker(
+    values: dict[str, Any], conn: Connection, until: Callable[[RunDir], bool] | None
+) -> None:
+    """In a fresh process: simulate the config (until ``until`` says), send back its summary
+    and this process's peak resident memory (MiB), or the traceback."""
     from gossipdl.experiments.simulated import simulate
 
     exit_code = 0
     try:
-        summary = simulate(from_dict(values))
+        summary = simulate(from_dict(values), until=until)
         keep = ("mean_accuracy", "total_bytes_sent", "simulated_time_s", "host_time_s")
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         conn.send({"summary": {k: summary[k] for k in keep}, "peak_rss_mb": peak_mb})
@@ -194,13 +223,16 @@ def _simulate_worker(values: dict[str, Any], conn: Connection) -> None:
         raise SystemExit(exit_code)
 
 
-def run_simulated(config: Config) -> tuple[dict[str, Any], float]:
-    """Simulate ``config`` in a child process; its summary and peak RSS (MiB). A stop signal
-    here stops the child too (it writes what it simulated and exits)."""
+def run_simulated(
+    config: Config, until: Callable[[RunDir], bool] | None = None
+) -> tuple[dict[str, Any], float]:
+    """Simulate ``config`` in a child process (``until``: a picklable early end, as
+    ``simulate`` takes it); its summary and peak RSS (MiB). A stop signal here stops the
+    child too (it writes what it simulated and exits)."""
     context = multiprocessing.get_context("spawn")  # a fresh process: its own peak memory
     receive, send = context.Pipe(duplex=False)
     child = context.Process(
-        target=_simulate_worker, args=(to_dict(config), send), name="simulate", daemon=True
+        target=_simulate_worker, args=(to_dict(config), send, until), name="simulate", daemon=True
     )
     start_worker(child)
     send.close()
@@ -252,6 +284,150 @@ def run_case(case: Case, engine: str, out: Path) -> dict[str, Any]:
         "run_dir": config.out,
         "curve": curve,
     }
+
+
+# ------------------------------------------------------------------ the speed case
+def edge_options(args: argparse.Namespace) -> argparse.Namespace:
+    """The edge benchmark's settings for the speed case: its own defaults (``--quick``'s
+    with ``--quick``), its real runs under ``OUT/speed/real``."""
+    argv = ["--seed", str(args.seed), "--out", str(args.out / "speed" / "real"), "--no-progress"]
+    return options(argv + (["--quick"] if args.quick else []))
+
+
+def speed_row(
+    engine: str, edge_row: dict[str, Any], peers: int, wall_s: float, peak_mb: float | None
+) -> dict[str, Any]:
+    """A speed row from the edge benchmark's row of one setting (``curve`` when it has one)."""
+    return {
+        "case": "speed",
+        "engine": engine,
+        "setting": edge_row["setting"],
+        "peers": peers,
+        "steps": edge_row["steps"],
+        "accuracy": edge_row["final_accuracy"],
+        "bytes": edge_row["bytes"],
+        "reached": edge_row["reached"],
+        "time_to_target_s": edge_row["time_to_target_s"],
+        "simulated_time_s": edge_row["wall_time_s"] if engine == "sim" else None,
+        "wall_s": wall_s,
+        "peak_rss_mb": peak_mb,
+        "run_dir": edge_row["run_dir"],
+        "curve": edge_row.get("curve", []),
+    }
+
+
+def simulate_setting(key: str, edge: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Simulate one edge setting (in a child process) until its target or budget."""
+    config = config_for(key, edge).replace(out=str(out / "speed" / "sim" / key))
+    run = RunDir(config.out)
+    fresh_run_dir(run.root)
+    started = time.perf_counter()
+    until = functools.partial(over, target=edge.target, budget=edge.budget)
+    _, peak_mb = run_simulated(config, until)
+    wall = time.perf_counter() - started
+    summary = json.loads(run.summary.read_text())
+    return speed_row("sim", setting_row(key, edge, run, summary), edge.peers, wall, peak_mb)
+
+
+def recorded_edge_rows(path: Path, edge: argparse.Namespace) -> list[dict[str, Any]]:
+    """The real speed rows from ``benchmarks/edge.py --json``'s file, which must hold every
+    speed setting, run with the settings the simulation runs."""
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--real-edge-json {path}: cannot read it ({exc})") from None
+    if document.get("benchmark") != "edge":
+        raise SystemExit(f"--real-edge-json {path}: not a `benchmarks/edge.py --json` file")
+    meta = document["meta"]
+    for key in ("peers", "target", "budget_s", "link", "seed", "quick"):
+        ours = getattr(edge, "budget" if key == "budget_s" else key)
+        if meta.get(key) != ours:
+            raise SystemExit(
+                f"--real-edge-json {path} was run with {key} = {meta.get(key)!r}, the simulation "
+                f"runs {ours!r}; record it again with the edge benchmark's defaults"
+                + (" and --quick" if edge.quick else "")
+            )
+    by_name = {row["setting"]: row for row in document["rows"]}
+    missing = [name_of(k, edge) for k in SPEED if name_of(k, edge) not in by_name]
+    if missing:
+        raise SystemExit(
+            f"--real-edge-json {path} has no row for {', '.join(missing)}; record it with "
+            f"--only {','.join(SPEED)}"
+        )
+    return [
+        speed_row("real", by_name[name_of(k, edge)], edge.peers,
+                  by_name[name_of(k, edge)]["wall_time_s"], None)
+        for k in SPEED
+    ]  # fmt: skip
+
+
+def run_speed(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]:
+    """The speed case's rows: the real settings (run here, or recorded), then simulated."""
+    edge = edge_options(args)
+    if args.real_edge_json is not None:
+        real = recorded_edge_rows(args.real_edge_json, edge)
+    else:
+        real = []
+        for key in SPEED:
+            console.print(f"running speed ({name_of(key, edge)}, real): {edge.peers} peers …")
+            row = run_setting(key, edge, console)
+            real.append(speed_row("real", row, edge.peers, row["wall_time_s"], None))
+    sim = []
+    for key in SPEED:
+        console.print(f"running speed ({name_of(key, edge)}, sim): {edge.peers} peers …")
+        sim.append(simulate_setting(key, edge, args.out))
+    return real + sim
+
+
+def speed_verdict(rows: list[dict[str, Any]], edge: argparse.Namespace) -> dict[str, Any]:
+    """Per engine the ranking by time to target and CHOCO's speed-up over the ring (a lower
+    bound when the ring did not reach the target within the budget); the host time each
+    engine took for the four settings, and whether the simulator took 20x less."""
+    choco, ring = name_of("choco", edge), name_of("ring", edge)
+    verdict: dict[str, Any] = {"target_accuracy": edge.target, "budget_s": edge.budget}
+    for engine in ("real", "sim"):
+        mine = {r["setting"]: r for r in rows if r["engine"] == engine}
+        reached = sorted((r for r in mine.values() if r["reached"]),
+                         key=lambda r: r["time_to_target_s"])  # fmt: skip
+        ring_s = mine[ring]["time_to_target_s"] or edge.budget
+        choco_s = mine[choco]["time_to_target_s"]
+        verdict[engine] = {
+            "ranking": [r["setting"] for r in reached],
+            "not_reached": sorted(set(mine) - {r["setting"] for r in reached}),
+            "choco_vs_ring": None if choco_s is None else ring_s / choco_s,
+            "choco_vs_ring_is_lower_bound": not mine[ring]["reached"],
+            "wall_s": sum(r["wall_s"] for r in mine.values()),
+        }
+    ratio = verdict["real"]["wall_s"] / verdict["sim"]["wall_s"]
+    verdict.update(
+        same_ranking=verdict["real"]["ranking"] == verdict["sim"]["ranking"],
+        wall_ratio=ratio,
+        wall_20x_less=ratio >= SPEED_WALL_RATIO,
+        met=ratio >= SPEED_WALL_RATIO,
+    )
+    return verdict
+
+
+def speed_notes(verdict: dict[str, Any]) -> list[str]:
+    """Lines under the table: each engine's ranking and CHOCO-vs-ring ratio, the wall times."""
+    lines = []
+    for engine in ("real", "sim"):
+        mine = verdict[engine]
+        ranking = " < ".join(mine["ranking"]) or "none reached the target"
+        if mine["not_reached"]:
+            ranking += f" (not reached: {', '.join(mine['not_reached'])})"
+        bound = "≥ " if mine["choco_vs_ring_is_lower_bound"] else ""
+        ratio = mine["choco_vs_ring"]
+        shown = "-" if ratio is None else f"{bound}{ratio:.1f}x"
+        lines.append(f"speed ({engine}): {ranking}; CHOCO vs ring all-reduce: {shown} sooner")
+    mark = "[green]met[/]" if verdict["met"] else "[red]missed[/]"
+    lines.append(
+        f"speed: host time real {verdict['real']['wall_s']:,.0f} s, simulated "
+        f"{verdict['sim']['wall_s']:,.0f} s: {verdict['wall_ratio']:.1f}x less (at least "
+        f"{SPEED_WALL_RATIO:g}x): {mark}; same ranking: "
+        f"{'yes' if verdict['same_ranking'] else 'no'}"
+    )
+    return lines
 
 
 # ------------------------------------------------------------------ verdicts
@@ -322,8 +498,16 @@ def main() -> None:
         "--cases",
         type=cases_option,
         default=list(CASES),
-        help="comma-separated: fidelity (= quickstart,choco,edge), scale, or single cases; "
-        "default all",
+        help="comma-separated: fidelity (= quickstart,choco,edge), scale, speed, or single "
+        "cases; default all",
+    )
+    parser.add_argument(
+        "--real-edge-json",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help="speed: compare with this `benchmarks/edge.py --json` record of the same settings "
+        "instead of running them for real here (~25 min)",
     )
     parser.add_argument(
         "--steps", type=int, default=None, help="quickstart and choco steps, default 1500"
@@ -360,6 +544,10 @@ def main() -> None:
             verdicts["scale"] = scale_verdict(by_engine["sim"])
         else:
             verdicts[case.key] = fidelity(case, by_engine["real"], by_engine["sim"])
+    if "speed" in args.cases:
+        speed = run_speed(args, console)
+        rows += speed
+        verdicts["speed"] = speed_verdict(speed, edge_options(args))
 
     plot = None
     edge = {r["engine"]: r["curve"] for r in rows if r["case"] == "edge"}
@@ -371,6 +559,16 @@ def main() -> None:
             f"edge: {args.peers} peers, 10 Mbit/s, step_time {args.step_time}, real vs simulated",
             panels=(ACCURACY_VS_TIME,),
             mark_y=args.target,
+        )  # fmt: skip
+    speed_plot = None
+    if "speed" in verdicts:
+        speed_plot = plot_curves(
+            {f"{r['setting']} ({r['engine']})": r["curve"] for r in rows
+             if r["case"] == "speed" and r["curve"]},
+            args.out / "speed_time.png",
+            "speed: the edge settings, real (wall s) and simulated (simulated s)",
+            panels=(TIME_LOG,),
+            mark_y=verdicts["speed"]["target_accuracy"],
         )  # fmt: skip
     meta = {
         "cases": args.cases,
@@ -391,14 +589,18 @@ def main() -> None:
             "scale_wall_s": SCALE_WALL_S,
             "scale_peak_rss_mb": SCALE_RSS_MB,
         },
-        "fidelity": {k: v for k, v in verdicts.items() if k != "scale"},
+        "real_edge_json": None if args.real_edge_json is None else str(args.real_edge_json),
+        "fidelity": {k: v for k, v in verdicts.items() if k not in ("scale", "speed")},
         "scale": verdicts.get("scale"),
+        "speed": verdicts.get("speed"),
         "met": all(v["met"] for v in verdicts.values()),
         "plot": None if plot is None else str(plot),
+        "speed_plot": None if speed_plot is None else str(speed_plot),
     }
     columns = [
         Column("case", "case"),
         Column("engine", "engine"),
+        Column("setting", "setting"),
         Column("peers", "peers"),
         Column("steps", "steps"),
         Column("accuracy", "mean acc", "{:.4f}"),
@@ -408,13 +610,14 @@ def main() -> None:
         Column("wall_s", "wall s", "{:.1f}"),
         Column("peak_rss_mb", "peak RSS MB", "{:,.0f}"),
     ]
-    notes = [note_for(key, verdict) for key, verdict in verdicts.items()]
-    if plot is not None:
-        notes.append(f"plot: {plot}")
+    notes = []
+    for key, verdict in verdicts.items():
+        notes += speed_notes(verdict) if key == "speed" else [note_for(key, verdict)]
+    notes += [f"plot: {path}" for path in (plot, speed_plot) if path is not None]
     table_rows = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
     report(
         "simulate",
-        "Simulate: real vs simulated engine, and a large simulated swarm",
+        "Simulate: real vs simulated engine, a large simulated swarm, the edge settings' speed",
         columns,
         table_rows,
         meta,

@@ -427,10 +427,10 @@ def _validate(c: Config) -> None:
         parse_slowdown,
     )
     from gossipdl.coordinator.ring import check_ring_codec
-    from gossipdl.coordinator.server import PS_RULES
-    from gossipdl.coordinator.staleness import parse_staleness
     from gossipdl.data import available_datasets
     from gossipdl.models import available_models
+    from gossipdl.protocol.ps_server import PS_RULES
+    from gossipdl.protocol.staleness import parse_staleness
     from gossipdl.sim.faults import parse_faults
     from gossipdl.topologies import TopologyError, build_topology
     from gossipdl.transport.addresses import address_problem

@@ -187,3 +187,43 @@ def test_simulate_benchmark_runs_both_engines_and_the_scale_case(tmp_path: Path)
     assert {"accuracy_gap_points", "bytes_ratio", "accuracy_within_1_point",
             "bytes_within_1pct", "met"} <= quickstart.keys()  # fmt: skip
     assert {"under_20_min", "under_6_gb", "met"} <= result["meta"]["scale"].keys()
+
+
+def test_simulate_benchmark_times_the_edge_settings_against_a_recorded_real_run(
+    tmp_path: Path,
+) -> None:
+    """The speed case, simulated, against what ``edge.py --quick --json`` would have written
+    (made up here: the real runs take minutes even quick)."""
+    names = ["CHOCO top-1%", "ring all-reduce (dense)", "ps sync (dense)", "dense gossip"]
+    real = {
+        "benchmark": "edge",
+        "meta": {"peers": 3, "target": 0.6, "budget_s": 20.0, "seed": 0, "quick": True,
+                 "link": "up=10mbit,down=10mbit,latency=20ms"},
+        "rows": [{"setting": name, "reached": True, "time_to_target_s": 1.0 + k, "bytes": 1e6,
+                  "steps": 20, "final_accuracy": 0.7, "wall_time_s": 100.0, "run_dir": "x"}
+                 for k, name in enumerate(names)],
+    }  # fmt: skip
+    recorded = tmp_path / "edge.json"
+    recorded.write_text(json.dumps(real))
+    result = run_benchmark(
+        "simulate", tmp_path, "--quick", "--cases", "speed", "--real-edge-json", str(recorded),
+        "--out", str(tmp_path / "s"),
+    )  # fmt: skip
+    rows = result["rows"]
+    assert [(row["engine"], row["setting"]) for row in rows] == [
+        *(("real", name) for name in names),
+        *(("sim", name) for name in names),
+    ]
+    for row in rows:
+        assert row["case"] == "speed" and row["peers"] == 3 and row["bytes"] > 0
+        assert row["wall_s"] > 0 and (row["peak_rss_mb"] is not None) == (row["engine"] == "sim")
+    speed = result["meta"]["speed"]
+    assert speed["real"]["ranking"] == names and speed["real"]["choco_vs_ring"] == 2.0
+    assert speed["wall_ratio"] == 400.0 / speed["sim"]["wall_s"]
+    assert {"same_ranking", "wall_20x_less", "met"} <= speed.keys()
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "simulate.py"), "--cases", "speed",
+         "--real-edge-json", str(recorded), "--out", str(tmp_path / "t")],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "was run with peers = 3, the simulation runs 8" in bad.stderr

@@ -1,4 +1,8 @@
-"""Fallback baselines over the same transport: ring all-reduce and the parameter server."""
+"""Fallback baselines over the same transport: ring all-reduce and the parameter server.
+
+Their protocols are state machines in :mod:`gossipdl.protocol` (``ring``, ``ps_server``,
+``ps_worker``); here are their real drivers, and the names a user of the baselines needs.
+"""
 
 from gossipdl.coordinator.ring import (
     RING_CODECS,
@@ -8,9 +12,10 @@ from gossipdl.coordinator.ring import (
     check_ring_codec,
     chunk_bounds,
 )
-from gossipdl.coordinator.server import PS_RULES, ShardServer, fedavg_pick, serve
-from gossipdl.coordinator.staleness import Staleness, parse_staleness
+from gossipdl.coordinator.server import serve
 from gossipdl.coordinator.worker import ServerError, ServerWorker
+from gossipdl.protocol.ps_server import PS_RULES, ShardServer, fedavg_pick
+from gossipdl.protocol.staleness import Staleness, parse_staleness
 
 __all__ = [
     "PS_RULES",

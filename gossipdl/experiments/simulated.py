@@ -13,10 +13,28 @@ import torch
 from gossipdl.config import Config, to_dict
 from gossipdl.experiments.launcher import Interrupted, StopOnSignal, fresh_run
 from gossipdl.experiments.summary import summarize
-from gossipdl.rundir import write_json_atomic
-from gossipdl.sim.engine import simulation_for
+from gossipdl.rundir import RunDir, write_json_atomic
+from gossipdl.sim.engine import Simulation, simulation_for
 
 log = logging.getLogger(__name__)
+UNTIL_EVERY_S = 1.0  # how often, in simulated seconds, ``until`` is asked
+
+
+class _Reached(Exception):
+    """``until`` said the run may end: unwinds the simulation from between two events."""
+
+
+def _ask(simulation: Simulation, run: RunDir, until: Callable[[RunDir], bool]) -> None:
+    """Ask ``until`` every ``UNTIL_EVERY_S`` simulated seconds, while other events are queued
+    (a swarm left with nothing to happen still ends as stuck)."""
+
+    def probe() -> None:
+        if until(run):
+            raise _Reached
+        if simulation.clock.pending:
+            simulation.clock.after(UNTIL_EVERY_S, probe)
+
+    simulation.clock.after(UNTIL_EVERY_S, probe)
 
 
 def simulate(
@@ -24,9 +42,14 @@ def simulate(
     *,
     step_time: float | None = None,
     on_progress: Callable[[int, float], None] | None = None,
+    until: Callable[[RunDir], bool] | None = None,
 ) -> dict[str, Any]:
     """Simulate ``config``'s swarm into its run directory and summarise it: the summary of
-    ``gossipdl run``, plus ``engine`` "sim", ``simulated_time_s`` and ``host_time_s``."""
+    ``gossipdl run``, plus ``engine`` "sim", ``simulated_time_s`` and ``host_time_s``.
+
+    ``until``, asked with the run directory every ``UNTIL_EVERY_S`` simulated seconds, ends
+    the run early when it returns True (a target accuracy reached, a budget spent, as
+    ``launch``'s): the peers stop where they are, without final lines."""
     run, config = fresh_run(config)
     started = time.perf_counter()
     torch_threads = torch.get_num_threads()
@@ -34,7 +57,12 @@ def simulate(
     try:
         with StopOnSignal() as stop:
             simulation = simulation_for(config.mode)(config, run, step_time=step_time)
-            simulated = simulation.run(on_progress, lambda: stop.signum is not None)
+            if until is not None:
+                _ask(simulation, run, until)
+            try:
+                simulated = simulation.run(on_progress, lambda: stop.signum is not None)
+            except _Reached:
+                simulated = simulation.clock.now
     finally:
         torch.set_num_threads(torch_threads)
     summary = summarize(run)
