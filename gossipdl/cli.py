@@ -310,11 +310,15 @@ def simulate(
 
     The real protocol, encoder and codecs over an in-memory network with the profiles'
     links: deterministic for a seed (give step_time in the profiles or --step-time), and
-    fast enough for hundreds of peers. The run directory is the one `run` writes, with
-    simulated seconds in `time`; `report` and `sweep` read it.
+    fast enough for hundreds of peers. Modes gossip, ring and ps (the shards are nodes
+    with unshaped links, a server in a data centre). The run directory is the one `run`
+    writes, with simulated seconds in `time`; `report` and `sweep` read it.
 
-    Fault events (\\[\\[faults]] tables: at = "30s" and one of kill, partition, heal,
-    clog, unclog, inject) come from CONFIG_FILE or --set 'faults=[{at="30s", kill="3"}]'.
+    Fault events (\\[\\[faults]] tables: at = "30s" and one of kill, restart, partition,
+    heal, clog, unclog, inject) come from CONFIG_FILE or --set 'faults=[{at="30s", kill="3"}]'.
+    A peer that stopped on an error (a ring that lost a member, a ps worker its shards
+    stopped answering, a restart nobody let back in) is named after the summary, and the
+    command exits with code 2, as `run` does.
     """
     from gossipdl.conditions import ConditionError, parse_duration
 
@@ -350,6 +354,9 @@ def _simulate(config: Config, progress: bool, step_time: float | None = None) ->
         f"simulated {summary['simulated_time_s']:.1f} s of swarm time in "
         f"{summary['host_time_s']:.1f} s on this host"
     )
+    failed = summary.get("failed", {})
+    if failed:
+        _fail("; ".join(f"peer {i} stopped: {why}" for i, why in failed.items()))
     return summary
 
 

@@ -13,9 +13,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gossipdl.averaging import parse_trigger
+from gossipdl.conditions import Drift, parse_drift
 from gossipdl.config import Config
 from gossipdl.data import BatchSampler, Dataset, partition
 from gossipdl.models import build_model
+from gossipdl.protocol.ps_server import ShardServer, fedavg_local_steps, fedavg_rounds
+from gossipdl.protocol.ps_worker import WorkerSettings
+from gossipdl.protocol.ring import chunk_bounds
 
 AWAY_POLL_S = 0.25  # how often a device inside an offline window looks again (and logs)
 
@@ -56,7 +61,9 @@ def local_gradients(
     for group in optimizer.param_groups:
         group["lr"] = lr_at(config, step)
     x, y = sampler.next()
-    optimizer.zero_grad(set_to_none=True)
+    for group in optimizer.param_groups:  # zero_grad(set_to_none=True), without its profiler
+        for p in group["params"]:  # scope: a swarm of small models makes it count
+            p.grad = None
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     return loss
@@ -104,6 +111,62 @@ def lr_at(config: Config, step: int) -> float:
     if config.lr_schedule == "cosine":
         return config.lr * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
     return config.lr
+
+
+def shard_server(config: Config, dataset: Dataset, shard: int) -> ShardServer:
+    """Parameter-server shard ``shard`` of ``config``'s run: its slice of the swarm's starting
+    model, the run's rule, and FedAvg's rounds sized by the workers' shards of the data."""
+    flat = torch.nn.utils.parameters_to_vector(initial_model(config, dataset).parameters())
+    a, b = chunk_bounds(flat.numel(), config.ps_shards)[shard]
+    sizes = [
+        len(p) for p in partition(dataset.y_train, config.peers, config.partition, config.seed)
+    ]
+    return ShardServer(
+        flat.detach()[a:b],
+        rule=config.ps,
+        workers=config.peers,
+        shard=shard,
+        codec=config.codec,
+        staleness=config.staleness,
+        fraction=config.fraction,
+        rounds=fedavg_rounds(config.steps, sizes, config.batch_size, config.local_epochs),
+        seed=config.seed,
+        timeout=config.round_timeout,
+        startup_timeout=config.startup_timeout,
+    )
+
+
+def ps_worker_settings(config: Config, dataset: Dataset, rank: int) -> WorkerSettings:
+    """How parameter-server worker ``rank`` of ``config``'s run takes part: the rule, the
+    codec, the trigger's period, and under FedAvg its local steps and sample count (its
+    shard of the data)."""
+    shard = shard_for(config, dataset, rank)
+    return WorkerSettings(
+        rule=config.ps,
+        codec=config.codec,
+        period=parse_trigger(config.trigger).period,
+        local_steps=fedavg_local_steps(len(shard), config.batch_size, config.local_epochs),
+        samples=len(shard),
+        timeout=config.round_timeout,
+        seed=config.seed,
+    )
+
+
+def drift_of(config: Config, peer_id: int) -> Drift | None:
+    """The label drift peer ``peer_id`` goes through (``drift``), None if it does not."""
+    drift = parse_drift(config.drift)
+    return drift if drift is not None and drift.affects(peer_id, config.peers) else None
+
+
+def drifted(
+    config: Config, dataset: Dataset, sampler: BatchSampler, y_test: torch.Tensor
+) -> torch.Tensor:
+    """Permute a drifting peer's labels, its shard's (in ``sampler``) and its test set's
+    (returned), the same permutation for every peer of the swarm."""
+    new_label = Drift.permutation(dataset.num_classes, config.seed)
+    perm = torch.as_tensor(new_label, device=y_test.device)
+    sampler.y = perm[sampler.y]
+    return perm[y_test]
 
 
 def shard_for(config: Config, dataset: Dataset, peer_id: int) -> np.ndarray:

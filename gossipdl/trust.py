@@ -34,6 +34,7 @@ LOCAL_KEYS = frozenset(
         "tensorboard",
         "csv",
         "metrics_hook",
+        "faults",  # a simulated experiment's schedule (the real engine refuses it)
     }
 )
 
@@ -42,14 +43,14 @@ def _builtin_checks() -> dict[str, Callable[[str], bool]]:
     """Per setting that can name a plug-in: whether a value is built into gossipdl."""
     from gossipdl.averaging import available_algorithms
     from gossipdl.compression import builtin_codec
-    from gossipdl.data import available_datasets
+    from gossipdl.data import builtin_dataset
     from gossipdl.models import available_models
     from gossipdl.topologies import builtin_topology
 
     return {
         "codec": builtin_codec,
         "topology": builtin_topology,
-        "dataset": lambda name: name in available_datasets(),
+        "dataset": builtin_dataset,
         "model": lambda name: name in available_models(),
         "algorithm": lambda name: name in available_algorithms(),
     }

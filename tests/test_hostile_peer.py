@@ -30,10 +30,11 @@ from conftest import (
 
 from gossipdl import Peer
 from gossipdl.config import ConfigError
-from gossipdl.coordinator.server import ShardServer, serve
+from gossipdl.coordinator.server import serve
 from gossipdl.peers.membership import parse_members
 from gossipdl.peers.peer import MAX_ANSWER_RATE, PeerError
 from gossipdl.protocol.kinds import MAX_RESYNCS_PER_SENDER
+from gossipdl.protocol.ps_server import ShardServer
 from gossipdl.transport import Transport, encode
 from gossipdl.transport.asked import NONCE
 from gossipdl.trust import RemoteCodeError, config_from_peer
@@ -159,8 +160,12 @@ def test_the_users_own_config_decides_and_this_machines_settings_never_come_from
     (tmp_path / "probe_plugin.py").write_text(PROBE)
     monkeypatch.syspath_prepend(str(tmp_path))
     remote = {"codec": "probe_plugin:Thing", "peers": 7, "out": "/etc", "max_message_mb": 1e9}
-    config = config_from_peer({**remote, "codec": "fp16"}, "tcp://10.0.0.5:5555")
+    kill = [{"at": "1s", "kill": "0"}]  # a simulated schedule would stop a real joiner
+    config = config_from_peer({**remote, "codec": "fp16", "faults": kill}, "tcp://10.0.0.5:5555")
     assert (config.peers, config.codec, config.out, config.max_message_mb) == (7, "fp16", "", 1024)
+    assert config.faults == []
+    sized = config_from_peer({"dataset": "mnist1d:640"}, "tcp://10.0.0.5:5555")
+    assert sized.dataset == "mnist1d:640"  # built in, at another size: no plug-in to refuse
     assert not (tmp_path / "imported.txt").exists()
     with pytest.raises(ConfigError, match="the probe was called"):  # named in the user's own
         config_from_peer(remote, "tcp://10.0.0.5:5555", {"codec": "probe_plugin:Thing"})

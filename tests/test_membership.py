@@ -13,10 +13,22 @@ import pytest
 import torch
 from conftest import gossipdl_cmd, last_record, small_config, start_peer, wait_for, write_config
 
+from gossipdl.averaging import build_averager
+from gossipdl.averaging.triggers import parse_trigger
 from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gossipdl.peers.membership import Member, Membership, parse_members
-from gossipdl.peers.peer import outranks
+from gossipdl.protocol.core import GossipCore, JoinRefused, Settings
+from gossipdl.protocol.joining import (
+    Admission,
+    Refusal,
+    SwarmState,
+    Verdict,
+    admit,
+    hear_table,
+    outranks,
+)
 from gossipdl.transport import WireError
+from gossipdl.transport.wire import NONCE, decode, encode
 
 FAST = {"heartbeat": 0.2, "dead_after": 1.5, "round_timeout": 10.0, "steps": 1_000_000}
 
@@ -76,6 +88,78 @@ def test_after_a_partition_the_larger_side_stays_and_ties_go_to_the_smallest_id(
     assert outranks({0, 1, 2}, {3, 4}) and not outranks({3, 4}, {0, 1, 2})
     assert outranks({0, 1}, {2, 3}) and not outranks({2, 3}, {0, 1})
     assert outranks({5}, set()) and not outranks(set(), {5})
+
+
+def test_a_join_is_let_in_ahead_answered_again_the_same_or_refused_saying_why() -> None:
+    table = Membership([Member(0, "tcp://h:1", 0), Member(1, "tcp://h:2", 0)], limit=3)
+    running = SwarmState(round=40, margin=20, started=True, final_round=None, ring=False)
+    first = admit(table, running, "tcp://h:3", "", None, rejoin=False)
+    assert isinstance(first, Admission) and not first.again
+    assert (first.member.id, first.member.since) == (2, 60)  # the next id, a margin ahead
+    table.merge([first.member])
+    again = admit(table, running, "tcp://h:3", "", None, rejoin=False)  # no welcome yet
+    assert isinstance(again, Admission) and again.again and again.member == first.member
+    back = admit(table, SwarmState(70, 20, True, None, False), "tcp://h:3", "", 2, rejoin=True)
+    assert isinstance(back, Admission) and back.rejoined and back.member.since == 90
+    for swarm, address, want, needle, limit in [
+        (running, "tcp://h:4", 1, "id 1 is taken", None),
+        (running, "tcp://h:4", -3, "not an integer", None),
+        (running, "tcp://h:4", None, "member table is full", "too_many_members"),
+        (SwarmState(40, 20, True, 50, False), "tcp://h:4", None, "finished training", None),
+        (SwarmState(40, 20, True, None, True), "tcp://h:4", None, "ring all-reduce", None),
+    ]:
+        refused = admit(table, swarm, address, "", want, rejoin=False)
+        assert isinstance(refused, Refusal) and needle in refused.error, (needle, refused)
+        assert refused.limit == limit
+
+
+def test_a_table_that_says_we_were_dropped_makes_the_outranked_side_rejoin() -> None:
+    """After a partition of 0-2 from 3-4 each side ended the other at round 9."""
+
+    def side(alive: range) -> list[Member]:
+        return [Member(i, f"tcp://h:1{i}", 0, None if i in alive else 9) for i in range(5)]
+
+    big, small = side(range(3)), side(range(3, 5))
+    assert hear_table(Membership(small), 3, 0, big) is Verdict.REJOIN  # {0,1,2} outrank us
+    assert hear_table(Membership(big), 0, 3, small) is Verdict.IGNORE  # they rejoin us
+    grown = [*big[:3], Member(3, "tcp://h:13", 20), Member(4, "tcp://h:14", 20)]  # back in
+    assert hear_table(Membership(big), 1, 0, grown) is Verdict.MERGE
+    assert hear_table(Membership(grown), 1, 3, small) is Verdict.IGNORE  # an earlier life's
+    assert hear_table(Membership(big), 1, 3, grown) is Verdict.IGNORE  # from one we dropped
+
+
+def _core(me: int, table: Membership) -> GossipCore:
+    averager = build_averager("dense", "none", 0)
+    trigger = parse_trigger("always")
+    return GossipCore(
+        me, table, averager=averager, trigger=trigger, settings=Settings(), model=torch.zeros(4)
+    )
+
+
+def test_the_core_lets_a_joiner_in_and_takes_only_the_answers_it_asked_for() -> None:
+    """The member's side answers a join with a welcome to the joiner's address and the new
+    table to its members; the joiner's side takes that welcome (it asked, with a nonce), and
+    refuses a welcome or model nobody asked for, whatever its nonce looks like."""
+    member = _core(0, Membership([Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0)]))
+    joiner = _core(-1, Membership())
+    request = joiner.ask("join", "tcp://h:10", {"address": "tcp://h:5", "want_id": None}, "n1")
+    sends = member.receive(0.0, request.frames)
+    welcome = next(s for s in sends if s.kind == "welcome")
+    assert welcome.address == "tcp://h:5"
+    assert {s.to for s in sends if s.kind == "members"} == {1, 2}  # the newcomer too
+    joiner.receive(0.1, welcome.frames)
+    me = joiner.welcomed(0.1, joiner.answers.pop())
+    assert (joiner.id, me.id, len(joiner.membership.members())) == (2, 2, 3)
+    for nonce in ("n1", "other", ["unhashable"]):  # answered already / never asked / malformed
+        forged = encode("welcome", 0, 0, 0, meta={"id": 3, "members": [], NONCE: nonce})
+        with pytest.raises(WireError, match="unexpected"):
+            joiner.receive(0.2, forged)
+    ask = member.ask("join", "tcp://h:9", {"address": "tcp://h:10"}, "n2")
+    refusal = encode("welcome", 9, 0, 0, meta={"error": "full", "members": [], NONCE: "n2"})
+    member.receive(0.3, refusal)
+    with pytest.raises(JoinRefused, match="full"):
+        member.welcomed(0.3, member.answers.pop())
+    assert decode(ask.frames, 1 << 20).meta[NONCE] == "n2"
 
 
 def test_a_checkpoint_round_trips_and_a_wrong_or_torn_one_is_refused(tmp_path: Path) -> None:

@@ -91,7 +91,7 @@ def test_every_action_parses_into_its_event_in_listed_order() -> None:
         ({"at": "1s", "kill": "1", "heal": True}, ["names 2 actions (kill, heal)", "one table"]),
         ({"at": "1s", "kil": "1"}, ["unknown key 'kil'", "did you mean 'kill'"]),
         ({"at": "1s", "kill": "7"}, ["faults[0] (at 1s): kill = '7' names peer 7", "peers = 4"]),
-        ({"at": "1s", "restart": "1"}, ["restart = '1'", "rejoin", "not simulated yet"]),
+        ({"at": "1s", "restart": "1"}, ["faults[0] (at 1s): restart = [1]", "not killed"]),
         ({"at": "1s", "partition": "0-1"}, ["partition = '0-1'", '["0-3", "4-7"]']),
         ({"at": "1s", "partition": ["0-2", "2-3"]}, ["peer 2 in groups 0 and 1"]),
         ({"at": "1s", "partition": ["*"]}, ["splits nothing"]),
@@ -117,6 +117,10 @@ def test_the_entry_named_is_the_bad_one_and_killing_everyone_is_refused() -> Non
         parse_faults([{"at": 1, "heal": True}, {"at": 2, "heal": True}, {"at": "3s"}], 4)
     with pytest.raises(ConditionError, match="every peer"):
         parse_faults([{"at": 1, "kill": "0-1"}, {"at": 2, "kill": "2-3"}], 4)
+    with pytest.raises(ConditionError, match=r"faults\[1\] \(at 1s\): restart = \[1\]"):
+        parse_faults([{"at": 2, "kill": "1"}, {"at": 1, "restart": "1"}], 4)  # time, not list
+    killed_twice = [{"at": 1, "kill": "0-1"}, {"at": 2, "restart": "0-1"}, {"at": 3, "kill": "2-3"}]
+    assert len(parse_faults(killed_twice, 4)) == 3  # 0-1 are back by then
     with pytest.raises(ConditionError, match="list of events"):
         parse_faults({"at": 1, "kill": "0"}, 4)
 
@@ -142,11 +146,14 @@ def test_faults_are_a_config_key_set_in_a_file_or_with_set_and_written_back() ->
 # -- the schedule on the simulator ------------------------------------------------------
 
 
-def test_a_partition_splits_the_ring_and_each_side_carries_on(tmp_path: Path) -> None:
+def test_a_partition_splits_the_ring_each_side_carries_on_and_the_heal_merges_them(
+    tmp_path: Path,
+) -> None:
     """At 1 s the ring 0..5 splits into 0-2 and 3-5: what crosses is dropped as
-    ``partition``, each side declares the other dead after ``dead_after`` and finishes
-    in a smaller ring. The heal at 3 s lets messages cross again, but nobody sends any:
-    the simulator's core does not rejoin members it declared dead (the real engine does)."""
+    ``partition``, each side declares the other dead after ``dead_after`` and goes on in
+    a smaller ring. After the heal at 3 s the heartbeats cross again: 0-2 (a tie, and the
+    side with the smallest id) answer that 3-5 were dropped, and 3-5 rejoin through them,
+    so every peer counts six members again and finishes."""
     faults = [{"at": "1s", "partition": ["0-2", "3-5"]}, {"at": "3s", "heal": True}]
     summary = simulate(fast_swarm(tmp_path, faults), step_time=0.05)
     assert summary["peers_finished"] == 6
@@ -157,8 +164,38 @@ def test_a_partition_splits_the_ring_and_each_side_carries_on(tmp_path: Path) ->
         assert before[-1]["members"] == 6  # whole until the partition
         split = [x for x in lines(run, peer) if 2.5 <= x["time"] <= 3.0]
         assert split[-1]["members"] == 3 and split[-1]["declared_dead"] == 3  # the other side
+        merged = [x for x in lines(run, peer) if 4.0 <= x["time"] <= 5.0]
+        assert merged and all(x["members"] == 6 for x in merged)
         last = lines(run, peer)[-1]
         assert last["final"] and last["step"] == 100
+        assert last["rejoins"] == (1 if peer >= 3 else 0)  # the outranked side rejoined
+
+
+def test_a_restarted_peer_resumes_from_its_checkpoint_and_rejoins(tmp_path: Path) -> None:
+    """Killed at 1 s, restarted at 3 s (after the others declared it dead): it starts from
+    its checkpoint of step 10, keeping that model, and rejoins; everyone finishes."""
+    faults = [{"at": "1s", "kill": "2"}, {"at": "3s", "restart": "2"}]
+    summary = simulate(fast_swarm(tmp_path, faults, checkpoint_every=10), step_time=0.05)
+    assert summary["peers_finished"] == 6 and "failed" not in summary
+    back = [x for x in lines(tmp_path / "run", 2) if x.get("start")]
+    assert len(back) == 2 and back[1]["resumed"] and back[1]["step"] == 10
+    assert back[1]["down_s"] == pytest.approx(2.0)
+    after = [x for x in lines(tmp_path / "run", 2) if x["time"] > 3.0 and not x.get("start")]
+    assert after[0]["members"] == 6 and after[-1]["final"] and after[-1]["step"] == 100
+    for peer in (0, 1, 3, 4, 5):
+        seen = [x["members"] for x in lines(tmp_path / "run", peer)]
+        assert 5 in seen and seen[-1] == 6  # it was dropped, then back
+
+
+def test_a_peer_restarted_without_a_checkpoint_takes_a_neighbours_model(tmp_path: Path) -> None:
+    """Without a checkpoint the restarted peer is a newcomer on its old address: it gets its
+    id back, takes a neighbour's model and round, and finishes with the others."""
+    faults = [{"at": "1s", "kill": "2"}, {"at": "3s", "restart": "2"}]
+    summary = simulate(fast_swarm(tmp_path, faults), step_time=0.05)
+    assert summary["peers_finished"] == 6
+    back = [x for x in lines(tmp_path / "run", 2) if x["time"] > 3.0 and not x.get("start")]
+    assert back[0]["step"] > 50  # the swarm's step count, not its own 20
+    assert back[-1]["final"] and back[-1]["time"] == pytest.approx(summary["simulated_time_s"])
 
 
 def test_injected_loss_duplicates_and_reordering_are_counted_and_the_run_finishes(
@@ -185,6 +222,22 @@ def test_a_killed_peer_stops_at_its_time_and_the_others_finish(tmp_path: Path) -
     for peer in (0, 1, 3, 4, 5):
         assert lines(run, peer)[-1]["final"]
     assert summary["network"]["dead"] > 0  # sent to it before its neighbours gave up on it
+
+
+def test_a_peer_offline_past_dead_after_is_dropped_then_rejoins_and_ends_with_the_others(
+    tmp_path: Path,
+) -> None:
+    """Peer 2's device is away from 1 s to 3 s: the others declare it dead, and once back
+    its heartbeat gets the answer that it was dropped; it rejoins with its own model and
+    the swarm's step count (the steps it missed are not owed), as a real peer does."""
+    away = {"away": {"peers": "2", "offline": ["1s-3s"]}}
+    summary = simulate(fast_swarm(tmp_path, [], profiles=away), step_time=0.05)
+    assert summary["peers_finished"] == 6 and summary["network"]["offline"] > 0
+    came_back = [x for x in lines(tmp_path / "run", 2) if x["time"] > 3.0 and not x.get("final")]
+    assert came_back[-1]["rejoins"] == 1 and came_back[-1]["members"] == 6
+    assert came_back[-1]["step"] - came_back[0]["step"] > 30  # it jumped to the swarm's step
+    assert all(lines(tmp_path / "run", i)[-1]["declared_dead"] == 1 for i in (0, 1, 3, 4, 5))
+    assert summary["simulated_time_s"] < 6.5  # it ends with the others
 
 
 # -- the real engine refuses them -------------------------------------------------------

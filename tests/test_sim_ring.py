@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_files, small_config
+from typer.testing import CliRunner
 
+import gossipdl.cli as cli
 from gossipdl.config import Config
 from gossipdl.experiments.launcher import launch, preflight
 from gossipdl.experiments.simulated import simulate
@@ -188,7 +191,7 @@ def test_bytes_and_accuracy_match_a_real_ring_of_the_same_config(
 
 
 def test_a_dead_member_stops_the_simulated_ring_within_its_timeout_naming_it(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As the real ring (test_ring): kill one of three for good, the other two stop with an
     error naming it after round_timeout, never hang; the run directory says why."""
@@ -206,6 +209,15 @@ def test_a_dead_member_stops_the_simulated_ring_within_its_timeout_naming_it(
     for i in range(3):
         last = json.loads(RunDir(config.out).metrics(i).read_text().splitlines()[-1])
         assert not last.get("final") and 25 <= last["step"] <= 31
+    args = ["simulate", "--mode", "ring", "--peers", "3", "--steps", "1000", "--round-timeout",
+            "3", "--set", 'faults=[{at="0.3s", kill="1"}]', "--step-time", "10ms",
+            "--out", str(tmp_path / "cli"), "--no-progress"]  # fmt: skip
+    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))  # the CLI's
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    done = CliRunner().invoke(cli.app, args)
+    assert done.exit_code == 2, done.output  # as `gossipdl run` fails when a ring breaks
+    assert "peer 2 stopped: peer 2, ring all-reduce" in " ".join(done.output.split())
+    assert json.loads((tmp_path / "cli" / "summary.json").read_text())["failed"]
 
 
 def test_a_peer_killed_by_hand_stops_every_rank_and_every_message_is_accounted_for(

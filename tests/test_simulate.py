@@ -58,8 +58,9 @@ def test_links_and_step_time_set_the_simulated_time(tmp_path: Path) -> None:
 def test_bytes_and_accuracy_match_a_real_run_of_the_same_config(tmp_path: Path) -> None:
     """The quick start's kind of swarm, real processes against virtual peers: the same
     model messages, the same payload bytes (the real run adds start-up and heartbeat
-    messages), the same accuracy to within a point."""
-    config = small_config(tmp_path, peers=4, steps=60, log_every=20)
+    messages), the same accuracy to within a point; half the peers' labels drift midway
+    in both (their test labels too)."""
+    config = small_config(tmp_path, peers=4, steps=60, log_every=20, drift="30:permute:0.5")
     real = tmp_path / "real"
     done = subprocess.run(
         gossipdl_cmd("run", str(_toml(tmp_path, config)), "--out", str(real), "--no-progress"),
@@ -103,8 +104,8 @@ def test_a_dead_peer_is_declared_dead_and_the_ring_goes_on(tmp_path: Path) -> No
 
 
 def test_what_the_simulator_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(SimulationError, match="mode 'ps' is not simulated"):
-        simulate(small_config(tmp_path, mode="ps"))
+    with pytest.raises(SimulationError, match="mode 'single' is not simulated"):
+        simulate(small_config(tmp_path, mode="single"))
 
 
 def test_gossipdl_simulate_writes_a_run_directory_report_reads(tmp_path: Path) -> None:

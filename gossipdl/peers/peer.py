@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
-import re
 import secrets
 import threading
 import time
@@ -23,7 +21,6 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from gossipdl.averaging import build_averager
-from gossipdl.averaging.base import dense_payload
 from gossipdl.averaging.triggers import check_trigger, parse_trigger
 from gossipdl.compression import Payload
 from gossipdl.coordinator.ring import (
@@ -33,22 +30,29 @@ from gossipdl.coordinator.ring import (
     check_ring_codec,
 )
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
-from gossipdl.peers.membership import MAX_ID, MAX_MEMBERS, Member, Membership, parse_members
+from gossipdl.peers.membership import MAX_MEMBERS, Member, Membership, parse_members
 from gossipdl.protocol.core import CORE_KINDS, GossipCore, Send, Settings
+from gossipdl.protocol.joining import (
+    RETRY_S,
+    Admission,
+    Refusal,
+    Verdict,
+    admit,
+    check_welcome,
+    hear_table,
+)
 from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.addresses import check_address
-from gossipdl.transport.asked import NONCE, Asked, echoed_nonce
+from gossipdl.transport.asked import NONCE, Asked
 from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
 from gossipdl.transport.probe import CONNECT_WAIT_S, Unreachable, reachable
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import LinkProfile
 from gossipdl.transport.sockets import MAX_QUEUED_BYTES
-from gossipdl.transport.wire import meta_int, meta_text
+from gossipdl.transport.wire import echoed_nonce, meta_text
 
 log = logging.getLogger(__name__)
 
-_RETRY_S = 1.0
-_SWARM_ID = re.compile(r"[0-9a-f]{1,32}")  # a swarm id in a welcome
 # Limits on what a remote sender can make a peer hold or do (the protocol's own limits are
 # in gossipdl.protocol.kinds); each drop is counted by reason.
 MAX_ANSWER_RATE = 20.0  # answers to join/info requests per second, all senders together:
@@ -62,21 +66,6 @@ FORGET_AFTER_S = 600.0  # an ended member silent this long is forgotten: no more
 
 class PeerError(RuntimeError):
     """The peer cannot take part in the swarm (no answer, id taken, neighbours missing)."""
-
-
-def outranks(side: set[int], other: set[int]) -> bool:
-    """Whether, after a partition, the members ``side`` are the swarm and ``other`` the part
-    that rejoins it: the larger side wins, a tie goes to the side with the smallest id.
-
-    Example:
-        >>> outranks({0, 1, 2}, {3, 4}), outranks({3, 4}, {0, 1})
-        (True, False)
-    """
-    if not side:
-        return False
-    if not other:
-        return True
-    return (len(side), -min(side)) > (len(other), -min(other))
 
 
 def _counted(name: str) -> property:
@@ -247,7 +236,7 @@ class Peer:
         # that also wakes a round waiting for messages. Every other field is owned by one
         # thread, guarded by the lock named next to it, or an object with a lock of its own
         # (Membership, Asked, the transport's stats). References other threads only read
-        # (started, _published) are written whole by their owner.
+        # (started) are written whole by their owner.
         self.membership = Membership(limit=max_members)  # own lock
         self._asked = Asked()  # own lock: nonces of our requests and their answers
         self._core = threading.Condition(threading.RLock())
@@ -289,8 +278,6 @@ class Peer:
         self.rejoins = 0
         self._wanted_id = rank  # the id asked for (None: any); asked again if ours goes to another
         self._resuming = resume_step is not None
-        # (round, model at its start): what a model request gets, a tensor nobody writes to
-        self._published: tuple[int, torch.Tensor] = (0, self.core.reference.clone())
         # -- receive thread only --
         self._answer_budget = RateLimiter(MAX_ANSWER_RATE)
         # -- guarded by _lock (written by several threads) --
@@ -372,15 +359,15 @@ class Peer:
             self._join_again()
         elif self._rejoin_via is not None:
             self._rejoin()
-        t = self.round
         if not self.reduces_gradients:  # gradients were averaged before the local step
             x = self._flat()
             new = self._ring_round(x) if self.ring else self._core_round(x)
             self._set_params(new)
-            self._published = (t + 1, new)  # what a model request gets from now on
         if self.ring:
             with self._core:
                 self.core.advance(time.monotonic())
+                if not self.reduces_gradients:  # the core's rounds published theirs
+                    self.core.published = (self.round, new)
 
     def _core_round(self, x: torch.Tensor) -> torch.Tensor:
         """Run the protocol core's round with model ``x``: send, wait for the messages it
@@ -631,7 +618,7 @@ class Peer:
             with self._changed:
                 self._changed.wait_for(
                     lambda: neighbours <= self._ready_from or self._failure is not None,
-                    min(_RETRY_S, left),
+                    min(RETRY_S, left),
                 )
             self._check_failure()
         if self._lost_id():
@@ -710,17 +697,13 @@ class Peer:
     def _start_again(self, welcome: Message) -> None:
         """Take up the id, table, round and step count a member's welcome gives a peer that
         trained before; it keeps its model."""
-        self.id = welcome.meta["id"]  # checked with the welcome
+        try:
+            with self._core:
+                me = self.core.welcomed(time.monotonic(), welcome)
+        except WireError as exc:
+            raise PeerError(f"peer {self.id}: a welcome we cannot use: {exc}") from None
         self._adopt_swarm(welcome)
-        self.membership.replace_all(parse_members(welcome.meta["members"], self.membership.limit))
         self._learn_keys(self.membership.members())
-        now = time.monotonic()
-        me = self.membership.get(self.id)
-        assert me is not None
-        with self._core:
-            for m in self.membership.members():  # silent while apart
-                self.core.detector.heard(m.id, now)
-            self.core.move_to(me.since)  # keep what arrives for our first round from now on
         self._members_changed()
         self.rejoins += 1
         self._start_late(me.since, take_model=False)
@@ -756,7 +739,6 @@ class Peer:
                 self.core.start_at(start, self._flat())
                 if model is not None:
                     self.core.age = self.steps
-            self._published = (start, self.core.reference.clone())
             self.started = True
             # The swarm reaches our first round only after ``since - reply.round`` more rounds.
             self._first_wait = self.startup_timeout
@@ -803,7 +785,7 @@ class Peer:
                 nonces.append(self._asked.ask(reply, key))
                 frames = encode(kind, self.id, 0, self.round, meta={**meta, NONCE: nonces[-1]})
                 self.transport.send(address, frames)
-                wait = KEY_TRY_S if rotate is not None else _RETRY_S
+                wait = KEY_TRY_S if rotate is not None else RETRY_S
                 with self._changed:
                     self._changed.wait_for(done, min(wait, deadline - time.monotonic()))
                 answer = self._asked.answer(nonces)
@@ -954,36 +936,21 @@ class Peer:
         self._carry_out(tick.sends)
 
     def _hear_table(self, sender: int, members: list[Member]) -> None:
-        """Take in a member table from ``sender``.
-
-        A table from a member we dropped is not merged: its view of who is alive is
-        stale (the other side of a partition, or messages it sent before a cut that
-        arrive after it). Nor is one the sender wrote in an earlier life than the one
-        we know (sent before a cut, delivered after it rejoined): it would end members
-        the sender thought dead then. A table that says we are out makes us rejoin
-        through the sender if our own table has the sender alive, or if the sender's
-        side of the swarm outranks ours (:func:`outranks`); otherwise we ignore it, and
-        the sender's side will rejoin ours.
-        """
-        theirs = {m.id: m for m in members}
-        me, own = theirs.get(self.id), self.membership.get(self.id)
-        known, said = self.membership.get(sender), theirs.get(sender)
-        if known is not None and (said is None or said.since < known.since):
-            return
-        sender_out = known is not None and known.until is not None
-        stale_about_us = own is not None and me is not None and own.since > me.since
-        if me is None or me.until is None or stale_about_us:
-            if not sender_out:
-                self._merge(members)
-            return
-        if known is None or not self.started or self._closed or self._rejoin_via is not None:
-            return
-        their_side = {m.id for m in members if m.until is None}
-        if not sender_out or outranks(their_side, set(self.membership.in_swarm())):
+        """Take in a member table from ``sender`` as :func:`~gossipdl.protocol.joining.hear_table`
+        says: merge it, or rejoin through the sender (at the next round)."""
+        verdict = hear_table(self.membership, self.id, sender, members)
+        if verdict is Verdict.MERGE:
+            self._merge(members)
+        elif verdict is Verdict.REJOIN:
+            if not self.started or self._closed or self._rejoin_via is not None:
+                return
             log.warning(
                 "peer %d: peer %d says we were dropped; rejoining through it", self.id, sender
             )
-            self._rejoin_via = theirs.get(sender, known).address
+            known = self.membership.get(sender)
+            assert known is not None  # REJOIN: the sender is in our table
+            said = next((m for m in members if m.id == sender), known)
+            self._rejoin_via = said.address
             self._wake()  # a round waiting on our old side ends now
 
     # ----------------------------------------------------------------- receive thread
@@ -1043,7 +1010,7 @@ class Peer:
             self._reply(address, "info", members=members, config=self.swarm_config, nonce=nonce)
             return
         if msg.kind in ("welcome", "model"):
-            table = self._check_welcome(msg) if msg.kind == "welcome" else []
+            table = check_welcome(msg, self.membership.limit) if msg.kind == "welcome" else []
             if self._asked.take(msg):
                 # The member we asked speaks for the swarm: its table is ours before anything
                 # its members send us next (they may announce us before we read the welcome).
@@ -1087,39 +1054,20 @@ class Peer:
         elif msg.kind == "model_request":
             if self.reduces_gradients:
                 raise WireError("unexpected", "a ring all-reduce of gradients sends no models")
-            round_, model = self._published  # one reference read: a round and its model
-            meta = {NONCE: echoed_nonce(msg.meta)}
-            self._send(msg.sender, "model", round=round_, payload=dense_payload(model), meta=meta)
+            with self._core:
+                sends = self.core.answer_model_request(msg)
+            self._carry_out(sends)
         with self._core:
             self.core.track_seq(msg)  # only messages accepted: a dropped one leaves a gap
         self._carry_out([])  # what the core noted (lost messages, departures) goes to the log
 
-    def _check_welcome(self, msg: Message) -> list[Member]:
-        """A welcome names our id (at most ``MAX_ID``) and its member table (returned), or
-        says why we may not join (no table returned)."""
-        table = parse_members(msg.meta.get("members"), self.membership.limit)
-        if "error" in msg.meta:
-            if not isinstance(msg.meta["error"], str):
-                raise WireError("bad_meta", "a welcome's error is not text")
-            return []
-        if meta_int(msg.meta, "id", "welcome id") > MAX_ID:
-            raise WireError("bad_meta", f"welcome id {msg.meta['id']} is above {MAX_ID}")
-        if "swarm" in msg.meta:
-            start = msg.meta.get("swarm_start")
-            if not isinstance(msg.meta["swarm"], str) or not _SWARM_ID.fullmatch(msg.meta["swarm"]):
-                raise WireError("bad_meta", "a welcome's swarm id is not 1-32 hex digits")
-            if not isinstance(start, int | float) or isinstance(start, bool):
-                raise WireError("bad_meta", "a welcome's swarm_start is not a number")
-            if not math.isfinite(start):
-                raise WireError("bad_meta", "a welcome's swarm_start is not finite")
-        return table
-
     def _hear_heartbeat(self, sender: Member) -> None:
         """A heartbeat from a member we dropped as dead gets our table back, so it can rejoin
         (the core took the round it vouches for)."""
-        dead = sender.until is not None and self.membership.why_left(sender.id) is None
-        if dead and self.started:
-            self._reply(sender.address, "dropped", members=self.membership.wire())
+        if self.started:
+            with self._core:
+                sends = self.core.dropped_notice(sender)
+            self._carry_out(sends)
 
     def _reply(self, address: str, kind: str, **meta: Any) -> None:
         """Answer someone who is not a member yet: straight to its address, no sequence number."""
@@ -1147,45 +1095,33 @@ class Peer:
 
     def _on_join(self, msg: Message) -> None:
         """Let a newcomer in, or a member back in (``rejoin``: restarted, or dropped while
-        it was away): a new entry from a few rounds ahead, announced to everyone."""
+        it was away), as :func:`~gossipdl.protocol.joining.admit` decides: a new entry from
+        a few rounds ahead, announced to everyone."""
         if msg.meta.get("key", "") != msg.key:
             raise WireError("wrong_key", "the key a join names is not the one it connected with")
         address = self._reply_address(msg, "joiner address")
         nonce = self._answer_token(msg)
-        want = msg.meta.get("want_id")
         rejoin = msg.meta.get("rejoin", False) is True
-        member = self.membership.by_address(address)
-        # A join sent again (no welcome yet) gets the same answer, not another entry.
-        again = member is not None and member.until is None
-        if again and rejoin and member is not None and member.since <= self.round:
-            again = False  # a member back from a restart on the same address
-        if member is None or not again:
-            refused = self._join_refused(member, want, rejoin)
-            if refused is not None:
-                error, limit = refused
-                members = self.membership.wire()
-                self._reply(address, "welcome", error=error, members=members, nonce=nonce)
-                if limit is not None:  # answered, and counted: a limit was reached
-                    raise WireError(limit, f"join from {address} refused: {error}")
-                return
-            if member is not None:
-                want = member.id
-            known = self.membership.get(want) if want is not None else None
-            peer_id = want if want is not None else self.membership.next_id()
-            since = self.round + self.core.join_margin() if self.started else 0
-            if known is not None:  # a new life starts after the last one
-                since = max(since, known.until or 0, known.since + 1)
-            member = Member(peer_id, address, since, key=msg.key)
+        with self._core:
+            swarm = self.core.swarm_state(self.started, ring=self.ring)
+        decision = admit(self.membership, swarm, address, msg.key, msg.meta.get("want_id"), rejoin)
+        if isinstance(decision, Refusal):
+            members = self.membership.wire()
+            self._reply(address, "welcome", error=decision.error, members=members, nonce=nonce)
+            if decision.limit is not None:  # answered, and counted: a limit was reached
+                raise WireError(decision.limit, f"join from {address} refused: {decision.error}")
+            return
+        assert isinstance(decision, Admission)
+        member = decision.member
+        if not decision.again:
             self._merge([member])
-            with self._core:
-                self.core.detector.heard(peer_id, time.monotonic())
             log.info(
                 "peer %d: %s %s as peer %d from round %d",
                 self.id,
                 address,
-                "rejoined" if known is not None else "joined",
-                peer_id,
-                since,
+                "rejoined" if decision.rejoined else "joined",
+                member.id,
+                member.since,
             )
         self._reply(
             address,
@@ -1197,39 +1133,7 @@ class Peer:
             swarm=self.swarm_id,
             swarm_start=self.swarm_start,
         )
-        if not again:  # after the welcome: the newcomer takes our word once it has our table
+        if (
+            not decision.again
+        ):  # after the welcome: the newcomer takes our word once it has our table
             self._announce()
-
-    def _join_refused(
-        self, member: Member | None, want: Any, rejoin: bool
-    ) -> tuple[str, str | None] | None:
-        """Why a join cannot be let in (the error its welcome says, and the drop reason it
-        is counted under if a limit refused it), or None if it can."""
-        if self.ring and self.started:
-            return "a ring all-reduce cannot take members once it started; start all together", None
-        final = self.core.final_round
-        if final is not None and self.started and self.round + self.core.join_margin() > final:
-            return (
-                f"the swarm has finished training (its last round is {final}, it is at round "
-                f"{self.round}): a newcomer would train no step; start a new swarm",
-                None,
-            )
-        if member is not None:
-            return None  # back on its own address, under its own id
-        if want is not None and not (
-            isinstance(want, int) and not isinstance(want, bool) and 0 <= want <= MAX_ID
-        ):
-            return f"id {want!r} is not an integer in 0..{MAX_ID}; choose another rank", None
-        known = self.membership.get(want) if want is not None else None
-        if known is not None and known.until is None and not rejoin:
-            return f"id {want} is taken; choose another rank or leave it out", None
-        size = len(self.membership.members())
-        if known is None and size >= self.membership.limit:
-            error = (
-                f"the swarm's member table is full ({size} entries, max_members = "
-                f"{self.membership.limit}); start the swarm with a larger max_members"
-            )
-            return error, "too_many_members"
-        if want is None and self.membership.next_id() > MAX_ID:
-            return f"no id left up to {MAX_ID}; give a free rank", "too_many_members"
-        return None

@@ -14,18 +14,16 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
-from torch.nn.utils import parameters_to_vector
 
-from gossipdl.averaging import parse_trigger
-from gossipdl.conditions import DeviceProfile, Drift, device_of, parse_drift
+from gossipdl.conditions import DeviceProfile, device_of
 from gossipdl.config import Config, to_dict
-from gossipdl.coordinator.ring import chunk_bounds
-from gossipdl.coordinator.server import ShardServer, fedavg_local_steps, fedavg_rounds, serve
+from gossipdl.coordinator.server import serve
 from gossipdl.coordinator.worker import ServerWorker
-from gossipdl.data import Dataset, load_dataset, partition
+from gossipdl.data import Dataset, load_dataset
 from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
@@ -34,6 +32,8 @@ from gossipdl.peers.sinks import MetricsSinks, check_sinks
 from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic
 from gossipdl.training import (
     AWAY_POLL_S,
+    drift_of,
+    drifted,
     evaluation,
     initial_model,
     json_line,
@@ -41,8 +41,9 @@ from gossipdl.training import (
     make_optimizer,
     metrics_line,
     peer_sampler,
+    ps_worker_settings,
     save_atomic,
-    shard_for,
+    shard_server,
 )
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.probe import CONNECT_WAIT_S
@@ -187,21 +188,14 @@ def _server_worker(
             f"a ps worker needs --rank and --servers with {config.ps_shards} address(es) "
             f"(ps_shards); got rank {rank}, servers {servers}"
         )
-    shard = shard_for(config, dataset, rank)
     return ServerWorker(
         model,
         optimizer,
         rank=rank,
         servers=servers,
-        rule=config.ps,
-        codec=config.codec,
-        period=parse_trigger(config.trigger).period,
-        local_steps=fedavg_local_steps(len(shard), config.batch_size, config.local_epochs),
-        samples=len(shard),
+        **asdict(ps_worker_settings(config, dataset, rank)),
         listen=listen,
-        timeout=config.round_timeout,
         max_message_bytes=int(config.max_message_mb * 2**20),
-        seed=config.seed,
         link=_device(config, rank).link,
         curve=curve,
         advertise=config.advertise or None,
@@ -243,26 +237,7 @@ def run_shard(
 ) -> dict[str, Any]:
     """Serve parameter-server shard ``shard`` until every worker left; its counters go to
     ``servers/<shard>.json`` (rewritten about once a second and at the end)."""
-    dataset = load_dataset(config.dataset)
-    model = initial_model(config, dataset)  # the workers' initial model
-    flat = parameters_to_vector(model.parameters()).detach()
-    a, b = chunk_bounds(flat.numel(), config.ps_shards)[shard]
-    sizes = [
-        len(p) for p in partition(dataset.y_train, config.peers, config.partition, config.seed)
-    ]
-    server = ShardServer(
-        flat[a:b],
-        rule=config.ps,
-        workers=config.peers,
-        shard=shard,
-        codec=config.codec,
-        staleness=config.staleness,
-        fraction=config.fraction,
-        rounds=fedavg_rounds(config.steps, sizes, config.batch_size, config.local_epochs),
-        seed=config.seed,
-        timeout=config.round_timeout,
-        startup_timeout=config.startup_timeout,
-    )
+    server = shard_server(config, load_dataset(config.dataset), shard)
     path = run.server_stats(shard)
     path.parent.mkdir(parents=True, exist_ok=True)
     start = run_start() or time.time()  # one clock with the workers the launcher started
@@ -277,7 +252,8 @@ def run_shard(
             written.update(workers)
 
     stop = stop or threading.Event()
-    log.info("shard %d of %d: %d parameters, rule %s", shard, config.ps_shards, b - a, config.ps)
+    size, shards = server.x.numel(), config.ps_shards
+    log.info("shard %d of %d: %d parameters, rule %s", shard, shards, size, config.ps)
     return serve(
         server,
         listen,
@@ -307,9 +283,7 @@ def _loop(
     x_test = torch.as_tensor(dataset.x_test, device=device)
     y_test = torch.as_tensor(dataset.y_test, device=device)
     emulated = _device(config, peer.id)
-    drift = parse_drift(config.drift)
-    if drift is not None and not drift.affects(peer.id, config.peers):
-        drift = None
+    drift = drift_of(config, peer.id)
     previous = _last_life(run, peer.id) if resumed else None
     sinks = MetricsSinks(config, run, peer.id)  # first: a sink that fails leaves no file open
     metrics = run.metrics(peer.id).open("a", buffering=1)
@@ -351,9 +325,7 @@ def _loop(
                 record()
                 continue
             if drift is not None and peer.steps >= drift.step:  # once; a late joiner too
-                new_label = Drift.permutation(dataset.num_classes, config.seed)
-                perm = torch.as_tensor(new_label, device=device)
-                sampler.y, y_test = perm[sampler.y], perm[y_test]
+                y_test = drifted(config, dataset, sampler, y_test)
                 log.info("peer %d: labels permuted at step %d (drift)", peer.id, peer.steps)
                 drift = None
             computed = time.monotonic()
@@ -402,6 +374,6 @@ def _take_as_long(device: DeviceProfile, started: float) -> None:
 
 def _finished(config: Config, peer: Peer | ServerWorker) -> bool:
     """A FedAvg worker runs until the server's last round; everyone else for ``steps``."""
-    if isinstance(peer, ServerWorker) and peer.rule == "fedavg":
-        return peer.done
+    if isinstance(peer, ServerWorker):
+        return peer.core.finished(config.steps)
     return peer.steps >= config.steps

@@ -18,10 +18,12 @@ broadcast) under the ``always``/``periodic`` trigger, the two-phase rounds of th
 dynamic trigger, gossip learning's walks, CHOCO's resyncs after a lost message or
 a topology change, heartbeats that say which round a member last sent, death
 sentences announced to the swarm (a member out of the topology a few rounds
-ahead), graceful leaves, sequence numbers and their gaps. Forming a swarm,
-joining a running one and rejoining after being dropped are still the real
-engine's (:class:`gossipdl.Peer`); the simulator's swarms form at once and do not
-rejoin.
+ahead), graceful leaves, sequence numbers and their gaps; and the member's side
+of joining (:mod:`gossipdl.protocol.joining` decides): letting a newcomer or a
+restarted peer in, answering a model request, telling a member we declared dead
+that it was dropped, taking a welcome, and a member table that says we must
+rejoin (``rejoin_via``). Asking to join (retries, CURVE keys, nonces) is the
+engine's: it sends the requests and feeds the answers back in.
 """
 
 from __future__ import annotations
@@ -36,11 +38,21 @@ from typing import Any
 
 import torch
 
-from gossipdl.averaging import Arrival, Averager, Round
+from gossipdl.averaging import Arrival, Averager, Round, SharedDecodes
+from gossipdl.averaging.base import dense_payload
 from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.averaging.triggers import Trigger
 from gossipdl.compression import CodecError, Payload
 from gossipdl.protocol.failure import FailureDetector
+from gossipdl.protocol.joining import (
+    Admission,
+    Refusal,
+    SwarmState,
+    Verdict,
+    admit,
+    check_welcome,
+    hear_table,
+)
 from gossipdl.protocol.kinds import (
     COMPRESSED_KINDS,
     LOSSY_KINDS,
@@ -57,11 +69,23 @@ from gossipdl.protocol.kinds import (
 from gossipdl.protocol.mailbox import Mailbox
 from gossipdl.protocol.membership import Member, MemberTable, parse_members
 from gossipdl.protocol.rounds import Topologies, arrivals, topology_changes
-from gossipdl.transport.wire import Message, WireError, decode, encode, meta_int, meta_text
+from gossipdl.transport.address_syntax import check_address
+from gossipdl.transport.wire import (
+    NONCE,
+    Message,
+    WireError,
+    decode,
+    echoed_nonce,
+    encode,
+    meta_int,
+    meta_text,
+)
 
 ROUND_TIMES_KEPT = 32  # rounds whose end times set the join margin
-# The messages the core takes in (:meth:`GossipCore.take`); joins, member tables and model
-# requests stay with the engine for now.
+MAX_ASKED = 64  # requests of ours awaiting an answer (join, model_request); the oldest go beyond
+REPLY_TO = {"join": "welcome", "model_request": "model"}  # a request's kind -> its answer's
+# The round protocol's messages, which the core takes in from a member (:meth:`GossipCore.take`);
+# :meth:`GossipCore.receive` also dispatches member tables and joins.
 CORE_KINDS = frozenset(
     {"params", "public", "quiet", "reply", "walk", "alive", "resync_request", "leave"}
 )
@@ -69,11 +93,13 @@ CORE_KINDS = frozenset(
 
 @dataclass(frozen=True)
 class Send:
-    """Send ``frames`` (header first, as the wire encoder made them) to member ``to``."""
+    """Send ``frames`` (header first, as the wire encoder made them) to member ``to``, or to
+    ``address`` when it is set (an answer to a joiner, not a member yet)."""
 
     to: int
     kind: str
     frames: list[Any]
+    address: str = ""
 
 
 @dataclass
@@ -106,6 +132,10 @@ class Counters:
     idle_s: float = 0.0
 
 
+class JoinRefused(RuntimeError):
+    """A member refused to let us in; the message is its reason."""
+
+
 class _Phase(Enum):
     IDLE = "idle"  # training: no round open
     FIRST = "first"  # waiting for the round's messages
@@ -130,6 +160,10 @@ class Settings:
 class GossipCore:
     """The protocol of peer ``me`` (-1 until it has an id) over the member table ``members``
     (the engine's: the real one shares it with its join handling, behind a lock)."""
+
+    # The simulator's swarm shares the decodes of one broadcast among its receivers (an
+    # engine sets it); None: every message is decoded for this peer alone.
+    decodes: SharedDecodes | None = None
 
     def __init__(
         self,
@@ -174,6 +208,11 @@ class GossipCore:
         self._alarms: set[int] = set()  # dynamic trigger: rounds the swarm syncs
         self.final_round: int | None = None
         self.reference = model.clone()  # the model agreed at the last sync (dynamic trigger)
+        # (round, model at its start): what a model request gets, a tensor nobody writes to
+        self.published: tuple[int, torch.Tensor] = (0, self.reference.clone())
+        self.rejoin_via: int | None = None  # a member whose table says we were dropped
+        self._asked: dict[str, str] = {}  # nonce of a request of ours -> the answer's kind
+        self.answers: list[Message] = []  # answers to our requests, for the engine to take
         self._walks: deque[tuple[torch.Tensor, int]] = deque()
         self.age = 0  # gossip learning: steps behind the walking model
         self._round_times: deque[float] = deque(maxlen=ROUND_TIMES_KEPT)
@@ -245,9 +284,13 @@ class GossipCore:
             return self._end(opened, x)
         first = self._phase is _Phase.FIRST
         box = self._inbox if first else self._answers
-        expected = set(self.live(rnd.weights if first else self._quiet))
-        if online and not box.complete(rnd.index, expected) and now < (self.deadline or 0.0):
-            return Progress()
+        ids = rnd.weights if first else self._quiet
+        # still waiting for a member in the swarm? (asks who left only about who has not sent)
+        if online and now < (self.deadline or 0.0):
+            gone = self.membership.gone
+            if any(not gone(j) for j in box.waiting_for(rnd.index, ids)):
+                return Progress()
+        expected = set(self.live(ids))
         got = box.take(rnd.index)
         missed = sorted(j for j in expected if j not in got)
         self.counters.neighbour_misses += len(missed)
@@ -305,6 +348,7 @@ class GossipCore:
         assert self._open is not None
         self.counters.idle_s += now - self._open[2]
         self.advance(now)
+        self.published = (self.round, new)
         self._phase, self._open, self.deadline = _Phase.IDLE, None, None
         self._kept, self._quiet = {}, set()
         sends: list[Send] = []
@@ -328,6 +372,7 @@ class GossipCore:
         it resyncs there, its mailboxes wait for that round, heartbeats vouch for none."""
         self.round = self.first_round = round
         self.reference = model.clone()
+        self.published = (round, self.reference.clone())
         self._last_ids = None
         self.move_to(round)
         self.sent_round = round - 1
@@ -537,19 +582,39 @@ class GossipCore:
         )
         return [Send(j, kind, frames)]
 
-    def receive(self, now: float, frames: Sequence[Any]) -> None:
-        """The simulator's way in: a message's frames arrived; decode, check and take it in.
-        A message the protocol refuses raises :class:`WireError` (the engine counts it)."""
+    def receive(self, now: float, frames: Sequence[Any], started: bool = True) -> list[Send]:
+        """The simulator's way in: a message's frames arrived; decode, check and take it in,
+        and return what it answers. ``started``: this peer is in a formed swarm (it lets
+        others in and tells the dropped). A message the protocol refuses raises
+        :class:`WireError` (the engine counts it)."""
         msg = decode(frames, self.settings.max_message_bytes)
+        self._now = now
+        if msg.kind == "join":
+            if self.id < 0 or not started:
+                raise WireError("not_member_yet", "a join before this peer is in a swarm")
+            return self.answer_join(now, msg, started)
+        if msg.kind in ("welcome", "model"):
+            nonce = msg.meta.get(NONCE)
+            if not isinstance(nonce, str) or self._asked.get(nonce) != msg.kind:
+                raise WireError("unexpected", f"a {msg.kind} that answers no request of ours")
+            del self._asked[nonce]
+            self.answers.append(msg)
+            return []
         sender = self.membership.get(msg.sender)
         if sender is None:
             raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
         self.detector.heard(msg.sender, now)
-        if msg.kind == "members":
-            self._hear_table(msg.sender, parse_members(msg.meta.get("members")))
+        sends: list[Send] = []
+        if msg.kind in ("members", "dropped", "ready"):
+            self.hear_table(msg.sender, parse_members(msg.meta.get("members")), started)
+        elif msg.kind == "model_request":
+            sends = self.answer_model_request(msg)
         else:
             self.take(now, msg, sender)
+            if msg.kind == "alive" and started:
+                sends = self.dropped_notice(sender)
         self.track_seq(msg)
+        return sends
 
     def take(self, now: float, msg: Message, sender: Member) -> None:
         """Take in a round-protocol message (a kind in ``CORE_KINDS``) from member ``sender``,
@@ -603,22 +668,107 @@ class GossipCore:
         else:
             raise WireError("unexpected", f"a {msg.kind!r} message, which the core does not run")
 
-    def _hear_table(self, sender: int, members: list[Member]) -> None:
-        """Merge a member table, unless it comes from a member we dropped or from an earlier
-        life of its sender, or says we are out (the real engine rejoins then)."""
-        theirs = {m.id: m for m in members}
-        known, said = self.membership.get(sender), theirs.get(sender)
-        if known is not None and (said is None or said.since < known.since):
-            return
-        if known is not None and known.until is not None:
-            return
-        me = theirs.get(self.id)
-        if me is not None and me.until is not None:
-            self.notes.append(f"peer {sender} says we were dropped")
-            return
-        for member in self.membership.merge(members):
+    def hear_table(self, sender: int, members: list[Member], started: bool = True) -> Verdict:
+        """Take in member ``sender``'s table as :func:`~gossipdl.protocol.joining.hear_table`
+        says: merge it, or note that we must rejoin through the sender (``rejoin_via``, once
+        ``started``); returns the verdict."""
+        verdict = hear_table(self.membership, self.id, sender, members)
+        if verdict is Verdict.MERGE:
+            self.merge(members)
+        elif verdict is Verdict.REJOIN and started and self.rejoin_via is None:
+            self.notes.append(f"peer {sender} says we were dropped; rejoining through it")
+            self.rejoin_via = sender
+        return verdict
+
+    def merge(self, members: list[Member]) -> list[Member]:
+        """Merge entries into the member table; a member new or back starts over (its rounds
+        and its silence). Returns the entries that changed."""
+        changed = self.membership.merge(members)
+        for member in changed:
             if member.until is None:
-                self._inbox.forget(member.id)
+                self.forget_rounds(member.id)
+                self.detector.heard(member.id, self._now)
+        return changed
+
+    # ----------------------------------------------------------------- joining
+    def swarm_state(self, started: bool, ring: bool = False) -> SwarmState:
+        """What a join is decided on: our round, the notice a change gets, whether the swarm
+        formed, its last round."""
+        return SwarmState(self.round, self.join_margin(), started, self.final_round, ring)
+
+    def answer_join(self, now: float, msg: Message, started: bool) -> list[Send]:
+        """Let a joiner in (or back in) as :func:`~gossipdl.protocol.joining.admit` decides,
+        or refuse it: the welcome to its address, then the new table to every member. A
+        refusal a limit made is also counted (:attr:`dropped`)."""
+        self._now = now
+        address = check_address(msg.meta.get("address"), "joiner address")
+        nonce = echoed_nonce(msg.meta)
+        rejoin = msg.meta.get("rejoin", False) is True
+        want = msg.meta.get("want_id")
+        decision = admit(self.membership, self.swarm_state(started), address, msg.key, want, rejoin)
+        if isinstance(decision, Refusal):
+            meta: dict[str, Any] = {"error": decision.error, "members": self.membership.wire()}
+            if decision.limit is not None:
+                self.dropped.append(WireError(decision.limit, f"join from {address} refused"))
+            return [self._reply(address, "welcome", {**meta, NONCE: nonce})]
+        assert isinstance(decision, Admission)
+        member = decision.member
+        if not decision.again:
+            self.merge([member])
+            self.notes.append(
+                f"{address} {'rejoined' if decision.rejoined else 'joined'} as peer {member.id} "
+                f"from round {member.since}"
+            )
+        meta = {"id": member.id, "members": self.membership.wire(), NONCE: nonce}
+        sends = [self._reply(address, "welcome", meta)]
+        return sends if decision.again else sends + self.announce()
+
+    def ask(self, kind: str, address: str, meta: dict[str, Any], nonce: str) -> Send:
+        """A request (``join``, ``model_request``) to ``address``; its answer, which must echo
+        ``nonce`` (the engine draws it), is kept in :attr:`answers` when it arrives."""
+        self._asked[nonce] = REPLY_TO[kind]
+        while len(self._asked) > MAX_ASKED:
+            del self._asked[next(iter(self._asked))]
+        return self._reply(address, kind, {**meta, NONCE: nonce})
+
+    def _reply(self, address: str, kind: str, meta: dict[str, Any]) -> Send:
+        """An answer to someone who is not a member yet: to its address, no sequence number."""
+        return Send(-1, kind, encode(kind, self.id, 0, self.round, meta=meta), address)
+
+    def answer_model_request(self, msg: Message) -> list[Send]:
+        """A member asks for our model (it joined, or is back): the published one, dense."""
+        round_, model = self.published
+        meta = {NONCE: echoed_nonce(msg.meta)}
+        return self.send(msg.sender, "model", round_, dense_payload(model), meta)
+
+    def dropped_notice(self, sender: Member) -> list[Send]:
+        """A heartbeat from a member we declared dead gets our table back, so it can rejoin
+        (one that left said goodbye: nothing)."""
+        if sender.until is None or self.membership.why_left(sender.id) is not None:
+            return []
+        frames = encode("dropped", self.id, 0, self.round, meta={"members": self.membership.wire()})
+        return [Send(sender.id, "dropped", frames)]
+
+    def welcomed(self, now: float, welcome: Message) -> Member:
+        """A member let us in (or back in): its welcome's id and table become ours, every
+        member's silence starts now, and rounds from our first one on are kept. Returns
+        our entry; WireError if the welcome is malformed or names no entry for us,
+        :class:`JoinRefused` if it refused us."""
+        self._now = now
+        members = check_welcome(welcome, self.membership.limit)
+        if "error" in welcome.meta:
+            raise JoinRefused(meta_text(welcome.meta, "error"))
+        peer_id = meta_int(welcome.meta, "id", "welcome id")
+        me = next((m for m in members if m.id == peer_id), None)
+        if me is None or me.until is not None:
+            raise WireError("bad_meta", f"a welcome as peer {peer_id}, not in its own table")
+        self.id = peer_id
+        self.membership.replace_all(members)
+        for m in members:  # silent while apart
+            self.detector.heard(m.id, now)
+        self.move_to(me.since)
+        self.sent_round = -1  # our heartbeats vouch for no round of this life yet
+        return me
 
     def _hear_alarms(self, msg: Message) -> None:
         """Add the sync rounds a neighbour's message announces (dynamic trigger), bounded."""
@@ -643,9 +793,10 @@ class GossipCore:
             box.admit(msg.sender, msg.round)
         meta = {k: v for k, v in msg.meta.items() if k not in PEER_META}
         try:
-            return self.averager.decode(
-                Payload(tuple(msg.arrays), meta), dense, self.numel, self.device
-            )
+            payload = Payload(tuple(msg.arrays), meta)
+            if box is not None and self.decodes is not None:  # what a mailbox keeps is only read
+                return self.decodes.decode(self.averager, payload, dense, self.numel, self.device)
+            return self.averager.decode(payload, dense, self.numel, self.device)
         except CodecError as exc:
             raise WireError("bad_payload", str(exc)) from None
 

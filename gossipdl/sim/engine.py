@@ -11,8 +11,9 @@ virtual seconds in ``time`` and the total in ``simulated_time_s``: ``report`` an
 ``sweep`` read it unchanged. The same config and seed give byte-identical metrics
 files, apart from fields that name wall-clock time (``unix_time``, ``swarm_start``).
 
-Mode ``gossip`` runs here; mode ``ring`` (the ring all-reduce baseline) is a subclass
-in :mod:`gossipdl.sim.ring`, and :func:`simulation_for` picks the class for the mode;
+Mode ``gossip`` runs here; modes ``ring`` (the ring all-reduce baseline) and ``ps`` (the
+parameter server) are subclasses in :mod:`gossipdl.sim.ring` and :mod:`gossipdl.sim.ps`,
+and :func:`simulation_for` picks the class for the mode;
 :func:`gossipdl.experiments.simulated.simulate` runs one job with it.
 """
 
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,18 +32,27 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector
 
-from gossipdl.averaging import Averager, build_averager, check_trigger, parse_trigger
-from gossipdl.conditions import DeviceProfile, device_of
+from gossipdl.averaging import (
+    Averager,
+    SharedDecodes,
+    build_averager,
+    check_trigger,
+    parse_trigger,
+)
+from gossipdl.conditions import DeviceProfile, Drift, device_of
 from gossipdl.config import Config
 from gossipdl.data import BatchSampler, Dataset, load_dataset
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
 from gossipdl.sim.clock import Scheduler
-from gossipdl.sim.faults import parse_faults, schedule
+from gossipdl.sim.faults import Restart, parse_faults, schedule
+from gossipdl.sim.joins import Join, answered, cancel_join, start_join
 from gossipdl.sim.network import SimNetwork
 from gossipdl.training import (
     AWAY_POLL_S,
+    drift_of,
+    drifted,
     evaluation,
     initial_model,
     json_line,
@@ -54,7 +66,7 @@ from gossipdl.transport.wire import WireError
 
 log = logging.getLogger(__name__)
 MEASURED_STEPS = 5  # steps timed on the host when no profile gives a step time
-SIM_MODES = ("gossip", "ring")
+SIM_MODES = ("gossip", "ring", "ps")
 
 
 class SimulationError(ValueError):
@@ -101,6 +113,13 @@ class VirtualPeer:
     dead: bool = False
     finished_at: float = 0.0  # virtual time of its last step
     timer_at: float | None = None  # the round deadline a timer is set for
+    started: bool = True  # in the swarm (False while a restarted peer joins it again)
+    join: Join | None = None  # a join in progress (sim.joins)
+    rejoins: int = 0  # times it was let back in after being dropped
+    first_wait: float = 0.0  # the next round's wait, if longer (its first after a join)
+    saved: tuple[int, dict[str, Any], dict[str, Any]] | None = None  # checkpoint: step, states
+    drift: Drift | None = None  # the label drift still to come (``drift``)
+    y_test: torch.Tensor | None = None  # its test labels once they drifted
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -122,8 +141,9 @@ class Simulation:
         if config.mode not in SIM_MODES:
             raise SimulationError(
                 f"mode {config.mode!r} is not simulated yet; the simulator runs gossip "
-                f"(algorithms dense, choco, broadcast, gossip-learning with any trigger) and "
-                f"ring (ring all-reduce, codecs none, fp16 and powersgd:RANK)"
+                f"(algorithms dense, choco, broadcast, gossip-learning with any trigger), "
+                f"ring (ring all-reduce, codecs none, fp16 and powersgd:RANK) and ps "
+                f"(parameter server: sync, async, fedavg)"
             )
         if config.mode != self.mode:
             raise SimulationError(
@@ -134,6 +154,7 @@ class Simulation:
         self.run_dir = run
         self.clock = Scheduler()
         self.network = SimNetwork(self.clock, seed=config.seed)
+        self.decodes = SharedDecodes()  # a broadcast is decoded once for all its receivers
         self.dataset = load_dataset(config.dataset)
         self.x_test = torch.as_tensor(self.dataset.x_test)
         self.y_test = torch.as_tensor(self.dataset.y_test)
@@ -141,6 +162,8 @@ class Simulation:
         self.swarm_start = round(time.time(), 3)  # wall clock: names when the run began
         self.swarm_id = f"{config.seed:08x}{config.peers:08x}"
         self.failures: dict[int, str] = {}  # peer -> why it stopped before its last step
+        self.nonces: dict[int, random.Random] = {}  # each peer's stream of request nonces
+        self._nodes = {sim_address(i): i for i in range(config.peers)}
         trigger = parse_trigger(config.trigger)
         settings = Settings(
             topology=self._topology(),
@@ -164,6 +187,7 @@ class Simulation:
             core = GossipCore(
                 i, table, averager=averager, trigger=trigger, settings=settings, model=flat
             )
+            core.decodes = self.decodes
             core.sync_at_step(config.steps)
             device = device_of(i, config.peers, config.profiles, config.link, config.slowdown)
             sampler = peer_sampler(config, self.dataset, i)
@@ -176,10 +200,14 @@ class Simulation:
                 device,
                 self._step_time(device),
                 metrics=None,
+                drift=drift_of(config, i),
             )
             self.peers.append(peer)
             self.network.attach(i, self._handler(peer), device.link)
-        schedule(parse_faults(config.faults, config.peers), self)  # the config's fault events
+        faults = parse_faults(config.faults, config.peers)
+        self._restarts = Counter(i for f in faults if isinstance(f, Restart) for i in f.peers)
+        schedule(faults, self)  # the config's fault events
+        self.template = template
 
     def _averager(self) -> Averager:
         """The averaging rule of one peer's protocol core (a new one per peer)."""
@@ -206,13 +234,15 @@ class Simulation:
                 return
             now = self.clock.now
             try:
-                peer.core.receive(now, frames)
+                sends = peer.core.receive(now, frames, peer.started)
             except WireError as exc:
                 self.network.stats(peer.id).drop(exc.reason)
                 return
-            self._send(peer, [])
+            self._send(peer, sends)
+            if peer.core.answers:
+                answered(self, peer)
             if peer.core.waiting:
-                self._progress(peer, peer.core.poll(now, self.network.online(peer.id)))
+                self._progress(peer, peer.core.poll(now, self._online(peer)))
 
         return deliver
 
@@ -223,7 +253,21 @@ class Simulation:
         for note in notes:
             log.debug("peer %d at %.3fs: %s", peer.id, self.clock.now, note)
         for send in sends:
-            self.network.send(peer.id, send.to, send.frames)
+            to = self.node_at(send.address) if send.address else send.to
+            self.network.send(peer.id, to, send.frames)
+
+    def address(self, peer_id: int) -> str:
+        """The address of peer ``peer_id`` (its entry in ``peers.json``)."""
+        return sim_address(peer_id)
+
+    def node_at(self, address: str) -> int:
+        """The network node an address names (every address here is a virtual peer's)."""
+        return self._nodes[address]
+
+    def _online(self, peer: VirtualPeer) -> bool:
+        """Whether the peer waits for its neighbours: not while away, nor while it must
+        rejoin (the real ``Peer._away``)."""
+        return self.network.online(peer.id) and peer.core.rejoin_via is None
 
     def _progress(self, peer: VirtualPeer, progress: Progress) -> None:
         """Carry out a poll's answer: send, and once the round is over take its model."""
@@ -237,7 +281,7 @@ class Simulation:
 
     def _timeout(self, peer: VirtualPeer, deadline: float) -> None:
         if peer.core.waiting and peer.core.deadline == deadline and not peer.dead:
-            self._progress(peer, peer.core.poll(self.clock.now, self.network.online(peer.id)))
+            self._progress(peer, peer.core.poll(self.clock.now, self._online(peer)))
 
     def _tick(self, peer: VirtualPeer) -> None:
         """Heartbeats and death sentences every half heartbeat, while the peer runs."""
@@ -256,6 +300,9 @@ class Simulation:
             self._record(peer)
             self.clock.after(AWAY_POLL_S, lambda: self._step(peer))
             return False
+        if peer.drift is not None and peer.steps >= peer.drift.step:  # once; a late joiner too
+            peer.y_test = drifted(self.config, self.dataset, peer.sampler, self.y_test)
+            peer.drift = None
         loss = local_gradients(self.config, peer.model, peer.optimizer, peer.sampler, peer.steps)
         peer.losses.append(loss.item())
         return True
@@ -266,13 +313,65 @@ class Simulation:
             return
         peer.optimizer.step()
         peer.steps += 1
-        if peer.core.trigger.ends_round(peer.steps):
-            flat = parameters_to_vector(peer.model.parameters()).detach()
-            sends = peer.core.open_round(self.clock.now, flat)
-            self._send(peer, sends)
-            self._progress(peer, peer.core.poll(self.clock.now, self.network.online(peer.id)))
-        else:
+        if self.config.checkpoint_every and peer.steps % self.config.checkpoint_every == 0:
+            peer.saved = (peer.steps, *_states(peer))
+        if not peer.core.trigger.ends_round(peer.steps):
             self._after_round(peer)
+        elif peer.core.rejoin_via is not None:  # a member says we were dropped
+            self._rejoin(peer)
+        else:
+            self._open_round(peer)
+
+    def _open_round(self, peer: VirtualPeer) -> None:
+        """The local steps of a round are done: send what the round sends, then wait."""
+        flat = parameters_to_vector(peer.model.parameters()).detach()
+        wait, peer.first_wait = peer.first_wait or None, 0.0
+        self._send(peer, peer.core.open_round(self.clock.now, flat, timeout=wait))
+        self._progress(peer, peer.core.poll(self.clock.now, self._online(peer)))
+
+    # ----------------------------------------------------------------- joins
+    def _rejoin(self, peer: VirtualPeer) -> None:
+        """Back into the swarm through the member that said we were dropped (``Peer._rejoin``),
+        keeping our model; then the round, whether or not it let us in."""
+        core = peer.core
+        assert core.rejoin_via is not None
+        core.sent_round = -1  # our heartbeats no longer vouch for rounds counted anew
+
+        def then() -> None:
+            core.rejoin_via = None
+            self._open_round(peer)
+
+        def failed(why: str) -> None:
+            log.warning("peer %d could not rejoin: %s", peer.id, why)
+            then()
+
+        timeout = self.config.round_timeout
+        start_join(
+            self,
+            peer,
+            [core.rejoin_via],
+            rejoin=True,
+            take_model=False,
+            timeout=timeout,
+            then=then,
+            fail=failed,
+        )
+
+    def start_late(self, peer: VirtualPeer, start: int, model: torch.Tensor | None) -> None:
+        """Start at round ``start`` of the running swarm (``Peer._start_late``): a newcomer
+        with ``model`` (its neighbour's), a peer back with its own."""
+        period = peer.core.trigger.period
+        if model is not None:
+            _set_params(peer.params, model)
+            peer.steps = start * period
+        peer.core.start_at(start, parameters_to_vector(peer.model.parameters()).detach())
+        if model is not None:
+            peer.core.age = peer.steps
+        peer.first_wait = self.config.startup_timeout  # the swarm gets there in its own time
+        if peer.started:  # back after being dropped (``Peer._start_again``)
+            peer.rejoins += 1
+            peer.steps = max(peer.steps, peer.core.round * period)  # the steps missed are not owed
+        peer.started = True
 
     def _after_round(self, peer: VirtualPeer) -> None:
         """Metrics due at this step, then the next step (or the end)."""
@@ -302,7 +401,8 @@ class Simulation:
 
     def _evaluation(self, peer: VirtualPeer) -> dict[str, float]:
         """The peer's model on the held-out set (``accuracy``, ``test_loss``)."""
-        return evaluation(peer.model, self.x_test, self.y_test)
+        y_test = self.y_test if peer.y_test is None else peer.y_test
+        return evaluation(peer.model, self.x_test, y_test)
 
     def _record(self, peer: VirtualPeer, **extra: Any) -> None:
         """One metrics line, with the real runner's keys."""
@@ -310,7 +410,7 @@ class Simulation:
         stats = {
             **self.network.stats(peer.id).snapshot(),
             **peer.core.metrics(),
-            "rejoins": 0,
+            "rejoins": peer.rejoins,
             "online": self.network.online(peer.id),
             "sockets": len(peer.core.membership.in_swarm()) - 1,
         }
@@ -325,8 +425,81 @@ class Simulation:
         """Peer ``peer_id`` dies now (kill -9): no more steps, messages, heartbeats; what is
         on its way to it is dropped as ``dead``."""
         peer = self.peers[peer_id]
-        peer.dead = True
+        peer.dead, peer.finished_at = True, self.clock.now
+        cancel_join(peer)
         self.network.kill(peer_id)
+
+    def restart(self, peer_id: int) -> None:
+        """Peer ``peer_id``, killed before, starts again now: from its last checkpoint
+        (``checkpoint_every``) as ``gossipdl peer --resume`` does, rejoining with that
+        model; without one as a newcomer that gets its old id back (on the same address)
+        and takes a neighbour's model."""
+        peer = self.peers[peer_id]
+        self._restarts[peer_id] -= 1
+        if not peer.dead or peer.done:
+            log.warning("restart of peer %d at %.3fs: it is not dead", peer_id, self.clock.now)
+            return
+        down_since = peer.finished_at
+        model = copy.deepcopy(self.template)
+        optimizer = make_optimizer(self.config, model)
+        resumed = peer.saved is not None
+        if peer.saved is not None:
+            steps, weights, state = peer.saved
+            model.load_state_dict(weights)
+            optimizer.load_state_dict(state)
+        else:
+            steps = 0
+        old = peer.core
+        flat = parameters_to_vector(model.parameters()).detach()
+        peer.core = GossipCore(
+            -1,
+            MemberTable([], old.membership.limit),
+            averager=self._averager(),
+            trigger=old.trigger,
+            settings=old.settings,
+            model=flat,
+            stream=peer_id,
+        )
+        peer.core.sync_at_step(self.config.steps)
+        peer.core.decodes = self.decodes
+        peer.model, peer.optimizer, peer.steps = model, optimizer, steps
+        peer.core.age = steps
+        peer.sampler = peer_sampler(self.config, self.dataset, peer_id, steps)
+        peer.drift, peer.y_test = drift_of(self.config, peer_id), None  # a new process's
+        peer.dead, peer.started, peer.timer_at, peer.losses = False, False, None, []
+        self.network.revive(peer_id)
+        self._record(
+            peer,
+            **self._evaluation(peer),
+            start=True,
+            resumed=resumed,
+            down_s=round(self.clock.now - down_since, 3),
+        )
+        via = [p.id for p in self.peers if p.id != peer_id and not (p.dead or p.done)]
+
+        def then() -> None:
+            self.clock.after(peer.step_time, lambda: self._step(peer))
+            self.clock.after(self.config.heartbeat / 2, lambda: self._tick(peer))
+
+        def failed(why: str) -> None:
+            log.error("%s", why)
+            self.failures[peer_id] = why
+            peer.dead, peer.finished_at = True, self.clock.now
+            self.network.kill(peer_id)
+
+        if not via:
+            failed(f"peer {peer_id}: restarted with no live member to join through")
+            return
+        start_join(
+            self,
+            peer,
+            via,
+            rejoin=resumed,
+            take_model=not resumed,
+            timeout=self.config.startup_timeout,
+            then=then,
+            fail=failed,
+        )
 
     # ----------------------------------------------------------------- the run
     @staticmethod
@@ -356,9 +529,9 @@ class Simulation:
                 self.network.start_link(peer.id)
                 self.clock.after(peer.step_time, self._later(self._step, peer))
                 self.clock.after(config.heartbeat / 2, self._later(self._tick, peer))
-            while not all(p.done or p.dead for p in self.peers) and not should_stop():
+            while not self.finished and not should_stop():
                 if self.clock.run(max_events=2000) == 0:
-                    stuck = [p.id for p in self.peers if not (p.done or p.dead)]
+                    stuck = [p.id for p in self.peers if not self._over(p)]
                     raise SimulationError(f"peers {stuck} wait for events that never come")
                 if on_progress is not None:
                     on_progress(sum(p.steps for p in self.peers), self.clock.now)
@@ -370,8 +543,16 @@ class Simulation:
 
     @property
     def finished(self) -> bool:
-        """Whether every peer ran to its last step (or died)."""
-        return all(p.done or p.dead for p in self.peers)
+        """Whether every peer ran to its last step (or died, with no restart to come)."""
+        return all(self._over(p) for p in self.peers)
+
+    def _over(self, peer: VirtualPeer) -> bool:
+        return peer.done or (peer.dead and self._restarts[peer.id] <= 0)
+
+
+def _states(peer: VirtualPeer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Copies of the peer's model and optimizer states (an in-memory checkpoint)."""
+    return copy.deepcopy(peer.model.state_dict()), copy.deepcopy(peer.optimizer.state_dict())
 
 
 def _set_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
@@ -386,7 +567,12 @@ def _set_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
 
 def simulation_for(mode: str) -> type[Simulation]:
     """The simulation class that runs ``mode`` (one of ``SIM_MODES``)."""
-    from gossipdl.sim.ring import RingSimulation  # it builds on this module
+    from gossipdl.sim.ps import PsSimulation  # they build on this module
+    from gossipdl.sim.ring import RingSimulation
 
-    classes: dict[str, type[Simulation]] = {"gossip": Simulation, "ring": RingSimulation}
+    classes: dict[str, type[Simulation]] = {
+        "gossip": Simulation,
+        "ring": RingSimulation,
+        "ps": PsSimulation,
+    }
     return classes.get(mode, Simulation)  # Simulation refuses a mode it cannot run

@@ -5,7 +5,12 @@ each an ``at`` time (virtual seconds from the start: ``"30s"``, ``"250ms"`` or a
 number) and one action:
 
 ``kill = "2-4"``
-    the peers die for good (kill -9): no more steps, messages or heartbeats.
+    the peers die (kill -9): no more steps, messages or heartbeats.
+``restart = "2"``
+    the peers, killed before, start again and rejoin the swarm: from their last
+    checkpoint (``checkpoint_every``, kept in memory) as ``gossipdl peer --resume``
+    does, keeping that model; without one as a newcomer that gets its old id back
+    (it comes back on the same address) and takes a neighbour's model.
 ``partition = ["0-3", "4-7"]``
     the network splits into these groups (peers in no group form one more);
     a message between groups is dropped. A later partition replaces it.
@@ -73,6 +78,17 @@ class Kill(Fault):
     def apply(self, simulation: Simulation) -> None:
         for peer_id in self.peers:
             simulation.kill(peer_id)
+
+
+@dataclass(frozen=True)
+class Restart(Fault):
+    """The peers, killed before, start again and rejoin."""
+
+    peers: tuple[int, ...]
+
+    def apply(self, simulation: Simulation) -> None:
+        for peer_id in self.peers:
+            simulation.restart(peer_id)
 
 
 @dataclass(frozen=True)
@@ -144,11 +160,23 @@ def parse_faults(value: Any, peers: int) -> list[Fault]:
             f"--set 'faults=[{EXAMPLE}]'"
         )
     faults = [_parse_one(index, entry, peers) for index, entry in enumerate(value)]
-    killed = {i for fault in faults if isinstance(fault, Kill) for i in fault.peers}
-    if peers and len(killed) == peers:
-        raise FaultError(
-            f"faults: the kills end every peer of the swarm ({peers}); leave at least one alive"
-        )
+    down: set[int] = set()  # killed, not restarted since (in time order; ties: as listed)
+    for index, fault in sorted(enumerate(faults), key=lambda item: (item[1].at, item[0])):
+        if isinstance(fault, Kill):
+            down.update(fault.peers)
+        elif isinstance(fault, Restart):
+            alive = sorted(set(fault.peers) - down)
+            if alive:
+                raise FaultError(
+                    f"faults[{index}] (at {fault.at:g}s): restart = {alive} names peers not "
+                    "killed before then; kill them first (a kill event at an earlier time)"
+                )
+            down.difference_update(fault.peers)
+        if peers and len(down) == peers:
+            raise FaultError(
+                f"faults: the kills end every peer of the swarm ({peers}) at {fault.at:g}s; "
+                "leave at least one alive (a restarted peer rejoins through a live one)"
+            )
     return faults
 
 
@@ -181,11 +209,7 @@ def _parse_one(index: int, entry: Any, peers: int) -> Fault:
     if action == "kill":
         return Kill(at, _peer_ids(value, peers, where, "kill"))
     if action == "restart":
-        raise FaultError(
-            f"{what} = {value!r}: restarting a peer is not simulated yet (a restarted peer must "
-            "rejoin the swarm, which the simulator's protocol core does not do yet); kill it for "
-            "good instead (kill = ...), or run the restart for real with `gossipdl peer --resume`"
-        )
+        return Restart(at, _peer_ids(value, peers, where, "restart"))
     if action == "partition":
         return Partition(at, _groups(value, peers, where))
     if action == "heal":

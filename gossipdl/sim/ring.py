@@ -88,11 +88,11 @@ class RingSimulation(Simulation):
         def deliver(sender: int, frames: list[bytes]) -> None:
             if peer.dead:
                 return
-            now = self.clock.now
+            now, sends = self.clock.now, []
             try:
                 msg = decode(frames, limit, RING_CHECKS_FINITE)  # the ring checks its sums
                 if msg.kind != "chunk":
-                    peer.core.receive(now, frames)  # heartbeats, leave notices
+                    sends = peer.core.receive(now, frames)  # heartbeats, leave notices
                 elif peer.core.membership.get(msg.sender) is None:
                     raise WireError("unknown_sender", f"chunk from id {msg.sender}, not a member")
                 else:
@@ -101,7 +101,7 @@ class RingSimulation(Simulation):
             except WireError as exc:
                 self.network.stats(peer.id).drop(exc.reason)
                 return
-            self._send(peer, [])
+            self._send(peer, sends)
             if self.rings[peer.id].reducer.busy:
                 self._pump(peer)
 

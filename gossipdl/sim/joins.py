@@ -1,0 +1,167 @@
+"""Joining on the simulated engine: a virtual peer asks to be let in (back in) and aligns
+with a neighbour, as the real ``Peer`` does, with its requests and retries on the virtual
+clock.
+
+Two things start a join: a member's table says the peer was dropped (it was declared
+dead across a partition or an offline window; the protocol core sets ``rejoin_via``),
+and a ``restart`` fault (the peer died and starts again: from its last checkpoint,
+keeping that model, when ``checkpoint_every`` made one; else as a newcomer that gets
+its old id back and takes a neighbour's model). The member's side (who is let in, the
+welcome, the announcement, the model) is the protocol core's
+(:meth:`~gossipdl.protocol.core.GossipCore.answer_join`); this module is the joiner's:
+``join`` to a member until a welcome comes, then ``model_request`` to each neighbour of
+its first round until one answers, then the round it starts at.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gossipdl.protocol.core import JoinRefused
+from gossipdl.protocol.joining import RETRY_S
+from gossipdl.sim.clock import Timer
+from gossipdl.transport.wire import Message, WireError
+
+if TYPE_CHECKING:
+    from gossipdl.sim.engine import Simulation, VirtualPeer
+
+MODEL_WAIT_S = 10.0  # how long a neighbour is asked for its model before the next one
+
+
+@dataclass
+class Join:
+    """One join in progress: whom it asks, what it does once in, and its timers."""
+
+    via: list[int]  # the members to ask, in order
+    rejoin: bool  # a peer that trained before (its entry gets a new life)
+    take_model: bool  # a newcomer takes its neighbour's model; a peer back keeps its own
+    give_up_at: float  # virtual time after which the join fails
+    then: Callable[[], None]  # what the peer does once it is in
+    fail: Callable[[str], None]  # what it does if it cannot get in
+    phase: str = "welcome"  # then "model"
+    tries: int = 0  # requests sent in this phase
+    since: int = 0  # the first round of our new life (from the welcome)
+    timer: Timer | None = None
+
+
+def start_join(
+    simulation: Simulation,
+    peer: VirtualPeer,
+    via: list[int],
+    *,
+    rejoin: bool,
+    take_model: bool,
+    timeout: float,
+    then: Callable[[], None],
+    fail: Callable[[str], None],
+) -> None:
+    """Ask the members ``via`` (in turn) to let ``peer`` in; ``then()`` once it is aligned
+    with the swarm, ``fail(why)`` if nobody lets it in within ``timeout`` virtual seconds."""
+    now = simulation.clock.now
+    peer.join = Join(via, rejoin, take_model, now + timeout, then, fail)
+    _ask(simulation, peer)
+
+
+def _nonce(simulation: Simulation, peer: VirtualPeer) -> str:
+    """A request's nonce, drawn from the peer's seeded stream (the same every run)."""
+    rng = simulation.nonces.setdefault(
+        peer.id, random.Random(simulation.config.seed * 31 + peer.id)
+    )
+    return f"{rng.getrandbits(64):016x}"
+
+
+def _ask(simulation: Simulation, peer: VirtualPeer) -> None:
+    """Send the request the join's phase needs (again, after ``RETRY_S``), or give up."""
+    join, core, now = peer.join, peer.core, simulation.clock.now
+    assert join is not None
+    if now >= join.give_up_at:
+        what = "nobody let it in" if join.phase == "welcome" else "no neighbour sent its model"
+        _end(simulation, peer, failed=f"peer {peer.id}: {what} within the timeout")
+        return
+    if join.phase == "welcome":
+        to = join.via[join.tries % len(join.via)]  # the next member on each try
+        meta = {
+            "address": simulation.address(peer.id),
+            "want_id": peer.id,
+            "key": "",
+            **({"rejoin": True} if join.rejoin else {}),
+        }
+        send = core.ask("join", simulation.address(to), meta, _nonce(simulation, peer))
+    else:
+        neighbours = [j for j in core.neighbours(join.since) if j != core.id]
+        if not neighbours:
+            _end(simulation, peer, failed=f"peer {peer.id}: no neighbour to take a model from")
+            return
+        each = round(MODEL_WAIT_S / RETRY_S)  # tries per neighbour before the next one
+        member = core.membership.get(neighbours[join.tries // each % len(neighbours)])
+        assert member is not None
+        send = core.ask("model_request", member.address, {}, _nonce(simulation, peer))
+    join.tries += 1
+    simulation.network.send(peer.id, simulation.node_at(send.address), send.frames)
+    join.timer = simulation.clock.after(RETRY_S, lambda: _retry(simulation, peer, join))
+
+
+def _retry(simulation: Simulation, peer: VirtualPeer, join: Join) -> None:
+    if peer.join is join and not peer.dead:
+        _ask(simulation, peer)
+
+
+def answered(simulation: Simulation, peer: VirtualPeer) -> None:
+    """Take the answers the peer's core kept (a welcome, a model) and move the join on."""
+    core, join = peer.core, peer.join
+    answers, core.answers = core.answers, []
+    for msg in answers:
+        if join is None or peer.join is not join:
+            return
+        try:
+            _take(simulation, peer, join, msg)
+        except WireError as exc:
+            simulation.network.stats(peer.id).drop(exc.reason)
+
+
+def _take(simulation: Simulation, peer: VirtualPeer, join: Join, msg: Message) -> None:
+    core, now = peer.core, simulation.clock.now
+    if msg.kind == "welcome" and join.phase == "welcome":
+        try:
+            me = core.welcomed(now, msg)
+        except JoinRefused as exc:
+            why = f"peer {peer.id}: peer {msg.sender} refused to let it in: {exc}"
+            _end(simulation, peer, failed=why)
+            return
+        join.phase, join.since, join.tries = "model", me.since, 0
+        neighbours = len(core.neighbours(me.since))  # each asked for MODEL_WAIT_S in turn
+        join.give_up_at = now + MODEL_WAIT_S * max(1, neighbours)
+        _cancel(join)
+        _ask(simulation, peer)
+    elif msg.kind == "model" and join.phase == "model":
+        model = core.decode(msg, dense=True) if join.take_model else None
+        start = max(join.since, msg.round)
+        simulation.start_late(peer, start, model)
+        _end(simulation, peer, failed=None)
+
+
+def _cancel(join: Join) -> None:
+    if join.timer is not None:
+        join.timer.cancel()
+        join.timer = None
+
+
+def _end(simulation: Simulation, peer: VirtualPeer, failed: str | None) -> None:
+    join = peer.join
+    assert join is not None
+    _cancel(join)
+    peer.join = None
+    if failed is None:
+        join.then()
+    else:
+        join.fail(failed)
+
+
+def cancel_join(peer: VirtualPeer) -> None:
+    """The peer died while joining: forget the join."""
+    if peer.join is not None:
+        _cancel(peer.join)
+        peer.join = None
