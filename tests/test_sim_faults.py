@@ -17,6 +17,7 @@ import gossipdl.cli as cli
 from gossipdl.conditions import ConditionError
 from gossipdl.config import Config, ConfigError, from_dict, parse_setting, to_toml
 from gossipdl.experiments.simulated import simulate
+from gossipdl.sim.engine import SimulationError
 from gossipdl.sim.faults import (
     Clog,
     Heal,
@@ -185,6 +186,25 @@ def test_a_restarted_peer_resumes_from_its_checkpoint_and_rejoins(tmp_path: Path
     for peer in (0, 1, 3, 4, 5):
         seen = [x["members"] for x in lines(tmp_path / "run", peer)]
         assert 5 in seen and seen[-1] == 6  # it was dropped, then back
+
+
+def test_a_restart_at_the_moment_of_the_kill_is_a_new_life_alone(tmp_path: Path) -> None:
+    """Killed and restarted at the same instant, before anyone noticed: what the old life
+    had scheduled (its next step, its heartbeat) never runs in the new one, which rejoins
+    as a new life (not as a join sent again) and finishes with the others."""
+    faults = [{"at": "1s", "kill": "2"}, {"at": "1s", "restart": "2"}]
+    summary = simulate(fast_swarm(tmp_path, faults), step_time=0.05)
+    assert summary["peers_finished"] == 6 and "failed" not in summary
+    back = [x for x in lines(tmp_path / "run", 2) if x.get("start")]
+    assert len(back) == 2 and back[1]["down_s"] == 0.0
+    assert lines(tmp_path / "run", 2)[-1]["final"]
+
+
+@pytest.mark.parametrize("mode", ["ring", "ps"])
+def test_restart_is_refused_where_the_real_engine_cannot_restart(tmp_path: Path, mode: str) -> None:
+    faults = [{"at": "1s", "kill": "2"}, {"at": "2s", "restart": "2"}]
+    with pytest.raises(SimulationError, match=f"restart is not simulated in mode {mode}"):
+        simulate(fast_swarm(tmp_path, faults, mode=mode, peers=4), step_time=0.05)
 
 
 def test_a_peer_restarted_without_a_checkpoint_takes_a_neighbours_model(tmp_path: Path) -> None:

@@ -407,8 +407,9 @@ class Peer:
             log.info("peer %d: %s", self.id, note)
         for send in sends:
             member = self.membership.get(send.to)
-            if member is not None:
-                self.transport.send(member.address, send.frames)
+            address = send.address or (member.address if member is not None else "")
+            if address:
+                self.transport.send(address, send.frames)
 
     def _allreduce_gradients(self) -> None:
         """Replace every gradient by its mean over the ring (a missing one counts as zero)."""
@@ -1054,9 +1055,10 @@ class Peer:
         elif msg.kind == "model_request":
             if self.reduces_gradients:
                 raise WireError("unexpected", "a ring all-reduce of gradients sends no models")
-            with self._core:
-                sends = self.core.answer_model_request(msg)
-            self._carry_out(sends)
+            if not self._lost_id():  # nothing goes out under an id another newcomer took
+                with self._core:
+                    sends = self.core.answer_model_request(msg)
+                self._carry_out(sends)
         with self._core:
             self.core.track_seq(msg)  # only messages accepted: a dropped one leaves a gap
         self._carry_out([])  # what the core noted (lost messages, departures) goes to the log
@@ -1133,7 +1135,5 @@ class Peer:
             swarm=self.swarm_id,
             swarm_start=self.swarm_start,
         )
-        if (
-            not decision.again
-        ):  # after the welcome: the newcomer takes our word once it has our table
+        if not decision.again:  # after the welcome, so the newcomer has our table first
             self._announce()

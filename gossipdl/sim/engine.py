@@ -114,6 +114,7 @@ class VirtualPeer:
     finished_at: float = 0.0  # virtual time of its last step
     timer_at: float | None = None  # the round deadline a timer is set for
     started: bool = True  # in the swarm (False while a restarted peer joins it again)
+    life: int = 0  # one more at each death: events of an earlier life are ignored
     join: Join | None = None  # a join in progress (sim.joins)
     rejoins: int = 0  # times it was let back in after being dropped
     first_wait: float = 0.0  # the next round's wait, if longer (its first after a join)
@@ -234,7 +235,7 @@ class Simulation:
                 return
             now = self.clock.now
             try:
-                sends = peer.core.receive(now, frames, peer.started)
+                sends = peer.core.receive(now, frames, peer.started and not peer.done)
             except WireError as exc:
                 self.network.stats(peer.id).drop(exc.reason)
                 return
@@ -279,6 +280,12 @@ class Simulation:
             deadline = peer.timer_at = peer.core.deadline  # one timer per wait, not per message
             self.clock.at(deadline, lambda: self._timeout(peer, deadline))
 
+    def _after(self, peer: VirtualPeer, delay: float, event: Callable[[VirtualPeer], None]) -> None:
+        """``event(peer)`` in ``delay`` virtual seconds, unless the peer died meanwhile: what
+        one life scheduled never runs in the next (a restart starts its own)."""
+        life = peer.life
+        self.clock.after(delay, lambda: event(peer) if peer.life == life else None)
+
     def _timeout(self, peer: VirtualPeer, deadline: float) -> None:
         if peer.core.waiting and peer.core.deadline == deadline and not peer.dead:
             self._progress(peer, peer.core.poll(self.clock.now, self._online(peer)))
@@ -289,7 +296,7 @@ class Simulation:
             return
         online = self.network.online(peer.id)
         self._send(peer, peer.core.tick(self.clock.now, online, self.sentences).sends)
-        self.clock.after(self.config.heartbeat / 2, lambda: self._tick(peer))
+        self._after(peer, self.config.heartbeat / 2, self._tick)
 
     def _computed(self, peer: VirtualPeer) -> bool:
         """One local step's compute ends now: its gradients (the optimizer has not stepped
@@ -298,7 +305,7 @@ class Simulation:
             return False
         if not self.network.online(peer.id):  # away: no steps, no traffic
             self._record(peer)
-            self.clock.after(AWAY_POLL_S, lambda: self._step(peer))
+            self._after(peer, AWAY_POLL_S, self._step)
             return False
         if peer.drift is not None and peer.steps >= peer.drift.step:  # once; a late joiner too
             peer.y_test = drifted(self.config, self.dataset, peer.sampler, self.y_test)
@@ -330,6 +337,18 @@ class Simulation:
         self._progress(peer, peer.core.poll(self.clock.now, self._online(peer)))
 
     # ----------------------------------------------------------------- joins
+    def welcomed(self, peer: VirtualPeer) -> None:
+        """A member let the peer in: a restarted one has an id again and starts its
+        heartbeats (the real watch thread does once the peer has an id)."""
+        if not peer.started:
+            self._after(peer, self.config.heartbeat / 2, self._tick)
+
+    def _stop(self, peer: VirtualPeer, why: str) -> None:
+        """The peer stops on an error, as a real one exits: named in ``failures``."""
+        log.error("%s", why)
+        self.failures[peer.id] = why
+        self.kill(peer.id)
+
     def _rejoin(self, peer: VirtualPeer) -> None:
         """Back into the swarm through the member that said we were dropped (``Peer._rejoin``),
         keeping our model; then the round, whether or not it let us in."""
@@ -341,7 +360,10 @@ class Simulation:
             core.rejoin_via = None
             self._open_round(peer)
 
-        def failed(why: str) -> None:
+        def failed(why: str, welcomed: bool) -> None:
+            if welcomed:  # in the new table, but never aligned: the real peer stops too
+                self._stop(peer, why)
+                return
             log.warning("peer %d could not rejoin: %s", peer.id, why)
             then()
 
@@ -384,7 +406,7 @@ class Simulation:
             self._record(peer, **self._evaluation(peer))
         elif peer.steps % config.log_every == 0:
             self._record(peer)
-        self.clock.after(peer.step_time, lambda: self._step(peer))
+        self._after(peer, peer.step_time, self._step)
 
     def _finish(self, peer: VirtualPeer) -> None:
         evaluated = self._evaluation(peer)
@@ -426,6 +448,7 @@ class Simulation:
         on its way to it is dropped as ``dead``."""
         peer = self.peers[peer_id]
         peer.dead, peer.finished_at = True, self.clock.now
+        peer.life += 1  # what this life scheduled stays undone
         cancel_join(peer)
         self.network.kill(peer_id)
 
@@ -472,29 +495,27 @@ class Simulation:
             peer,
             **self._evaluation(peer),
             start=True,
+            swarm=self.swarm_id,
+            swarm_start=self.swarm_start,
             resumed=resumed,
             down_s=round(self.clock.now - down_since, 3),
         )
         via = [p.id for p in self.peers if p.id != peer_id and not (p.dead or p.done)]
 
         def then() -> None:
-            self.clock.after(peer.step_time, lambda: self._step(peer))
-            self.clock.after(self.config.heartbeat / 2, lambda: self._tick(peer))
+            self._after(peer, peer.step_time, self._step)
 
-        def failed(why: str) -> None:
-            log.error("%s", why)
-            self.failures[peer_id] = why
-            peer.dead, peer.finished_at = True, self.clock.now
-            self.network.kill(peer_id)
+        def failed(why: str, welcomed: bool) -> None:
+            self._stop(peer, why)
 
         if not via:
-            failed(f"peer {peer_id}: restarted with no live member to join through")
+            self._stop(peer, f"peer {peer_id}: restarted with no live member to join through")
             return
         start_join(
             self,
             peer,
             via,
-            rejoin=resumed,
+            rejoin=True,  # a new life, not a join sent again (the same address either way)
             take_model=not resumed,
             timeout=self.config.startup_timeout,
             then=then,
@@ -502,10 +523,6 @@ class Simulation:
         )
 
     # ----------------------------------------------------------------- the run
-    @staticmethod
-    def _later(event: Callable[[VirtualPeer], None], peer: VirtualPeer) -> Callable[[], None]:
-        return lambda: event(peer)
-
     def run(
         self,
         on_progress: Callable[[int, float], None] | None = None,
@@ -527,8 +544,8 @@ class Simulation:
                     swarm_start=self.swarm_start,
                 )
                 self.network.start_link(peer.id)
-                self.clock.after(peer.step_time, self._later(self._step, peer))
-                self.clock.after(config.heartbeat / 2, self._later(self._tick, peer))
+                self._after(peer, peer.step_time, self._step)
+                self._after(peer, config.heartbeat / 2, self._tick)
             while not self.finished and not should_stop():
                 if self.clock.run(max_events=2000) == 0:
                     stuck = [p.id for p in self.peers if not self._over(p)]

@@ -40,7 +40,7 @@ class Join:
     take_model: bool  # a newcomer takes its neighbour's model; a peer back keeps its own
     give_up_at: float  # virtual time after which the join fails
     then: Callable[[], None]  # what the peer does once it is in
-    fail: Callable[[str], None]  # what it does if it cannot get in
+    fail: Callable[[str, bool], None]  # if it cannot get in: why, and whether it was welcomed
     phase: str = "welcome"  # then "model"
     tries: int = 0  # requests sent in this phase
     since: int = 0  # the first round of our new life (from the welcome)
@@ -56,10 +56,11 @@ def start_join(
     take_model: bool,
     timeout: float,
     then: Callable[[], None],
-    fail: Callable[[str], None],
+    fail: Callable[[str, bool], None],
 ) -> None:
     """Ask the members ``via`` (in turn) to let ``peer`` in; ``then()`` once it is aligned
-    with the swarm, ``fail(why)`` if nobody lets it in within ``timeout`` virtual seconds."""
+    with the swarm, ``fail(why, welcomed)`` if nobody lets it in within ``timeout`` virtual
+    seconds, or no neighbour sends its model once it is in (``welcomed``)."""
     now = simulation.clock.now
     peer.join = Join(via, rejoin, take_model, now + timeout, then, fail)
     _ask(simulation, peer)
@@ -67,9 +68,9 @@ def start_join(
 
 def _nonce(simulation: Simulation, peer: VirtualPeer) -> str:
     """A request's nonce, drawn from the peer's seeded stream (the same every run)."""
-    rng = simulation.nonces.setdefault(
-        peer.id, random.Random(simulation.config.seed * 31 + peer.id)
-    )
+    if peer.id not in simulation.nonces:
+        simulation.nonces[peer.id] = random.Random(simulation.config.seed * 31 + peer.id)
+    rng = simulation.nonces[peer.id]
     return f"{rng.getrandbits(64):016x}"
 
 
@@ -134,6 +135,7 @@ def _take(simulation: Simulation, peer: VirtualPeer, join: Join, msg: Message) -
         join.phase, join.since, join.tries = "model", me.since, 0
         neighbours = len(core.neighbours(me.since))  # each asked for MODEL_WAIT_S in turn
         join.give_up_at = now + MODEL_WAIT_S * max(1, neighbours)
+        simulation.welcomed(peer)
         _cancel(join)
         _ask(simulation, peer)
     elif msg.kind == "model" and join.phase == "model":
@@ -157,7 +159,7 @@ def _end(simulation: Simulation, peer: VirtualPeer, failed: str | None) -> None:
     if failed is None:
         join.then()
     else:
-        join.fail(failed)
+        join.fail(failed, join.phase == "model")
 
 
 def cancel_join(peer: VirtualPeer) -> None:
