@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import run_files, small_config
@@ -56,6 +57,13 @@ def test_two_workers_and_two_shards_average_their_updates_with_no_io() -> None:
     with pytest.raises(WireError) as bad:
         workers[0].receive(Message("shard", -1, 0, 0, meta={"shard": 7}))
     assert bad.value.reason == "bad_meta"
+    slice_ = np.zeros(3, np.float32)  # shard 0's, well formed but for one meta value
+    for meta in ({"round": "1"}, {"staleness": -1}, {"lead": 1.5}, {"done": "yes"}):
+        with pytest.raises(WireError, match="shard 0's") as bad:
+            workers[0].receive(
+                Message("shard", -1, 0, 0, arrays=[slice_], meta={"shard": 0, **meta})
+            )
+        assert bad.value.reason == "bad_meta" and not workers[0].replies
 
 
 def test_a_fedavg_worker_sits_out_the_rounds_that_do_not_pick_it() -> None:

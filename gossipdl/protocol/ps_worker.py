@@ -32,7 +32,7 @@ from gossipdl.protocol.core import Send
 from gossipdl.protocol.ps_server import PS_RULES
 from gossipdl.protocol.ring import chunk_bounds
 from gossipdl.protocol.staleness import StalenessTally
-from gossipdl.transport.wire import Message, WireError, encode
+from gossipdl.transport.wire import Message, WireError, encode, meta_int
 
 STEP_TIMES_KEPT = 32  # recent step times, whose median sizes a FedAvg worker's wait
 
@@ -148,6 +148,12 @@ class WorkerCore:
         a, b = self.bounds[shard]
         if len(msg.arrays) != 1 or msg.arrays[0].dtype != np.float32 or msg.arrays[0].size != b - a:
             raise WireError("bad_payload", f"shard {shard} sends one float32 array of {b - a}")
+        for key, least in (("round", 0), ("staleness", 0), ("lead", None)):
+            if key in msg.meta:  # adopt reads them: checked here, where a WireError drops it
+                meta_int(msg.meta, key, f"shard {shard}'s {key}", minimum=least)
+        for key in ("done", "picked"):
+            if not isinstance(msg.meta.get(key, False), bool):
+                raise WireError("bad_meta", f"shard {shard}'s {key} is not true or false")
         self.replies[shard] = msg
 
     @property
