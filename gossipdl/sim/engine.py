@@ -10,6 +10,8 @@ profile's ``slowdown``). The run directory is the real engine's contract
 virtual seconds in ``time`` and the total in ``simulated_time_s``: ``report`` and
 ``sweep`` read it unchanged. The same config and seed give byte-identical metrics
 files, apart from fields that name wall-clock time (``unix_time``, ``swarm_start``).
+A peer declared dead rejoins when it hears so, and a ``restart`` fault brings a killed
+one back; both join through :mod:`gossipdl.sim.joins`.
 
 Mode ``gossip`` runs here; modes ``ring`` (the ring all-reduce baseline) and ``ps`` (the
 parameter server) are subclasses in :mod:`gossipdl.sim.ring` and :mod:`gossipdl.sim.ps`,
