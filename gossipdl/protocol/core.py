@@ -22,8 +22,9 @@ ahead), graceful leaves, sequence numbers and their gaps; and the member's side
 of joining (:mod:`gossipdl.protocol.joining` decides): letting a newcomer or a
 restarted peer in, answering a model request, telling a member we declared dead
 that it was dropped, taking a welcome, and a member table that says we must
-rejoin (``rejoin_via``). Asking to join (retries, CURVE keys, nonces) is the
-engine's: it sends the requests and feeds the answers back in.
+rejoin (``rejoin_via``). The joiner's side is the engine's choice of whom to ask and
+when to try again (and, for real, CURVE keys): it draws each request's nonce, sends
+what :meth:`GossipCore.ask` makes and takes the answers the core kept (``answers``).
 """
 
 from __future__ import annotations
