@@ -411,6 +411,7 @@ class Simulation:
         self._after(peer, peer.step_time, self._step)
 
     def _finish(self, peer: VirtualPeer) -> None:
+        """The final line, the model file, then the peer leaves (:meth:`_leave`)."""
         evaluated = self._evaluation(peer)
         save_atomic(peer.model.state_dict(), self.run_dir.model(peer.id))
         self._record(
@@ -421,6 +422,10 @@ class Simulation:
             device="sim",
         )
         peer.done, peer.finished_at = True, self.clock.now
+        self._leave(peer)
+
+    def _leave(self, peer: VirtualPeer) -> None:
+        """A finished peer says goodbye to every member (``Peer.close``)."""
         self._send(peer, peer.core.leave())
 
     def _evaluation(self, peer: VirtualPeer) -> dict[str, float]:

@@ -49,7 +49,6 @@ from gossipdl.training import (
     json_line,
     metrics_line,
     ps_worker_settings,
-    save_atomic,
     shard_server,
 )
 from gossipdl.transport.wire import WireError, decode
@@ -286,18 +285,8 @@ class PsSimulation(Simulation):
         else:
             self.clock.after(peer.step_time, lambda: self._step(peer))
 
-    def _finish(self, peer: VirtualPeer) -> None:
-        """The final line, the model file, then ``leave`` to every shard (``close``)."""
-        evaluated = self._evaluation(peer)
-        save_atomic(peer.model.state_dict(), self.run_dir.model(peer.id))
-        self._record(
-            peer,
-            **evaluated,
-            final=True,
-            stopped_early=peer.steps < self.config.steps,
-            device="sim",
-        )
-        peer.done, peer.finished_at = True, self.clock.now
+    def _leave(self, peer: VirtualPeer) -> None:
+        """``leave`` to every shard (``ServerWorker.close``)."""
         self._to_shards(peer, self.workers[peer.id].core.leave())
 
     def _record(self, peer: VirtualPeer, **extra: Any) -> None:
