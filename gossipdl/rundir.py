@@ -39,6 +39,13 @@ def default_run_dir() -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
 
+def complete_lines(path: Path) -> list[bytes]:
+    """The lines of a file that is being appended to, up to its last newline: a line still
+    being written (its newline not there yet) is not one of them, whatever bytes it has."""
+    data = path.read_bytes()
+    return data[: data.rfind(b"\n") + 1].splitlines()
+
+
 def write_json_atomic(path: Path, value: Any) -> None:
     """Write JSON so readers never see a half-written file (tmp + rename). Each call has
     its own tmp file: a peer's threads and the peers of a run rewrite one file at once."""
@@ -120,10 +127,10 @@ class RunDir:
         )
 
     def records(self, peer_id: int) -> Iterator[dict[str, Any]]:
-        """The metrics lines of one peer (a torn last line is skipped)."""
-        with self.metrics(peer_id).open() as f:
-            for line in f:
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
-                    continue
+        """The metrics lines of one peer, parsed: a line still being written (a live run's
+        last, no newline yet) is not one of them, nor is a line that is not JSON."""
+        for line in complete_lines(self.metrics(peer_id)):
+            try:
+                yield json.loads(line)
+            except ValueError:  # JSON or UTF-8 broken
+                continue

@@ -14,8 +14,21 @@ from typing import Any
 
 import msgpack
 import pytest
+import torch
 
 from gossipdl.config import Config, to_toml
+from gossipdl.rundir import complete_lines
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread() -> Iterator[None]:
+    """One intra-op thread in the test processes, as real peers (``threads = 1``) and
+    ``simulate`` use: on a busy machine torch's thread pool makes tiny models' steps many
+    times slower (and the suite runs one worker per core)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -90,8 +103,7 @@ def last_record(path: Path) -> dict[str, Any] | None:
     newline yet) is not complete."""
     if not path.is_file():
         return None
-    text = path.read_text()
-    lines = [ln for ln in text[: text.rfind("\n") + 1].splitlines() if ln.strip()]
+    lines = [ln for ln in complete_lines(path) if ln.strip()]
     return json.loads(lines[-1]) if lines else None
 
 

@@ -1,12 +1,18 @@
-"""The run directory's files are written whole, even when several writers race."""
+"""The run directory's files are written whole, even when several writers race, and read
+whole while they are being written."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
-from gossipdl.rundir import write_json_atomic
+import pytest
+from conftest import last_record, small_config
+
+from gossipdl.experiments.simulated import simulate
+from gossipdl.rundir import RunDir, write_json_atomic
 
 
 def test_threads_rewriting_one_json_file_never_fail_or_leave_tmp_files(tmp_path: Path) -> None:
@@ -34,3 +40,43 @@ def test_threads_rewriting_one_json_file_never_fail_or_leave_tmp_files(tmp_path:
     assert json.loads(path.read_text())[0]["n"] == 199
     assert [p.name for p in tmp_path.iterdir()] == ["peers.json"]
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_one_tmp_name_per_call_survives_a_write_interleaved_inside_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peers.json race, replayed deterministically: a second write runs to its end
+    between the first one's tmp file and its rename (as another thread did). With one tmp
+    name per process the first rename found its tmp file gone (FileNotFoundError)."""
+    path = tmp_path / "peers.json"
+    replace = os.replace
+    nested = []
+
+    def interleaved(src: str | Path, dst: str | Path) -> None:
+        if not nested:
+            nested.append(src)
+            write_json_atomic(path, [{"id": 2}])  # the other thread, start to end
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", interleaved)
+    write_json_atomic(path, [{"id": 1}])
+    assert nested and json.loads(path.read_text()) == [{"id": 1}]  # the later rename wins
+    assert [p.name for p in tmp_path.iterdir()] == ["peers.json"]
+
+
+def test_a_live_metrics_file_cut_at_any_byte_reads_as_its_complete_lines(tmp_path: Path) -> None:
+    """The torn JSONL read: a reader of a live run (a test helper, report, the progress
+    display) saw a half-written last line and failed with JSONDecodeError. Every prefix of
+    a real metrics file, a multi-byte character cut in two included, reads as the lines
+    whose newline is written."""
+    config = small_config(tmp_path, peers=2, steps=20, log_every=2)
+    simulate(config, step_time=0.01)
+    run = RunDir(config.out)
+    whole = run.metrics(0).read_bytes() + '{"note": "café"}\n'.encode()
+    lines = whole.splitlines(keepends=True)
+    for cut in range(len(whole) - len(lines[-1]) - len(lines[-2]), len(whole) + 1):
+        run.metrics(0).write_bytes(whole[:cut])
+        complete = whole[:cut].count(b"\n")
+        records = list(run.records(0))
+        assert len(records) == complete, cut
+        assert last_record(run.metrics(0)) == json.loads(lines[complete - 1]), cut
