@@ -19,10 +19,12 @@ from gossipdl.config import Config, ConfigError, from_dict, parse_setting, to_to
 from gossipdl.experiments.simulated import simulate
 from gossipdl.sim.engine import SimulationError
 from gossipdl.sim.faults import (
+    ClockRate,
     Clog,
     Heal,
     Inject,
     Kill,
+    Leave,
     Partition,
     Unclog,
     parse_faults,
@@ -67,6 +69,8 @@ def test_every_action_parses_into_its_event_in_listed_order() -> None:
             {"at": "4s", "unclog": " 0 > 1 "},
             {"at": "5s", "inject": {"loss": 0.05, "duplicate": "1%", "reorder": "50ms"}},
             {"at": "6s", "inject": {}},
+            {"at": "7s", "leave": "6"},
+            {"at": "8s", "clock": {"peers": "0-1", "rate": 0.5}},
         ],
         8,
     )
@@ -78,6 +82,8 @@ def test_every_action_parses_into_its_event_in_listed_order() -> None:
         Unclog(4.0, 0, 1),
         Inject(5.0, 0.05, 0.01, 0.05),
         Inject(6.0, 0.0, 0.0, 0.0),
+        Leave(7.0, (6,)),
+        ClockRate(8.0, (0, 1), 0.5),
     ]
     assert parse_faults([], 4) == []
 
@@ -104,6 +110,10 @@ def test_every_action_parses_into_its_event_in_listed_order() -> None:
         ({"at": "1s", "inject": {"los": 0.1}}, ["inject: unknown key 'los'", "'loss'"]),
         ({"at": "1s", "inject": {"loss": 1.5}}, ["inject.loss = 1.5", "[0, 1)"]),
         ({"at": "1s", "inject": {"reorder": "50"}}, ["inject.reorder = '50'", '"250ms"']),
+        ({"at": "1s", "leave": "9"}, ["leave = '9' names peer 9"]),
+        ({"at": "1s", "clock": 0.5}, ["clock = 0.5", '{peers = "2", rate = 0.5}']),
+        ({"at": "1s", "clock": {"rate": 0.5}}, ["clock = {'rate': 0.5}", "rate = 1 sets"]),
+        ({"at": "1s", "clock": {"peers": "1", "rate": 0}}, ["clock.rate = 0", "from 0.1"]),
     ],
 )
 def test_a_bad_event_names_its_entry_and_the_fix(entry: Any, needles: list[str]) -> None:
@@ -276,3 +286,49 @@ def test_the_real_engine_refuses_faults_naming_simulate(tmp_path: Path, command:
     assert "faults (1 event(s)) are simulated only" in stderr
     assert "gossipdl simulate" in stderr
     assert not (tmp_path / "x" / "peers").exists()
+
+
+def test_a_peer_that_leaves_during_a_sync_says_goodbye_and_is_not_declared_dead(
+    tmp_path: Path,
+) -> None:
+    """A graceful leave takes effect at the peer's next round, once that round's messages are
+    out: its final line says it stopped early, the others hear its goodbye (no death
+    sentence) and finish without it."""
+    config = fast_swarm(tmp_path, [{"at": "1s", "leave": "2"}])
+    summary = simulate(config, step_time=0.02)
+    gone = lines(Path(config.out), 2)[-1]
+    assert gone["final"] and gone["stopped_early"] and 0 < gone["step"] < 100
+    assert summary["peers_finished"] == 5 and "failed" not in summary  # of its steps
+    others = [lines(Path(config.out), i)[-1] for i in (0, 1, 3, 4, 5)]
+    assert all(r["step"] == 100 and r["declared_dead"] == 0 for r in others)
+
+
+def test_a_slow_clock_runs_the_peers_timers_late_and_the_swarm_carries_on(tmp_path: Path) -> None:
+    """``clock`` sets how fast a peer's own clock runs: at half speed from 1 s to 3 s it
+    reads a second behind true time from then on, and the swarm still finishes."""
+    from gossipdl.rundir import RunDir
+    from gossipdl.sim.engine import Simulation
+
+    faults = [
+        {"at": "1s", "clock": {"peers": "3", "rate": 0.5}},
+        {"at": "3s", "clock": {"peers": "3", "rate": 1}},
+    ]
+    config = fast_swarm(tmp_path, faults, profiles={"all": {"peers": "0-5", "step_time": "20ms"}})
+    run = RunDir(config.out)
+    run.create()
+    simulation = Simulation(config, run)
+    simulation.run()
+    slow, other = simulation.peers[3], simulation.peers[0]
+    assert simulation.local(slow) == pytest.approx(simulation.clock.now - 1.0)
+    assert simulation.local(other) == simulation.clock.now
+    assert all(p.steps == 100 for p in simulation.peers) and not simulation.failures
+
+
+@pytest.mark.parametrize("action", ["leave", "clock"])
+def test_leave_and_clock_are_refused_where_the_real_engine_has_no_member_table(
+    tmp_path: Path, action: str
+) -> None:
+    value: Any = "2" if action == "leave" else {"peers": "2", "rate": 0.5}
+    config = fast_swarm(tmp_path, [{"at": "1s", action: value}], mode="ring", peers=4)
+    with pytest.raises(SimulationError, match=f"{action} is not simulated in mode ring"):
+        simulate(config, step_time=0.02)

@@ -48,7 +48,7 @@ from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
 from gossipdl.sim.clock import Scheduler
-from gossipdl.sim.faults import Restart, parse_faults, schedule
+from gossipdl.sim.faults import GOSSIP_ONLY, Restart, parse_faults, schedule
 from gossipdl.sim.joins import Join, answered, cancel_join, start_join
 from gossipdl.sim.network import SimNetwork
 from gossipdl.training import (
@@ -123,10 +123,24 @@ class VirtualPeer:
     saved: tuple[int, dict[str, Any], dict[str, Any]] | None = None  # checkpoint: step, states
     drift: Drift | None = None  # the label drift still to come (``drift``)
     y_test: torch.Tensor | None = None  # its test labels once they drifted
+    rate: float = 1.0  # how fast its clock runs against true time (a ``clock`` fault)
+    clock_mark: tuple[float, float] = (0.0, 0.0)  # (true, local) time when the rate last changed
+    leaving: bool = False  # it leaves at its next round, once its messages are out (``leave``)
+
+    _params: tuple[torch.nn.Module | None, list[torch.nn.Parameter]] = (None, [])
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
-        return list(self.model.parameters())
+        """The model's parameters (listed once per model: a restart brings a new one)."""
+        model, params = self._params
+        if model is not self.model:
+            params = list(self.model.parameters())
+            self._params = (self.model, params)
+        return params
+
+    def flat(self) -> torch.Tensor:
+        """The parameters as one new vector (``parameters_to_vector``, without its checks)."""
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
 
 
 class Simulation:
@@ -139,6 +153,7 @@ class Simulation:
 
     mode = "gossip"
     sentences = True  # a member silent past dead_after is declared dead (GossipCore.tick)
+    unsimulated = ""  # why restart, leave and clock faults are refused ("": they run)
 
     def __init__(self, config: Config, run: RunDir, *, step_time: float | None = None) -> None:
         if config.mode not in SIM_MODES:
@@ -208,6 +223,13 @@ class Simulation:
             self.peers.append(peer)
             self.network.attach(i, self._handler(peer), device.link)
         faults = parse_faults(config.faults, config.peers)
+        refused = sorted({f.action for f in faults if isinstance(f, GOSSIP_ONLY)})
+        if refused and self.unsimulated:
+            verb = "is" if len(refused) == 1 else "are"
+            raise SimulationError(
+                f"faults: {' and '.join(refused)} {verb} not simulated in mode {self.mode} "
+                f"({self.unsimulated})"
+            )
         self._restarts = Counter(i for f in faults if isinstance(f, Restart) for i in f.peers)
         schedule(faults, self)  # the config's fault events
         self.template = template
@@ -235,7 +257,7 @@ class Simulation:
         def deliver(sender: int, frames: list[bytes]) -> None:
             if peer.dead:
                 return
-            now = self.clock.now
+            now = self.local(peer)
             try:
                 sends = peer.core.receive(now, frames, peer.started and not peer.done)
             except WireError as exc:
@@ -244,7 +266,7 @@ class Simulation:
             self._send(peer, sends)
             if peer.core.answers:
                 answered(self, peer)
-            if peer.core.waiting:
+            if peer.core.waiting and not peer.done:
                 self._progress(peer, peer.core.poll(now, self._online(peer)))
 
         return deliver
@@ -267,6 +289,17 @@ class Simulation:
         """The network node an address names (every address here is a virtual peer's)."""
         return self._nodes[address]
 
+    def local(self, peer: VirtualPeer) -> float:
+        """The time on the peer's own clock now: true time, unless a ``clock`` fault made it
+        run at another rate (what its protocol core is told; its timers run on it)."""
+        true, local = peer.clock_mark
+        return local + (self.clock.now - true) * peer.rate
+
+    def _true(self, peer: VirtualPeer, local: float) -> float:
+        """The true time at which the peer's clock will read ``local`` (not before now)."""
+        true, mark = peer.clock_mark
+        return max(self.clock.now, true + (local - mark) / peer.rate)
+
     def _online(self, peer: VirtualPeer) -> bool:
         """Whether the peer waits for its neighbours: not while away, nor while it must
         rejoin (the real ``Peer._away``)."""
@@ -280,7 +313,7 @@ class Simulation:
             self._after_round(peer)
         elif peer.core.deadline is not None and peer.core.deadline != peer.timer_at:
             deadline = peer.timer_at = peer.core.deadline  # one timer per wait, not per message
-            self.clock.at(deadline, lambda: self._timeout(peer, deadline))
+            self.clock.at(self._true(peer, deadline), lambda: self._timeout(peer, deadline))
 
     def _after(self, peer: VirtualPeer, delay: float, event: Callable[[VirtualPeer], None]) -> None:
         """``event(peer)`` in ``delay`` virtual seconds, unless the peer died meanwhile: what
@@ -289,21 +322,28 @@ class Simulation:
         self.clock.after(delay, lambda: event(peer) if peer.life == life else None)
 
     def _timeout(self, peer: VirtualPeer, deadline: float) -> None:
-        if peer.core.waiting and peer.core.deadline == deadline and not peer.dead:
-            self._progress(peer, peer.core.poll(self.clock.now, self._online(peer)))
+        if peer.core.waiting and peer.core.deadline == deadline and not (peer.dead or peer.done):
+            now = max(self.local(peer), deadline)  # a slow clock's reading may round below it
+            self._progress(peer, peer.core.poll(now, self._online(peer)))
 
     def _tick(self, peer: VirtualPeer) -> None:
         """Heartbeats and death sentences every half heartbeat, while the peer runs."""
         if peer.done or peer.dead:
             return
         online = self.network.online(peer.id)
-        self._send(peer, peer.core.tick(self.clock.now, online, self.sentences).sends)
-        self._after(peer, self.config.heartbeat / 2, self._tick)
+        tick = peer.core.tick(self.local(peer), online, self.sentences and peer.started)
+        for j, silent, until in tick.dead:
+            log.debug(
+                "peer %d at %.3fs: peer %d silent %.2f s, declared dead (out from round %d)",
+                peer.id, self.clock.now, j, silent, until,
+            )  # fmt: skip
+        self._send(peer, tick.sends)
+        self._after(peer, self.config.heartbeat / 2 / peer.rate, self._tick)
 
     def _computed(self, peer: VirtualPeer) -> bool:
         """One local step's compute ends now: its gradients (the optimizer has not stepped
         yet). False if the peer is dead, or away (churn: it looks again a moment later)."""
-        if peer.dead:
+        if peer.dead or peer.done:
             return False
         if not self.network.online(peer.id):  # away: no steps, no traffic
             self._record(peer)
@@ -333,17 +373,21 @@ class Simulation:
 
     def _open_round(self, peer: VirtualPeer) -> None:
         """The local steps of a round are done: send what the round sends, then wait."""
-        flat = parameters_to_vector(peer.model.parameters()).detach()
+        flat = peer.flat()
         wait, peer.first_wait = peer.first_wait or None, 0.0
-        self._send(peer, peer.core.open_round(self.clock.now, flat, timeout=wait))
-        self._progress(peer, peer.core.poll(self.clock.now, self._online(peer)))
+        now = self.local(peer)
+        self._send(peer, peer.core.open_round(now, flat, timeout=wait))
+        if peer.leaving:  # a graceful leave during the round's sync
+            self._finish(peer)
+            return
+        self._progress(peer, peer.core.poll(now, self._online(peer)))
 
     # ----------------------------------------------------------------- joins
     def welcomed(self, peer: VirtualPeer) -> None:
         """A member let the peer in: a restarted one has an id again and starts its
         heartbeats (the real watch thread does once the peer has an id)."""
         if not peer.started:
-            self._after(peer, self.config.heartbeat / 2, self._tick)
+            self._after(peer, self.config.heartbeat / 2 / peer.rate, self._tick)
 
     def _stop(self, peer: VirtualPeer, why: str) -> None:
         """The peer stops on an error, as a real one exits: named in ``failures``."""
@@ -369,16 +413,18 @@ class Simulation:
             log.warning("peer %d could not rejoin: %s", peer.id, why)
             then()
 
-        timeout = self.config.round_timeout
+        via = core.rejoin_through or [core.rejoin_via]
+        timeout = self.config.round_timeout  # shared by the members asked, as Peer._join does
         start_join(
             self,
             peer,
-            [core.rejoin_via],
+            via,
             rejoin=True,
             take_model=False,
             timeout=timeout,
             then=then,
             fail=failed,
+            every=timeout / len(via),
         )
 
     def start_late(self, peer: VirtualPeer, start: int, model: torch.Tensor | None) -> None:
@@ -388,7 +434,7 @@ class Simulation:
         if model is not None:
             _set_params(peer.params, model)
             peer.steps = start * period
-        peer.core.start_at(start, parameters_to_vector(peer.model.parameters()).detach())
+        peer.core.start_at(start, peer.flat())
         if model is not None:
             peer.core.age = peer.steps
         peer.first_wait = self.config.startup_timeout  # the swarm gets there in its own time
@@ -450,6 +496,23 @@ class Simulation:
         peer.losses.clear()
 
     # ----------------------------------------------------------------- faults
+    def set_rate(self, peer_id: int, rate: float) -> None:
+        """Peer ``peer_id``'s clock runs at ``rate`` times true time from now (1: right
+        again): its heartbeats, round timeouts and death sentences come later (or sooner)."""
+        peer = self.peers[peer_id]
+        peer.clock_mark = (self.clock.now, self.local(peer))
+        peer.rate = rate
+        if peer.timer_at is not None and peer.core.waiting:  # the open wait's timer moves
+            deadline = peer.timer_at
+            self.clock.at(self._true(peer, deadline), lambda: self._timeout(peer, deadline))
+
+    def leave(self, peer_id: int) -> None:
+        """Peer ``peer_id`` stops gracefully at its next round, once the round's messages are
+        out (a leave during a sync): its final line, its model, goodbye to every member."""
+        peer = self.peers[peer_id]
+        if not (peer.dead or peer.done):
+            peer.leaving = True
+
     def kill(self, peer_id: int) -> None:
         """Peer ``peer_id`` dies now (kill -9): no more steps, messages, heartbeats; what is
         on its way to it is dropped as ``dead``."""
@@ -552,7 +615,7 @@ class Simulation:
                 )
                 self.network.start_link(peer.id)
                 self._after(peer, peer.step_time, self._step)
-                self._after(peer, config.heartbeat / 2, self._tick)
+                self._after(peer, config.heartbeat / 2 / peer.rate, self._tick)
             while not self.finished and not should_stop():
                 if self.clock.run(max_events=2000) == 0:
                     stuck = [p.id for p in self.peers if not self._over(p)]
@@ -576,7 +639,8 @@ class Simulation:
 
 def _states(peer: VirtualPeer) -> tuple[dict[str, Any], dict[str, Any]]:
     """Copies of the peer's model and optimizer states (an in-memory checkpoint)."""
-    return copy.deepcopy(peer.model.state_dict()), copy.deepcopy(peer.optimizer.state_dict())
+    model = {k: v.detach().clone() for k, v in peer.model.state_dict().items()}
+    return model, copy.deepcopy(peer.optimizer.state_dict())
 
 
 def _set_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:

@@ -6,7 +6,10 @@ number) and one action:
 
 ``kill = "2-4"``
     the peers die (kill -9): no more steps, messages or heartbeats.
-``restart = "2"``
+``leave = "2"``
+    the peers stop gracefully at their next round, once its messages are out (a leave
+    during a sync): final line, model file, goodbye to every member; they do not come back.
+``restart = "2"
     the peers, killed before, start again and rejoin the swarm: from their last
     checkpoint (``checkpoint_every``, kept in memory) as ``gossipdl peer --resume``
     does, keeping that model; without one as a newcomer that gets its old id back
@@ -18,6 +21,9 @@ number) and one action:
     the partition ends.
 ``clog = "0>1"`` / ``unclog = "0>1"``
     messages from peer 0 to peer 1 wait (in order) until the direction is unclogged.
+``clock = {peers = "2", rate = 0.5}``
+    the peers' clocks run at ``rate`` times true time from then on (their heartbeats,
+    round timeouts and death sentences come late; ``rate = 1`` sets them right again).
 ``inject = {loss = 0.05, duplicate = 0.01, reorder = "50ms"}``
     from then on, every message is lost with ``loss``, delivered twice with
     ``duplicate`` and delayed by up to ``reorder`` extra (so messages overtake each
@@ -46,11 +52,13 @@ if TYPE_CHECKING:
     from gossipdl.sim.engine import Simulation
 
 log = logging.getLogger(__name__)
-ACTIONS = ("kill", "restart", "partition", "heal", "clog", "unclog", "inject")
+ACTIONS = ("kill", "leave", "restart", "partition", "heal", "clog", "unclog", "clock", "inject")
 FAULT_KEYS = ("at", *ACTIONS)
 INJECT_KEYS = ("loss", "duplicate", "reorder")
 EXAMPLE = '{at = "30s", kill = "3"}'
 INJECT_EXAMPLE = '{loss = 0.05, duplicate = 0.01, reorder = "50ms"}'
+CLOCK_KEYS = ("peers", "rate")
+CLOCK_EXAMPLE = '{peers = "2", rate = 0.5}'
 _DIRECTION = re.compile(r"(\d+)>(\d+)")
 
 
@@ -63,6 +71,11 @@ class Fault:
     """One event of a schedule: something happens at virtual time ``at`` (seconds)."""
 
     at: float
+
+    @property
+    def action(self) -> str:
+        """Its key in a ``[[faults]]`` table."""
+        return ACTION_OF[type(self)]
 
     def apply(self, simulation: Simulation) -> None:
         """Make it happen on ``simulation`` now."""
@@ -78,6 +91,17 @@ class Kill(Fault):
     def apply(self, simulation: Simulation) -> None:
         for peer_id in self.peers:
             simulation.kill(peer_id)
+
+
+@dataclass(frozen=True)
+class Leave(Fault):
+    """The peers stop gracefully at their next round, after sending its messages."""
+
+    peers: tuple[int, ...]
+
+    def apply(self, simulation: Simulation) -> None:
+        for peer_id in self.peers:
+            simulation.leave(peer_id)
 
 
 @dataclass(frozen=True)
@@ -132,6 +156,18 @@ class Unclog(Fault):
 
 
 @dataclass(frozen=True)
+class ClockRate(Fault):
+    """The peers' clocks run at ``rate`` times true time from now on."""
+
+    peers: tuple[int, ...]
+    rate: float
+
+    def apply(self, simulation: Simulation) -> None:
+        for peer_id in self.peers:
+            simulation.set_rate(peer_id, self.rate)
+
+
+@dataclass(frozen=True)
 class Inject(Fault):
     """Network-wide loss, duplication and reordering delay from now on (zeros: none)."""
 
@@ -141,6 +177,22 @@ class Inject(Fault):
 
     def apply(self, simulation: Simulation) -> None:
         simulation.network.inject(self.loss, self.duplicate, self.reorder_s)
+
+
+ACTION_OF: dict[type[Fault], str] = {
+    Kill: "kill",
+    Leave: "leave",
+    Restart: "restart",
+    Partition: "partition",
+    Heal: "heal",
+    Clog: "clog",
+    Unclog: "unclog",
+    ClockRate: "clock",
+    Inject: "inject",
+}
+# Faults only a gossip swarm simulates: a ring or ps swarm cannot take a peer back, and has no
+# member table for a leave or a slow clock to disturb.
+GOSSIP_ONLY = (Leave, Restart, ClockRate)
 
 
 def parse_faults(value: Any, peers: int) -> list[Fault]:
@@ -161,9 +213,12 @@ def parse_faults(value: Any, peers: int) -> list[Fault]:
         )
     faults = [_parse_one(index, entry, peers) for index, entry in enumerate(value)]
     down: set[int] = set()  # killed, not restarted since (in time order; ties: as listed)
+    left: set[int] = set()  # left for good
     for index, fault in sorted(enumerate(faults), key=lambda item: (item[1].at, item[0])):
         if isinstance(fault, Kill):
             down.update(fault.peers)
+        elif isinstance(fault, Leave):
+            left.update(fault.peers)
         elif isinstance(fault, Restart):
             alive = sorted(set(fault.peers) - down)
             if alive:
@@ -172,10 +227,11 @@ def parse_faults(value: Any, peers: int) -> list[Fault]:
                     "killed before then; kill them first (a kill event at an earlier time)"
                 )
             down.difference_update(fault.peers)
-        if peers and len(down) == peers:
+        if peers and len(down | left) == peers:
             raise FaultError(
-                f"faults: the kills end every peer of the swarm ({peers}) at {fault.at:g}s; "
-                "leave at least one alive (a restarted peer rejoins through a live one)"
+                f"faults: the kills and leaves end every peer of the swarm ({peers}) at "
+                f"{fault.at:g}s; leave at least one alive (a restarted peer rejoins through a "
+                "live one)"
             )
     return faults
 
@@ -208,8 +264,12 @@ def _parse_one(index: int, entry: Any, peers: int) -> Fault:
     what = f"{where}: {action}"
     if action == "kill":
         return Kill(at, _peer_ids(value, peers, where, "kill"))
+    if action == "leave":
+        return Leave(at, _peer_ids(value, peers, where, "leave"))
     if action == "restart":
         return Restart(at, _peer_ids(value, peers, where, "restart"))
+    if action == "clock":
+        return _clock(at, value, peers, where)
     if action == "partition":
         return Partition(at, _groups(value, peers, where))
     if action == "heal":
@@ -295,6 +355,23 @@ def _inject(at: float, value: Any, what: str) -> Inject:
         duplicate=_rate(value.get("duplicate", 0.0), f"{what}.duplicate"),
         reorder_s=_seconds(value.get("reorder", 0.0), f"{what}.reorder"),
     )
+
+
+def _clock(at: float, value: Any, peers: int, where: str) -> ClockRate:
+    """``{peers = "2", rate = 0.5}``: both keys needed, the rate in [0.1, 10]."""
+    what = f"{where}: clock"
+    if not isinstance(value, Mapping) or set(value) != set(CLOCK_KEYS):
+        raise FaultError(
+            f"{what} = {value!r}; write a table with the peers and their clock's rate, e.g. "
+            f"{CLOCK_EXAMPLE} (rate = 1 sets the clocks right again)"
+        )
+    rate = value["rate"]
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.1 <= rate <= 10:
+        raise FaultError(
+            f"{what}.rate = {rate!r}; use a number from 0.1 (a clock at a tenth of true speed) "
+            "to 10"
+        )
+    return ClockRate(at, _peer_ids(value["peers"], peers, where, "clock"), float(rate))
 
 
 def _rate(value: Any, what: str) -> float:

@@ -10,7 +10,7 @@ its old id back and takes a neighbour's model). The member's side (who is let in
 welcome, the announcement, the model) is the protocol core's
 (:meth:`~gossipdl.protocol.core.GossipCore.answer_join`); this module is the joiner's:
 ``join`` to a member until a welcome comes, then ``model_request`` to each neighbour of
-its first round until one answers, then the round it starts at.
+its first round (then any other member) until one answers, then the round it starts at.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class Join:
     give_up_at: float  # virtual time after which the join fails
     then: Callable[[], None]  # what the peer does once it is in
     fail: Callable[[str, bool], None]  # if it cannot get in: why, and whether it was welcomed
+    every: float = RETRY_S  # how long a join request waits before the next member is asked
     phase: str = "welcome"  # then "model"
     tries: int = 0  # requests sent in this phase
     since: int = 0  # the first round of our new life (from the welcome)
@@ -57,12 +58,14 @@ def start_join(
     timeout: float,
     then: Callable[[], None],
     fail: Callable[[str, bool], None],
+    every: float = RETRY_S,
 ) -> None:
-    """Ask the members ``via`` (in turn) to let ``peer`` in; ``then()`` once it is aligned
-    with the swarm, ``fail(why, welcomed)`` if nobody lets it in within ``timeout`` virtual
-    seconds, or no neighbour sends its model once it is in (``welcomed``)."""
+    """Ask the members ``via`` in turn, ``every`` virtual seconds the next, to let ``peer``
+    in; ``then()`` once it is aligned with the swarm, ``fail(why, welcomed)`` if nobody
+    lets it in within ``timeout`` virtual seconds, or no neighbour sends its model once it
+    is in (``welcomed``)."""
     now = simulation.clock.now
-    peer.join = Join(via, rejoin, take_model, now + timeout, then, fail)
+    peer.join = Join(via, rejoin, take_model, now + timeout, then, fail, every)
     _ask(simulation, peer)
 
 
@@ -92,17 +95,20 @@ def _ask(simulation: Simulation, peer: VirtualPeer) -> None:
         }
         send = core.ask("join", simulation.address(to), meta, _nonce(simulation, peer))
     else:
-        neighbours = [j for j in core.neighbours(join.since) if j != core.id]
-        if not neighbours:
-            _end(simulation, peer, failed=f"peer {peer.id}: no neighbour to take a model from")
+        sources = core.model_sources(join.since)  # again each time: one may have died
+        each = round(MODEL_WAIT_S / RETRY_S)  # tries per member before the next one
+        member = (
+            core.membership.get(sources[join.tries // each % len(sources)]) if sources else None
+        )
+        if member is None:  # nobody to ask now; a member may be back before we give up
+            join.tries += 1
+            join.timer = simulation.clock.after(RETRY_S, lambda: _retry(simulation, peer, join))
             return
-        each = round(MODEL_WAIT_S / RETRY_S)  # tries per neighbour before the next one
-        member = core.membership.get(neighbours[join.tries // each % len(neighbours)])
-        assert member is not None
         send = core.ask("model_request", member.address, {}, _nonce(simulation, peer))
     join.tries += 1
     simulation.network.send(peer.id, simulation.node_at(send.address), send.frames)
-    join.timer = simulation.clock.after(RETRY_S, lambda: _retry(simulation, peer, join))
+    wait = join.every if join.phase == "welcome" else RETRY_S
+    join.timer = simulation.clock.after(wait, lambda: _retry(simulation, peer, join))
 
 
 def _retry(simulation: Simulation, peer: VirtualPeer, join: Join) -> None:
@@ -127,7 +133,7 @@ def _take(simulation: Simulation, peer: VirtualPeer, join: Join, msg: Message) -
     core, now = peer.core, simulation.clock.now
     if msg.kind == "welcome" and join.phase == "welcome":
         try:
-            me = core.welcomed(now, msg)
+            me = core.welcomed(simulation.local(peer), msg)
         except JoinRefused as exc:
             why = f"peer {peer.id}: peer {msg.sender} refused to let it in: {exc}"
             _end(simulation, peer, failed=why)

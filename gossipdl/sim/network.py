@@ -183,10 +183,12 @@ class SimNetwork:
             return
         copies = 2 if self._duplicate and self._rng.random() < self._duplicate else 1
         self.ledger["duplicated"] += copies - 1
+        # an unshaped downlink reads a message the moment it arrives: one event, not two
+        then = self._arrive if self._nodes[dst].link.profile.downlink_bps else self._deliver
         for _ in range(copies):
             extra = self._rng.uniform(0, self._reorder_s) if self._reorder_s else 0.0
             self._in_flight += 1
-            self.clock.at(arrival + extra, partial(self._arrive, src, dst, frames, size))
+            self.clock.at(arrival + extra, partial(then, src, dst, frames, size))
 
     def _arrive(self, src: int, dst: int, frames: list[bytes], size: int) -> None:
         """At the receiver's downlink: it is read once the downlink has carried it."""

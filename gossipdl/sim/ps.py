@@ -28,8 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch.nn.utils import parameters_to_vector
-
 from gossipdl.averaging import Averager, build_averager
 from gossipdl.config import Config
 from gossipdl.protocol.core import Send
@@ -44,7 +42,6 @@ from gossipdl.sim.engine import (
     _set_params,
     sim_address,
 )
-from gossipdl.sim.faults import Restart, parse_faults
 from gossipdl.training import (
     json_line,
     metrics_line,
@@ -92,13 +89,12 @@ class PsSimulation(Simulation):
     talks only to the shards, through its :class:`SimWorker`."""
 
     mode = "ps"
+    unsimulated = (
+        "a ps worker does not resume, for real either, and its shards keep no member table; "
+        "kill the worker for good, or run mode gossip"
+    )
 
     def __init__(self, config: Config, run: RunDir, *, step_time: float | None = None) -> None:
-        if any(isinstance(f, Restart) for f in parse_faults(config.faults, config.peers)):
-            raise SimulationError(
-                "faults: restart is not simulated in mode ps (a ps worker does not resume, "
-                "for real either); kill the worker for good, or run mode gossip"
-            )
         super().__init__(config, run, step_time=step_time)
         self.max_message_bytes = int(config.max_message_mb * 2**20)
         self.shards = [
@@ -112,7 +108,7 @@ class PsSimulation(Simulation):
                 WorkerCore(
                     peer.id,
                     config.ps_shards,
-                    parameters_to_vector(peer.model.parameters()).detach(),
+                    peer.flat(),
                     ps_worker_settings(config, self.dataset, peer.id),
                     sim_address(peer.id),
                 )
@@ -261,7 +257,7 @@ class PsSimulation(Simulation):
         if not due:
             self._after_round(peer)
             return
-        flat = parameters_to_vector(peer.model.parameters()).detach()
+        flat = peer.flat()
         self._exchange(peer, core.push(self.clock.now, flat), lambda: self._after_round(peer))
 
     def _tick(self, peer: VirtualPeer) -> None:

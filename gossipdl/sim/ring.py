@@ -31,8 +31,7 @@ from gossipdl.protocol.ring import RING_CHECKS_FINITE, RingCore, RingFailure
 from gossipdl.protocol.ring_powersgd import LowRankMean, LowRankRing
 from gossipdl.rundir import RunDir
 from gossipdl.sim.clock import Timer
-from gossipdl.sim.engine import Simulation, SimulationError, VirtualPeer, _set_params
-from gossipdl.sim.faults import Restart, parse_faults
+from gossipdl.sim.engine import Simulation, VirtualPeer, _set_params
 from gossipdl.transport.wire import WireError, decode
 
 log = logging.getLogger(__name__)
@@ -53,14 +52,12 @@ class RingSimulation(Simulation):
 
     mode = "ring"
     sentences = False  # a ring names its dead on its own timeout (as the real Peer does)
+    unsimulated = (
+        "a ring all-reduce cannot take members once it started, for real either, and it has "
+        "no heartbeats to slow; kill a peer for good, or run mode gossip"
+    )
 
     def __init__(self, config: Config, run: RunDir, *, step_time: float | None = None) -> None:
-        if any(isinstance(f, Restart) for f in parse_faults(config.faults, config.peers)):
-            raise SimulationError(
-                "faults: restart is not simulated in mode ring (a ring all-reduce cannot take "
-                "members once it started, for real either); kill the peer for good, or run "
-                "mode gossip"
-            )
         super().__init__(config, run, step_time=step_time)
         ids = [peer.id for peer in self.peers]
         # Peer.reduces_gradients: every step all-reduces the gradients (an optimizer is given)
@@ -145,7 +142,7 @@ class RingSimulation(Simulation):
         if self.gradients:  # averaged before the local step
             self._next_round(peer)
             return
-        x = parameters_to_vector(peer.model.parameters()).detach()
+        x = peer.flat()
         reference = peer.core.reference
         delta = x - reference if self.low_rank else x
 
