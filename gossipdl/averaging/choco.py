@@ -67,6 +67,7 @@ class Choco(Averager):
         self.x_hat: torch.Tensor | None = None
         self.s: torch.Tensor | None = None
         self._synced_at: dict[int, int] = {}
+        self.resynced: int | None = None  # the round s_i was last rebuilt from dense copies
 
     accepts_late = True  # a late update is still added: a sum does not care about order
 
@@ -108,6 +109,7 @@ class Choco(Averager):
                 for j, arrival in dense.items():
                     self.s.add_(arrival.value, alpha=arrival.weight)
                     self._synced_at[j] = rnd.index
+                self.resynced = rnd.index
         for j, arrival in arrived.items():
             if not arrival.dense:
                 self._add(j, arrival)
@@ -119,7 +121,9 @@ class Choco(Averager):
         return x + self.gamma * (self.s - self.x_hat)
 
     def _add(self, sender: int, arrival: Arrival) -> None:
-        """s_i += W_ij q_j, unless a later dense resync already includes q_j."""
+        """s_i += W_ij q_j, unless a later dense resync already includes q_j (or, from a
+        neighbour of an earlier topology, left it out: s_i was rebuilt after it)."""
         assert self.s is not None
-        if arrival.round > self._synced_at.get(sender, -1):
+        rebuilt = -1 if self.resynced is None else self.resynced
+        if arrival.round > max(self._synced_at.get(sender, -1), rebuilt):
             self.s.add_(arrival.value, alpha=arrival.weight)

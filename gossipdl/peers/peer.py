@@ -712,11 +712,18 @@ class Peer:
         self.steps = max(self.steps, self.round * self.trigger.period)
 
     def _start_late(self, since: int, take_model: bool = True) -> None:
-        """Start at round ``since`` of a running swarm, aligned with a neighbour's round;
-        a newcomer takes that neighbour's model, a restarted peer keeps its own."""
-        for j in self.neighbours(since):
-            member = self.membership.get(j)
-            assert member is not None
+        """Start at round ``since`` of a running swarm, aligned with a neighbour's round (or,
+        if none answers, another member's); a newcomer takes that model, a restarted peer
+        keeps its own."""
+        asked: set[int] = set()
+        while True:
+            with self._core:  # again each time: a member may have been declared dead since
+                sources = [j for j in self.core.model_sources(since) if j not in asked]
+            member = self.membership.get(sources[0]) if sources else None
+            if member is None:
+                break
+            j = member.id
+            asked.add(j)
             try:
                 reply = self._request(
                     member.address, "model_request", {}, "model", timeout=10.0, key=member.key
@@ -753,7 +760,7 @@ class Peer:
                 reply.round,
             )
             return
-        raise PeerError(f"peer {self.id}: no neighbour answered with its model")
+        raise PeerError(f"peer {self.id}: no member answered with its model")
 
     def _request(
         self,
@@ -951,7 +958,9 @@ class Peer:
             known = self.membership.get(sender)
             assert known is not None  # REJOIN: the sender is in our table
             said = next((m for m in members if m.id == sender), known)
-            self._rejoin_via = said.address
+            # the sender first; if it does not let us in, the rest of its swarm
+            rest = [m.address for m in members if m.until is None and m.id not in (sender, self.id)]
+            self._rejoin_via = ",".join([said.address, *rest])
             self._wake()  # a round waiting on our old side ends now
 
     # ----------------------------------------------------------------- receive thread
@@ -1001,6 +1010,10 @@ class Peer:
             # Not a member yet (a founder that has not founded, a joiner not yet welcomed):
             # an answer now would hand out a table without us in it. The asker retries.
             raise WireError("not_member_yet", f"{msg.kind} before this peer is in a swarm")
+        if msg.kind == "join" and self._rejoin_via is not None:
+            # Told we were dropped: our table is the cut-off side's, and a joiner let in by
+            # it would be lost when we take the swarm's table back. The asker retries.
+            raise WireError("not_member_yet", "a join while this peer rejoins the swarm")
         if msg.kind == "join":
             self._on_join(msg)
             return
@@ -1035,9 +1048,9 @@ class Peer:
             if msg.kind in CORE_KINDS:  # the round protocol's own: the core takes them in
                 self.core.take(time.monotonic(), msg, sender)
                 self._core.notify_all()
-        if msg.kind == "alive":
-            self._hear_heartbeat(sender)
-        elif msg.kind == "leave":
+            tables = self.core.tell_table(msg) if self.started else []  # if it lacks ours
+        self._carry_out(tables)
+        if msg.kind == "leave":
             self._members_changed()
         elif msg.kind == "chunk":
             if not self.ring:
@@ -1062,14 +1075,6 @@ class Peer:
         with self._core:
             self.core.track_seq(msg)  # only messages accepted: a dropped one leaves a gap
         self._carry_out([])  # what the core noted (lost messages, departures) goes to the log
-
-    def _hear_heartbeat(self, sender: Member) -> None:
-        """A heartbeat from a member we dropped as dead gets our table back, so it can rejoin
-        (the core took the round it vouches for)."""
-        if self.started:
-            with self._core:
-                sends = self.core.dropped_notice(sender)
-            self._carry_out(sends)
 
     def _reply(self, address: str, kind: str, **meta: Any) -> None:
         """Answer someone who is not a member yet: straight to its address, no sequence number."""

@@ -65,6 +65,8 @@ from gossipdl.protocol.kinds import (
     PEER_META,
     RESYNC_LEAD,
     SYNC_AT,
+    TABLE,
+    TABLE_KINDS,
     WALK_AGE,
 )
 from gossipdl.protocol.mailbox import Mailbox
@@ -212,7 +214,9 @@ class GossipCore:
         # (round, model at its start): what a model request gets, a tensor nobody writes to
         self.published: tuple[int, torch.Tensor] = (0, self.reference.clone())
         self.rejoin_via: int | None = None  # a member whose table says we were dropped
+        self.rejoin_through: list[int] = []  # it, then the rest of its swarm: whom to ask
         self._asked: dict[str, str] = {}  # nonce of a request of ours -> the answer's kind
+        self._told: dict[int, float] = {}  # member -> when it last got our table (tell_table)
         self.answers: list[Message] = []  # answers to our requests, for the engine to take
         self._walks: deque[tuple[torch.Tensor, int]] = deque()
         self.age = 0  # gossip learning: steps behind the walking model
@@ -249,7 +253,7 @@ class GossipCore:
         t = self.round
         if self.averager.asynchronous:
             return self._walk(x, t, now)
-        changes = topology_changes(self.membership.members(), self.first_round)
+        changes = topology_changes(self.membership.spans(), self.first_round)
         rnd, sends = self._round_view(t, changes)
         dense_to = self._dense_destinations(rnd, changes)
         tag: dict[str, Any] = {}
@@ -452,6 +456,13 @@ class GossipCore:
         """Ids of the neighbours in ``round`` (default: the next round)."""
         return sorted(self.mixing(self.round if round is None else round)[0])
 
+    def model_sources(self, since: int) -> list[int]:
+        """Whom a peer joining at round ``since`` asks for a model, in order: its neighbours
+        of that round, then any other member still in (a neighbour may die as we join)."""
+        first = [j for j in self.neighbours(since) if j != self.id]
+        rest = [j for j in self.membership.in_swarm() if j != self.id and j not in first]
+        return [j for j in first + rest if not self.membership.gone(j)]
+
     def mixing(self, round: int) -> tuple[dict[int, float], float]:
         """Neighbour id -> weight, and the self weight, in ``round``."""
         return self.topologies.mixing(self.membership.active(round), self.id, round)
@@ -515,12 +526,13 @@ class GossipCore:
             member = self.membership.forget(j)
             if member is not None:
                 self.detector.forget(j)
+                self._told.pop(j, None)
                 self._last_seq.pop(j, None)
                 self._inbox.forget(j)
                 self._answers.forget(j)
                 tick.forgotten.append((member, silent))
         for j in verdicts.heartbeats:
-            meta = {"sent": self.sent_round, "life": life}
+            meta = {"sent": self.sent_round, "life": life, TABLE: self.membership.digest()}
             tick.sends.append(Send(j, "alive", encode("alive", self.id, 0, self.round, meta=meta)))
         for j, silent in verdicts.dead:
             until = self.round + self.join_margin()
@@ -578,6 +590,8 @@ class GossipCore:
         codec = self.codec if kind in COMPRESSED_KINDS else "none"
         arrays = payload.arrays if payload is not None else ()
         meta = {**(payload.meta if payload is not None else {}), **meta}
+        if kind in TABLE_KINDS:
+            meta[TABLE] = self.membership.digest()
         frames = encode(
             kind, self.id, self._seq[j], self.round if round is None else round, arrays, meta, codec
         )
@@ -593,6 +607,8 @@ class GossipCore:
         if msg.kind == "join":
             if self.id < 0 or not started:
                 raise WireError("not_member_yet", "a join before this peer is in a swarm")
+            if self.rejoin_via is not None:  # our table is the dropped side's: the asker retries
+                raise WireError("not_member_yet", "a join while this peer rejoins the swarm")
             return self.answer_join(now, msg, started)
         if msg.kind in ("welcome", "model"):
             nonce = msg.meta.get(NONCE)
@@ -612,8 +628,8 @@ class GossipCore:
             sends = self.answer_model_request(msg)
         else:
             self.take(now, msg, sender)
-            if msg.kind == "alive" and started:
-                sends = self.dropped_notice(sender)
+        if started:  # a peer done or not in yet speaks for no table
+            sends += self.tell_table(msg)
         self.track_seq(msg)
         return sends
 
@@ -679,6 +695,8 @@ class GossipCore:
         elif verdict is Verdict.REJOIN and started and self.rejoin_via is None:
             self.notes.append(f"peer {sender} says we were dropped; rejoining through it")
             self.rejoin_via = sender
+            rest = [m.id for m in members if m.until is None and m.id not in (sender, self.id)]
+            self.rejoin_through = [sender, *rest]  # the sender may not let us in: the others
         return verdict
 
     def merge(self, members: list[Member]) -> list[Member]:
@@ -742,13 +760,28 @@ class GossipCore:
         meta = {NONCE: echoed_nonce(msg.meta)}
         return self.send(msg.sender, "model", round_, dense_payload(model), meta)
 
-    def dropped_notice(self, sender: Member) -> list[Send]:
-        """A heartbeat from a member we declared dead gets our table back, so it can rejoin
-        (one that left said goodbye: nothing)."""
-        if sender.until is None or self.membership.why_left(sender.id) is not None:
+    def tell_table(self, msg: Message) -> list[Send]:
+        """Our table, for the member that sent ``msg`` if it lacks it (once a heartbeat at most):
+        ``dropped`` if we declared it dead and it still talks (it rejoins, or tells us to),
+        ``members`` if the digest its ``msg`` carries (``TABLE``) differs from ours. The
+        second is anti-entropy: each side merges what the other knows, so an announcement
+        lost to a fault does not keep two members apart for good."""
+        sender = self.membership.get(msg.sender)  # as it is now, after what msg changed
+        if sender is None:
             return []
-        frames = encode("dropped", self.id, 0, self.round, meta={"members": self.membership.wire()})
-        return [Send(sender.id, "dropped", frames)]
+        if sender.until is not None and self.membership.why_left(sender.id) is None:
+            kind = "dropped"
+        elif type(digest := msg.meta.get(TABLE)) is int and digest != self.membership.digest():
+            kind = "members"
+        else:
+            return []
+        told = self._told.get(sender.id)
+        if told is not None and self._now - told < self.settings.heartbeat:
+            return []
+        self._told[sender.id] = self._now
+        # no sequence number, no heartbeat skipped for it: a table is idempotent
+        frames = encode(kind, self.id, 0, self.round, meta={"members": self.membership.wire()})
+        return [Send(sender.id, kind, frames)]
 
     def welcomed(self, now: float, welcome: Message) -> Member:
         """A member let us in (or back in): its welcome's id and table become ours, every

@@ -104,7 +104,8 @@ def refusal(
     if swarm.ring and swarm.started:
         return Refusal("a ring all-reduce cannot take members once it started; start all together")
     final = swarm.final_round
-    if final is not None and swarm.started and swarm.round + swarm.margin > final:
+    # a peer back (rejoin) is let in even so: it ends with the others instead of alone
+    if final is not None and swarm.started and not rejoin and swarm.round + swarm.margin > final:
         return Refusal(
             f"the swarm has finished training (its last round is {final}, it is at round "
             f"{swarm.round}): a newcomer would train no step; start a new swarm"
@@ -169,6 +170,8 @@ def hear_table(table: MemberTable, me: int, sender: int, members: list[Member]) 
     then. A table that says we are out makes us rejoin through the sender if our own
     table has the sender alive, or if the sender's side of the swarm outranks ours
     (:func:`outranks`); otherwise we ignore it, and the sender's side will rejoin ours.
+    A table that gives us a later life than ours (a member let us back in, and its
+    welcome was lost) makes us rejoin through the sender too.
     """
     theirs = {m.id: m for m in members}
     said_of_us, own = theirs.get(me), table.get(me)
@@ -176,6 +179,8 @@ def hear_table(table: MemberTable, me: int, sender: int, members: list[Member]) 
     if known is not None and (said is None or said.since < known.since):
         return Verdict.IGNORE
     sender_out = known is not None and known.until is not None
+    if own is not None and said_of_us is not None and said_of_us.since > own.since:
+        return Verdict.REJOIN  # a life of ours we never took up: its welcome was lost
     stale_about_us = own is not None and said_of_us is not None and own.since > said_of_us.since
     if said_of_us is None or said_of_us.until is None or stale_about_us:
         return Verdict.IGNORE if sender_out else Verdict.MERGE

@@ -7,7 +7,9 @@ switches to the topology over the remaining members at the same round.
 
 Entries are merged so that peers hearing announcements in any order agree: a
 later life of a peer (larger ``since``, after it rejoined) replaces an earlier
-one, and within one life the earliest announced ``until`` wins. Two newcomers
+one (whose rounds the table keeps, so that every member still computes those
+rounds' topologies alike), and within one life the earliest announced ``until``
+wins. Two newcomers
 let in at the same moment by different members can get the same id and
 ``since``; then the entry with the smaller address keeps the id everywhere,
 and the other newcomer joins again (see ``Peer``).
@@ -21,6 +23,7 @@ stale table cannot bring that life back.
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -89,6 +92,11 @@ def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
     return members
 
 
+def _wire(members: list[Member]) -> list[list[Any]]:
+    """Entries as the wire carries them: ``[id, address, since, until, key]``."""
+    return [[m.id, m.address, m.since, m.until, m.key] for m in members]
+
+
 class MemberTable:
     """The member table, at most ``limit`` entries. ``guard`` is held around every call: the
     real engine passes a lock (three threads share the table), the simulator nothing."""
@@ -104,6 +112,10 @@ class MemberTable:
         self._members: dict[int, Member] = {}
         self._left: dict[int, str] = {}  # id -> why it stopped, as it announced
         self._forgotten: OrderedDict[int, int] = OrderedDict()  # id -> until of its last life
+        self._digest: int | None = None  # of the entries, until they change
+        # id -> the rounds [since, until) of the life a later one replaced: it still takes
+        # part in those rounds' topologies (every member computes them alike)
+        self._before: dict[int, tuple[int, int]] = {}
         if members:
             self.merge(members)
 
@@ -124,19 +136,39 @@ class MemberTable:
                 if known is None or member.newer_than(known):
                     if known is not None and member.since > known.since:
                         self._left.pop(member.id, None)  # a new life: it is back
+                        self._replaced(known, member)
                     self._forgotten.pop(member.id, None)
                     self._members[member.id] = member
                     changed.append(member)
+            if changed:
+                self._digest = None
         return changed
+
+    def _replaced(self, old: Member, new: Member) -> None:
+        """Keep the rounds of life ``old`` that life ``new`` replaces (lock held): the old one
+        ended by the time the new one starts."""
+        until = new.since if old.until is None else min(old.until, new.since)
+        if until > old.since:
+            self._before[old.id] = (old.since, until)
 
     def _stale(self, member: Member) -> bool:
         """Whether ``member`` is a life that ended before we forgot it (lock held)."""
         return member.since < self._forgotten.get(member.id, -1)
 
     def replace_all(self, members: list[Member]) -> None:
-        """Adopt another peer's table wholesale (rejoining after this peer was dropped)."""
+        """Adopt another peer's table (rejoining after this peer was dropped): its word on
+        every life it lists is final; of ours it keeps only lives it has not heard of (a
+        peer let in on our side of a cut), which would otherwise be lost to both sides."""
         with self._lock:
+            ours = self._members
             self._members = {m.id: m for m in members[: self.limit]}
+            for m in ours.values():
+                known = self._members.get(m.id)
+                if (known is None or m.since > known.since) and len(self._members) < self.limit:
+                    self._members[m.id] = m
+                elif known is not None and known.since > m.since:
+                    self._replaced(m, known)
+            self._digest = None
             self._left = {i: why for i, why in self._left.items() if i in self._members}
             for i in self._members:
                 self._forgotten.pop(i, None)
@@ -149,6 +181,8 @@ class MemberTable:
             if member is None or member.until is None:
                 return None
             del self._members[peer_id]
+            self._before.pop(peer_id, None)
+            self._digest = None
             self._left.pop(peer_id, None)
             self._forgotten[peer_id] = member.until
             while len(self._forgotten) > self.limit:
@@ -166,6 +200,7 @@ class MemberTable:
             if not ended.newer_than(known):
                 return None
             self._members[peer_id] = ended
+            self._digest = None
             return ended
 
     def get(self, peer_id: int) -> Member | None:
@@ -182,7 +217,20 @@ class MemberTable:
         """Sorted ids of the members in the topology of ``round`` (one that left without
         ending yet included: ``gone`` tells)."""
         with self._lock:
-            return sorted(i for i, m in self._members.items() if m.takes_part(round))
+            before = self._before
+            return sorted(
+                i
+                for i, m in self._members.items()
+                if m.takes_part(round) or (i in before and before[i][0] <= round < before[i][1])
+            )
+
+    def spans(self) -> list[tuple[int, int | None]]:
+        """The rounds ``[since, until)`` of every life the table knows (``until`` None: still
+        in), a life a later one replaced included: where the topology changes."""
+        with self._lock:
+            return [(m.since, m.until) for m in self._members.values()] + list(
+                self._before.values()
+            )
 
     def mark_left(self, peer_id: int, reason: str = "") -> None:
         """Record that a peer stopped training (and why, if it said); nobody waits for it."""
@@ -217,4 +265,13 @@ class MemberTable:
 
     def wire(self) -> list[list[Any]]:
         """The member list as sent on the wire."""
-        return [[m.id, m.address, m.since, m.until, m.key] for m in self.members()]
+        return _wire(self.members())
+
+    def digest(self) -> int:
+        """A checksum of the entries (32 bits): members whose digests differ hold different
+        tables, and trade them until they agree (``GossipCore.tell_table``)."""
+        with self._lock:
+            if self._digest is None:
+                entries = sorted(self._members.values(), key=lambda m: m.id)
+                self._digest = zlib.crc32(repr(_wire(entries)).encode())
+            return self._digest

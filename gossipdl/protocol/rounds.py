@@ -8,7 +8,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gossipdl.averaging import Arrival, Round
-from gossipdl.protocol.failure import MemberView
 from gossipdl.topologies import Topology, build_topology
 
 MAX_TOPOLOGIES = 16  # topologies kept built, one per member set seen (churn makes new ones)
@@ -44,10 +43,11 @@ class Topologies:
         return {ids[p]: w for p, w in row.items() if p != index}, row.get(index, 0.0)
 
 
-def topology_changes(members: Iterable[MemberView], first_round: int) -> set[int]:
-    """Rounds after ``first_round`` at which a member joins or is dropped: everyone resyncs
-    there (CHOCO's public copies must start again from dense ones)."""
-    return {r for m in members for r in (m.since, m.until) if r is not None and r > first_round}
+def topology_changes(spans: Iterable[tuple[int, int | None]], first_round: int) -> set[int]:
+    """Rounds after ``first_round`` at which a member joins or is dropped (``spans``: each
+    life's rounds, ``MemberTable.spans``): everyone resyncs there (CHOCO's public copies
+    must start again from dense ones)."""
+    return {r for span in spans for r in span if r is not None and r > first_round}
 
 
 def arrivals(

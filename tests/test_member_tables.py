@@ -1,0 +1,101 @@
+"""Member tables converge: digests, tables traded when they differ, lives kept on a welcome,
+and the joins and model requests that tables decide. Unit tests on the protocol core; the
+fault search (tests/test_fault_search.py) shows the same in whole swarms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gossipdl.averaging import build_averager, parse_trigger
+from gossipdl.protocol.core import GossipCore, Settings
+from gossipdl.protocol.kinds import TABLE
+from gossipdl.protocol.membership import Member, MemberTable
+from gossipdl.transport.wire import WireError, decode, encode
+
+
+def address(i: int) -> str:
+    return f"tcp://10.0.0.{i + 1}:5555"
+
+
+def core(me: int, members: list[Member], heartbeat: float = 1.0) -> GossipCore:
+    return GossipCore(
+        me,
+        MemberTable(members),
+        averager=build_averager("dense", "none", 0),
+        trigger=parse_trigger("always"),
+        settings=Settings(heartbeat=heartbeat),
+        model=torch.zeros(4),
+    )
+
+
+def swarm(n: int) -> list[Member]:
+    return [Member(i, address(i)) for i in range(n)]
+
+
+def frames(kind: str, sender: int, **meta: object) -> list[bytes]:
+    return [bytes(f) for f in encode(kind, sender, 1, 0, meta=dict(meta))]
+
+
+def test_equal_tables_have_equal_digests_and_any_change_changes_it() -> None:
+    a, b = MemberTable(swarm(3)), MemberTable(list(reversed(swarm(3))))
+    assert a.digest() == b.digest()
+    before = a.digest()
+    a.end(2, 10)
+    assert a.digest() != before and a.digest() != b.digest()
+    b.merge(a.members())
+    assert a.digest() == b.digest()  # merged: the same table again
+
+
+def test_a_member_whose_digest_differs_gets_our_table_once_a_heartbeat() -> None:
+    """Anti-entropy: an announcement lost on the way leaves two tables apart; the digest on
+    the next round message or heartbeat shows it, and the tables are traded."""
+    ours, theirs = core(0, swarm(3)), core(1, swarm(3))
+    ours.membership.end(2, 10)  # we heard of 2's death, peer 1 did not
+    theirs.tick(0.0)  # it learns of its members now; heartbeats are due a heartbeat later
+    to_us = next(s for s in theirs.tick(2.0).sends if s.to == 0)
+    assert decode(to_us.frames, 1 << 20).meta[TABLE] == theirs.membership.digest()
+    answer = ours.receive(2.0, [bytes(f) for f in to_us.frames])
+    assert [s.kind for s in answer] == ["members"]
+    assert ours.receive(2.5, [bytes(f) for f in to_us.frames]) == []  # not twice a heartbeat
+    theirs.receive(2.6, [bytes(f) for f in answer[0].frames])
+    assert theirs.membership.digest() == ours.membership.digest()
+    again = next(s for s in theirs.tick(4.0).sends if s.to == 0)
+    assert ours.receive(4.0, [bytes(f) for f in again.frames]) == []  # the same table now
+
+
+def test_a_member_we_declared_dead_that_still_talks_is_told_whatever_it_sends() -> None:
+    """Not only its heartbeats: a member answering our tables with its own (whose traffic
+    then keeps its heartbeats away) must still learn it was dropped."""
+    ours = core(0, swarm(3))
+    ours.membership.end(2, 10)
+    told = ours.receive(3.0, frames("members", 2, members=MemberTable(swarm(3)).wire()))
+    assert [s.kind for s in told] == ["dropped"] and told[0].to == 2
+
+
+def test_a_welcome_keeps_the_lives_its_table_has_not_heard_of() -> None:
+    """A peer let in while we were cut off is known only to our side: taking the welcomer's
+    table back must not lose it, or it is a member nobody else knows."""
+    table = MemberTable([*swarm(3), Member(3, address(3), since=40)])
+    table.replace_all([*swarm(2), Member(2, address(2), until=20), Member(3, address(3), 0, 20)])
+    assert table.get(3) == Member(3, address(3), since=40)  # a later life than the welcome's
+    assert table.get(2) == Member(2, address(2), until=20)  # the welcomer's word on 2's life
+
+
+def test_a_peer_told_to_rejoin_lets_nobody_in_until_it_is_back() -> None:
+    ours = core(0, swarm(3))
+    ours.rejoin_via = 1
+    join = frames("join", -1, address=address(7), want_id=7, key="", nonce="ab" * 8)
+    with pytest.raises(WireError, match="rejoins the swarm") as refused:
+        ours.receive(1.0, join)
+    assert refused.value.reason == "not_member_yet"  # the joiner retries later
+    ours.rejoin_via = None
+    assert next(s.kind for s in ours.receive(1.0, join)) == "welcome"
+
+
+def test_a_joiner_asks_its_neighbours_then_any_member_and_never_the_dead() -> None:
+    ours = core(1, swarm(5))
+    assert ours.model_sources(0) == [0, 2, 3, 4]  # ring neighbours first
+    ours.membership.end(0, 1)
+    ours.membership.end(2, 1)
+    assert ours.model_sources(0) == [3, 4]  # both neighbours died as we joined
