@@ -303,6 +303,22 @@ def simulate(
         rich_help_panel=OUTPUT,
     ),
     progress: bool = _PROGRESS,
+    faults: str | None = typer.Option(
+        None,
+        help="random: search for protocol bugs instead, one small swarm under random faults "
+        "per seed of --seeds, invariants checked (no config file or flags).",
+        rich_help_panel=FAULTS,
+    ),
+    seeds: str | None = typer.Option(
+        None,
+        help="With --faults random: seeds A:B (A to B-1), or one seed N to replay it.",
+        rich_help_panel=FAULTS,
+    ),
+    jobs: int = typer.Option(
+        0,
+        help="With --faults random: worker processes \\[default: one per CPU core].",
+        rich_help_panel=FAULTS,
+    ),
     *,
     overrides: dict[str, Any],
 ) -> None:
@@ -314,21 +330,94 @@ def simulate(
     with unshaped links, a server in a data centre). The run directory is the one `run`
     writes, with simulated seconds in `time`; `report` and `sweep` read it.
 
-    Fault events (\\[\\[faults]] tables: at = "30s" and one of kill, restart, partition,
-    heal, clog, unclog, inject) come from CONFIG_FILE or --set 'faults=[{at="30s", kill="3"}]'.
-    A peer that stopped on an error (a ring that lost a member, a ps worker its shards
-    stopped answering, a restart nobody let back in) is named after the summary, and the
-    command exits with code 2, as `run` does.
+    Fault events (\\[\\[faults]] tables: at = "30s" and one of kill, leave, restart,
+    partition, heal, clog, unclog, clock, inject) come from CONFIG_FILE or
+    --set 'faults=[{at="30s", kill="3"}]'. A peer that stopped on an error (a ring that
+    lost a member, a ps worker its shards stopped answering, a restart nobody let back
+    in) is named after the summary, and the command exits with code 2, as `run` does.
+
+    --faults random --seeds 0:2000 searches for protocol bugs: each seed is a small swarm
+    under a random schedule of faults, with invariants checked as it runs. It prints one
+    line for the range and exits 0, or for each broken seed the invariant, the events
+    before it and the command that replays it, and exits 1.
     """
     from gossipdl.conditions import ConditionError, parse_duration
 
     _setup_logging(rich=True, level=logging.WARNING)
+    if faults is not None or seeds is not None:
+        _search_faults(faults, seeds, jobs, config_file, overrides, progress)
+        return
     config = _load(config_file, overrides)
     try:
         seconds = None if step_time is None else parse_duration(step_time, "--step-time")
     except ConditionError as exc:
         _fail(str(exc))
     _simulate(config, progress, seconds)
+
+
+def _search_faults(
+    faults: str | None,
+    seeds: str | None,
+    jobs: int,
+    config_file: Path | None,
+    overrides: dict[str, Any],
+    progress: bool,
+) -> None:
+    """``simulate --faults random --seeds A:B``: the fault search; exit 1 if a seed broke."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from gossipdl.experiments import fault_search
+
+    if faults != "random":
+        _fail(
+            f"--faults {faults!r}: only random is a flag (a schedule of your own goes in "
+            "[[faults]] tables of the config file)"
+            if faults is not None
+            else "--seeds is for the fault search; add --faults random"
+        )
+    given = sorted(k for k in overrides if k != "out")
+    if config_file is not None or given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given) or "the config file"
+        _fail(
+            f"--faults random draws each seed's swarm itself; drop {flags} (--out says where "
+            "broken seeds keep their run directories)"
+        )
+    try:
+        seed_range = fault_search.parse_seeds(seeds or fault_search.SEEDS_EXAMPLE)
+    except fault_search.SearchError as exc:
+        _fail(str(exc))
+    root = Path(overrides.get("out") or default_run_dir())
+    root.mkdir(parents=True, exist_ok=True)
+    workers = jobs or min(os.cpu_count() or 1, len(seed_range))
+    columns = (
+        TextColumn("[bold]fault search"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("seeds · {task.fields[broken]} broken"),
+    )
+    started = time.perf_counter()
+    with Progress(*columns, console=console, disable=not progress, transient=True) as bar:
+        task = bar.add_task("search", total=len(seed_range), broken=0)
+
+        def seen(outcome: fault_search.Outcome) -> None:
+            broken = bar.tasks[task].fields["broken"] + (outcome.violation is not None)
+            bar.update(task, advance=1, broken=broken)
+
+        try:
+            outcomes = fault_search.search(seed_range, str(root), workers, seen)
+        except fault_search.SearchError as exc:
+            _fail(str(exc))
+    for outcome in outcomes:
+        if outcome.violation is not None:
+            print(fault_search.report(outcome))
+    line = fault_search.summary_line(seed_range, outcomes, time.perf_counter() - started)
+    console.print(escape(line), highlight=False)
+    if not any(root.iterdir()):
+        root.rmdir()
+    if any(o.violation is not None for o in outcomes):
+        raise typer.Exit(1)
 
 
 def _simulate(config: Config, progress: bool, step_time: float | None = None) -> dict[str, Any]:
