@@ -136,6 +136,33 @@ def add_swarm_options(
     parser.add_argument("--out", type=Path, default=Path(f"runs/bench-{name}"))
 
 
+def add_engine_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``--engine``: ``real`` (the default: every swarm as local processes, the numbers
+    the benchmark is for) or ``sim`` (the simulator, ``gossipdl simulate``: virtual peers on
+    virtual time in this process, its times simulated seconds; a fast smoke run of the
+    script, not a measurement)."""
+    parser.add_argument(
+        "--engine",
+        choices=("real", "sim"),
+        default="real",
+        help="real: local processes (default); sim: the simulator, a fast smoke run",
+    )
+
+
+def run_swarm(
+    config: Any, engine: str, until: Callable[[Any], bool] | None = None, **launch_options: Any
+) -> dict[str, Any]:
+    """Run ``config``'s swarm on ``engine`` (see :func:`add_engine_option`) until it ends
+    or ``until(run_dir)`` says so; its summary. ``launch_options`` go to the real launch."""
+    if engine == "sim":
+        from gossipdl.experiments.simulated import simulate
+
+        return simulate(config, until=until)
+    from gossipdl.experiments.launcher import launch
+
+    return launch(config, **{"progress": False, **launch_options}, until=until)
+
+
 def add_only_option(parser: argparse.ArgumentParser, known: Sequence[str]) -> None:
     """Add ``--only A,B``: the settings to run (``args.only``, in table order; default all).
     An unknown name is a usage error that lists the known ones."""

@@ -55,18 +55,19 @@ from typing import Any
 
 from _common import (
     Column,
+    add_engine_option,
     add_only_option,
     add_swarm_options,
     benchmark_parser,
     fresh_run_dir,
     report,
     run_script,
+    run_swarm,
 )
 from rich.console import Console
 
 from gossipdl.averaging import default_gamma
 from gossipdl.config import Config, load_config
-from gossipdl.experiments.launcher import launch
 from gossipdl.experiments.plots import plot_curves
 from gossipdl.experiments.summary import accuracy_curve
 from gossipdl.models import build_model
@@ -117,9 +118,10 @@ def config_for(setting: Setting, args: argparse.Namespace) -> Config:
     )
 
 
-def run_setting(setting: Setting, config: Config) -> dict[str, Any]:
-    """Launch one run and read its row (dense-relative columns are filled in later)."""
-    summary = launch(config, progress=False)
+def run_setting(setting: Setting, config: Config, engine: str = "real") -> dict[str, Any]:
+    """Launch (or simulate) one run and read its row (dense-relative columns are filled in
+    later)."""
+    summary = run_swarm(config, engine)
     curve = accuracy_curve(RunDir(config.out))
     half = [p["accuracy"] for p in curve if p["step"] <= config.steps // 2]
     return {
@@ -161,6 +163,7 @@ def main() -> None:
         "or constant",
     )
     add_only_option(parser, [s.key for s in SETTINGS])
+    add_engine_option(parser)
     args = parser.parse_args()
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     args.peers = args.peers or (QUICK_PEERS if args.quick else 8)
@@ -173,7 +176,7 @@ def main() -> None:
         config = config_for(setting, args)
         fresh_run_dir(Path(config.out))
         console.print(f"running {setting.key}: {setting.algorithm}, {setting.codec} …")
-        rows.append(run_setting(setting, config))
+        rows.append(run_setting(setting, config, args.engine))
 
     dense = next((r for r in rows if r["setting"] == "dense"), None)
     for row in rows:

@@ -48,23 +48,25 @@ evaluation), ``wall_time_s`` and ``run_dir``; ``meta`` holds the settings,
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from _common import (
     Column,
+    add_engine_option,
     add_only_option,
     add_swarm_options,
     benchmark_parser,
     fresh_run_dir,
     report,
     run_script,
+    run_swarm,
 )
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
-from gossipdl.experiments.launcher import launch
 from gossipdl.experiments.plots import ACCURACY_VS_BYTES, Panel, plot_curves
 from gossipdl.experiments.summary import accuracy_curve
 from gossipdl.rundir import RunDir
@@ -154,7 +156,11 @@ def run_setting(key: str, args: argparse.Namespace, console: Console) -> dict[st
         stuck = now - started > args.budget + 120  # no evaluation at all: do not wait forever
         return stuck or over(run, args.target, args.budget)
 
-    summary = launch(config, progress=not args.no_progress, console=console, until=done)
+    if args.engine == "sim":  # simulated seconds: the budget is the simulated training time
+        until = functools.partial(over, target=args.target, budget=args.budget)
+        summary = run_swarm(config, "sim", until)
+    else:
+        summary = run_swarm(config, "real", done, progress=not args.no_progress, console=console)
     return setting_row(key, args, run, summary)
 
 
@@ -212,6 +218,7 @@ def options(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--link", default="up=10mbit,down=10mbit,latency=20ms")
     parser.add_argument("--no-progress", action="store_true", help="no live progress bars")
     add_only_option(parser, list(SETTINGS))
+    add_engine_option(parser)
     args = parser.parse_args(argv)
     args.peers = args.peers or (3 if args.quick else 8)
     args.target = args.target or (0.6 if args.quick else 0.45)

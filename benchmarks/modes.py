@@ -41,17 +41,18 @@ from typing import Any
 
 from _common import (
     Column,
+    add_engine_option,
     add_only_option,
     add_swarm_options,
     benchmark_parser,
     fresh_run_dir,
     report,
     run_script,
+    run_swarm,
 )
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
-from gossipdl.experiments.launcher import launch
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "single": {"mode": "single"},
@@ -97,9 +98,9 @@ def describe(config: Config) -> str:
     return "one process, global batch"
 
 
-def run_setting(key: str, config: Config) -> dict[str, Any]:
-    """Launch one setting and read its row."""
-    summary = launch(config, progress=False)
+def run_setting(key: str, config: Config, engine: str = "real") -> dict[str, Any]:
+    """Launch (or simulate) one setting and read its row."""
+    summary = run_swarm(config, engine)
     return {
         "setting": key,
         "mode": config.mode,
@@ -118,6 +119,7 @@ def main() -> None:
     parser = benchmark_parser(__doc__, quick="3 workers, 40 steps, logistic")
     add_swarm_options(parser, "modes", peers="workers, default 8", steps=f"default {DEFAULT_STEPS}")
     add_only_option(parser, list(SETTINGS))
+    add_engine_option(parser)
     args = parser.parse_args()
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     args.peers = args.peers or (3 if args.quick else 8)
@@ -128,7 +130,7 @@ def main() -> None:
         config = config_for(key, args)
         fresh_run_dir(Path(config.out))
         console.print(f"running {key}: {describe(config)} …")
-        rows.append(run_setting(key, config))
+        rows.append(run_setting(key, config, args.engine))
     columns = [
         Column("setting", "setting"),
         Column("detail", "what"),

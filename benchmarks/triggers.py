@@ -51,17 +51,18 @@ from typing import Any
 
 from _common import (
     Column,
+    add_engine_option,
     add_only_option,
     add_swarm_options,
     benchmark_parser,
     fresh_run_dir,
     report,
     run_script,
+    run_swarm,
 )
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
-from gossipdl.experiments.launcher import launch
 from gossipdl.experiments.plots import Panel, plot_curves
 from gossipdl.experiments.summary import accuracy_curve
 from gossipdl.rundir import RunDir
@@ -90,10 +91,10 @@ def config_for(trigger: str, args: argparse.Namespace, name: str, **extra: Any) 
     )
 
 
-def run(config: Config) -> tuple[dict[str, Any], list[dict[str, float]]]:
-    """Launch one run into a fresh directory; its summary and accuracy curve."""
+def run(config: Config, engine: str) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    """Launch (or simulate) one run into a fresh directory; its summary and accuracy curve."""
     fresh_run_dir(Path(config.out))
-    summary = launch(config, progress=False)
+    summary = run_swarm(config, engine)
     return summary, accuracy_curve(RunDir(config.out))
 
 
@@ -126,6 +127,7 @@ def main() -> None:
     )
     parser.add_argument("--topology", default="complete", help="default complete")
     add_only_option(parser, TRIGGERS)
+    add_engine_option(parser)
     args = parser.parse_args()
     if REFERENCE not in args.only:
         parser.error(f"--only must include {REFERENCE}: every row is compared with it")
@@ -140,7 +142,7 @@ def main() -> None:
     for trigger in args.only + dynamic:
         console.print(f"running {trigger} …")
         name = trigger.replace(":", "-").replace("%", "pct")
-        summary, _ = run(config_for(trigger, args, name))
+        summary, _ = run(config_for(trigger, args, name), args.engine)
         rows.append(
             {
                 "trigger": trigger,
@@ -181,7 +183,7 @@ def main() -> None:
         config = config_for(
             trigger, args, name, drift=f"{drift_step}:permute", eval_every=eval_every
         )
-        _, curve = run(config)
+        _, curve = run(config, args.engine)
         curves[trigger] = curve
         drift[trigger] = drift_figures(curve, drift_step, window)
     plot = plot_curves(

@@ -248,7 +248,8 @@ def test_a_typod_key_suggests_the_nearest_known_key(tmp_path: Path) -> None:
     path = tmp_path / "typo.toml"
     path.write_text("peers = 4\neval_evry = 10\n")
     message = fails("run", str(path))
-    assert f"unknown config key 'eval_evry' in {path}; did you mean 'eval_every'?" in message
+    expected = f"unknown config key 'eval_evry' in {path}; did you mean 'eval_every'?"
+    assert "".join(expected.split()) in "".join(message.split())  # a long path may wrap
     assert "did you mean 'steps'" in fails("run", "--set", "stpes=3")
     path.write_text('peers = 2\n[profiles.phone]\npeers = "0"\nuup = "1mbit"\n')
     assert "profile 'phone': unknown key 'uup'; did you mean 'up'?" in fails("run", str(path))

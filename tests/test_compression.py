@@ -72,7 +72,7 @@ COMBOS = [
 ]
 SPECS = EXAMPLES + COMBOS
 FAST = settings(
-    max_examples=25,
+    max_examples=12,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
     derandomize=True,
@@ -140,7 +140,7 @@ def test_round_trip_matches_sender_estimate(spec: str, x: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("other", ["torch", "numpy"])
 @pytest.mark.parametrize("spec", [s for s in SPECS if "ef" not in s.split("+")])
-@settings(max_examples=10, deadline=None, derandomize=True)
+@settings(max_examples=5, deadline=None, derandomize=True)
 @given(x=vectors(200))
 def test_other_kernels_round_trip(spec: str, other: str, x: torch.Tensor) -> None:
     """The torch kernels (what runs on a GPU) and the numpy ones (a build without a C
@@ -359,7 +359,7 @@ def topk_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.parametrize("ratio", [0.01, 0.1, 0.5])
 @settings(
-    max_examples=25,
+    max_examples=12,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
@@ -540,7 +540,7 @@ def expected_nbytes(spec: str, n: int, meta: dict) -> int | None:
 
 
 @pytest.mark.parametrize("spec", SPECS)
-@settings(max_examples=10, deadline=None, derandomize=True)
+@settings(max_examples=6, deadline=None, derandomize=True)
 @given(x=vectors(300))
 def test_nbytes_is_the_bytes_on_the_wire(spec: str, x: torch.Tensor) -> None:
     from gossipdl.transport import wire
@@ -764,7 +764,7 @@ def mutate(payload: Payload, op: tuple) -> Payload:
 
 
 @pytest.mark.parametrize("spec", SPECS)
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=20, deadline=None, derandomize=True)
 @given(x=vectors(120), ops=st.lists(mutation, min_size=1, max_size=3))
 def test_random_damage_gives_codec_error_or_a_tensor(
     spec: str, x: torch.Tensor, ops: list[tuple]

@@ -87,7 +87,7 @@ def test_join_from_the_cli_with_secure_gets_in_and_a_stranger_does_not(
 ) -> None:
     (dir_a, key_a), (dir_b, key_b), (dir_s, key_s) = (_keys(tmp_path, n) for n in "abs")
     allow = _allow(tmp_path / "allow.txt", key_a, key_b)
-    config = small_config(tmp_path, mode=mode, peers=2, steps=60)
+    config = small_config(tmp_path, mode=mode, peers=2, steps=30)
     config = write_config(tmp_path / "exp.toml", config)
     founder, address = start_peer(
         "--config", str(config), "--out", str(tmp_path / "run"),
@@ -115,7 +115,7 @@ def test_join_from_the_cli_with_secure_gets_in_and_a_stranger_does_not(
     records = list(RunDir(tmp_path / "b").records(1))
     first, final = records[0], records[-1]
     assert first["members"] == 2  # in the swarm with the founder (at the end it may have left)
-    assert final["final"] and final["step"] == 60 and final["neighbour_misses"] == 0
+    assert final["final"] and final["step"] == 30 and final["neighbour_misses"] == 0
     founder_final = last_record(tmp_path / "run" / "peers" / "0.jsonl") or {}
     assert founder_final["handshakes_refused"] >= 1  # the stranger, refused at the handshake
 

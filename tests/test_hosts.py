@@ -1,11 +1,11 @@
 """Peers on three emulated hosts (network namespaces on a bridge): join over the bridge, lose
-one host's link for 20 s mid-run, and come back together. Needs root (skipped otherwise)."""
+one host's link past dead_after mid-run, and come back together. Needs root (skipped
+otherwise)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +20,15 @@ from gossipdl.rundir import RunDir
 pytestmark = pytest.mark.skipif(why_not() is not None, reason=str(why_not()))
 
 
-def test_a_host_cut_off_for_20s_is_dropped_then_rejoins(tmp_path: Path) -> None:
+def test_a_host_cut_off_past_dead_after_is_dropped_then_rejoins(tmp_path: Path) -> None:
+    """The real transport across namespaces: the cut host is declared dead by the other two,
+    who train on; once its link is back it hears it was dropped and rejoins. (The protocol
+    side of partitions is simulated, seeded, in test_sim_faults.py.)"""
     with Hosts(3) as hosts:
         config = small_config(
             tmp_path, peers=3, steps=1_000_000, heartbeat=0.3, dead_after=2.0,
             round_timeout=5.0, host=hosts.ip(0),
+            profiles={"paced": {"peers": "*", "step_time": "20ms"}},  # idle peers spare the CPU
         )  # fmt: skip
         run = RunDir(config.out).create()
         run.config.write_text(to_toml(config))
@@ -40,19 +44,17 @@ def test_a_host_cut_off_for_20s_is_dropped_then_rejoins(tmp_path: Path) -> None:
             hosts_used = {a.split(":")[1][2:] for a in run.member_addresses().values()}
             assert hosts_used == {hosts.ip(k) for k in range(3)}  # one peer per host
             hosts.cut(2)
-            cut_at = time.monotonic()
-            wait_for(lambda: all(record(i).get("members") == 2 for i in (0, 1)), 15,
+            wait_for(lambda: all(record(i).get("members") == 2 for i in (0, 1)), 30,
                      "hosts 0 and 1 to drop host 2")  # fmt: skip
             steps = record(0)["step"]
-            wait_for(lambda: record(0)["step"] >= steps + 20, 15, "hosts 0 and 1 to train on")
-            time.sleep(max(0.0, 20 - (time.monotonic() - cut_at)))
+            wait_for(lambda: record(0)["step"] >= steps + 20, 30, "hosts 0 and 1 to train on")
             hosts.restore(2)
             wait_for(lambda: record(2).get("rejoins", 0) >= 1, 30, "host 2 to rejoin")
             wait_for(lambda: all(record(i).get("members") == 3 for i in range(3)), 30,
                      "every host to count three members again")  # fmt: skip
             misses = [record(i)["neighbour_misses"] for i in range(3)]
             steps = record(2)["step"]
-            wait_for(lambda: record(2)["step"] >= steps + 30, 30, "the swarm to train on")
+            wait_for(lambda: record(2)["step"] >= steps + 20, 30, "the swarm to train on")
             assert [record(i)["neighbour_misses"] for i in range(3)] == misses
             assert all(p.poll() is None for p in swarm.procs.values())
         finally:
@@ -78,9 +80,17 @@ def test_kernel_shaping_carries_the_configured_rate_within_10_percent(
         "    got += len(data)\n"
         "print(got / (time.monotonic() - first))\n"
     )
-    send = (
-        "import socket\n"
-        "s = socket.create_connection(('{ip}', 7000), timeout=30)\n"
+    send = (  # the receiver may not listen yet: try again until it does
+        "import socket, time\n"
+        "deadline = time.monotonic() + 30\n"
+        "while True:\n"
+        "    try:\n"
+        "        s = socket.create_connection(('{ip}', 7000), timeout=30)\n"
+        "        break\n"
+        "    except ConnectionRefusedError:\n"
+        "        if time.monotonic() > deadline:\n"
+        "            raise\n"
+        "        time.sleep(0.05)\n"
         f"s.sendall(bytes({nbytes}))\n"
     )
     with Hosts(2) as hosts:
@@ -89,7 +99,6 @@ def test_kernel_shaping_carries_the_configured_rate_within_10_percent(
             [*hosts.prefix(0), sys.executable, "-c", receive.replace("{ip}", hosts.ip(0))],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
-        time.sleep(0.5)
         subprocess.run([*hosts.prefix(1), sys.executable, "-c", send.replace("{ip}", hosts.ip(0))],
                        check=True, timeout=60)  # fmt: skip
         out, _ = server.communicate(timeout=60)

@@ -78,7 +78,7 @@ def _free_port_pair() -> int:
 def test_peers_started_like_torchrun_or_srun_form_one_swarm(launcher: str, tmp_path: Path) -> None:
     """Three `gossipdl peer` processes with only the launcher's variables (the config says 2
     peers; the world size wins) train together to the end."""
-    config = small_config(tmp_path, peers=2, steps=40)
+    config = small_config(tmp_path, peers=2, steps=20)
     path = write_config(tmp_path / "job.toml", config)
     port = str(_free_port_pair())
     procs = []
@@ -107,7 +107,7 @@ def test_peers_started_like_torchrun_or_srun_form_one_swarm(launcher: str, tmp_p
     for rank in range(3):
         lines = (tmp_path / "run" / "peers" / f"{rank}.jsonl").read_text().splitlines()
         final = json.loads(lines[-1])
-        assert final["final"] and final["step"] == 40 and final["syncs"] == 40
+        assert final["final"] and final["step"] == 20 and final["syncs"] == 20
     host, at = ("127.0.0.1", int(port) + 1) if launcher == "torchrun" else ("localhost", port)
     log = (tmp_path / "0.log").read_text()
     assert f"{launcher}: rank 0 of 3, swarm at tcp://{host}:{at}" in log

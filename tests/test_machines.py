@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -29,10 +28,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(*args: str, timeout: float = 30) -> tuple[subprocess.CompletedProcess[str], float]:
-    started = time.monotonic()
-    done = subprocess.run(gossipdl_cmd(*args), capture_output=True, text=True, timeout=timeout)
-    return done, time.monotonic() - started
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI, given a generous deadline: the start-up timeouts of these tests are longer
+    (``LONG``), so a command that ends in time did not wait for one of them."""
+    return subprocess.run(gossipdl_cmd(*args), capture_output=True, text=True, timeout=120)
+
+
+LONG = 3600.0  # a start-up timeout no test outlives
 
 
 def test_a_wildcard_listen_advertises_an_address_other_machines_reach(
@@ -93,14 +95,15 @@ def test_two_machines_find_each_other_through_a_wildcard_listen_and_advertise(
 
 
 def test_a_dead_bootstrap_is_one_error_within_seconds(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2))
+    config = small_config(tmp_path, peers=2, startup_timeout=LONG)
+    config = write_config(tmp_path / "exp.toml", config)
     dead = f"tcp://127.0.0.1:{_free_port()}"
     for command in (
         ("peer", "--config", str(config), "--bootstrap", dead, "--out", str(tmp_path / "p")),
         ("join", dead, "--timeout", "3", "--out", str(tmp_path / "j")),
     ):
-        done, took = _run(*command)
-        assert done.returncode == 2 and took < 15, (command, took, done.stderr)
+        done = _run(*command)
+        assert done.returncode == 2, (command, done.stderr)
         errors = [ln for ln in done.stderr.splitlines() if "error" in ln]
         assert len(errors) == 1 and "connection refused" in done.stderr, done.stderr
         assert "send queue" not in done.stderr
@@ -110,14 +113,15 @@ def test_a_plain_peer_meeting_a_secure_swarm_is_told_so(tmp_path: Path) -> None:
     public, _ = generate_keys(tmp_path / "keys")
     allow = tmp_path / "allow.txt"
     allow.write_text(f"{load_curve_public(public)}  # founder\n")
-    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2))
+    config = small_config(tmp_path, peers=2, startup_timeout=LONG)
+    config = write_config(tmp_path / "exp.toml", config)
     founder, address = start_peer("--config", str(config), "--secure", "--keys",
                                   str(tmp_path / "keys"), "--allow", str(allow), "--out",
                                   str(tmp_path / "f"), log=tmp_path / "f.log")  # fmt: skip
     try:
-        done, took = _run("peer", "--config", str(config), "--bootstrap", address,
-                          "--out", str(tmp_path / "p"))  # fmt: skip
-        assert done.returncode == 2 and took < 15, (took, done.stderr)
+        done = _run("peer", "--config", str(config), "--bootstrap", address,
+                    "--out", str(tmp_path / "p"))  # fmt: skip
+        assert done.returncode == 2, done.stderr
         text = " ".join(done.stderr.split())
         assert "secure swarm (CURVE)" in text and "--secure" in text, text
     finally:
@@ -153,8 +157,8 @@ def test_a_join_after_the_swarm_finished_is_told_so(tmp_path: Path) -> None:
         t.join(60)
     try:
         assert sorted(peers) == [0, 1] and all(p.steps == 3 for p in peers.values())
-        done, took = _run("join", listening[0], "--out", str(tmp_path / "late"))
-        assert done.returncode == 2 and took < 15, (took, done.stderr)
+        done = _run("join", listening[0], "--timeout", str(LONG), "--out", str(tmp_path / "late"))
+        assert done.returncode == 2, done.stderr
         assert "finished training" in " ".join(done.stderr.split()), done.stderr
     finally:
         for p in peers.values():

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import gossipdl_cmd, small_config, write_config
 
 from gossipdl.config import Config, ConfigError
+from gossipdl.experiments.launcher import launch
 from gossipdl.peers.sinks import MetricsSinks
 from gossipdl.rundir import RunDir
 
@@ -28,20 +29,20 @@ def sink(peer_id, run_dir):
 """
 
 
-def test_a_ps_run_has_one_clock_and_feeds_every_sink(tmp_path: Path) -> None:
+def test_a_ps_run_has_one_clock_and_feeds_every_sink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every worker counts ``time`` from the launch (so a timeline compares them), and each
     metrics line reaches the CSV file, the TensorBoard events and the user's hook."""
     (tmp_path / "myhook.py").write_text(HOOK)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the worker processes import the hook
     out = tmp_path / "run"
     config = small_config(
-        tmp_path, mode="ps", peers=2, steps=40, tensorboard=str(tmp_path / "tb"),
+        tmp_path, mode="ps", peers=2, steps=10, tensorboard=str(tmp_path / "tb"),
         csv=str(tmp_path / "csv"), metrics_hook="myhook:sink",
     )  # fmt: skip
-    path = write_config(tmp_path / "exp.toml", config)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    done = subprocess.run(gossipdl_cmd("run", str(path), "--no-progress"), capture_output=True,
-                          text=True, timeout=120, env=env)  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    summary = launch(config, progress=False)
+    assert summary["peers_finished"] == 2
     run = RunDir(out)
     lines = {i: list(run.records(i)) for i in run.peer_ids()}
     assert sorted(lines) == [0, 1]
@@ -53,8 +54,11 @@ def test_a_ps_run_has_one_clock_and_feeds_every_sink(tmp_path: Path) -> None:
     for worker in lines.values():
         for line in worker:  # every line's time counts from that one start
             assert abs(line["unix_time"] - line["time"] - start) < 0.01
-    finals = [worker[-1]["time"] for worker in lines.values()]
-    assert abs(finals[0] - finals[1]) < 1.0  # a sync ps run ends together, and shows it
+    # A synchronous server ends step 10 only with both workers' gradients for it, sent after
+    # each logged step 5: on the one clock, each worker's end comes after the other's step 5.
+    at = {i: {line["step"]: line["time"] for line in worker} for i, worker in lines.items()}
+    assert at[0][10] > at[1][5] and at[1][10] > at[0][5]
+    assert all(worker[-1]["final"] and worker[-1]["step"] == 10 for worker in lines.values())
 
     for i, worker in lines.items():
         with (tmp_path / "csv" / f"{i}.csv").open(newline="") as f:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import time
 from collections.abc import Sequence
 
 import pytest
@@ -185,26 +184,29 @@ def test_custom_model_with_batchnorm_warns(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_cnn1d_learns_mnist1d() -> None:
-    """1500 SGD steps (batch 64, lr 0.05, momentum 0.9) reach > 0.8 test accuracy.
+    """800 SGD steps (batch 64, lr 0.05, momentum 0.9) reach > 0.8 test accuracy.
 
-    Measured: 0.93 test accuracy in ~2.6 s of training on a 2-core CPU.
+    Measured: 0.89 test accuracy (0.93 after 1500 steps) in ~1.6 s of CPU on one thread.
     """
     from gossipdl.data import BatchSampler, load_dataset, to_tensors
 
     ds = load_dataset("mnist1d")
-    torch.manual_seed(0)
-    model = build_model("cnn1d", ds.input_shape, ds.num_classes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sampler = BatchSampler(ds.x_train, ds.y_train, 64, seed=0)
-    start = time.perf_counter()
-    for _ in range(1500):
-        x, y = sampler.next()
-        loss = nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    elapsed = time.perf_counter() - start
-    x_test, y_test = to_tensors(ds.x_test, ds.y_test)
-    with torch.no_grad():
-        accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
-    assert accuracy > 0.8, f"test accuracy {accuracy:.3f} after {elapsed:.1f} s"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: more threads add overhead, and change the sums
+    try:
+        torch.manual_seed(0)
+        model = build_model("cnn1d", ds.input_shape, ds.num_classes)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        sampler = BatchSampler(ds.x_train, ds.y_train, 64, seed=0)
+        for _ in range(800):
+            x, y = sampler.next()
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        x_test, y_test = to_tensors(ds.x_test, ds.y_test)
+        with torch.no_grad():
+            accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+    finally:
+        torch.set_num_threads(threads)
+    assert accuracy > 0.8, f"test accuracy {accuracy:.3f}"

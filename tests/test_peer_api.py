@@ -400,10 +400,11 @@ def test_asking_for_a_taken_id_is_refused_with_the_reason() -> None:
 
 
 def test_joining_an_address_where_nobody_listens_fails_clearly() -> None:
-    started = time.monotonic()
+    # The start-up timeout is longer than the test may run: only the refused connection,
+    # given up on after connect_wait, can end this with the error.
     with pytest.raises(PeerError, match=r"127\.0\.0\.1:9: connection refused"):
-        Peer(torch.nn.Linear(3, 2), bootstrap="tcp://127.0.0.1:9", connect_wait=1.0)
-    assert time.monotonic() - started < 5  # not the start-up timeout
+        Peer(torch.nn.Linear(3, 2), bootstrap="tcp://127.0.0.1:9", connect_wait=1.0,
+             startup_timeout=3600)  # fmt: skip
 
 
 def crash(peer: Peer) -> None:
@@ -473,10 +474,15 @@ def test_an_error_in_one_heartbeat_pass_does_not_stop_the_heartbeats(
     try:
         run_rounds(peers, 2)
         crash(peers[2])
+        wait_for(lambda: "error in the heartbeat thread; carrying on" in caplog.text, 10,
+                 "peer 0's member callback to fail")  # fmt: skip
         wait_for(lambda: peers[1].membership.gone(2), 10, "peer 1 to declare peer 2 dead")
-        time.sleep(2.5)  # longer than peer 1 waits before it declares a silent member dead
+        failed = time.monotonic()  # peer 0's watch thread failed before this
+        heard = peers[1].core.detector.heard_at
+        # Nothing but peer 0's heartbeats reaches peer 1 now (no rounds run): heard past
+        # peer 1's dead_after since the failure, they went on.
+        wait_for(lambda: heard.get(0, 0.0) > failed + 2.5, 10, "peer 0's heartbeats to go on")
         assert not peers[1].membership.gone(0)
-        assert "error in the heartbeat thread; carrying on" in caplog.text
     finally:
         for p in peers:
             p.close()

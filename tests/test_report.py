@@ -1,7 +1,8 @@
 """`gossipdl report` compares runs honestly: seeds aggregated to mean ± std, legends that name
 what varies, one machine's directory per swarm member merged into one run, start-up apart
-from training, and summary.json says what produced it. Run directories are written by hand
-(metrics lines as peers write them) except for one real run."""
+from training, a sweep as one table, and summary.json says what produced it. Run directories
+are written by hand (metrics lines as peers write them); the real run whose summary and report
+are checked is tests/test_experiments.py's `gossipdl experiment`."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import gossipdl_cmd
 from PIL import Image
 from test_experiments import axes_of
 
@@ -228,22 +228,36 @@ def test_summary_json_records_what_produced_the_run(tmp_path: Path) -> None:
     assert git_state(tmp_path) == (None, None)  # not a checkout
 
 
-def test_a_real_run_writes_provenance_and_its_start_up_then_reports(tmp_path: Path) -> None:
-    done = subprocess.run(
-        gossipdl_cmd(
-            "run", "--peers", "2", "--steps", "20", "--dataset", "synthetic", "--model",
-            "logistic", "--eval-every", "10", "--out", "run", "--no-progress",
-        ),
-        capture_output=True, text=True, timeout=240, cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["provenance"]["devices"] == ["cpu"]
-    assert summary["provenance"]["command"][1:3] == ["run", "--peers"]
-    assert summary["startup_s"] > 0  # forming the swarm takes time, on one clock
-    assert summary["startup_s"] + summary["training_s"] == pytest.approx(summary["wall_time_s"])
-    write_report([tmp_path / "run"])
-    assert (tmp_path / "run" / "report" / "timeline.png").is_file()
+def test_a_2x2_sweep_is_reported_as_one_table_and_overlaid_plots(tmp_path: Path) -> None:
+    """A sweep's directory (``run_sweep`` writing sweep.json; each variant's run written by
+    hand), reported as ``gossipdl sweep`` ends: a row and a timeline per variant."""
+    base = Config(peers=2, dataset="synthetic", model="logistic", steps=STEPS)
+    grid = {"codec": ["none", "topk:0.5"], "lr": [0.1, 0.05]}  # as the CLI parses --grid
+
+    def launch(config: Config) -> dict[str, Any]:
+        run = fake_run(Path(config.out), codec=config.codec, lr=config.lr, skill=config.lr)
+        return summarize(run)
+
+    root = tmp_path / "sw"
+    run_sweep(base, grid, root, launch)
+    names = [
+        "codec-none__lr-0.1",
+        "codec-none__lr-0.05",
+        "codec-topk_0.5__lr-0.1",
+        "codec-topk_0.5__lr-0.05",
+    ]
+    write_report([root])
+    table = (root / "report" / "report.md").read_text()
+    assert all(f"| {name} |" in table for name in names)
+    accuracy = axes_of(root / "report" / "accuracy.png")
+    assert [(a["xlabel"], a["xscale"]) for a in accuracy] == [
+        ("local steps", "linear"),
+        ("training time (s, start-up excluded)", "linear"),
+        ("total bytes sent by all peers (log scale)", "log"),
+    ]
+    assert all(a["ylabel"] == "mean test accuracy" and a["lines"] == 4 for a in accuracy)
+    for name in names:
+        assert len(panels(root / "report" / f"timeline-{name}.png")) == 3
 
 
 def test_sweep_refuses_a_directory_that_holds_a_run_or_a_sweep(tmp_path: Path) -> None:

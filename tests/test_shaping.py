@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 
 import numpy as np
 import pytest
-from conftest import gossipdl_cmd
+import torch
 from test_peer_api import make_swarm, run_rounds
 
+from gossipdl import Peer
 from gossipdl.transport import Message, Transport, encode
 from gossipdl.transport.shaping import Link, LinkError, LinkProfile, parse_link
 
@@ -42,15 +42,18 @@ def _arrivals(profile: LinkProfile, count: int, size: int) -> tuple[list[float],
     return sent, arrived, wire
 
 
-@pytest.mark.parametrize(
-    ("mbit", "size", "count"), [(1, 12_500, 21), (10, 62_500, 41), (100, 250_000, 101)]
-)
-def test_the_uplink_carries_the_configured_rate_within_10_percent(
-    mbit: int, size: int, count: int
-) -> None:
-    _sent, arrived, wire = _arrivals(LinkProfile(uplink_bps=mbit * 1e6), count, size)
-    measured = 8 * wire * (count - 1) / (arrived[-1] - arrived[0]) / 1e6
-    assert measured == pytest.approx(mbit, rel=0.10), f"{measured:.2f} Mbit/s"
+# Over real sockets only what load cannot upset is asserted: a message never arrives
+# before the link's profile lets it (each bound counts from a time read before the send).
+# The link's exact schedule (rate, latency, jitter, loss) is its pure arithmetic, checked
+# on a given clock below.
+
+
+def test_the_uplink_holds_traffic_to_the_configured_rate() -> None:
+    count, size, bps = 11, 62_500, 10e6
+    sent, arrived, wire = _arrivals(LinkProfile(uplink_bps=bps), count, size)
+    # One message after another through a 10 Mbit/s uplink: the last cannot arrive before
+    # all of them have been serialised, counted from the first send (0.55 s here).
+    assert arrived[-1] - sent[0] >= count * 8 * wire / bps - 1e-3
 
 
 def test_flush_waits_until_what_the_link_holds_is_sent_and_counted() -> None:
@@ -58,25 +61,21 @@ def test_flush_waits_until_what_the_link_holds_is_sent_and_counted() -> None:
     receiver = Transport("tcp://127.0.0.1:0", lambda m: None)
     sender = Transport("tcp://127.0.0.1:0", lambda m: None, link=LinkProfile(uplink_bps=1e6))
     try:
-        frames = encode("params", 1, 0, 0, [np.zeros(25_000, np.float32)])  # 0.8 s at 1 Mbit/s
+        frames = encode("params", 1, 0, 0, [np.zeros(50_000, np.float32)])  # 1.6 s at 1 Mbit/s
         began = time.monotonic()
         sender.send(receiver.address, frames)
         assert sender.stats.bytes_sent == 0  # held by the link
-        assert sender.flush(5.0)
-        assert time.monotonic() - began >= 0.7
+        assert sender.flush(10.0)
+        assert time.monotonic() - began >= 1.6
         assert sender.stats.bytes_sent == sum(len(f) for f in frames)
     finally:
         sender.close()
         receiver.close()
 
 
-def test_latency_adds_what_it_says() -> None:
+def test_latency_delays_every_message_by_at_least_what_it_says() -> None:
     sent, arrived, _ = _arrivals(LinkProfile(latency_s=0.08), 5, 1000)
-    plain_sent, plain_arrived, _ = _arrivals(LinkProfile(), 5, 1000)
-    delays = [a - s for s, a in zip(sent, arrived, strict=True)]
-    plain = [a - s for s, a in zip(plain_sent, plain_arrived, strict=True)]
-    added = float(np.median(delays) - np.median(plain))
-    assert added == pytest.approx(0.08, abs=0.015)
+    assert all(a - s >= 0.08 for s, a in zip(sent, arrived, strict=True))
 
 
 def test_link_timing_serialises_jitters_in_order_and_loses_its_share() -> None:
@@ -106,22 +105,18 @@ def test_link_specs_parse_and_bad_ones_say_the_form() -> None:
 
 
 def test_a_swarm_on_slow_links_pays_their_latency_every_round() -> None:
-    fast = make_swarm(2, "ring", [0.0, 1.0])
     slow = make_swarm(2, "ring", [0.0, 1.0], link=parse_link("latency=40ms"))
     try:
-        times = []
-        for peers in (fast, slow):
-            started = time.monotonic()
-            run_rounds(peers, 10)
-            times.append(time.monotonic() - started)
-        assert times[1] >= 10 * 0.04 > times[0]  # each round waits for a 40 ms message
-        assert all(p.round == 10 and p.neighbour_misses == 0 for p in fast + slow)
+        started = time.monotonic()
+        run_rounds(slow, 5)
+        # Each round waits for the other's message of that round, sent after its last round.
+        assert time.monotonic() - started >= 5 * 0.04
+        assert all(p.round == 5 and p.neighbour_misses == 0 for p in slow)
+        assert all(torch.allclose(values(p), torch.full_like(values(p), 0.5)) for p in slow)
     finally:
-        for p in fast + slow:
+        for p in slow:
             p.close()
 
 
-def test_a_bad_link_spec_fails_before_any_peer_starts() -> None:
-    done = subprocess.run(gossipdl_cmd("run", "--link", "up=fast"), capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    assert done.returncode == 2 and "link = 'up=fast'" in " ".join(done.stderr.split())
+def values(peer: Peer) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in peer.params])

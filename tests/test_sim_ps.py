@@ -95,27 +95,33 @@ def _lines(run: Path, peer: int) -> list[dict[str, Any]]:
 
 
 def test_bytes_and_accuracy_match_a_real_sharded_sync_run(tmp_path: Path) -> None:
-    """Real processes (two shard servers, three workers) against the simulator: the same
-    accuracy, the same pushes and answers byte for byte, the same lines."""
-    config = ps_run(tmp_path, "run", ps="sync", ps_shards=2, steps=60, log_every=20)
+    """Real processes (two shard servers, two workers) against the simulator: the same
+    accuracy, the same pushes and answers byte for byte, the same lines. The one real ps run
+    of this file: it also holds the run directory's contract (peers.json lists the workers
+    at their real addresses, as in the other modes)."""
+    config = ps_run(tmp_path, "run", ps="sync", ps_shards=2, peers=2, steps=40, log_every=20)
     real = launch(config.replace(out=str(tmp_path / "real")), progress=False)
     sim = simulate(config.replace(out=str(tmp_path / "sim")), step_time=0.01)
-    assert real["peers_finished"] == sim["peers_finished"] == 3
+    assert real["peers_finished"] == sim["peers_finished"] == 2
     assert abs(sim["mean_accuracy"] - real["mean_accuracy"]) <= 0.01
     ratio = sim["total_bytes_sent"] / real["total_bytes_sent"]
     assert 0.97 < ratio <= 1.0, ratio  # the real run adds heartbeats
 
     def payload(run: str) -> int:
-        finals = [_lines(tmp_path / run, i)[-1] for i in range(3)]
+        finals = [_lines(tmp_path / run, i)[-1] for i in range(2)]
         return sum(f["bytes_sent"] - f["header_bytes_sent"] for f in finals)
 
     assert payload("sim") == payload("real")
+    assert len(real["servers"]) == len(sim["servers"]) == 2
     for shard_real, shard_sim in zip(real["servers"], sim["servers"], strict=True):
         assert shard_sim.keys() == shard_real.keys()
-        assert shard_sim["updates"] == shard_real["updates"] == 61  # 60 rounds, then the empty one
+        assert shard_sim["updates"] == shard_real["updates"] == 41  # 40 rounds, then the empty one
     real_lines, sim_lines = _lines(tmp_path / "real", 0), _lines(tmp_path / "sim", 0)
     assert [list(r) for r in sim_lines] == [list(r) for r in real_lines]  # the same keys
     assert [r["step"] for r in sim_lines] == [r["step"] for r in real_lines]
+    members = json.loads((tmp_path / "real" / "peers.json").read_text())
+    assert [m["id"] for m in members] == [0, 1]
+    assert all(m["address"].startswith("tcp://127.0.0.1:") for m in members)
 
 
 @pytest.mark.parametrize(
@@ -148,21 +154,61 @@ def test_async_and_fedavg_run_to_the_end(
         assert all(f["step"] >= config.steps for f in finals)
 
 
+@pytest.mark.parametrize("rule", ["sync", "fedavg", "async"])
 def test_a_killed_worker_is_declared_dead_and_the_others_finish(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    rule: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """As the real shard (test_ps): kill worker 1 at 1 s; the shard declares it dead after
-    round_timeout, the synchronous rounds go on without it, and the others finish."""
-    config = ps_run(tmp_path, "run", ps="sync", steps=300, round_timeout=3.0,
+    """Kill worker 1 at 1 s: the shard declares it dead after round_timeout, the rounds
+    (sync, fedavg) go on without it, and the others finish every step. (The real launcher's
+    async run with a worker killed by SIGKILL is in test_ps.)"""
+    config = ps_run(tmp_path, "run", ps=rule, steps=300, round_timeout=3.0,
                     faults=[{"at": "1s", "kill": "1"}])  # fmt: skip
     with caplog.at_level(logging.WARNING):
         summary = simulate(config, step_time=0.01)
     assert "worker 1 silent for 3s" in caplog.text
     assert summary["servers"][0]["dead_workers"] == [1] and "failed" not in summary
     assert {p["id"] for p in summary["peers"] if p["finished"]} == {0, 2}
-    assert 3.0 + 3.0 <= summary["simulated_time_s"] < 3.0 + 3.3  # 300 steps and the wait
+    for i in (0, 2):
+        last = _lines(Path(config.out), i)[-1]
+        assert last["final"] and not last["stopped_early"] and last["step"] >= 300
+    if rule == "sync":  # each round waits for the dead worker until it is declared dead
+        assert 3.0 + 3.0 <= summary["simulated_time_s"] < 3.0 + 3.3  # 300 steps and the wait
     killed = _lines(Path(config.out), 1)[-1]
     assert killed["step"] < 110 and not killed.get("final")
+
+
+def test_ssp_holds_every_worker_within_its_slack_of_a_straggler(tmp_path: Path) -> None:
+    """A straggler 300x slower: under SSP with slack 1 no worker is answered more than 1 step
+    ahead of the slowest; every update's staleness is recorded by workers and the shard.
+    Without the bound the fast workers run ahead of the straggler."""
+    config = ps_run(tmp_path, "ssp", ps="async", staleness="ssp:1", steps=30, slowdown="1:300")
+    summary = simulate(config, step_time=0.01)
+    assert summary["peers_finished"] == 3
+    (shard,) = summary["servers"]
+    assert shard["updates"] == 3 * 30
+    assert 0 < shard["max_lead"] <= 1  # the bound was reached, never passed
+    assert shard["staleness_max"] >= 1
+    for peer in range(3):
+        last = _lines(Path(config.out), peer)[-1]
+        assert last["final"] and last["max_lead"] <= 1
+        assert "staleness_mean" in last and "staleness_max" in last
+    free = simulate(config.replace(staleness="none", out=str(tmp_path / "free")), step_time=0.01)
+    assert free["peers_finished"] == 3 and free["servers"][0]["max_lead"] > 1
+
+
+def test_sharded_async_with_a_sparse_codec_trains_on_fewer_bytes(tmp_path: Path) -> None:
+    """Two shards, async: top-10% pushes shrink the workers' bytes threefold (the shards'
+    answers stay dense) and the model still learns."""
+    base = ps_run(tmp_path, "dense", ps="async", steps=80, ps_shards=2)
+    dense = simulate(base, step_time=0.01)
+    sparse = simulate(base.replace(codec="topk:0.1", out=str(tmp_path / "sparse")), step_time=0.01)
+    assert len(sparse["servers"]) == 2 and sparse["peers_finished"] == 3
+    assert sparse["mean_accuracy"] > 0.6
+    worker_bytes = {
+        name: sum(p["bytes_sent"] for p in run["peers"])
+        for name, run in [("d", dense), ("s", sparse)]
+    }
+    assert worker_bytes["s"] < worker_bytes["d"] / 3  # pushes shrink; answers stay dense
 
 
 def test_workers_cut_off_from_the_shards_stop_naming_them(tmp_path: Path) -> None:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import gossipdl_cmd, run_files, small_config
+from conftest import run_files, small_config
+from typer.testing import CliRunner
 
+import gossipdl.cli as cli
 from gossipdl.config import Config, load_config
+from gossipdl.experiments.launcher import launch
 from gossipdl.experiments.simulated import simulate
 from gossipdl.rundir import RunDir
 from gossipdl.sim.engine import SimulationError
@@ -58,20 +61,15 @@ def test_links_and_step_time_set_the_simulated_time(tmp_path: Path) -> None:
 def test_bytes_and_accuracy_match_a_real_run_of_the_same_config(tmp_path: Path) -> None:
     """The quick start's kind of swarm, real processes against virtual peers: the same
     model messages, the same payload bytes (the real run adds start-up and heartbeat
-    messages), the same accuracy to within a point; half the peers' labels drift midway
-    in both (their test labels too)."""
-    config = small_config(tmp_path, peers=4, steps=60, log_every=20, drift="30:permute:0.5")
-    real = tmp_path / "real"
-    done = subprocess.run(
-        gossipdl_cmd("run", str(_toml(tmp_path, config)), "--out", str(real), "--no-progress"),
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    messages), the same accuracy to within a point; a third of the peers' labels drift
+    midway in both (their test labels too). The one real gossip swarm of this file."""
+    config = small_config(tmp_path, steps=40, log_every=20, drift="20:permute:0.34")
+    real = launch(config.replace(out=str(tmp_path / "real")), progress=False)
     sim = simulate(config.replace(out=str(tmp_path / "sim")), step_time=0.01)
-    real_summary = json.loads((real / "summary.json").read_text())
-    assert sim["total_messages_sent"] == real_summary["total_messages_sent"]
-    assert abs(sim["mean_accuracy"] - real_summary["mean_accuracy"]) <= 0.01
-    ratio = sim["total_bytes_sent"] / real_summary["total_bytes_sent"]
+    assert real["peers_finished"] == sim["peers_finished"] == 3
+    assert sim["total_messages_sent"] == real["total_messages_sent"]
+    assert abs(sim["mean_accuracy"] - real["mean_accuracy"]) <= 0.01
+    ratio = sim["total_bytes_sent"] / real["total_bytes_sent"]
     assert 0.97 < ratio <= 1.0
 
 
@@ -108,56 +106,52 @@ def test_what_the_simulator_cannot_run_is_refused_by_name(tmp_path: Path) -> Non
         simulate(small_config(tmp_path, mode="single"))
 
 
-def test_gossipdl_simulate_writes_a_run_directory_report_reads(tmp_path: Path) -> None:
+def test_gossipdl_simulate_writes_a_run_directory_report_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI in this process: twenty peers simulated, then their report. The timeline of
+    many peers names none of them one by one (no twenty-entry legend over the bytes panel)
+    and labels time as what it is; up to 16 peers each is still named."""
+    from PIL import Image
+
+    from gossipdl.experiments.plots import AXES_KEY
+
+    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))  # the CLI's
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
     out = tmp_path / "run"
-    done = subprocess.run(
-        gossipdl_cmd("simulate", "--peers", "5", "--steps", "30", "--dataset", "synthetic",
-                     "--model", "logistic", "--eval-every", "10", "--step-time", "50ms",
-                     "--out", str(out), "--no-progress"),
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "simulated 1.5 s of swarm time" in done.stderr
-    assert load_config(out / "config.toml").peers == 5
+    done = CliRunner().invoke(cli.app, [
+        "simulate", "--peers", "20", "--steps", "30", "--dataset", "synthetic",
+        "--model", "logistic", "--eval-every", "10", "--step-time", "50ms",
+        "--out", str(out), "--no-progress"])  # fmt: skip
+    assert done.exit_code == 0, done.output
+    assert "simulated 1.5 s of swarm time" in " ".join(done.stderr.split())
+    assert load_config(out / "config.toml").peers == 20
     members = json.loads((out / "peers.json").read_text())
-    assert members[0]["address"] == "tcp://peer-0.sim:5555"
-    report = subprocess.run(gossipdl_cmd("report", str(out)), capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
-    assert report.returncode == 0, report.stderr
-    assert (out / "report" / "accuracy.png").is_file()
+    assert members[0]["address"] == "tcp://peer-0.sim:5555" and len(members) == 20
+    few = tmp_path / "run3"
+    simulate(small_config(tmp_path, steps=10, out=str(few)), step_time=0.01)
+    for run, peers, named in ((out, 20, False), (few, 3, True)):
+        report = CliRunner().invoke(cli.app, ["report", str(run)])
+        assert report.exit_code == 0, report.output
+        assert (run / "report" / "accuracy.png").is_file()
+        with Image.open(run / "report" / "timeline.png") as image:
+            sent = json.loads(image.text[AXES_KEY])[2]
+        assert sent["xlabel"].startswith("time since the swarm started (s")
+        assert (f"peer {peers - 1}" in sent["legend"]) is named
 
 
-def test_a_sweep_runs_its_variants_in_the_simulator_with_engine_sim(tmp_path: Path) -> None:
+def test_a_sweep_runs_its_variants_in_the_simulator_with_engine_sim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))  # the CLI's
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
     config = small_config(tmp_path, peers=4, steps=20, out=str(tmp_path / "sweep"))
-    done = subprocess.run(
-        gossipdl_cmd("sweep", str(_toml(tmp_path, config)), "--grid", "codec=none,topk:0.1",
-                     "--engine", "sim", "--no-progress"),
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    done = CliRunner().invoke(cli.app, [
+        "sweep", str(_toml(tmp_path, config)), "--grid", "codec=none,topk:0.1",
+        "--engine", "sim", "--no-progress"])  # fmt: skip
+    assert done.exit_code == 0, done.output
     summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
     assert len(summaries) == 2
     for path in summaries:
         summary = json.loads(path.read_text())
         assert summary["engine"] == "sim" and summary["peers_finished"] == 4
-
-
-def test_the_timeline_of_many_simulated_peers_names_none_of_them_one_by_one(
-    tmp_path: Path,
-) -> None:
-    """Twenty peers: no twenty-entry legend over the bytes panel, time labelled as what it
-    is; up to 16 peers each is still named."""
-    from PIL import Image
-
-    from gossipdl.experiments.plots import AXES_KEY
-
-    for peers, named in ((20, False), (3, True)):
-        out = tmp_path / f"run{peers}"
-        simulate(small_config(tmp_path, peers=peers, steps=10, out=str(out)), step_time=0.01)
-        done = subprocess.run(gossipdl_cmd("report", str(out)), capture_output=True, text=True,
-                              timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        with Image.open(out / "report" / "timeline.png") as image:
-            sent = json.loads(image.text[AXES_KEY])[2]
-        assert sent["xlabel"].startswith("time since the swarm started (s")
-        assert (f"peer {peers - 1}" in sent["legend"]) is named

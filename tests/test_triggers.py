@@ -16,7 +16,7 @@ from gossipdl import Peer
 from gossipdl.averaging import TriggerError, age_weighted_merge, parse_trigger
 from gossipdl.conditions import Drift, parse_drift, parse_slowdown
 from gossipdl.config import ConfigError
-from gossipdl.experiments.launcher import launch
+from gossipdl.experiments.simulated import simulate
 from gossipdl.protocol.mailbox import Mailbox
 from gossipdl.rundir import RunDir
 
@@ -176,6 +176,9 @@ def test_a_sync_asked_for_at_a_step_is_held_by_the_whole_swarm() -> None:
 
 
 # ----------------------------------------------------------------- whole swarms
+# Protocol behaviour of whole swarms runs on the simulator: the same protocol core, wire
+# encoder and codecs as real peers, on virtual time, deterministic for a seed. The real
+# processes (the CLI, a peer's slowdown and drift) are the last test.
 
 
 @pytest.mark.parametrize(
@@ -190,11 +193,11 @@ def test_a_sync_asked_for_at_a_step_is_held_by_the_whole_swarm() -> None:
 def test_a_4x_slower_peer_finishes_and_the_others_idle_time_is_recorded(
     tmp_path: Path, algorithm: str, extra: dict[str, str]
 ) -> None:
+    steps, step_time = 40, 0.01
     config = small_config(
-        tmp_path, peers=3, steps=100, model="mlp", hidden=(1024, 1024), algorithm=algorithm,
-        slowdown="2:4", **extra,
+        tmp_path, peers=3, steps=steps, algorithm=algorithm, slowdown="2:4", **extra
     )  # fmt: skip
-    summary = launch(config, progress=False)
+    summary = simulate(config, step_time=step_time)
     assert summary["peers_finished"] == 3
     assert summary["config"]["slowdown"] == "2:4"
     assert summary["config"]["algorithm"] == algorithm
@@ -203,19 +206,21 @@ def test_a_4x_slower_peer_finishes_and_the_others_idle_time_is_recorded(
         assert all(v == 0 for v in idle.values())  # nobody ever waits
         walks = {p["id"]: p["messages_sent"] for p in summary["peers"]}
         # One walk per step, while a neighbour is left to walk to (the fast ones finish first).
-        assert walks[0] == walks[1] == 100 and 0 < walks[2] < 100
+        assert walks[0] == walks[1] == steps and 0 < walks[2] < steps
     else:
-        # The fast peers wait for the straggler's extra 3 x 100 step times (~8 ms each here);
-        # it hardly waits for them.
-        assert min(idle[0], idle[1]) > idle[2] + 1.0
+        # The fast peers wait out the straggler's extra 3 step times every step; it never
+        # waits for them.
+        assert idle[0] == idle[1] == pytest.approx(steps * 3 * step_time)
+        assert idle[2] == 0
+    assert summary["simulated_time_s"] == pytest.approx(steps * 4 * step_time, abs=0.05)
     assert summary["mean_accuracy"] > 0.5
 
 
 def test_dynamic_swarm_trains_with_fewer_transmissions_than_always(tmp_path: Path) -> None:
-    common = dict(peers=3, steps=100, codec="topk:0.1")
-    always = launch(small_config(tmp_path / "a", **common), progress=False)
-    dynamic = launch(
-        small_config(tmp_path / "d", trigger="dynamic:0.05:1", **common), progress=False
+    common = dict(peers=3, steps=60, codec="topk:0.1")
+    always = simulate(small_config(tmp_path / "a", **common), step_time=0.01)
+    dynamic = simulate(
+        small_config(tmp_path / "d", trigger="dynamic:0.05:1", **common), step_time=0.01
     )
     assert dynamic["config"]["trigger"] == "dynamic:0.05:1"
     assert dynamic["peers_finished"] == 3
@@ -225,30 +230,25 @@ def test_dynamic_swarm_trains_with_fewer_transmissions_than_always(tmp_path: Pat
 
 
 def test_drift_permutes_labels_mid_run(tmp_path: Path) -> None:
-    config = small_config(tmp_path, peers=2, steps=60, drift="30:permute", log_every=5)
-    launch(config, progress=False)
+    config = small_config(tmp_path, peers=2, steps=40, drift="20:permute", log_every=5)
+    simulate(config, step_time=0.01)
     run = RunDir(config.out)
     for peer_id in (0, 1):
         loss = {r["step"]: r["loss"] for r in run.records(peer_id) if r.get("loss")}
-        assert loss[35] > 3 * loss[30]  # the learnt mapping is suddenly wrong
-        assert "labels permuted at step 30" in run.log(peer_id).read_text()
+        assert loss[25] > 3 * loss[20]  # the learnt mapping is suddenly wrong
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["--trigger", "dynamic:0.5", "--slowdown", "1:2", "--drift", "20:permute:0.5"],
-        ["--algorithm", "gossip-learning", "--trigger", "periodic:2"],
-    ],
-)
-def test_cli_runs_each_new_option_and_records_it_in_the_summary(
-    tmp_path: Path, args: list[str]
-) -> None:
+def test_cli_runs_each_new_option_and_records_it_in_the_summary(tmp_path: Path) -> None:
+    """Real peer processes: the options reach them and the summary; half the swarm (peer 0)
+    drifts and says so in its log, the other does not."""
     out = tmp_path / "run"
+    args = ["--algorithm", "gossip-learning", "--trigger", "periodic:2", "--slowdown", "1:2",
+            "--drift", "20:permute:0.5"]  # fmt: skip
     done = subprocess.run(
         gossipdl_cmd("run", "--peers", "2", "--dataset", "synthetic", "--model", "logistic",
-                     "--steps", "40", "--threads", "1", "--out", str(out), *args),
-        capture_output=True, text=True, timeout=120,
+                     "--steps", "30", "--threads", "1", "--out", str(out), "--no-progress",
+                     *args),
+        capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -256,3 +256,7 @@ def test_cli_runs_each_new_option_and_records_it_in_the_summary(
     for flag, value in zip(args[::2], args[1::2], strict=True):
         assert summary["config"][flag.removeprefix("--")] == value
     assert summary["total_messages_sent"] == sum(p["messages_sent"] for p in summary["peers"])
+    run = RunDir(out)
+    assert "labels permuted at step 20" in run.log(0).read_text()
+    assert "labels permuted" not in run.log(1).read_text()
+    assert "2x slower" in run.log(1).read_text() and "slower" not in run.log(0).read_text()
