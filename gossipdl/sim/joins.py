@@ -85,6 +85,7 @@ def _ask(simulation: Simulation, peer: VirtualPeer) -> None:
         what = "nobody let it in" if join.phase == "welcome" else "no neighbour sent its model"
         _end(simulation, peer, failed=f"peer {peer.id}: {what} within the timeout")
         return
+    send = None
     if join.phase == "welcome":
         to = join.via[join.tries % len(join.via)]  # the next member on each try
         meta = {
@@ -94,19 +95,15 @@ def _ask(simulation: Simulation, peer: VirtualPeer) -> None:
             **({"rejoin": True} if join.rejoin else {}),
         }
         send = core.ask("join", simulation.address(to), meta, _nonce(simulation, peer))
-    else:
-        sources = core.model_sources(join.since)  # again each time: one may have died
+    elif sources := core.model_sources(join.since):  # again each time: one may have died
         each = round(MODEL_WAIT_S / RETRY_S)  # tries per member before the next one
-        member = (
-            core.membership.get(sources[join.tries // each % len(sources)]) if sources else None
-        )
-        if member is None:  # nobody to ask now; a member may be back before we give up
-            join.tries += 1
-            join.timer = simulation.clock.after(RETRY_S, lambda: _retry(simulation, peer, join))
-            return
+        member = core.membership.get(sources[join.tries // each % len(sources)])
+        assert member is not None
         send = core.ask("model_request", member.address, {}, _nonce(simulation, peer))
+    # else nobody to ask now: a member may be back before we give up
     join.tries += 1
-    simulation.network.send(peer.id, simulation.node_at(send.address), send.frames)
+    if send is not None:
+        simulation.network.send(peer.id, simulation.node_at(send.address), send.frames)
     wait = join.every if join.phase == "welcome" else RETRY_S
     join.timer = simulation.clock.after(wait, lambda: _retry(simulation, peer, join))
 
