@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import re
 import signal
-import time
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -327,20 +326,20 @@ def test_run_launches_and_announces_the_resolved_config(
 
 
 def test_ctrl_c_of_a_founding_peer_waiting_for_others_exits_130_at_once(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=3))
+    # it would wait an hour for the others: ending within the minute is ending at once
+    config = small_config(tmp_path, peers=3, startup_timeout=3600.0)
+    config_file = write_config(tmp_path / "exp.toml", config)
     out = tmp_path / "p"
-    proc, _ = start_peer("--config", str(config), "--out", str(out), "--set", "codec=topk:0.01",
-                         log=tmp_path / "p.log")  # fmt: skip
-    started = time.monotonic()
+    proc, _ = start_peer("--config", str(config_file), "--out", str(out),
+                         "--set", "codec=topk:0.01", log=tmp_path / "p.log")  # fmt: skip
     proc.send_signal(signal.SIGINT)
     try:
-        code = proc.wait(timeout=5)
+        code = proc.wait(timeout=60)
     finally:
         proc.kill()
         proc.communicate()
-    took = time.monotonic() - started
     log = (tmp_path / "p.log").read_text()
-    assert code == 130 and took < 5, (code, took, log)
+    assert code == 130, (code, log)
     assert "interrupted before training started" in log and "Traceback" not in log
     assert "gossip: ring, choco (γ 0.03), codec topk:0.01" in log  # the banner's line
     recorded = tomllib.loads((out / "config.toml").read_text())
