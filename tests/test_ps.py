@@ -53,7 +53,10 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 def _work(rank: int, servers: list[str], finals: dict[int, torch.Tensor]) -> None:
     model = _model()
     optimizer = _optimizer(model)
-    with ServerWorker(model, optimizer, rank=rank, servers=servers, rule="sync") as worker:
+    # timeouts no load reaches: a sync shard that gave a slow worker up would average without it
+    with ServerWorker(
+        model, optimizer, rank=rank, servers=servers, rule="sync", timeout=300.0
+    ) as worker:
         for step in range(STEPS):
             x, y = _batch(rank, step)
             optimizer.zero_grad()
@@ -73,7 +76,8 @@ def test_ps_sync_every_step_is_sgd_on_the_global_batch() -> None:
     bounds = chunk_bounds(flat.numel(), shards)
     threads = [
         threading.Thread(target=serve, daemon=True, args=(
-            ShardServer(flat[a:b], rule="sync", workers=WORKERS, shard=k), servers[k]))
+            ShardServer(flat[a:b], rule="sync", workers=WORKERS, shard=k, timeout=300.0),
+            servers[k]))
         for k, (a, b) in enumerate(bounds)
     ]  # fmt: skip
     finals: dict[int, torch.Tensor] = {}
