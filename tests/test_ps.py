@@ -8,6 +8,7 @@ simulator."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -50,47 +51,43 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
-def _work(rank: int, servers: list[str], finals: dict[int, torch.Tensor]) -> None:
+def _serve_shard(shard: int, shards: int, address: str) -> None:
+    torch.set_num_threads(1)
+    flat = torch.nn.utils.parameters_to_vector(_model().parameters()).detach()
+    a, b = chunk_bounds(flat.numel(), shards)[shard]
+    serve(ShardServer(flat[a:b], rule="sync", workers=WORKERS, shard=shard), address)
+
+
+def _work(rank: int, servers: list[str], results: Any) -> None:
+    torch.set_num_threads(1)
     model = _model()
     optimizer = _optimizer(model)
-    # timeouts no load reaches: a sync shard that gave a slow worker up would average without it
-    with ServerWorker(
-        model, optimizer, rank=rank, servers=servers, rule="sync", timeout=300.0
-    ) as worker:
+    with ServerWorker(model, optimizer, rank=rank, servers=servers, rule="sync") as worker:
         for step in range(STEPS):
             x, y = _batch(rank, step)
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
             worker.step()
-    finals[rank] = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    results.put((rank, torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()))
 
 
 def test_ps_sync_every_step_is_sgd_on_the_global_batch() -> None:
     """Averaging parameters after every local SGD step (momentum, weight decay) is linear, so it
     equals one process taking the same steps on all workers' batches at once. Two shards and
-    three workers over real sockets, each on a thread of this process (real processes start
-    in test_sim_ps's real run and in the launcher tests below)."""
+    three workers, each its own process over real sockets (threads of one process once gave
+    a sync shard a worker too slow to wait for, under the parallel suite)."""
     shards = 2
     servers = [_free_address() for _ in range(shards)]
-    flat = torch.nn.utils.parameters_to_vector(_model().parameters()).detach()
-    bounds = chunk_bounds(flat.numel(), shards)
-    threads = [
-        threading.Thread(target=serve, daemon=True, args=(
-            ShardServer(flat[a:b], rule="sync", workers=WORKERS, shard=k, timeout=300.0),
-            servers[k]))
-        for k, (a, b) in enumerate(bounds)
-    ]  # fmt: skip
-    finals: dict[int, torch.Tensor] = {}
-    threads += [
-        threading.Thread(target=_work, args=(r, servers, finals), daemon=True)
-        for r in range(WORKERS)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-        assert not t.is_alive(), "a shard or worker did not finish"
-    assert sorted(finals) == list(range(WORKERS))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_serve_shard, args=(k, shards, a)) for k, a in enumerate(servers)]
+    procs += [ctx.Process(target=_work, args=(r, servers, results)) for r in range(WORKERS)]
+    for p in procs:
+        p.start()
+    finals = dict(results.get(timeout=180) for _ in range(WORKERS))
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
     model = _model()
     optimizer = _optimizer(model)
     for step in range(STEPS):
@@ -102,7 +99,7 @@ def test_ps_sync_every_step_is_sgd_on_the_global_batch() -> None:
     expected = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     assert not torch.allclose(expected, torch.nn.utils.parameters_to_vector(_model().parameters()))
     for final in finals.values():
-        torch.testing.assert_close(final, expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.from_numpy(final), expected, atol=1e-5, rtol=1e-4)
 
 
 def test_staleness_rules() -> None:

@@ -242,8 +242,7 @@ def test_cli_runs_each_new_option_and_records_it_in_the_summary(tmp_path: Path) 
     """Real peer processes: the options reach them and the summary; half the swarm (peer 0)
     drifts and says so in its log, the other does not."""
     out = tmp_path / "run"
-    args = ["--algorithm", "gossip-learning", "--trigger", "periodic:2", "--slowdown", "1:2",
-            "--drift", "20:permute:0.5"]  # fmt: skip
+    args = ["--trigger", "periodic:2", "--slowdown", "1:2", "--drift", "20:permute:0.5"]
     done = subprocess.run(
         gossipdl_cmd("run", "--peers", "2", "--dataset", "synthetic", "--model", "logistic",
                      "--steps", "30", "--threads", "1", "--out", str(out), "--no-progress",
