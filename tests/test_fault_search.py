@@ -35,6 +35,19 @@ FOUND = {
     "good: nothing resent them (now a digest on every round message and heartbeat)",
     502: "a newcomer cut off right after its welcome sentenced every member before it was in, "
     "found nobody to ask for a model and gave up at once",
+    548: "a peer back from a restart was let in from round 20 (the swarm at round 1), sent its "
+    "public copy for round 20 and died; restarted again, it was given the same life, and its "
+    "neighbours mixed the dead process's copy with the new one's model (now each process "
+    "names its incarnation when it joins)",
+    354: "a peer back in the table but still aligning its round refused every join (the real "
+    "peer answers once welcomed); the members it had sentenced could not rejoin, and it "
+    "stopped with an error when they finished: a peer that keeps its model now starts at "
+    "its welcome's round when nobody is left to align with",
+    940: "a member ignored every table from the peers it had declared dead, even once they "
+    "were let back in by the others as new lives: it and they held two tables for good",
+    423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
+    "back during the round; the check now takes the weights the round used and requires "
+    "the peer to resync again, which it does",
 }
 
 

@@ -89,8 +89,10 @@ def test_a_peer_told_to_rejoin_lets_nobody_in_until_it_is_back() -> None:
     with pytest.raises(WireError, match="rejoins the swarm") as refused:
         ours.receive(1.0, join)
     assert refused.value.reason == "not_member_yet"  # the joiner retries later
-    ours.rejoin_via = None
-    assert next(s.kind for s in ours.receive(1.0, join)) == "welcome"
+    welcome = frames("welcome", 1, id=0, members=[[i, address(i), 0, None] for i in range(3)])
+    ours.welcomed(1.5, decode(welcome, 1 << 20))  # back in: our table is the swarm's again
+    assert ours.rejoin_via is None and ours.rejoin_through == []
+    assert next(s.kind for s in ours.receive(2.0, join)) == "welcome"
 
 
 def test_a_joiner_asks_its_neighbours_then_any_member_and_never_the_dead() -> None:

@@ -28,6 +28,7 @@ from gossipdl.protocol.joining import (
     Verdict,
     admit,
     hear_table,
+    join_incarnation,
     outranks,
 )
 from gossipdl.rundir import RunDir
@@ -125,6 +126,31 @@ def test_a_join_is_let_in_ahead_answered_again_the_same_or_refused_saying_why() 
         assert refused.limit == limit
 
 
+def test_a_restarted_process_gets_a_new_life_even_before_its_first_one_began() -> None:
+    """Seed 548 of the fault search: a peer let back in from round 20 (the swarm at round 1)
+    sent its public copy for round 20 and died; restarted, it was given the same life, so
+    the members mixed its dead process's copy for round 20 with its new model. A join from
+    another process (another incarnation) on that address is a new life; the same process
+    asking again gets the same answer."""
+    table = Membership([Member(0, "tcp://h:1", 0), Member(1, "tcp://h:2", 0)])
+    early = SwarmState(round=1, margin=19, started=True, final_round=None, ring=False)
+    first = admit(table, early, "tcp://h:3", "", 2, rejoin=True, incarnation=7)
+    assert isinstance(first, Admission) and first.member.incarnation == 7
+    table.merge([first.member])
+    again = admit(table, early, "tcp://h:3", "", 2, rejoin=True, incarnation=7)
+    assert isinstance(again, Admission) and again.again and again.member == first.member
+    restarted = admit(table, early, "tcp://h:3", "", 2, rejoin=True, incarnation=8)
+    assert isinstance(restarted, Admission) and not restarted.again
+    assert restarted.member.since == first.member.since + 1  # its old life ends as it begins
+    assert parse_members(table.wire()) == table.members()  # the incarnation travels
+    assert join_incarnation({}) == 0
+    for bad in (-1, True, "7", 2**62 + 1):
+        with pytest.raises(WireError, match="incarnation"):
+            join_incarnation({"incarnation": bad})
+    with pytest.raises(WireError, match="member entry"):
+        parse_members([[0, "tcp://h:1", 0, None, "", -1]])
+
+
 def test_a_table_that_says_we_were_dropped_makes_the_outranked_side_rejoin() -> None:
     """After a partition of 0-2 from 3-4 each side ended the other at round 9."""
 
@@ -137,7 +163,9 @@ def test_a_table_that_says_we_were_dropped_makes_the_outranked_side_rejoin() -> 
     grown = [*big[:3], Member(3, "tcp://h:13", 20), Member(4, "tcp://h:14", 20)]  # back in
     assert hear_table(Membership(big), 1, 0, grown) is Verdict.MERGE
     assert hear_table(Membership(grown), 1, 3, small) is Verdict.IGNORE  # an earlier life's
-    assert hear_table(Membership(big), 1, 3, grown) is Verdict.IGNORE  # from one we dropped
+    assert hear_table(Membership(big), 1, 3, big) is Verdict.IGNORE  # from one we dropped
+    # seed 940: one we dropped but let back in since (a later life): its table is the swarm's
+    assert hear_table(Membership(big), 1, 3, grown) is Verdict.MERGE
 
 
 def _core(me: int, table: Membership) -> GossipCore:

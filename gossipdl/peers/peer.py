@@ -40,6 +40,7 @@ from gossipdl.protocol.joining import (
     admit,
     check_welcome,
     hear_table,
+    join_incarnation,
 )
 from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.addresses import check_address
@@ -227,6 +228,8 @@ class Peer:
         self.connect_wait = connect_wait
         self.curve = curve
         self._key = curve.public if curve is not None else ""
+        # this process, to the members: a join from a restarted one is a new life
+        self.incarnation = secrets.randbits(62) + 1
         self.swarm_config = swarm_config or {}
         self._on_members = on_members
         # Who owns what. Four threads touch a peer: training (step, gossip, forming), receive
@@ -566,7 +569,9 @@ class Peer:
             min_peers = len(peers)
         elif bootstrap is None:
             self.id = rank or 0
-            self._merge([Member(self.id, self.address, 0, key=self._key)])
+            self._merge(
+                [Member(self.id, self.address, key=self._key, incarnation=self.incarnation)]
+            )
         else:
             while True:  # again if our id goes to another newcomer meanwhile
                 self.id, self.started = -1, False
@@ -644,7 +649,12 @@ class Peer:
         """Ask a member (the first of the comma-separated ``addresses`` that answers) to let
         us in, or back in (``rejoin``) after a restart or after we were dropped; returns its
         welcome."""
-        meta: dict[str, Any] = {"address": self.address, "want_id": want_id, "key": self._key}
+        meta: dict[str, Any] = {
+            "address": self.address,
+            "want_id": want_id,
+            "key": self._key,
+            "incarnation": self.incarnation,
+        }
         if rejoin:
             meta["rejoin"] = True
         candidates = [a.strip() for a in addresses.split(",") if a.strip()]
@@ -714,12 +724,19 @@ class Peer:
     def _start_late(self, since: int, take_model: bool = True) -> None:
         """Start at round ``since`` of a running swarm, aligned with a neighbour's round (or,
         if none answers, another member's); a newcomer takes that model, a restarted peer
-        keeps its own."""
+        keeps its own (and starts at ``since`` if nobody is left to align with: the others
+        may have finished)."""
         asked: set[int] = set()
         while True:
             with self._core:  # again each time: a member may have been declared dead since
                 sources = [j for j in self.core.model_sources(since) if j not in asked]
             member = self.membership.get(sources[0]) if sources else None
+            if member is None and not take_model:
+                log.warning("peer %d: no member sent its round; in at round %d", self.id, since)
+                with self._core:
+                    self.core.start_at(since, self._flat())
+                self.started, self._first_wait = True, self.startup_timeout
+                return
             if member is None:
                 break
             j = member.id
@@ -1109,9 +1126,10 @@ class Peer:
         address = self._reply_address(msg, "joiner address")
         nonce = self._answer_token(msg)
         rejoin = msg.meta.get("rejoin", False) is True
+        want, incarnation = msg.meta.get("want_id"), join_incarnation(msg.meta)
         with self._core:
             swarm = self.core.swarm_state(self.started, ring=self.ring)
-        decision = admit(self.membership, swarm, address, msg.key, msg.meta.get("want_id"), rejoin)
+        decision = admit(self.membership, swarm, address, msg.key, want, rejoin, incarnation)
         if isinstance(decision, Refusal):
             members = self.membership.wire()
             self._reply(address, "welcome", error=decision.error, members=members, nonce=nonce)

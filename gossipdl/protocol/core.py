@@ -53,6 +53,7 @@ from gossipdl.protocol.joining import (
     admit,
     check_welcome,
     hear_table,
+    join_incarnation,
 )
 from gossipdl.protocol.kinds import (
     COMPRESSED_KINDS,
@@ -723,8 +724,9 @@ class GossipCore:
         address = check_address(msg.meta.get("address"), "joiner address")
         nonce = echoed_nonce(msg.meta)
         rejoin = msg.meta.get("rejoin", False) is True
-        want = msg.meta.get("want_id")
-        decision = admit(self.membership, self.swarm_state(started), address, msg.key, want, rejoin)
+        want, incarnation = msg.meta.get("want_id"), join_incarnation(msg.meta)
+        swarm = self.swarm_state(started)
+        decision = admit(self.membership, swarm, address, msg.key, want, rejoin, incarnation)
         if isinstance(decision, Refusal):
             meta: dict[str, Any] = {"error": decision.error, "members": self.membership.wire()}
             if decision.limit is not None:
@@ -784,8 +786,9 @@ class GossipCore:
         return [Send(sender.id, kind, frames)]
 
     def welcomed(self, now: float, welcome: Message) -> Member:
-        """A member let us in (or back in): its welcome's id and table become ours, every
-        member's silence starts now, and rounds from our first one on are kept. Returns
+        """A member let us in (or back in): its welcome's id and table become ours (we answer
+        joins again), every member's silence starts now, and rounds from our first one on
+        are kept. Returns
         our entry; WireError if the welcome is malformed or names no entry for us,
         :class:`JoinRefused` if it refused us."""
         self._now = now
@@ -797,6 +800,7 @@ class GossipCore:
         if me is None or me.until is not None:
             raise WireError("bad_meta", f"a welcome as peer {peer_id}, not in its own table")
         self.id = peer_id
+        self.rejoin_via, self.rejoin_through = None, []  # our table is the swarm's again
         self.membership.replace_all(members)
         for m in members:  # silent while apart
             self.detector.heard(m.id, now)

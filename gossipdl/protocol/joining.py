@@ -4,7 +4,9 @@ table; both engines carry them out (the real one with requests over sockets and 
 clock, the simulator over its network and virtual clock).
 
 A joiner asks a member (``join``: its address, the id it wants, whether it is a
-``rejoin`` of a peer that trained before); the member answers with a ``welcome``
+``rejoin`` of a peer that trained before, and its ``incarnation``, a number each
+process draws at its start, which tells a join sent again from a restarted
+process's first join); the member answers with a ``welcome``
 (an id and its table, or an error), lets it in from a few rounds ahead and announces
 the new table. The joiner then asks a neighbour for its model (``model_request``)
 to align its round with the swarm's, and takes that model if it is new.
@@ -18,7 +20,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from gossipdl.protocol.membership import MAX_ID, Member, MemberTable, parse_members
+from gossipdl.protocol.membership import (
+    MAX_ID,
+    MAX_INCARNATION,
+    Member,
+    MemberTable,
+    parse_members,
+)
 from gossipdl.transport.wire import Message, WireError, meta_int
 
 SWARM_ID = re.compile(r"[0-9a-f]{1,32}")  # a swarm id in a welcome
@@ -70,8 +78,22 @@ class SwarmState:
     ring: bool  # a ring all-reduce cannot take members once it started
 
 
+def join_incarnation(meta: dict[str, Any]) -> int:
+    """The incarnation a join names (0 if it names none); WireError if it is malformed."""
+    value = meta_int(meta, "incarnation", "join incarnation", default=0)
+    if value > MAX_INCARNATION:
+        raise WireError("bad_meta", f"join incarnation {value} is above {MAX_INCARNATION}")
+    return value
+
+
 def admit(
-    table: MemberTable, swarm: SwarmState, address: str, key: str, want: Any, rejoin: bool
+    table: MemberTable,
+    swarm: SwarmState,
+    address: str,
+    key: str,
+    want: Any,
+    rejoin: bool,
+    incarnation: int = 0,
 ) -> Admission | Refusal:
     """Whether a join from ``address`` (over CURVE ``key``; "" without) asking for id
     ``want`` (None: any) is let in, and as which entry; nothing is changed (the caller
@@ -79,8 +101,14 @@ def admit(
     member = table.by_address(address)
     # A join sent again (no welcome yet) gets the same answer, not another entry.
     again = member is not None and member.until is None
-    if again and rejoin and member is not None and member.since <= swarm.round:
-        again = False  # a member back from a restart on the same address
+    if (
+        again
+        and member is not None
+        and ((rejoin and member.since <= swarm.round) or member.incarnation != incarnation)
+    ):
+        # a member back from a restart on the same address; or another process there,
+        # whose first life may never have begun (what it sent for it must not count)
+        again = False
     if member is not None and again:
         return Admission(member, again=True, rejoined=False)
     refused = refusal(table, swarm, member, want, rejoin)
@@ -93,7 +121,8 @@ def admit(
     since = swarm.round + swarm.margin if swarm.started else 0
     if known is not None:  # a new life starts after the last one
         since = max(since, known.until or 0, known.since + 1)
-    return Admission(Member(peer_id, address, since, key=key), again=False, rejoined=bool(known))
+    entry = Member(peer_id, address, since, key=key, incarnation=incarnation)
+    return Admission(entry, again=False, rejoined=bool(known))
 
 
 def refusal(
@@ -165,20 +194,28 @@ def hear_table(table: MemberTable, me: int, sender: int, members: list[Member]) 
 
     A table from a member we dropped is not merged: its view of who is alive is stale
     (the other side of a partition, or messages it sent before a cut that arrive after
-    it). Nor is one the sender wrote in an earlier life than the one we know (sent before
-    a cut, delivered after it rejoined): it would end members the sender thought dead
-    then. A table that says we are out makes us rejoin through the sender if our own
-    table has the sender alive, or if the sender's side of the swarm outranks ours
-    (:func:`outranks`); otherwise we ignore it, and the sender's side will rejoin ours.
-    A table that gives us a later life than ours (a member let us back in, and its
-    welcome was lost) makes us rejoin through the sender too.
+    it), unless it gives the sender a later life than the one we ended (a member let it
+    back in: its table is that swarm's). Nor is one the sender wrote in an earlier life
+    than the one we know (sent before a cut, delivered after it rejoined): it would end
+    members the sender thought dead then. A table that says we are out makes us rejoin
+    through the sender if our own table has the sender alive, or if the sender's side of
+    the swarm outranks ours (:func:`outranks`); otherwise we ignore it, and the sender's
+    side will rejoin ours. A table that gives us a later life than ours (a member let us
+    back in, and its welcome was lost) makes us rejoin through the sender too.
     """
     theirs = {m.id: m for m in members}
     said_of_us, own = theirs.get(me), table.get(me)
     known, said = table.get(sender), theirs.get(sender)
     if known is not None and (said is None or said.since < known.since):
         return Verdict.IGNORE
-    sender_out = known is not None and known.until is not None
+    # out: the life we ended is the one it speaks for (one let back in since speaks for
+    # the swarm that let it in)
+    sender_out = (
+        known is not None
+        and known.until is not None
+        and said is not None
+        and said.since == known.since
+    )
     if own is not None and said_of_us is not None and said_of_us.since > own.since:
         return Verdict.REJOIN  # a life of ours we never took up: its welcome was lost
     stale_about_us = own is not None and said_of_us is not None and own.since > said_of_us.since

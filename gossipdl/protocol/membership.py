@@ -34,6 +34,7 @@ from gossipdl.transport.wire import WireError
 
 MAX_MEMBERS = 512  # entries in a member table, live or ended; drop reason ``too_many_members``
 MAX_ID = 2**31 - 1  # the largest peer id (ids name files in the run directory)
+MAX_INCARNATION = 2**62  # the largest incarnation (a random draw per process)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class Member:
     since: int = 0
     until: int | None = None
     key: str = ""  # its CURVE public key (Z85), "" in a swarm without CURVE
+    # which process on that address asked for this life (drawn at its start; 0: not known):
+    # a join from another one is a restarted peer, not the same join sent again
+    incarnation: int = 0
 
     def takes_part(self, round: int) -> bool:
         """Whether the member is in the topology of ``round``."""
@@ -64,8 +68,9 @@ def _round(value: Any) -> bool:
 
 
 def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
-    """Validate a member list received on the wire (``[[id, address, since, until, key],
-    ...]``; ``until`` may be left out or ``None``, ``key`` left out or ``""``): at most
+    """Validate a member list received on the wire (``[[id, address, since, until, key,
+    incarnation], ...]``; ``until`` may be left out or ``None``, ``key`` left out or ``""``,
+    ``incarnation`` left out or 0): at most
     ``limit`` entries, ids up to ``MAX_ID``, addresses a peer may dial."""
     if not isinstance(value, list):
         raise WireError("bad_meta", f"member list is {type(value).__name__}, expected a list")
@@ -77,13 +82,14 @@ def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
     for entry in value:
         if not (
             isinstance(entry, list)
-            and len(entry) in (3, 4, 5)
+            and len(entry) in (3, 4, 5, 6)
             and _round(entry[0])
             and entry[0] <= MAX_ID
             and address_problem(entry[1]) is None
             and _round(entry[2])
             and (len(entry) == 3 or entry[3] is None or (_round(entry[3]) and entry[3] > entry[2]))
             and (len(entry) < 5 or (isinstance(entry[4], str) and len(entry[4]) in (0, 40)))
+            and (len(entry) < 6 or (_round(entry[5]) and entry[5] <= MAX_INCARNATION))
         ):
             raise WireError(
                 "bad_meta", f"member entry {entry!r} is not [id, tcp://address, since, until]"
@@ -93,8 +99,8 @@ def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
 
 
 def _wire(members: list[Member]) -> list[list[Any]]:
-    """Entries as the wire carries them: ``[id, address, since, until, key]``."""
-    return [[m.id, m.address, m.since, m.until, m.key] for m in members]
+    """Entries as the wire carries them: ``[id, address, since, until, key, incarnation]``."""
+    return [[m.id, m.address, m.since, m.until, m.key, m.incarnation] for m in members]
 
 
 class MemberTable:

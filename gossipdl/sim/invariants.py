@@ -31,8 +31,9 @@ INVARIANTS = {
     "than its timeouts allow",
     "agreement": "once the faults heal, the live peers agree on one member table (every live "
     "peer in, every dead one out) and one symmetric topology",
-    "choco": "after every CHOCO resync, s_i = W_ii x̂_i + Σ_j W_ij x̂_j, with each x̂_j the "
-    "neighbour's public copy of that round",
+    "choco": "after every CHOCO resync, s_i = W_ii x̂_i + Σ_j W_ij x̂_j, with W the weights the "
+    "round used and each x̂_j the neighbour's public copy of that round; a peer that learnt "
+    "during the round that its weights were stale asks for another resync",
     "ledger": "every message sent is delivered, dropped with a counted reason, or lost to a "
     "fault the schedule injected",
     "run_dir": "the run directory's files parse, line by line, at every moment",
@@ -40,6 +41,7 @@ INVARIANTS = {
     "finished": "no peer stops on an error, and the run ends",
 }
 EVENTS_KEPT = 25  # log lines a violation shows
+Mixing = tuple[dict[int, float], float]  # neighbour -> weight, and the self weight
 PUBLIC_ROUNDS_KEPT = 32  # rounds of each peer's public copy kept for the CHOCO check
 CHOCO_TOLERANCE = 1e-4  # float sums in another order
 
@@ -79,6 +81,9 @@ class WatchedSimulation(Simulation):
         self.violation: Violation | None = None
         self._recent = _Recent(self)
         self._public: dict[int, dict[int, torch.Tensor]] = {}  # peer -> round -> its x̂
+        # peer -> the weights of the round it has open, and its resyncs asked before it
+        self._used: dict[int, tuple[Mixing, int]] = {}
+        self._stale: dict[int, int] = {}  # peer -> its resyncs before a round with stale weights
         self._progressed = [0.0] * len(self.peers)  # when each peer last finished a step
         slowest = min([f["clock"]["rate"] for f in config.faults if "clock" in f], default=1.0)
         self.stall_s = (
@@ -124,14 +129,25 @@ class WatchedSimulation(Simulation):
 
     # ----------------------------------------------------------------- hooks
     def _open_round(self, peer: VirtualPeer) -> None:
-        """Keep the public copy each CHOCO peer has once it sent a round's update."""
-        index = peer.core.round
+        """Keep the public copy each CHOCO peer has once it sent a round's update, and the
+        weights the round uses; a peer whose last resync used stale weights asks again."""
+        core = peer.core
+        index = core.round
+        # (recorded first: a round with no one to wait for ends inside ``_open_round``)
+        self._used[peer.id] = (core.mixing(index), core.counters.resyncs)
         super()._open_round(peer)
-        averager = peer.core.averager
+        averager = core.averager
         if isinstance(averager, Choco) and averager.x_hat is not None:
             kept = self._public.setdefault(peer.id, {})
             kept[index] = averager.x_hat.clone()
             kept.pop(index - PUBLIC_ROUNDS_KEPT, None)
+            resyncs = self._stale.pop(peer.id, None)
+            if resyncs is not None and core.counters.resyncs == resyncs:
+                self._record_violation(
+                    "choco",
+                    f"peer {peer.id} resynced at round {index - 1} with weights it then learnt "
+                    f"were stale, and asked for no new resync by round {index}",
+                )
 
     def _progress(self, peer: VirtualPeer, progress: Any) -> None:
         averager = peer.core.averager
@@ -225,6 +241,10 @@ class WatchedSimulation(Simulation):
         for peer in live:
             for j in peer.core.neighbours(future):
                 other = self.peers[j].core
+                own = other.membership.get(j)
+                if own is not None and own.since > future:
+                    continue  # a peer back whose new life starts later: the others count the
+                    # rounds of its last life (ended) in their topology, it knows none of them
                 if j in live_ids and peer.id not in other.neighbours(future):
                     self._record_violation(
                         "agreement",
@@ -233,9 +253,13 @@ class WatchedSimulation(Simulation):
                     )
 
     def _check_choco(self, peer: VirtualPeer, averager: Choco, index: int) -> None:
-        """s_i rebuilt at round ``index`` equals the mix of the public copies of that round."""
+        """s_i rebuilt at round ``index`` equals the mix of the public copies of that round
+        with the weights the round used (if the peer learnt better while it waited, it must
+        resync again)."""
         assert averager.s is not None and averager.x_hat is not None
-        weights, self_weight = peer.core.mixing(index)
+        (weights, self_weight), resyncs = self._used[peer.id]
+        if peer.core.mixing(index) != (weights, self_weight):
+            self._stale[peer.id] = resyncs  # a resync asked since the round opened fixes it
         expected = averager.x_hat * self_weight
         for j, weight in weights.items():
             copy = self._public.get(j, {}).get(index)

@@ -11,6 +11,8 @@ welcome, the announcement, the model) is the protocol core's
 (:meth:`~gossipdl.protocol.core.GossipCore.answer_join`); this module is the joiner's:
 ``join`` to a member until a welcome comes, then ``model_request`` to each neighbour of
 its first round (then any other member) until one answers, then the round it starts at.
+A peer that keeps its own model and finds nobody to align with starts at its
+welcome's round (the others may have finished); a newcomer without a model fails.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from gossipdl.sim.clock import Timer
 from gossipdl.transport.wire import Message, WireError
 
 if TYPE_CHECKING:
+    import torch
+
     from gossipdl.sim.engine import Simulation, VirtualPeer
 
 MODEL_WAIT_S = 10.0  # how long a neighbour is asked for its model before the next one
@@ -81,7 +85,11 @@ def _ask(simulation: Simulation, peer: VirtualPeer) -> None:
     """Send the request the join's phase needs (again, after ``RETRY_S``), or give up."""
     join, core, now = peer.join, peer.core, simulation.clock.now
     assert join is not None
+    keeps_model = join.phase == "model" and not join.take_model
     if now >= join.give_up_at:
+        if keeps_model:  # nobody answered: our welcome's round it is
+            _start(simulation, peer, join.since, None)
+            return
         what = "nobody let it in" if join.phase == "welcome" else "no neighbour sent its model"
         _end(simulation, peer, failed=f"peer {peer.id}: {what} within the timeout")
         return
@@ -92,6 +100,7 @@ def _ask(simulation: Simulation, peer: VirtualPeer) -> None:
             "address": simulation.address(peer.id),
             "want_id": peer.id,
             "key": "",
+            "incarnation": peer.life + 1,  # one process per life (a real one draws it)
             **({"rejoin": True} if join.rejoin else {}),
         }
         send = core.ask("join", simulation.address(to), meta, _nonce(simulation, peer))
@@ -100,6 +109,9 @@ def _ask(simulation: Simulation, peer: VirtualPeer) -> None:
         member = core.membership.get(sources[join.tries // each % len(sources)])
         assert member is not None
         send = core.ask("model_request", member.address, {}, _nonce(simulation, peer))
+    elif keeps_model:  # nobody left to align with (they finished): our welcome's round
+        _start(simulation, peer, join.since, None)
+        return
     # else nobody to ask now: a member may be back before we give up
     join.tries += 1
     if send is not None:
@@ -143,9 +155,15 @@ def _take(simulation: Simulation, peer: VirtualPeer, join: Join, msg: Message) -
         _ask(simulation, peer)
     elif msg.kind == "model" and join.phase == "model":
         model = core.decode(msg, dense=True) if join.take_model else None
-        start = max(join.since, msg.round)
-        simulation.start_late(peer, start, model)
-        _end(simulation, peer, failed=None)
+        _start(simulation, peer, max(join.since, msg.round), model)
+
+
+def _start(
+    simulation: Simulation, peer: VirtualPeer, round: int, model: torch.Tensor | None
+) -> None:
+    """The join is done: the peer starts at ``round`` (with ``model``, if it takes one)."""
+    simulation.start_late(peer, round, model)
+    _end(simulation, peer, failed=None)
 
 
 def _cancel(join: Join) -> None:

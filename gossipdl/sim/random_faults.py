@@ -84,7 +84,7 @@ def random_case(seed: int, out: str = "") -> Case:
         eval_every=0,
         log_every=max(period, steps // 4 // period * period),
         round_timeout=rng.choice((0.5, 1.0)),
-        startup_timeout=5.0,
+        startup_timeout=10.0,  # longer than any episode: a restart cut off by one gets in
         heartbeat=heartbeat,
         dead_after=dead_after,
         link=f"latency={rng.choice((2, 5, 20))}ms,jitter={rng.choice((0, 1))}ms",
