@@ -20,6 +20,13 @@ from gossipdl.config import Config, to_toml
 from gossipdl.rundir import complete_lines
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core and one more. The tests that start real peers wait
+    on sockets, paced steps and timeouts part of the time; the spare worker fills it (on 2
+    cores the suite took 438 s with 2 workers, 350 s with 3, using the CPU 75% and 93%)."""
+    return (os.cpu_count() or 1) + 1
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread() -> Iterator[None]:
     """One intra-op thread in the test processes, as real peers (``threads = 1``) and

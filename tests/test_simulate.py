@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 import gossipdl.cli as cli
 from gossipdl.config import Config, load_config
 from gossipdl.experiments.launcher import launch
+from gossipdl.experiments.report import runs_of
 from gossipdl.experiments.simulated import simulate
 from gossipdl.rundir import RunDir
 from gossipdl.sim.engine import SimulationError
@@ -155,3 +156,5 @@ def test_a_sweep_runs_its_variants_in_the_simulator_with_engine_sim(
     for path in summaries:
         summary = json.loads(path.read_text())
         assert summary["engine"] == "sim" and summary["peers_finished"] == 4
+    # one seed, one size, two swarms: report must not merge them as one run across machines
+    assert len(runs_of([tmp_path / "sweep"])) == 2

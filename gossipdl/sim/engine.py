@@ -22,6 +22,7 @@ and :func:`simulation_for` picks the class for the mode;
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import random
 import time
@@ -42,7 +43,7 @@ from gossipdl.averaging import (
     parse_trigger,
 )
 from gossipdl.conditions import DeviceProfile, Drift, device_of
-from gossipdl.config import Config
+from gossipdl.config import Config, to_dict
 from gossipdl.data import BatchSampler, Dataset, load_dataset
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
@@ -178,7 +179,7 @@ class Simulation:
         self.y_test = torch.as_tensor(self.dataset.y_test)
         self.measured = step_time if step_time is not None else None
         self.swarm_start = round(time.time(), 3)  # wall clock: names when the run began
-        self.swarm_id = f"{config.seed:08x}{config.peers:08x}"
+        self.swarm_id = swarm_id(config)
         self.failures: dict[int, str] = {}  # peer -> why it stopped before its last step
         self.nonces: dict[int, random.Random] = {}  # each peer's stream of request nonces
         self._nodes = {sim_address(i): i for i in range(config.peers)}
@@ -635,6 +636,14 @@ class Simulation:
 
     def _over(self, peer: VirtualPeer) -> bool:
         return peer.done or (peer.dead and self._restarts[peer.id] <= 0)
+
+
+def swarm_id(config: Config) -> str:
+    """A simulated swarm's id: a hash of its config but for where it writes (a run is a
+    function of its config). Not seed and size alone: ``report`` merges the directories
+    that share an id, and a sweep's variants often share both."""
+    values = {k: v for k, v in to_dict(config).items() if k != "out"}
+    return hashlib.sha256(repr(sorted(values.items())).encode()).hexdigest()[:16]
 
 
 def _states(peer: VirtualPeer) -> tuple[dict[str, Any], dict[str, Any]]:
