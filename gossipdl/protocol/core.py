@@ -788,9 +788,8 @@ class GossipCore:
     def welcomed(self, now: float, welcome: Message) -> Member:
         """A member let us in (or back in): its welcome's id and table become ours (we answer
         joins again), every member's silence starts now, and rounds from our first one on
-        are kept. Returns
-        our entry; WireError if the welcome is malformed or names no entry for us,
-        :class:`JoinRefused` if it refused us."""
+        are kept. Returns our entry; WireError if the welcome is malformed or names no entry
+        for us, :class:`JoinRefused` if it refused us."""
         self._now = now
         members = check_welcome(welcome, self.membership.limit)
         if "error" in welcome.meta:
