@@ -733,9 +733,7 @@ class Peer:
             member = self.membership.get(sources[0]) if sources else None
             if member is None and not take_model:
                 log.warning("peer %d: no member sent its round; in at round %d", self.id, since)
-                with self._core:
-                    self.core.start_at(since, self._flat())
-                self.started, self._first_wait = True, self.startup_timeout
+                self._start_at(since, None)
                 return
             if member is None:
                 break
@@ -755,18 +753,7 @@ class Peer:
                 exc.sender = j
                 self.transport.refused(exc)
                 continue
-            start = max(since, reply.round)
-            if model is not None:
-                with torch.no_grad():
-                    self._set_params(model)
-                self.steps = start * self.trigger.period
-            with self._core:
-                self.core.start_at(start, self._flat())
-                if model is not None:
-                    self.core.age = self.steps
-            self.started = True
-            # The swarm reaches our first round only after ``since - reply.round`` more rounds.
-            self._first_wait = self.startup_timeout
+            self._start_at(max(since, reply.round), model)
             log.info(
                 "peer %d: %s at round %d %s peer %d (round %d)",
                 self.id,
@@ -778,6 +765,20 @@ class Peer:
             )
             return
         raise PeerError(f"peer {self.id}: no member answered with its model")
+
+    def _start_at(self, start: int, model: torch.Tensor | None) -> None:
+        """Start at round ``start`` of the running swarm, with ``model`` if we take one."""
+        if model is not None:
+            with torch.no_grad():
+                self._set_params(model)
+            self.steps = start * self.trigger.period
+        with self._core:
+            self.core.start_at(start, self._flat())
+            if model is not None:
+                self.core.age = self.steps
+        self.started = True
+        # The swarm may reach our first round only after a while (a join sets it ahead).
+        self._first_wait = self.startup_timeout
 
     def _request(
         self,
