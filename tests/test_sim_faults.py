@@ -263,7 +263,7 @@ def test_a_peer_offline_past_dead_after_is_dropped_then_rejoins_and_ends_with_th
     away = {"away": {"peers": "2", "offline": ["1s-3s"]}}
     summary = simulate(fast_swarm(tmp_path, [], profiles=away), step_time=0.05)
     assert summary["peers_finished"] == 6 and summary["network"]["offline"] > 0
-    came_back = [x for x in lines(tmp_path / "run", 2) if x["time"] > 3.0 and not x.get("final")]
+    came_back = [x for x in lines(tmp_path / "run", 2) if x["time"] >= 3.0 and not x.get("final")]
     assert came_back[-1]["rejoins"] == 1 and came_back[-1]["members"] == 6
     assert came_back[-1]["step"] - came_back[0]["step"] > 30  # it jumped to the swarm's step
     assert all(lines(tmp_path / "run", i)[-1]["declared_dead"] == 1 for i in (0, 1, 3, 4, 5))

@@ -76,6 +76,11 @@ class Averager(ABC):
         self.codec = build_codec(codec, seed) if isinstance(codec, str) else codec
         self._dense = build_codec("none")  # resync copies and model replies travel uncompressed
 
+    def bind_layout(self, shapes: Sequence[Sequence[int]]) -> None:
+        """The shapes of the model's parameters, in the flat vector's order (peers call it
+        once, before the first round): for codecs and averagers that work layer by layer."""
+        self.codec.bind_layout(shapes)
+
     @abstractmethod
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """The payload every neighbour gets this round."""
@@ -167,6 +172,21 @@ class SharedDecodes:
             _, (_, dropped) = self._recent.popitem(last=False)
             self._recent_bytes -= dropped
         return value
+
+
+def mix(x: torch.Tensor, rnd: Round, arrived: Sequence[Arrival]) -> torch.Tensor:
+    """``W_ii x + Σ_j W_ij v_j`` over the ``arrived``, the weight of every neighbour that sent
+    nothing left on ``x``: the one missing-neighbour rule of every averager.
+
+    With a symmetric W this is ``x + Σ_j W_ij (v_j − x)``, pairwise exchanges that cancel in
+    the sum, so an edge lost both ways (a neighbour gone, a link down, a peer that sat out a
+    dynamic round) leaves the swarm's average exactly where it was. Renormalising the
+    arrived weights to one instead scales the peer's row and moves the average.
+    """
+    out = x * (rnd.self_weight + sum(rnd.weights.values()) - sum(a.weight for a in arrived))
+    for arrival in arrived:
+        out.add_(arrival.value, alpha=arrival.weight)
+    return out
 
 
 def dense_payload(t: torch.Tensor) -> Payload:

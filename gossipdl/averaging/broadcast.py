@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from gossipdl.averaging.base import Arrival, Averager, Round, dense_payload
+from gossipdl.averaging.base import Arrival, Averager, Round, dense_payload, mix
 from gossipdl.compression import Payload
 
 
@@ -67,16 +67,13 @@ class Broadcast(Averager):
         missing: Sequence[int],
         late: Sequence[tuple[int, Arrival]] = (),
     ) -> torch.Tensor:
-        """Step 3, or in a resync round the renormalised average of the dense x̄."""
+        """Step 3, or in a resync round the average of the dense x̄ (:func:`mix`)."""
         assert self.shared is not None and self._own is not None
         self.shared.add_(self._own, alpha=rnd.self_weight)
         dense = {j: a for j, a in arrived.items() if a.dense}
         if rnd.resync:
             self.needs_resync = set(dense) != set(rnd.weights)
-            total = rnd.self_weight + sum(a.weight for a in dense.values())
-            self.shared.mul_(rnd.self_weight / total)
-            for arrival in dense.values():
-                self.shared.add_(arrival.value, alpha=arrival.weight / total)
+            self.shared = mix(self.shared, rnd, list(dense.values()))
         updates = [a for a in arrived.values() if not a.dense] + [a for _, a in late if not a.dense]
         for arrival in updates:
             self.shared.add_(arrival.value, alpha=arrival.weight)

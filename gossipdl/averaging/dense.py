@@ -2,26 +2,42 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from gossipdl.averaging.base import Arrival, Averager, Round
+from gossipdl.averaging.base import Arrival, Averager, Round, mix
 from gossipdl.compression import Payload
+
+LATE_ROUNDS = 4
+"""Rounds a peer keeps its own model of, while a neighbour's model for it is missing, so a
+late one still pairs up exactly (one model-sized copy per such round)."""
 
 
 class DenseGossip(Averager):
     """Send the model (through the codec, lossless by default); average what arrived.
 
-    A neighbour that missed the round is left out and the remaining weights
-    (including the peer's own) are scaled to sum to one, so a late neighbour
-    slows nobody and never biases the average towards zero. With a lossy codec
-    this is naive compressed gossip (the model itself quantized), which is why
-    CHOCO is the default as soon as the codec is lossy.
+    A neighbour that missed the round leaves its weight with the peer (:func:`mix`), so a
+    late neighbour slows nobody. When the loss is one-sided, the neighbour whose model
+    did arrive applied the edge ``W_ij (x_i − x_j)`` and this peer did not; its model
+    still counts when it comes late (up to :data:`LATE_ROUNDS` rounds later), as
+    ``W_ij (x_j^t − x_i^t)`` with this peer's own model of that round, so the two halves
+    of the edge cancel and the swarm's average is kept exactly. A model lost for good
+    leaves the edge applied at one end only (no acknowledgement over a lossy link can
+    make both ends agree), and moves the average once by ``W_ij (x_i − x_j) / n``.
+    With a lossy codec this is naive compressed gossip (the model itself quantized),
+    which is why CHOCO is the default as soon as the codec is lossy.
     """
 
     name = "dense"
     arrivals_read_only = True  # the average reads what arrived
+    accepts_late = True  # a late model pairs up with the own model of its round
+
+    def __init__(self, codec: str = "none", seed: int = 0) -> None:
+        super().__init__(codec, seed)
+        # round -> (own model of that round, neighbours whose model is still missing)
+        self._held: OrderedDict[int, tuple[torch.Tensor, set[int]]] = OrderedDict()
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """The whole parameter vector, encoded."""
@@ -36,9 +52,18 @@ class DenseGossip(Averager):
         missing: Sequence[int],
         late: Sequence[tuple[int, Arrival]] = (),
     ) -> torch.Tensor:
-        """Weighted average of ``x`` and the arrived vectors."""
-        total = rnd.self_weight + sum(a.weight for a in arrived.values())
-        out = x * (rnd.self_weight / total)
-        for arrival in arrived.values():
-            out.add_(arrival.value, alpha=arrival.weight / total)
+        """Weighted average of ``x`` and the arrived vectors, plus the late ones' edges."""
+        out = mix(x, rnd, list(arrived.values()))
+        for j, arrival in late:
+            held = self._held.get(arrival.round)
+            if held is not None and j in held[1]:
+                own, waiting = held
+                out.add_(arrival.value - own, alpha=arrival.weight)
+                waiting.discard(j)
+                if not waiting:
+                    del self._held[arrival.round]
+        if missing:
+            self._held[rnd.index] = (x.clone(), set(missing))
+            while len(self._held) > LATE_ROUNDS:
+                self._held.popitem(last=False)
         return out

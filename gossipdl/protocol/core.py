@@ -301,7 +301,7 @@ class GossipCore:
         missed = sorted(j for j in expected if j not in got)
         self.counters.neighbour_misses += len(missed)
         if missed:
-            self.notes.append(f"round {rnd.index}: no model from {missed}; averaged without them")
+            self.notes.append(f"round {rnd.index}: no model from {missed}; its weight stays here")
         if not self.trigger.dynamic:
             return self._end(now, self._merge(x, rnd, got))
         if not first:
@@ -328,21 +328,14 @@ class GossipCore:
         return progress
 
     def _end_dynamic(self, now: float, got: dict[int, Any], took_part: bool) -> Progress:
-        """Merge a dynamic round (``Peer._dynamic_round``): dense gossip gives every silent
-        edge's weight to the peer itself; CHOCO keeps its weights and mixes only if it took
-        part. An edge carries models iff one of its ends synced."""
+        """Merge a dynamic round (``Peer._dynamic_round``): a silent edge is a missing
+        neighbour, whose weight stays with the peer (``averaging.base.mix``); CHOCO keeps
+        its weights and mixes only if it took part. An edge carries models iff one of its
+        ends synced."""
         assert self._open is not None
         rnd, x, _ = self._open
         if self.averager.uses_public_copies:
             rnd = replace(rnd, mix=took_part)
-        else:
-            edges = set(rnd.weights) if self._sync else set(got)
-            silent = sum(w for j, w in rnd.weights.items() if j not in edges)
-            rnd = replace(
-                rnd,
-                weights={j: w for j, w in rnd.weights.items() if j in edges},
-                self_weight=rnd.self_weight + silent,
-            )
         new = self._merge(x, rnd, got)
         if took_part:
             self.counters.syncs += 1

@@ -1,0 +1,88 @@
+"""The averaging rules, run in the simulator: a missing neighbour's weight stays with the
+peer and a late model still pairs up, so one-sided loss keeps the swarm's average exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from conftest import small_config
+
+from gossipdl.averaging import DenseGossip
+from gossipdl.averaging.base import Arrival, Round, mix
+from gossipdl.averaging.dense import LATE_ROUNDS
+from gossipdl.rundir import RunDir
+from gossipdl.sim.engine import Simulation
+
+
+def simulation(tmp_path: Path, faults: list[dict[str, Any]]) -> Simulation:
+    """Four peers on a ring, dense gossip every step and no training (the optimizers' steps
+    do nothing), each starting from its own random model: whatever moves the average is
+    the averaging."""
+    config = small_config(
+        tmp_path,
+        peers=4,
+        steps=40,
+        algorithm="dense",
+        round_timeout=0.05,
+        faults=faults,
+        profiles={"all": {"peers": "0-3", "step_time": "10ms"}},
+    )
+    run = RunDir(config.out)
+    run.create()
+    sim = Simulation(config, run)
+    for peer in sim.peers:
+        generator = torch.Generator().manual_seed(peer.id)
+        with torch.no_grad():
+            for p in peer.params:
+                p.copy_(torch.randn(p.shape, generator=generator))
+        peer.optimizer.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        peer.core.reference = peer.flat()
+        peer.core.published = (peer.core.round, peer.flat())
+    return sim
+
+
+def swarm_mean(sim: Simulation) -> torch.Tensor:
+    return torch.stack([p.flat() for p in sim.peers]).double().mean(0)
+
+
+def test_one_sided_loss_keeps_the_swarm_average_exactly(tmp_path: Path) -> None:
+    """Peer 0's models to peer 1 are held for 150 ms (0 gets 1's; 1 times out on 0's) and
+    then arrive late: 1 leaves 0's weight on itself, then pairs the late models with its own
+    of their rounds, so the edge's two halves cancel and the average does not move."""
+    sim = simulation(tmp_path, [{"at": "0.01s", "clog": "0>1"}, {"at": "0.15s", "unclog": "0>1"}])
+    start = swarm_mean(sim)
+    spread = float((torch.stack([p.flat() for p in sim.peers]).double() - start).norm())
+    sim.run()
+    assert sim.peers[1].core.counters.neighbour_misses >= 2  # the loss happened, one-sided
+    drift = float((swarm_mean(sim) - start).norm())
+    assert drift < 1e-6 * spread
+    end = torch.stack([p.flat() for p in sim.peers]).double()
+    assert float((end - end.mean(0)).norm()) < 0.1 * spread  # and the swarm still mixed
+
+
+def test_a_missing_neighbours_weight_stays_with_the_peer() -> None:
+    """The rule itself: x_i + Σ W_ij (x_j − x_i) over what arrived."""
+    x, a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 0.0]), torch.tensor([5.0, 4.0])
+    rnd = Round(3, {1: 0.25, 2: 0.25}, 0.5)
+    assert mix(x, rnd, [Arrival(0.25, a, 3)]).tolist() == [1.5, 1.5]  # 0.75 x + 0.25 a
+    assert mix(x, rnd, [Arrival(0.25, a, 3), Arrival(0.25, b, 3)]).tolist() == [2.5, 2.0]
+    assert mix(x, rnd, []).tolist() == x.tolist()
+
+
+def test_a_late_model_pairs_with_the_own_model_of_its_round_unless_too_old() -> None:
+    gossip = DenseGossip()
+    assert gossip.incoming(torch.tensor([2.0]), Round(3, {1: 0.5}, 0.5), {}, [1]).tolist() == [2.0]
+    late = [(1, Arrival(0.5, torch.tensor([6.0]), 3))]
+    now = {1: Arrival(0.5, torch.tensor([4.0]), 4)}
+    # round 4: 0.5·2 + 0.5·4, and round 3's edge late: 0.5·(6 − 2) with the own model of round 3
+    assert gossip.incoming(
+        torch.tensor([2.0]), Round(4, {1: 0.5}, 0.5), now, [], late
+    ).tolist() == [5.0]
+
+    old = DenseGossip()
+    for r in range(3, 3 + LATE_ROUNDS + 1):  # 1 missing in every round: round 3 falls out
+        old.incoming(torch.tensor([2.0]), Round(r, {1: 0.5}, 0.5), {}, [1])
+    after = old.incoming(torch.tensor([2.0]), Round(9, {1: 0.5}, 0.5), {}, [1], late)
+    assert after.tolist() == [2.0]
