@@ -10,6 +10,8 @@ from test_peer_api import make_swarm, run_rounds
 
 from gossipdl import Peer
 from gossipdl.averaging import Choco, default_gamma
+from gossipdl.averaging.base import Arrival, Round
+from gossipdl.compression import build_codec
 from gossipdl.topologies import build_topology
 
 
@@ -136,3 +138,46 @@ def test_compressed_broadcast_keeps_every_peer_on_one_model_and_loses_no_update(
         assert peers[0].stats()["bytes_sent"] < rounds * 2 * 4 * peers[0].numel / 5
     finally:
         close_all(peers)
+
+
+def test_an_unbiased_quantizer_is_scaled_by_one_over_one_plus_omega_on_both_ends() -> None:
+    """qsgd:4:16 has ω = min(16/4², √16/4) = 1, so CHOCO adds q/2 to x̂ and to every s."""
+    spec, numel = "qsgd:4:16", 64
+    assert build_codec(spec).omega(numel) == 1.0
+    sender, receiver = Choco(spec, seed=3), Choco(spec, seed=9)
+    twin = build_codec(spec, seed=3)  # the sender's codec, drawing the same random rounding
+    rnd = Round(0, {1: 1 / 3}, 2 / 3, resync=True)
+    x0 = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    sender.outgoing(x0, rnd)
+    twin.encode(torch.zeros(numel))  # the first round sends zeros: keep the twin in step
+    receiver.outgoing(torch.zeros(numel), rnd)
+    assert sender.scale == receiver.scale == 0.5
+    x1 = x0 + torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    s_before = sender.s.clone()  # type: ignore[union-attr]
+    payload = sender.outgoing(x1, Round(1, {1: 1 / 3}, 2 / 3))
+    q = twin.encode(x1 - x0)[1]
+    torch.testing.assert_close(sender.x_hat, x0 + q / 2)
+    torch.testing.assert_close(sender.s, s_before + (2 / 3) * q / 2)
+    received = receiver.decode(payload, False, numel, torch.device("cpu"))
+    torch.testing.assert_close(received, q)  # the wire carries q itself
+    s_then = receiver.s.clone()  # type: ignore[union-attr]
+    receiver.incoming(
+        torch.zeros(numel), Round(1, {0: 1 / 3}, 2 / 3), {0: Arrival(1 / 3, q, 1)}, []
+    )
+    torch.testing.assert_close(receiver.s, s_then + q / 6)
+    assert Choco("topk:0.01").scale == 1.0 and build_codec("topk:0.01+sign").omega(10**6) == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "needles"),
+    [("topk:0.01+ef", ["needs no '+ef'", "x − x̂ is the error memory", "'topk:0.01+delta-golomb'"]),
+     ("randomk:0.01", ["not contractive", "'randomk:0.01:noscale'"]),
+     ("randomk:0.05+fp16", ["not contractive", "'randomk:0.05:noscale+fp16'"])],
+)  # fmt: skip
+def test_choco_refuses_error_feedback_and_scaled_random_k_saying_why(
+    spec: str, needles: list[str]
+) -> None:
+    with pytest.raises(ValueError) as caught:
+        Choco(spec)
+    assert all(n in str(caught.value) for n in needles), caught.value
+    Choco("randomk:0.01:noscale")  # the contractive form is welcome

@@ -26,6 +26,7 @@ import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round, dense_payload
 from gossipdl.compression import Codec, Payload, stage_names
+from gossipdl.compression.sparse import RandomK
 
 _SPARSIFIERS = ("topk", "randomk", "threshold")
 _NEAR_LOSSLESS = ("none", "dense", "fp16", "bf16")
@@ -53,21 +54,63 @@ def default_gamma(spec: str) -> float:
     return 0.1
 
 
+WARMUP_ROUNDS = 20
+"""With a lossy codec, γ ramps linearly from γ/WARMUP_ROUNDS to γ over a peer's first
+rounds: early updates are the largest and the public copies lag them most."""
+
+
+def check_choco_codec(codec: Codec) -> None:
+    """Refuse what CHOCO cannot use, saying why: error feedback on top (the public copy
+    x̂ already keeps what was not sent: CHOCO is error feedback on the model) and scaled
+    random-k (unbiased but not contractive even after 1/(1+ω): use its noscale form)."""
+    stages = stage_names(codec.spec)
+    if "ef" in stages:
+        raise ValueError(
+            f"codec {codec.spec!r}: CHOCO needs no '+ef': its public copy x̂ already carries "
+            f"what was not sent (x − x̂ is the error memory); use {codec.spec[:-3]!r}"
+        )
+    sparsifier = getattr(codec, "sparsifier", None)
+    if isinstance(sparsifier, RandomK) and sparsifier.scaled:
+        raise ValueError(
+            f"codec {codec.spec!r}: scaled random-k is not contractive (its error can exceed "
+            f"the vector), which CHOCO needs; use "
+            f"{codec.spec.replace(sparsifier.spec, sparsifier.spec + ':noscale')!r}, "
+            "the same rand-k scaled by 1/(1+ω)"
+        )
+
+
 class Choco(Averager):
-    """CHOCO-SGD with codec ``codec`` and consensus step ``gamma`` (default: per codec)."""
+    """CHOCO-SGD with codec ``codec`` and consensus step ``gamma`` (default: per codec).
+
+    An unbiased codec (QSGD, ternary values) is made contractive as the theory needs:
+    what it sends is scaled by ``1/(1 + ω)`` (``codec.omega``) on the sender's x̂ and
+    in every receiver's s, a function of the spec and the vector's length alone, so
+    both ends agree. γ ramps up over the first :data:`WARMUP_ROUNDS` rounds.
+    """
 
     name = "choco"
     arrivals_read_only = True  # s_i += W_ij q_j reads q_j
 
     def __init__(self, codec: Codec | str = "topk:0.01", seed: int = 0, gamma: float | None = None):
         super().__init__(codec, seed)
+        check_choco_codec(self.codec)
         self.gamma = default_gamma(self.codec.spec) if gamma is None else gamma
         if not 0 < self.gamma <= 1:
             raise ValueError(f"gamma = {self.gamma}; CHOCO needs 0 < gamma <= 1")
         self.x_hat: torch.Tensor | None = None
         self.s: torch.Tensor | None = None
+        self.scale = 1.0  # 1/(1+ω), set when the vector's length is known
         self._synced_at: dict[int, int] = {}
+        self._first: int | None = None  # the round of the first outgoing (the warm-up's start)
         self.resynced: int | None = None  # the round s_i was last rebuilt from dense copies
+
+    def step_size(self, rnd: Round) -> float:
+        """γ in round ``rnd``: the warm-up's share of it in a peer's first rounds (a lossless
+        codec needs none: its x̂ is x)."""
+        if not self.codec.lossy:
+            return self.gamma
+        done = rnd.index - (rnd.index if self._first is None else self._first) + 1
+        return self.gamma * min(1.0, done / WARMUP_ROUNDS)
 
     accepts_late = True  # a late update is still added: a sum does not care about order
 
@@ -78,12 +121,14 @@ class Choco(Averager):
         if self.x_hat is None:  # first round: the public copy starts at the model itself
             self.x_hat = x.clone()
             self.s = x * rnd.self_weight
+            self.scale = 1.0 / (1.0 + self.codec.omega(x.numel()))
+            self._first = rnd.index
             payload, _ = self.codec.encode(torch.zeros_like(x))
             return payload
         assert self.s is not None
         payload, q = self.codec.encode(x - self.x_hat)
-        self.x_hat.add_(q)
-        self.s.add_(q, alpha=rnd.self_weight)
+        self.x_hat.add_(q, alpha=self.scale)
+        self.s.add_(q, alpha=rnd.self_weight * self.scale)
         return payload
 
     def public_copy(self) -> Payload:
@@ -107,7 +152,7 @@ class Choco(Averager):
             if not self.needs_resync:
                 self.s = self.x_hat * rnd.self_weight
                 for j, arrival in dense.items():
-                    self.s.add_(arrival.value, alpha=arrival.weight)
+                    self.s.add_(arrival.value, alpha=arrival.weight * self.scale)
                     self._synced_at[j] = rnd.index
                 self.resynced = rnd.index
         for j, arrival in arrived.items():
@@ -118,12 +163,12 @@ class Choco(Averager):
                 self._add(j, arrival)
         if not rnd.mix:
             return x
-        return x + self.gamma * (self.s - self.x_hat)
+        return x + self.step_size(rnd) * (self.s - self.x_hat)
 
     def _add(self, sender: int, arrival: Arrival) -> None:
-        """s_i += W_ij q_j, unless a later dense resync already includes q_j (or, from a
+        """s_i += W_ij q_j / (1+ω), unless a later dense resync already includes q_j (or, from a
         neighbour of an earlier topology, left it out: s_i was rebuilt after it)."""
         assert self.s is not None
         rebuilt = -1 if self.resynced is None else self.resynced
         if arrival.round > max(self._synced_at.get(sender, -1), rebuilt):
-            self.s.add_(arrival.value, alpha=arrival.weight)
+            self.s.add_(arrival.value, alpha=arrival.weight * self.scale)

@@ -144,6 +144,20 @@ class Codec(ABC):
     ) -> torch.Tensor:
         """Rebuild the 1-D float32 tensor of ``numel`` elements on ``device``."""
 
+    def bind_layout(self, shapes: Sequence[Sequence[int]]) -> None:
+        """The shapes of the tensors the flat vectors are made of (a model's parameters, in
+        order), for codecs that work per tensor; both ends bind the same. Others ignore it."""
+        return None
+
+    def omega(self, numel: int) -> float:
+        """ω of the codec's unbiased random stage on a vector of ``numel`` values:
+        ``E‖Q(x) − x‖² ≤ ω‖x‖²`` (0 when nothing in it is an unbiased random rounding).
+
+        CHOCO-SGD needs a contractive compressor; an unbiased one becomes one when what
+        it sends is scaled by ``1/(1 + ω)`` (Koloskova et al. 2019, Section 3).
+        """
+        return 0.0
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
 

@@ -57,6 +57,10 @@ class ErrorFeedback(Codec):
         self.lossy = codec.lossy
         self.residual: torch.Tensor | None = None
 
+    def omega(self, numel: int) -> float:
+        """The wrapped codec's ω."""
+        return self.codec.omega(numel)
+
     def reset(self) -> None:
         """Forget the residual (e.g. after a dense resync)."""
         self.residual = None

@@ -11,12 +11,14 @@ tensor bit for bit.
 Unbiased (``E[decode(encode(x))] = x``): ``qsgd`` and ``ternary``. Biased but
 contractive: ``sign`` and ``uniform``. CHOCO-SGD (Koloskova et al. 2019)
 needs a contractive compressor, ``E‖Q(x) − x‖² ≤ (1 − δ)‖x‖²``; an unbiased
-one with variance ``ω‖x‖²`` qualifies after scaling by ``1/(1 + ω)``, which
-is the averaging layer's business, not the codec's.
+one with variance ``ω‖x‖²`` qualifies after scaling by ``1/(1 + ω)``: each
+codec states its ω (:meth:`~gossipdl.compression.Codec.omega`), and CHOCO
+applies the scale on both ends.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from types import ModuleType
 
@@ -251,6 +253,12 @@ class Ternary(ValueCodec):
         self.spec = "ternary" if self.block == 0 else f"ternary:{self.block}"
         self._rng = Rng(seed, salt=3)
 
+    def omega(self, numel: int) -> float:
+        """``√B − 1`` for blocks of ``B`` values: with ``s = ‖x‖∞`` the variance is
+        ``s‖x‖₁ − ‖x‖² ≤ (√B − 1)‖x‖²`` (``‖x‖₁ ≤ √B‖x‖``, ``s ≤ ‖x‖``)."""
+        size = min(self.block or numel, numel)
+        return max(math.sqrt(size) - 1.0, 0.0)
+
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         g = check_vector(x)
         count = g.numel()
@@ -334,6 +342,12 @@ class QSGD(ValueCodec):
         self.bits = (2 * levels).bit_length()
         self.spec = f"qsgd:{levels}" if bucket == 512 else f"qsgd:{levels}:{bucket}"
         self._rng = Rng(seed, salt=4)
+
+    def omega(self, numel: int) -> float:
+        """``min(B/s², √B/s)`` for buckets of ``B`` values (Lemma 3.1; a shorter last
+        bucket has a smaller one)."""
+        size = min(self.block or numel, numel)
+        return min(size / self.levels**2, math.sqrt(size) / self.levels)
 
     def _values(self, codes: torch.Tensor, norms: torch.Tensor, count: int) -> torch.Tensor:
         """Step 4, shared by encode and decode: ``(code − s) · (‖v‖₂ / s)``."""

@@ -305,6 +305,12 @@ class SparseCodec(Codec):
         self.spec = "+".join(parts)
         self.lossy = True
 
+    def omega(self, numel: int) -> float:
+        """The value codec's ω on the kept values (scaled random-k's own variance,
+        ``n/k − 1``, is not counted: it is refused where ω matters, see ``randomk``)."""
+        count = self.sparsifier.count(numel)
+        return self.values.omega(numel if count is None else count)
+
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         v = check_vector(x)
         numel = v.numel()
