@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from gossipdl.compression._kernels import Rng, from_host, to_host
@@ -18,7 +19,7 @@ from gossipdl.compression.base import (
     check_vector,
 )
 
-__all__ = ["PowerSGD", "as_matrix", "matrix_shape", "reconstruct"]
+__all__ = ["LowRankLayout", "PowerSGD", "as_matrix", "matrix_shape", "reconstruct", "split"]
 
 
 def matrix_shape(numel: int) -> tuple[int, int]:
@@ -56,32 +57,106 @@ def as_matrix(v: torch.Tensor) -> torch.Tensor:
     return m.view(rows, cols)
 
 
+@dataclass(frozen=True)
+class LowRankLayout:
+    """Which parts of a flat vector are matrices, compressed to a low rank, and which are
+    vectors, sent as they are: the per-layer split of PowerSGD (Vogels et al. 2019).
+
+    Each tensor of two or more dimensions whose first dimension and the rest both exceed
+    one is a matrix (first dimension × the rest, ``rank`` capped at the smaller); every
+    other tensor (biases, norms, a 1×n weight) is a vector.
+
+    Example:
+        >>> layout = LowRankLayout.of([(512, 40), (512,), (10, 512)], rank=2)
+        >>> layout.layers, layout.vectors, layout.p_length, layout.q_length
+        (((0, 512, 40, 2), (20992, 10, 512, 2)), ((20480, 512),), 1044, 1104)
+    """
+
+    layers: tuple[tuple[int, int, int, int], ...]  # offset, rows, cols, rank
+    vectors: tuple[tuple[int, int], ...]  # offset, length
+    numel: int
+
+    @classmethod
+    def of(cls, shapes: Sequence[Sequence[int]], rank: int) -> LowRankLayout:
+        """The layout of a flat vector made of tensors of ``shapes``, in order."""
+        layers, vectors, offset = [], [], 0
+        for shape in shapes:
+            size = math.prod(shape)
+            if len(shape) >= 2 and min(shape[0], size // shape[0]) > 1:
+                rows, cols = shape[0], size // shape[0]
+                layers.append((offset, rows, cols, min(rank, rows, cols)))
+            elif size:
+                vectors.append((offset, size))
+            offset += size
+        return cls(tuple(layers), tuple(vectors), offset)
+
+    @property
+    def p_length(self) -> int:
+        """Values in all the P factors (rows × rank per matrix)."""
+        return sum(rows * r for _, rows, _, r in self.layers)
+
+    @property
+    def q_length(self) -> int:
+        """Values in all the Q factors (cols × rank per matrix)."""
+        return sum(cols * r for _, _, cols, r in self.layers)
+
+    @property
+    def dense_length(self) -> int:
+        """Values sent as they are."""
+        return sum(length for _, length in self.vectors)
+
+    def matrices(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The matrices, as views into ``flat``."""
+        return [flat[o : o + rows * cols].view(rows, cols) for o, rows, cols, _ in self.layers]
+
+    def dense_parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The vectors, as views into ``flat``."""
+        return [flat[o : o + n] for o, n in self.vectors]
+
+
+def split(buffer: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Consecutive views of ``buffer`` with ``shapes`` (the inverse of a concatenation)."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(buffer[offset : offset + n].view(*shape))
+        offset += n
+    return out
+
+
+def _concat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts) if parts else like.new_zeros(0)
+
+
 class PowerSGD(Codec):
-    """``powersgd:RANK``: send ``P`` (rows×r) and ``Q`` (cols×r) with ``M ≈ P Qᵀ``.
+    """``powersgd:RANK``: per layer, send ``P̂`` (rows×r) and ``Q`` (cols×r) with ``M ≈ P̂ Qᵀ``.
 
     Vogels, Karimireddy, Jaggi 2019, "PowerSGD: Practical Low-Rank Gradient
-    Compression for Distributed Optimization", Algorithm 1, for one matrix:
-    the flat vector is laid out row-major as a near-square matrix ``M``
-    (``rows = ceil(√n)``, zero padding at the end) and
+    Compression for Distributed Optimization", Algorithm 1, layer by layer: once
+    :meth:`bind_layout` has named the tensors the flat vector is made of (the
+    peers do, with their model's parameter shapes), each matrix ``M`` of
+    :class:`LowRankLayout` is compressed on its own and the vectors (biases)
+    are sent as they are, as in the paper. A vector of another length (or with
+    no layout bound) is one near-square matrix (``rows = ceil(√n)``, zero
+    padding at the end). For each matrix:
 
     1. ``P ← M Q``            (Q warm-started from the previous call),
     2. ``P̂ ← ORTHOGONALIZE(P)`` (reduced QR),
     3. ``Q ← Mᵀ P̂``,
-    4. the receiver's value ``P̂ Qᵀ``, flattened and cropped to ``n``.
+    4. the receiver's value ``P̂ Qᵀ``.
 
-    **The warm start lives on the sender**: this instance keeps ``Q`` between
-    calls (one per vector length and device) and reuses it as the starting
+    **The warm start lives on the sender**: this instance keeps each ``Q``
+    between calls (per vector length and device) and reuses it as the starting
     point of the next power iteration, which is what makes one iteration per
     step enough (Section 3 of the paper). Use one codec instance per stream of
-    messages (per peer and parameter vector); the receiver needs no state,
-    because both ``P̂`` and ``Q`` are sent. ``Q`` starts as a seeded standard
-    normal matrix; a column that becomes zero (e.g. after a zero input) is
-    redrawn so the iteration cannot get stuck at zero.
+    messages (per peer and parameter vector); the receiver needs no state
+    beyond the layout, because both ``P̂`` and ``Q`` are sent. ``Q`` starts as
+    a seeded standard normal matrix; a column that becomes zero (e.g. after a
+    zero input) is redrawn so the iteration cannot get stuck at zero.
 
-    Biased; meant to run under error feedback (``powersgd:2+ef``), as in the
-    paper. ``RANK`` is capped at ``min(rows, cols)``. Payload: float32
-    ``P̂`` ``[rows·r]`` and ``Q`` ``[cols·r]``, row-major, empty meta;
-    ``4r(rows + cols) + 1`` bytes.
+    Biased. Payload: float32 ``P̂`` of every matrix then the vectors, and float32
+    ``Q`` of every matrix, row-major, empty meta; ``4(r·Σ(rows + cols) + vectors) + 1``
+    bytes.
 
     The reconstruction ``Σ_j P̂[:, j] Q[:, j]ᵀ`` is computed with elementwise
     multiplies and adds in a fixed order rather than a matrix product, so it
@@ -95,60 +170,97 @@ class PowerSGD(Codec):
         self.rank = rank
         self.spec = f"powersgd:{rank}"
         self._rng = Rng(seed, salt=6)
-        self._warm: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._bound: LowRankLayout | None = None
+        self._warm: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
 
-    def _rank_for(self, numel: int) -> int:
-        rows, cols = matrix_shape(numel)
-        return min(self.rank, rows, cols)
+    def bind_layout(self, shapes: Sequence[Sequence[int]]) -> None:
+        self._bound = LowRankLayout.of(shapes, self.rank)
 
-    def _start(self, numel: int, device: torch.device) -> torch.Tensor:
-        """The warm-start ``Q`` for this length and device (drawn on first use)."""
-        q = self._warm.get((numel, device))
-        if q is None:
-            cols = matrix_shape(numel)[1]
-            q = torch.randn(
-                cols, self._rank_for(numel), generator=self._rng.torch(device), device=device
-            )
-        return q
+    def _layout(self, numel: int) -> LowRankLayout:
+        """The bound layout, or one near-square matrix for a vector of another length."""
+        if self._bound is not None and self._bound.numel == numel:
+            return self._bound
+        return (
+            LowRankLayout.of([matrix_shape(numel)], self.rank)
+            if numel
+            else LowRankLayout((), (), 0)
+        )
+
+    def _start(self, layout: LowRankLayout, device: torch.device) -> list[torch.Tensor]:
+        """The warm-start ``Q`` of every matrix for this layout and device (drawn on first use)."""
+        qs = self._warm.get((layout.numel, device))
+        if qs is None:
+            generator = self._rng.torch(device)
+            qs = [
+                torch.randn(cols, r, generator=generator, device=device)
+                for _, _, cols, r in layout.layers
+            ]
+        return qs
 
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         v = check_vector(x)
         numel = v.numel()
-        if numel == 0:
-            empty_arrays = (np.zeros(0, np.float32), np.zeros(0, np.float32))
-            return Payload(empty_arrays, {}), torch.zeros(0, device=v.device)
-        m = as_matrix(v)
-        q = self._start(numel, v.device)
-        # 1. P ← M Q
-        p = m @ q
-        # 2. P̂ ← ORTHOGONALIZE(P)
-        p = torch.linalg.qr(p, mode="reduced").Q.contiguous()
-        # 3. Q ← Mᵀ P̂
-        q = (m.T @ p).contiguous()
-        # 4. the receiver's value P̂ Qᵀ.
-        estimate = reconstruct(p, q, numel)
-        payload = Payload((to_host(p).reshape(-1).copy(), to_host(q).reshape(-1).copy()), {})
-        self._keep_warm(numel, v.device, q)
+        layout = self._layout(numel)
+        flat = v if layout.numel == numel else as_matrix(v).reshape(-1)
+        ps, qs = [], []
+        for m, q in zip(layout.matrices(flat), self._start(layout, v.device), strict=True):
+            p = m @ q  # 1. P ← M Q
+            p = torch.linalg.qr(p, mode="reduced").Q.contiguous()  # 2. P̂ ← ORTHOGONALIZE(P)
+            ps.append(p)
+            qs.append((m.T @ p).contiguous())  # 3. Q ← Mᵀ P̂
+        estimate = self._estimate(layout, ps, qs, layout.dense_parts(flat), v.device, numel)
+        first = _concat([p.reshape(-1) for p in ps] + layout.dense_parts(flat), flat)
+        second = _concat([q.reshape(-1) for q in qs], flat)
+        payload = Payload((to_host(first).copy(), to_host(second).copy()), {})
+        self._keep_warm(layout, v.device, qs)
         return payload, estimate
 
-    def _keep_warm(self, numel: int, device: torch.device, q: torch.Tensor) -> None:
-        """Store ``Q`` for the next call, redrawing columns that are zero or not finite."""
-        q = q.clone()
-        dead = ~torch.isfinite(q).all(dim=0) | (q.abs().sum(dim=0) == 0)
-        if bool(dead.any()):
-            fresh = torch.randn(q.shape, generator=self._rng.torch(device), device=device)
-            q[:, dead] = fresh[:, dead]
-        self._warm[(numel, device)] = q
+    @staticmethod
+    def _estimate(
+        layout: LowRankLayout,
+        ps: list[torch.Tensor],
+        qs: list[torch.Tensor],
+        vectors: list[torch.Tensor],
+        device: torch.device,
+        numel: int,
+    ) -> torch.Tensor:
+        """4. the receiver's value: ``P̂ Qᵀ`` per matrix, the vectors as sent."""
+        out = torch.empty(layout.numel, dtype=torch.float32, device=device)
+        for (o, rows, cols, _), p, q in zip(layout.layers, ps, qs, strict=True):
+            out[o : o + rows * cols] = reconstruct(p, q, rows * cols)
+        for (o, n), part in zip(layout.vectors, vectors, strict=True):
+            out[o : o + n] = part
+        return out[:numel]
+
+    def _keep_warm(
+        self, layout: LowRankLayout, device: torch.device, qs: list[torch.Tensor]
+    ) -> None:
+        """Store each ``Q`` for the next call, redrawing columns that are zero or not finite."""
+        kept = []
+        for q in qs:
+            q = q.clone()
+            dead = ~torch.isfinite(q).all(dim=0) | (q.abs().sum(dim=0) == 0)
+            if bool(dead.any()):
+                fresh = torch.randn(q.shape, generator=self._rng.torch(device), device=device)
+                q[:, dead] = fresh[:, dead]
+            kept.append(q)
+        self._warm[(layout.numel, device)] = kept
 
     def decode(
         self, payload: Payload, numel: int, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
         numel = check_numel(numel)
-        rows, cols = matrix_shape(numel)
-        rank = self._rank_for(numel)
-        p, q = check_arrays(payload, self.spec, ["float32", "float32"], [rows * rank, cols * rank])
+        layout = self._layout(numel)
+        first, second = check_arrays(
+            payload,
+            self.spec,
+            ["float32", "float32"],
+            [layout.p_length + layout.dense_length, layout.q_length],
+        )
         check_meta(payload.meta, self.spec, {})
         device = torch.device(device)
-        p_t = from_host(p, device).view(rows, rank)
-        q_t = from_host(q, device).view(cols, rank)
-        return reconstruct(p_t, q_t, numel)
+        head = from_host(first, device)
+        ps = split(head, [(rows, r) for _, rows, _, r in layout.layers])
+        qs = split(from_host(second, device), [(cols, r) for _, _, cols, r in layout.layers])
+        vectors = split(head[layout.p_length :], [(n,) for _, n in layout.vectors])
+        return self._estimate(layout, ps, qs, vectors, device, numel)

@@ -210,6 +210,7 @@ class Peer:
         if ring:
             check_ring_codec(codec)
         self.averager = build_averager("dense" if ring else algorithm, codec, seed, gamma)
+        self.averager.bind_layout([tuple(p.shape) for p in self.params])
         self.trigger = parse_trigger(trigger)
         check_trigger(self.trigger, self.averager)
         if ring and self.trigger.dynamic:

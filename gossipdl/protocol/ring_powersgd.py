@@ -23,13 +23,12 @@ as one more state machine with the ring's events (the simulator's driver), and
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from gossipdl.compression.powersgd import reconstruct
+from gossipdl.compression.powersgd import LowRankLayout, reconstruct, split
 from gossipdl.protocol.ring import RingCore, RingProgress
 from gossipdl.transport.wire import Message
 
@@ -47,21 +46,12 @@ class LowRankMean:
         seed: int = 0,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.layers: list[tuple[int, int, int, int]] = []  # offset, rows, cols, rank
-        self.vectors: list[tuple[int, int]] = []  # offset, length
-        offset = 0
-        for shape in shapes:
-            size = math.prod(shape)
-            if len(shape) >= 2 and min(shape[0], size // shape[0]) > 1:
-                rows, cols = shape[0], size // shape[0]
-                self.layers.append((offset, rows, cols, min(rank, rows, cols)))
-            else:
-                self.vectors.append((offset, size))
-            offset += size
-        self.numel = offset
-        self.p_length = sum(rows * r for _, rows, _, r in self.layers)
-        self.dense_length = sum(length for _, length in self.vectors)
-        self.q_length = sum(cols * r for _, _, cols, r in self.layers)
+        layout = LowRankLayout.of(shapes, rank)
+        self.layout = layout
+        self.layers, self.vectors, self.numel = layout.layers, layout.vectors, layout.numel
+        self.p_length = layout.p_length
+        self.dense_length = layout.dense_length
+        self.q_length = layout.q_length
         self.length = max(self.p_length + self.dense_length, self.q_length, 1)  # the ring's
         generator = torch.Generator().manual_seed(seed)
         self.qs = [
@@ -81,17 +71,16 @@ class LowRankMean:
             raise ValueError(f"this ring reduces {self.numel} values, got {x.numel()}")
         flat = x.reshape(-1).to(torch.float32) + self.error
         self._flat = flat
-        self._ms = [flat[o : o + rows * cols].view(rows, cols) for o, rows, cols, _ in self.layers]
+        self._ms = self.layout.matrices(flat)
         return self._pack(
-            [m @ q for m, q in zip(self._ms, self.qs, strict=True)]
-            + [flat[o : o + n] for o, n in self.vectors]
+            [m @ q for m, q in zip(self._ms, self.qs, strict=True)] + self.layout.dense_parts(flat)
         )
 
     @torch.no_grad()
     def second(self, mean: torch.Tensor) -> torch.Tensor:
         """Steps 2–3: from the first mean, P̂ = ORTHOGONALIZE(P); what the second all-reduce
         averages (Mᵀ P̂)."""
-        ps = self._unpack(mean, [(rows, r) for _, rows, _, r in self.layers])
+        ps = split(mean, [(rows, r) for _, rows, _, r in self.layers])
         self._ps = [torch.linalg.qr(p, mode="reduced").Q.contiguous() for p in ps]
         self._mine = [(m.T @ p).contiguous() for m, p in zip(self._ms, self._ps, strict=True)]
         self._first = mean
@@ -101,7 +90,7 @@ class LowRankMean:
     def finish(self, mean: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Step 4: ``x`` becomes the estimate of the mean; the error keeps what this rank's
         own message did not carry (Algorithm 2)."""
-        self.qs = [q.contiguous() for q in self._unpack(mean, [q.shape for q in self._mine])]
+        self.qs = [q.contiguous() for q in split(mean, [q.shape for q in self._mine])]
         flat = self._flat
         estimate, sent = flat.clone(), flat.clone()  # vectors: the exact mean; sent as they are
         offset = self.p_length
@@ -125,17 +114,6 @@ class LowRankMean:
             buffer[offset : offset + part.numel()] = part.reshape(-1)
             offset += part.numel()
         return buffer
-
-    @staticmethod
-    def _unpack(
-        buffer: torch.Tensor, shapes: Sequence[torch.Size | tuple[int, ...]]
-    ) -> list[torch.Tensor]:
-        out, offset = [], 0
-        for shape in shapes:
-            n = math.prod(shape)
-            out.append(buffer[offset : offset + n].view(*shape))
-            offset += n
-        return out
 
 
 class LowRankRing:

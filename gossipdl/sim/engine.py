@@ -199,7 +199,7 @@ class Simulation:
         self.peers: list[VirtualPeer] = []
         for i in range(config.peers):
             model = copy.deepcopy(template)
-            averager = self._averager()
+            averager = self._averager_for(model)
             check_trigger(trigger, averager)
             flat = parameters_to_vector(model.parameters()).detach()
             table = MemberTable(members)
@@ -239,6 +239,12 @@ class Simulation:
         """The averaging rule of one peer's protocol core (a new one per peer)."""
         config = self.config
         return build_averager(config.algorithm, config.codec, config.seed, config.gamma or None)
+
+    def _averager_for(self, model: torch.nn.Module) -> Averager:
+        """:meth:`_averager`, told the shapes of ``model``'s parameters."""
+        averager = self._averager()
+        averager.bind_layout([tuple(p.shape) for p in model.parameters()])
+        return averager
 
     def _topology(self) -> str:
         """The topology the peers' protocol cores run."""
@@ -548,7 +554,7 @@ class Simulation:
         peer.core = GossipCore(
             -1,
             MemberTable([], old.membership.limit),
-            averager=self._averager(),
+            averager=self._averager_for(model),
             trigger=old.trigger,
             settings=old.settings,
             model=flat,
