@@ -576,7 +576,8 @@ def _how(config: Config) -> str:
         rule = f"async, staleness {config.staleness}" if config.ps == "async" else config.ps
         return f"parameter server ({rule}{every}), {config.ps_shards} shard(s), {codec}"
     config = resolved(config)
-    gamma = f" (γ {config.gamma:g})" if config.algorithm == "choco" else ""
+    step = f"{config.gamma:g}" if config.gamma else "auto"
+    gamma = f" (γ {step})" if config.algorithm in ("choco", "powergossip") else ""
     return f"{config.topology}, {config.algorithm}{gamma}{every}, {codec}"
 
 

@@ -56,7 +56,7 @@ class Config:
         default="auto",
         metadata={
             "help": "auto (choco if the codec is lossy, else dense) | dense | choco | broadcast "
-            "| gossip-learning"
+            "| gossip-learning | powergossip"
         },
     )
     ps: str = field(
@@ -83,7 +83,8 @@ class Config:
         },
     )
     gamma: float = field(
-        default=0.0, metadata={"help": "CHOCO consensus step (0: the codec's default)"}
+        default=0.0,
+        metadata={"help": "consensus step of CHOCO and PowerGossip (0: chosen automatically)"},
     )
     loss: float = field(
         default=0.0, metadata={"help": "fraction of model messages dropped on purpose (testing)"}
@@ -352,21 +353,19 @@ def to_dict(config: Config) -> dict[str, Any]:
 
 def resolved(config: Config) -> Config:
     """``config`` as it runs, for the record (config.toml, the banner): in the gossip mode the
-    algorithm ``auto`` stands for is named, and CHOCO's γ 0 (the codec's default) is that
-    default; other settings are already explicit.
+    algorithm ``auto`` stands for is named; other settings are already explicit (CHOCO's γ 0
+    stays 0: it is chosen per codec and model, ``averaging.choco.auto_gamma``).
 
     Example:
         >>> c = resolved(Config(codec="topk:0.01"))
         >>> c.algorithm, c.gamma
-        ('choco', 0.03)
+        ('choco', 0.0)
     """
-    from gossipdl.averaging import default_gamma, resolve_algorithm
+    from gossipdl.averaging import resolve_algorithm
 
     if config.mode != "gossip":
         return config
     algorithm = resolve_algorithm(config.algorithm, config.codec)
-    if algorithm == "choco" and not config.gamma:
-        return config.replace(algorithm=algorithm, gamma=default_gamma(config.codec))
     return config.replace(algorithm=algorithm)
 
 
@@ -467,7 +466,7 @@ def _validate(c: Config) -> None:
         build_codec(c.codec)
     except CodecError as exc:
         raise ConfigError(f"codec = {c.codec!r}: {exc}") from None
-    _check(0 <= c.gamma <= 1, f"gamma = {c.gamma}; must be in [0, 1] (0: the codec's default)")
+    _check(0 <= c.gamma <= 1, f"gamma = {c.gamma}; must be in [0, 1] (0: chosen automatically)")
     _check(0 <= c.loss < 1, f"loss = {c.loss}; must be in [0, 1)")
     _check(
         c.algorithm != "broadcast" or c.mode == "single" or c.topology == "complete",

@@ -117,18 +117,31 @@ def test_codec_benchmark_reports_every_codec_with_its_keys(tmp_path: Path) -> No
 
 def test_convergence_benchmark_compares_with_dense_and_plots(tmp_path: Path) -> None:
     result = run_benchmark(
-        "convergence", tmp_path, "--quick", "--engine", "sim", "--peers", "2", "--steps", "24",
-        "--only", "dense,choco-topk", "--out", str(tmp_path / "c"),
+        "convergence", tmp_path, "--quick", "--peers", "2", "--exponential-peers", "4",
+        "--steps", "24", "--only", "dense,choco-topk,powergossip", "--jobs", "2",
+        "--out", str(tmp_path / "c"),
     )  # fmt: skip
-    rows = {row["setting"]: row for row in result["rows"]}
-    assert list(rows) == ["dense", "choco-topk"]
-    assert rows["dense"]["ratio"] == 1.0 and rows["dense"]["gap_points"] == 0.0
-    # top-1% of a 3,274-parameter MLP: far fewer bytes than dense, headers counted apart.
-    assert rows["choco-topk"]["ratio"] > 3
+    rows = {(row["topology"], row["setting"], row["partition"]): row for row in result["rows"]}
+    ring = [("ring", s, "iid") for s in ("dense", "choco-topk", "powergossip")]
+    exponential = [("exponential", s, "iid") for s in ("dense", "choco-topk", "powergossip")]
+    assert list(rows) == [*ring, *exponential, ("ring", "powergossip", "dirichlet:0.1")]
+    for topology in ("ring", "exponential"):
+        dense = rows[(topology, "dense", "iid")]
+        assert dense["ratio"] == 1.0 and dense["gap_points"] == 0.0
+        assert dense["ratio_to_target"] == 1.0 and dense["bytes_to_target"] <= dense["bytes"]
+        # top-1% of a 3,274-parameter MLP: far fewer bytes than dense, headers counted apart.
+        assert rows[(topology, "choco-topk", "iid")]["ratio"] > 3
+    assert rows[("exponential", "dense", "iid")]["peers"] == 4
+    assert rows[("ring", "choco-topk", "iid")]["gamma"] == pytest.approx((33 / 3274) ** 0.5 / 2)
     for row in rows.values():
         assert 0 < row["header_bytes"] < row["bytes"]
-        assert row["peers_finished"] == 2 and row["accuracy"] is not None
-        assert [p["step"] for p in row["curve"]] == list(range(0, 25, 2))  # 12 evaluations
+        assert row["peers_finished"] == row["peers"] and row["accuracy"] is not None
+        assert [p["step"] for p in row["curve"]] == list(range(25))  # an evaluation a step
+        reached = row["bytes_to_target"]
+        assert reached is None or reached in [p["bytes_sent"] for p in row["curve"]]
+    assert set(result["meta"]["targets"]) and all(
+        {"met", "by"} == t.keys() for t in result["meta"]["targets"].values()
+    )
     png = Path(result["meta"]["plot"]).read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 

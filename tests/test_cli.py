@@ -304,10 +304,9 @@ def test_good_advertise_and_metrics_hook_values_pass() -> None:
 # -- provenance ----------------------------------------------------------------------------
 
 
-def test_resolved_names_the_algorithm_and_gamma_that_run() -> None:
+def test_resolved_names_the_algorithm_that_runs_and_keeps_an_automatic_gamma() -> None:
     lossy = resolved(Config(codec="topk:0.01"))
-    assert (lossy.algorithm, lossy.gamma) == ("choco", 0.03)
-    assert resolved(Config(codec="qsgd:4")).gamma == 0.1
+    assert (lossy.algorithm, lossy.gamma) == ("choco", 0.0)  # chosen per model at the start
     assert (resolved(Config()).algorithm, resolved(Config()).gamma) == ("dense", 0.0)
     assert resolved(Config(codec="topk:0.01", gamma=0.2)).gamma == 0.2  # given: kept
     assert resolved(Config(mode="ring")).algorithm == "auto"  # the ring mode averages no models
@@ -318,8 +317,8 @@ def test_run_launches_and_announces_the_resolved_config(
     tmp_path: Path, launched: list[Config]
 ) -> None:
     message = fails("run", "--codec", "topk:0.01", "--out", str(tmp_path / "r"))
-    assert "choco (γ 0.03), codec topk:0.01" in message  # the banner
-    assert (launched[0].algorithm, launched[0].gamma) == ("choco", 0.03)  # its config.toml
+    assert "choco (γ auto), codec topk:0.01" in message  # the banner
+    assert (launched[0].algorithm, launched[0].gamma) == ("choco", 0.0)  # its config.toml
 
 
 # -- Ctrl-C --------------------------------------------------------------------------------
@@ -341,11 +340,11 @@ def test_ctrl_c_of_a_founding_peer_waiting_for_others_exits_130_at_once(tmp_path
     log = (tmp_path / "p.log").read_text()
     assert code == 130, (code, log)
     assert "interrupted before training started" in log and "Traceback" not in log
-    assert "gossip: ring, choco (γ 0.03), codec topk:0.01" in log  # the banner's line
+    assert "gossip: ring, choco (γ auto), codec topk:0.01" in log  # the banner's line
     recorded = tomllib.loads((out / "config.toml").read_text())
     assert (recorded["algorithm"], recorded["gamma"], recorded["codec"]) == (
         "choco",
-        0.03,
+        0.0,
         "topk:0.01",
     )
 

@@ -77,9 +77,10 @@ def test_sigterm_stops_a_benchmark_its_peers_and_its_next_setting(tmp_path: Path
     out = tmp_path / "c"
     proc = start(
         [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--quick", "--peers", "2",
-         "--steps", "1000000", "--only", "dense,choco-topk", "--out", str(out)], tmp_path,
+         "--steps", "1000000", "--only", "dense,choco-topk", "--topologies", "ring",
+         "--engine", "real", "--out", str(out)], tmp_path,
     )  # fmt: skip
-    first = out / "dense"
+    first = out / "ring" / "dense"
     try:
         wait_for(lambda: all(last_record(first / "peers" / f"{i}.jsonl") for i in (0, 1)),
                  60, "the first setting's peers to train")  # fmt: skip
@@ -92,7 +93,7 @@ def test_sigterm_stops_a_benchmark_its_peers_and_its_next_setting(tmp_path: Path
     assert stderr.splitlines()[-1].startswith("convergence.py: interrupted by SIGTERM")
     assert not processes_naming(out), "peer processes left running"
     assert (first / "summary.json").is_file()  # what was measured is kept
-    assert not (out / "choco-topk").exists(), "the next setting was started"
+    assert not (out / "ring" / "choco-topk").exists(), "the next setting was started"
 
 
 @pytest.mark.parametrize(

@@ -124,11 +124,13 @@ def test_one_round_is_exactly_w_times_x(topology: str) -> None:
             p.close()
 
 
-def test_a_silent_neighbour_is_left_out_and_the_weights_renormalised() -> None:
+def test_a_silent_neighbours_weight_stays_with_each_peer() -> None:
+    """x_i + Σ W_ij (x_j − x_i) over who sent: 0 + (3 − 0)/3 and 3 + (0 − 3)/3, so peers 0
+    and 1 keep their sum."""
     peers = make_swarm(3, "complete", [0.0, 3.0, 30.0], round_timeout=0.5)
     try:
         run_rounds(peers[:2], 1)  # peer 2 never sends round 0
-        assert value_of(peers[0]) == pytest.approx(1.5) == value_of(peers[1])
+        assert value_of(peers[0]) == pytest.approx(1.0) and value_of(peers[1]) == pytest.approx(2.0)
         assert peers[0].neighbour_misses == 1 and peers[1].neighbour_misses == 1
     finally:
         for p in peers:

@@ -2,9 +2,10 @@
 
 from gossipdl.averaging.base import Arrival, Averager, Round, SharedDecodes
 from gossipdl.averaging.broadcast import Broadcast
-from gossipdl.averaging.choco import Choco, default_gamma
+from gossipdl.averaging.choco import Choco, auto_gamma
 from gossipdl.averaging.dense import DenseGossip
 from gossipdl.averaging.gossip_learning import GossipLearning, age_weighted_merge
+from gossipdl.averaging.power_gossip import PowerGossip
 from gossipdl.averaging.registry import (
     available_algorithms,
     build_averager,
@@ -20,15 +21,16 @@ __all__ = [
     "Choco",
     "DenseGossip",
     "GossipLearning",
+    "PowerGossip",
     "Round",
     "SharedDecodes",
     "Trigger",
     "TriggerError",
     "age_weighted_merge",
+    "auto_gamma",
     "available_algorithms",
     "build_averager",
     "check_trigger",
-    "default_gamma",
     "parse_trigger",
     "register_algorithm",
     "resolve_algorithm",

@@ -8,16 +8,19 @@ so a partial round is a designed case rather than an exception path.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import re
 import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
-from gossipdl.compression import Codec, Payload, build_codec
+from gossipdl.compression import Codec, CodecError, Payload, build_codec
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,18 @@ class Round:
     mix: bool = True
 
 
+VOUCH = "sha256"
+"""Payload meta key of a vouch: the hex sha256 of the sender's dense public copy."""
+
+
+@dataclass(frozen=True)
+class Vouch:
+    """A neighbour's word, in its first round, that its public copy is the model whose
+    sha256 is ``digest``: peers that start from the same model need not send it."""
+
+    digest: str
+
+
 @dataclass(frozen=True)
 class Arrival:
     """One neighbour's decoded contribution: its weight, the round it was for, dense or not."""
@@ -46,6 +61,14 @@ class Arrival:
     value: torch.Tensor
     round: int
     dense: bool = False
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _digest(values: np.ndarray) -> str:
+    """The hex sha256 of a float32 vector's bytes."""
+    return hashlib.sha256(np.ascontiguousarray(values, dtype=np.float32).tobytes()).hexdigest()
 
 
 class Averager(ABC):
@@ -71,6 +94,8 @@ class Averager(ABC):
     # peers in one process may be handed one shared decoded tensor (:class:`SharedDecodes`).
     # False by default: an averager of one's own opts in once it is known not to write them.
     arrivals_read_only: bool = False
+    # The model the peer started from (:meth:`begin`).
+    origin: torch.Tensor | None = None
 
     def __init__(self, codec: Codec | str = "none", seed: int = 0) -> None:
         self.codec = build_codec(codec, seed) if isinstance(codec, str) else codec
@@ -82,15 +107,49 @@ class Averager(ABC):
         self.codec.bind_layout(shapes)
 
     @abstractmethod
-    def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
-        """The payload every neighbour gets this round."""
+    def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload | Mapping[int, Payload]:
+        """The payload every neighbour gets this round, or one per neighbour (by id)."""
 
     def public_copy(self) -> Payload:
         """The dense payload a resyncing neighbour gets instead (averagers with public copies)."""
         raise NotImplementedError
 
+    def begin(self, model: torch.Tensor) -> None:
+        """The model this peer starts from, before any local step (the protocol core says so
+        before the first round): public copies start there, so peers that start from one
+        model (one seed) hold the same copies without sending them."""
+        if self.uses_public_copies:
+            self.origin = model.clone()
+
+    def vouch(self) -> Payload:
+        """What a peer sends in its first round instead of :meth:`public_copy`: the copy's
+        sha256 alone. A neighbour whose own copy has that digest (peers that start from
+        the same model) takes its own as this one; any other asks for the dense copy."""
+        (copy,) = self.public_copy().arrays
+        return Payload((), {VOUCH: _digest(copy)})
+
+    @staticmethod
+    def vouched(dense: Mapping[int, Arrival], own: torch.Tensor) -> dict[int, Arrival]:
+        """The dense arrivals with every :class:`Vouch` for a copy equal to ``own`` (the
+        same sha256) replaced by ``own``; a vouch for another model is left out (the round
+        lacks it, and the peer asks for a dense resync)."""
+        out, mine = {}, None
+        for j, arrival in dense.items():
+            if not isinstance(arrival.value, Vouch):
+                out[j] = arrival
+                continue
+            mine = mine or _digest(own.detach().cpu().numpy())
+            if arrival.value.digest == mine:
+                out[j] = replace(arrival, value=own)
+        return out
+
     def decode(self, payload: Payload, dense: bool, numel: int, device: torch.device) -> Any:
-        """Decode a received payload (codec-compressed, or a dense fp32 vector)."""
+        """Decode a received payload (codec-compressed, a dense fp32 vector, or a vouch)."""
+        if dense and VOUCH in payload.meta:
+            digest = payload.meta[VOUCH]
+            if payload.arrays or len(payload.meta) != 1 or not _HEX64.fullmatch(str(digest)):
+                raise CodecError(f"a vouch is one {VOUCH!r} of 64 hex digits and no arrays")
+            return Vouch(str(digest))
         return (self._dense if dense else self.codec).decode(payload, numel, device)
 
     @abstractmethod

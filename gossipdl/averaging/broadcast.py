@@ -10,9 +10,11 @@ Per round, after the local step x_i = x̄ + u_i:
 
 All peers apply the same updates, so their models agree; the residual makes
 sure no update is lost, only delayed. Peers start by averaging their models
-once (a dense first round), and a lost update is repaired the same way: a
-dense average of the neighbours' x̄. Use the complete topology; meant for
-small swarms, as every update reaches every peer.
+once (a first round of public copies: a sha256 vouch where the models are one,
+else dense), and a lost update is repaired the same way: a dense average of the
+neighbours' x̄. A resync round carries no update (it waits in the residual).
+Use the complete topology; meant for small swarms, as every update reaches
+every peer.
 """
 
 from __future__ import annotations
@@ -42,14 +44,18 @@ class Broadcast(Averager):
     supports_dynamic = False  # every peer must apply every update to stay on one model
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
-        """Steps 1–2: compress the update plus the residual, keep what was not sent."""
+        """Steps 1–2: compress the update plus the residual, keep what was not sent. A resync
+        round (the first one, too) sends no update: its neighbours get the dense x̄ instead,
+        and the update waits in the residual."""
         if self.shared is None:  # first round: the dense average below sets x̄
-            self.shared = x.clone()
+            start = self.origin
+            self.shared = (x if start is None else start).clone()
             self.residual = torch.zeros_like(x)
-            self._own = torch.zeros_like(x)
-            return self.codec.encode(self._own)[0]
         assert self.residual is not None
         v = (x - self.shared).add_(self.residual)
+        if rnd.resync:
+            self.residual, self._own = v, torch.zeros_like(x)
+            return self.codec.encode(self._own)[0]
         payload, self._own = self.codec.encode(v)
         self.residual = v.sub_(self._own)
         return payload
@@ -69,8 +75,8 @@ class Broadcast(Averager):
     ) -> torch.Tensor:
         """Step 3, or in a resync round the average of the dense x̄ (:func:`mix`)."""
         assert self.shared is not None and self._own is not None
+        dense = self.vouched({j: a for j, a in arrived.items() if a.dense}, self.shared)
         self.shared.add_(self._own, alpha=rnd.self_weight)
-        dense = {j: a for j, a in arrived.items() if a.dense}
         if rnd.resync:
             self.needs_resync = set(dense) != set(rnd.weights)
             self.shared = mix(self.shared, rnd, list(dense.values()))

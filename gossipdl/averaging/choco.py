@@ -14,12 +14,16 @@ s_i is a sum, so a q_j that arrives after its round is still added when it
 comes. A q_j that is lost makes s_i wrong for good; the peer then resyncs: its
 neighbours send their dense x̂_j once and s_i is rebuilt from them. The first
 round of every peer is such a resync, so x̂ starts at the model itself (nobody
-sends the initial weights through the compressor) and peers need not start
-from identical models.
+sends the initial weights through the compressor). In that round a peer sends
+the sha256 of its x̂ instead of x̂ (``Averager.vouch``): neighbours that start
+from the same model (one seed) take their own copy for it and nothing dense is
+sent; a neighbour whose model differs asks for the dense copy, and mixes only
+once it has every copy.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -32,26 +36,20 @@ _SPARSIFIERS = ("topk", "randomk", "threshold")
 _NEAR_LOSSLESS = ("none", "dense", "fp16", "bf16")
 
 
-def default_gamma(spec: str) -> float:
-    """Consensus step size γ for a codec.
+def auto_gamma(codec: Codec, numel: int) -> float:
+    """CHOCO's consensus step for ``codec`` on a vector of ``numel``: ``√δ / 2`` with δ the
+    codec's contraction (``codec.contraction``), 1 for a lossless or near-lossless codec.
 
-    Lossless or near-lossless codecs: 1 (plain gossip). Sparsifiers (with any
-    value coding): 0.03 — on 8 peers in a ring with top-1%, γ = 0.3 diverged and
-    γ = 0.1 drifted apart while 0.03 was stable (DESIGN.md prototype notes).
-    Dense quantizers (sign, qsgd, uniform, ternary): 0.1. Low-rank
-    (powersgd): 0.01 — rank 2 of a 572k-parameter model keeps a tiny share of
-    x − x̂, and on 8 peers in a ring γ = 0.1 and 0.03 drove the models apart
-    until their losses overflowed, while 0.01 was stable and beat 0.003
-    (``benchmarks/convergence.py --only choco-powersgd``).
+    The theory's step (Koloskova et al. 2019, Theorem 2: of order ρ²δ for a spectral gap
+    ρ) is hundreds of times smaller than what trains well; the steps published for a ring
+    of 8 (top-1%: 0.0375, sign: 0.4–0.45, Koloskova et al. 2020 and Vogels et al. 2020)
+    and this project's own (top-1% on the 572k MLP: 0.05 trains, 0.1 drifts apart,
+    ``benchmarks/convergence.py``) follow √δ/2: 0.05 for top-1%, 0.40 for sign, 0.032 for
+    top-1% with QSGD-16 values, 0.045 for rank-1 PowerSGD of that MLP. They depend little
+    on the graph (0.4 for sign on a ring of 8, 0.5 on 16), which is why ρ is left out.
     """
-    stages = stage_names(spec)
-    if all(s in _NEAR_LOSSLESS for s in stages):
-        return 1.0
-    if any(s in _SPARSIFIERS for s in stages):
-        return 0.03
-    if "powersgd" in stages:
-        return 0.01
-    return 0.1
+    delta = codec.contraction(numel)
+    return 1.0 if delta >= 1.0 else max(1e-4, math.sqrt(delta) / 2)
 
 
 WARMUP_ROUNDS = 20
@@ -80,7 +78,7 @@ def check_choco_codec(codec: Codec) -> None:
 
 
 class Choco(Averager):
-    """CHOCO-SGD with codec ``codec`` and consensus step ``gamma`` (default: per codec).
+    """CHOCO-SGD with codec ``codec`` and consensus step ``gamma`` (default: :func:`auto_gamma`).
 
     An unbiased codec (QSGD, ternary values) is made contractive as the theory needs:
     what it sends is scaled by ``1/(1 + ω)`` (``codec.omega``) on the sender's x̂ and
@@ -94,9 +92,9 @@ class Choco(Averager):
     def __init__(self, codec: Codec | str = "topk:0.01", seed: int = 0, gamma: float | None = None):
         super().__init__(codec, seed)
         check_choco_codec(self.codec)
-        self.gamma = default_gamma(self.codec.spec) if gamma is None else gamma
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"gamma = {self.gamma}; CHOCO needs 0 < gamma <= 1")
+        if gamma is not None and not 0 < gamma <= 1:
+            raise ValueError(f"gamma = {gamma}; CHOCO needs 0 < gamma <= 1")
+        self.gamma = gamma  # None: auto_gamma, once the vector's length is known
         self.x_hat: torch.Tensor | None = None
         self.s: torch.Tensor | None = None
         self.scale = 1.0  # 1/(1+ω), set when the vector's length is known
@@ -107,6 +105,7 @@ class Choco(Averager):
     def step_size(self, rnd: Round) -> float:
         """γ in round ``rnd``: the warm-up's share of it in a peer's first rounds (a lossless
         codec needs none: its x̂ is x)."""
+        assert self.gamma is not None, "step_size before the first outgoing"
         if not self.codec.lossy:
             return self.gamma
         done = rnd.index - (rnd.index if self._first is None else self._first) + 1
@@ -118,10 +117,13 @@ class Choco(Averager):
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """Steps 1–2: q_i = Q(x_i − x̂_i); x̂_i += q_i; s_i += W_ii q_i."""
-        if self.x_hat is None:  # first round: the public copy starts at the model itself
-            self.x_hat = x.clone()
-            self.s = x * rnd.self_weight
+        if self.x_hat is None:  # first round: the public copy starts at the starting model
+            start = self.origin
+            self.x_hat = (x if start is None else start).clone()
+            self.s = self.x_hat * rnd.self_weight
             self.scale = 1.0 / (1.0 + self.codec.omega(x.numel()))
+            if self.gamma is None:
+                self.gamma = auto_gamma(self.codec, x.numel())
             self._first = rnd.index
             payload, _ = self.codec.encode(torch.zeros_like(x))
             return payload
@@ -146,13 +148,13 @@ class Choco(Averager):
     ) -> torch.Tensor:
         """Steps 3–4, or a rebuild of s_i from dense public copies in a resync round."""
         assert self.x_hat is not None and self.s is not None
-        dense = {j: a for j, a in arrived.items() if a.dense}
+        dense = self.vouched({j: a for j, a in arrived.items() if a.dense}, self.x_hat)
         if rnd.resync:
             self.needs_resync = set(dense) != set(rnd.weights)
             if not self.needs_resync:
                 self.s = self.x_hat * rnd.self_weight
                 for j, arrival in dense.items():
-                    self.s.add_(arrival.value, alpha=arrival.weight * self.scale)
+                    self.s.add_(arrival.value, alpha=arrival.weight)
                     self._synced_at[j] = rnd.index
                 self.resynced = rnd.index
         for j, arrival in arrived.items():
@@ -161,7 +163,7 @@ class Choco(Averager):
         for j, arrival in late:
             if not arrival.dense:
                 self._add(j, arrival)
-        if not rnd.mix:
+        if not rnd.mix or self.resynced is None:  # no s to mix with until one full rebuild
             return x
         return x + self.step_size(rnd) * (self.s - self.x_hat)
 

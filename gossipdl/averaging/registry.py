@@ -9,6 +9,7 @@ from gossipdl.averaging.broadcast import Broadcast
 from gossipdl.averaging.choco import Choco
 from gossipdl.averaging.dense import DenseGossip
 from gossipdl.averaging.gossip_learning import GossipLearning
+from gossipdl.averaging.power_gossip import PowerGossip
 from gossipdl.compression import build_codec
 
 AveragerFactory = Callable[[str, int, "float | None"], Averager]
@@ -18,6 +19,7 @@ _ALGORITHMS: dict[str, AveragerFactory] = {
     "choco": lambda codec, seed, gamma: Choco(codec, seed, gamma),
     "broadcast": lambda codec, seed, gamma: Broadcast(codec, seed),
     "gossip-learning": lambda codec, seed, gamma: GossipLearning(codec, seed),
+    "powergossip": lambda codec, seed, gamma: PowerGossip(codec, seed, gamma),
 }
 
 

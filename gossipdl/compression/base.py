@@ -149,6 +149,13 @@ class Codec(ABC):
         order), for codecs that work per tensor; both ends bind the same. Others ignore it."""
         return None
 
+    def contraction(self, numel: int) -> float:
+        """δ, the share of ``‖x‖²`` a message keeps (``E‖C(x) − x‖² ≈ (1 − δ)‖x‖²``, after the
+        ``1/(1 + ω)`` scale of an unbiased codec): 1 for a lossless codec. A lossy codec
+        without an estimate of its own says 0.01, top-1%'s, a cautious guess. CHOCO's
+        automatic γ grows with it (``averaging.choco.auto_gamma``)."""
+        return 0.01 if self.lossy else 1.0
+
     def omega(self, numel: int) -> float:
         """ω of the codec's unbiased random stage on a vector of ``numel`` values:
         ``E‖Q(x) − x‖² ≤ ω‖x‖²`` (0 when nothing in it is an unbiased random rounding).

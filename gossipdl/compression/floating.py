@@ -75,6 +75,10 @@ class Float16(ValueCodec):
     spec = "fp16"
     n_arrays = 1
 
+    def contraction(self, numel: int) -> float:
+        """1: rounding to half precision keeps all but ~2⁻¹⁶ of ``‖x‖²``."""
+        return 1.0
+
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         v = check_vector(x)
         half = v.half()
@@ -108,6 +112,10 @@ class BFloat16(ValueCodec):
 
     spec = "bf16"
     n_arrays = 1
+
+    def contraction(self, numel: int) -> float:
+        """1: rounding to half precision keeps all but ~2⁻¹⁶ of ``‖x‖²``."""
+        return 1.0
 
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         v = check_vector(x)

@@ -176,6 +176,13 @@ class PowerSGD(Codec):
     def bind_layout(self, shapes: Sequence[Sequence[int]]) -> None:
         self._bound = LowRankLayout.of(shapes, self.rank)
 
+    def contraction(self, numel: int) -> float:
+        """The values sent over the values there are (a rank-r factorization keeps at least
+        that share of a matrix's energy once the power iteration has warmed up)."""
+        layout = self._layout(numel)
+        sent = layout.p_length + layout.q_length + layout.dense_length
+        return min(1.0, sent / max(numel, 1))
+
     def _layout(self, numel: int) -> LowRankLayout:
         """The bound layout, or one near-square matrix for a vector of another length."""
         if self._bound is not None and self._bound.numel == numel:

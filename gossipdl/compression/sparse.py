@@ -83,6 +83,11 @@ class Sparsifier(ABC):
         """The number of entries kept for a vector of ``numel``, or None if it varies."""
         return None
 
+    def share(self, numel: int) -> float:
+        """The share of entries kept: ``count / numel``, or 0.01 where it varies unbidden."""
+        count = self.count(numel)
+        return 0.01 if count is None else count / max(numel, 1)
+
     @abstractmethod
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """Sorted int64 indices (on ``x``'s device), the values to send there, and meta."""
@@ -184,6 +189,10 @@ class Threshold(Sparsifier):
             self.density = 0.0
             self.spec = f"threshold:{_format(self.tau)}"
         self._rng = Rng(seed, salt=2)
+
+    def share(self, numel: int) -> float:
+        """``DENSITY`` for ``auto``; 0.01 for a fixed τ, whose share depends on the data."""
+        return self.density or 0.01
 
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         tau = self.tau if self.tau is not None else self._estimate(x)
@@ -304,6 +313,11 @@ class SparseCodec(Codec):
             parts.append(indices.name)
         self.spec = "+".join(parts)
         self.lossy = True
+
+    def contraction(self, numel: int) -> float:
+        """The share of entries kept times what the value codec keeps of them."""
+        count = self.sparsifier.count(numel)
+        return self.sparsifier.share(numel) * self.values.contraction(count or numel)
 
     def omega(self, numel: int) -> float:
         """The value codec's ω on the kept values (scaled random-k's own variance,

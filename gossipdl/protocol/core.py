@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -161,6 +161,11 @@ class Settings:
     seed: int = 0
 
 
+def addressed(payload: Payload | Mapping[int, Payload], neighbour: int) -> Payload:
+    """What ``neighbour`` gets of an averager's ``outgoing``: the one payload, or its own."""
+    return payload[neighbour] if isinstance(payload, Mapping) else payload
+
+
 class GossipCore:
     """The protocol of peer ``me`` (-1 until it has an id) over the member table ``members``
     (the engine's: the real one shares it with its join handling, behind a lock)."""
@@ -255,6 +260,8 @@ class GossipCore:
         if self.averager.asynchronous:
             return self._walk(x, t, now)
         changes = topology_changes(self.membership.spans(), self.first_round)
+        if t == self.first_round:
+            self.averager.begin(self.reference)  # the model it started from, before any step
         rnd, sends = self._round_view(t, changes)
         dense_to = self._dense_destinations(rnd, changes)
         tag: dict[str, Any] = {}
@@ -264,12 +271,15 @@ class GossipCore:
             tag = {SYNC_AT: alarms}
             sync = rnd.resync or bool(dense_to) or t in alarms
         payload = self.averager.outgoing(x, rnd) if sync else None
-        public = self.averager.public_copy() if dense_to else None
+        public = None
+        if dense_to:  # in its first round a peer vouches for its copy instead of sending it
+            first = t == self.first_round
+            public = self.averager.vouch() if first else self.averager.public_copy()
         for j in self.live(rnd.weights):
             if public is not None and j in dense_to:
                 sends += self.send(j, "public", t, public, tag)
             elif payload is not None:
-                sends += self.send(j, "params", t, payload, tag)
+                sends += self.send(j, "params", t, addressed(payload, j), tag)
             else:
                 sends += self.send(j, "quiet", t, None, tag)
         self.sent_round = t
@@ -321,7 +331,9 @@ class GossipCore:
         answer = rnd.weights if self.averager.uses_public_copies else synced
         tag = {SYNC_AT: sorted(self._alarms)}
         sends = [
-            s for j in self.live(answer) for s in self.send(j, "reply", rnd.index, payload, tag)
+            s
+            for j in self.live(answer)
+            for s in self.send(j, "reply", rnd.index, addressed(payload, j), tag)
         ]
         progress = self._end_dynamic(now, self._kept, took_part=True)
         progress.sends[:0] = sends
