@@ -150,3 +150,24 @@ def test_a_powergossip_edge_that_lost_a_message_restarts_in_step_within_two_roun
     edge_01, edge_10 = gossips[0]._edges[1], gossips[1]._edges[0]
     assert (edge_01.epoch, edge_01.step) == (edge_10.epoch, edge_10.step) == (2, 5)
     assert spread(ring_rounds(gossips, ends, range(12, 80))) < 0.05 * spread(xs)
+
+
+def test_a_sparse_broadcast_masks_the_momentum_it_sent(tmp_path: Path) -> None:
+    """DGC's momentum factor masking: after each round of a top-10% broadcast, each peer's
+    SGD momentum is zero where its update went out and untouched elsewhere."""
+    config = small_config(
+        tmp_path, peers=3, steps=12, algorithm="broadcast", codec="topk:0.1",
+        topology="complete", momentum=0.9,
+    )  # fmt: skip
+    run = RunDir(config.out)
+    run.create()
+    sim = Simulation(config, run)
+    sim.run()
+    for peer in sim.peers:
+        sent = peer.core.averager.sent_mask()
+        assert sent is not None and 0 < int(sent.sum()) < sent.numel()
+        momentum = torch.cat(
+            [peer.optimizer.state[p]["momentum_buffer"].reshape(-1) for p in peer.params]
+        )
+        assert not momentum[sent].any() and momentum[~sent].abs().sum() > 0
+    assert DenseGossip().sent_mask() is None  # only a sparsifying broadcast masks

@@ -110,6 +110,12 @@ class Averager(ABC):
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload | Mapping[int, Payload]:
         """The payload every neighbour gets this round, or one per neighbour (by id)."""
 
+    def sent_mask(self) -> torch.Tensor | None:
+        """The coordinates the last :meth:`outgoing` sent, for DGC's momentum factor masking
+        (the peer zeroes its optimizer's momentum there), or None where masking does not
+        apply (the default: every averager but a sparsifying broadcast)."""
+        return None
+
     def public_copy(self) -> Payload:
         """The dense payload a resyncing neighbour gets instead (averagers with public copies)."""
         raise NotImplementedError

@@ -25,6 +25,7 @@ import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round, dense_payload, mix
 from gossipdl.compression import Payload
+from gossipdl.compression.sparse import SparseCodec
 
 
 class Broadcast(Averager):
@@ -59,6 +60,15 @@ class Broadcast(Averager):
         payload, self._own = self.codec.encode(v)
         self.residual = v.sub_(self._own)
         return payload
+
+    def sent_mask(self) -> torch.Tensor | None:
+        """With a sparsifying codec, where the last update was sent (DGC's momentum factor
+        masking, Lin et al. 2018: the momentum that built up there has been sent, so it
+        must not push again; the residual already holds zero there). None for dense
+        quantizers, which send every coordinate."""
+        if self._own is None or not isinstance(self.codec, SparseCodec):
+            return None
+        return self._own != 0
 
     def public_copy(self) -> Payload:
         """The dense agreed model x̄, for a peer that is resyncing."""
