@@ -56,7 +56,7 @@ class Config:
         default="auto",
         metadata={
             "help": "auto (choco if the codec is lossy, else dense) | dense | choco | broadcast "
-            "| gossip-learning | powergossip"
+            "| gossip-learning | powergossip | beer"
         },
     )
     ps: str = field(

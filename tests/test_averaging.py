@@ -7,13 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from conftest import small_config
 
 from gossipdl.averaging import DenseGossip
 from gossipdl.averaging.base import Arrival, Round, mix
+from gossipdl.averaging.beer import Beer
 from gossipdl.averaging.dense import LATE_ROUNDS
 from gossipdl.averaging.power_gossip import PowerGossip
+from gossipdl.compression import CodecError, Payload
 from gossipdl.rundir import RunDir
 from gossipdl.sim.engine import Simulation
 
@@ -171,3 +174,48 @@ def test_a_sparse_broadcast_masks_the_momentum_it_sent(tmp_path: Path) -> None:
         )
         assert not momentum[sent].any() and momentum[~sent].abs().sum() > 0
     assert DenseGossip().sent_mask() is None  # only a sparsifying broadcast masks
+
+
+def test_beer_tracks_the_mean_update_and_moves_the_mean_model_by_it() -> None:
+    """Four BEER peers on a ring with top-10%, each pulled its own way every round: the mean
+    of the trackers is the mean update and the mean model moves by exactly that, round
+    after round (the public copies' sums cancel), and each peer ends up following the mean
+    update, not its own, so the models stay together."""
+    n, numel, cpu = 4, 200, torch.device("cpu")
+    peers = [Beer("topk:0.1") for _ in range(n)]
+    start = torch.randn(numel, generator=torch.Generator().manual_seed(9))
+    for p in peers:
+        p.begin(start)
+    xs = [start.clone() for _ in range(n)]
+    for t in range(60):
+        updates = [
+            0.05 * torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(n)
+        ]  # each peer pulls its own way, the same every round
+        before = torch.stack(xs).mean(0)
+        xs = [x + d for x, d in zip(xs, updates, strict=True)]
+        rnds = [Round(t, {(i - 1) % n: 1 / 3, (i + 1) % n: 1 / 3}, 1 / 3, resync=t == 0)
+                for i in range(n)]  # fmt: skip
+        payloads = [p.outgoing(x, r) for p, x, r in zip(peers, xs, rnds, strict=True)]
+        outs = [p.vouch() if t == 0 else q for p, q in zip(peers, payloads, strict=True)]
+        xs = [
+            p.incoming(x, r, {j: Arrival(w, p.decode(outs[j], t == 0, numel, cpu), t, t == 0)
+                              for j, w in r.weights.items()}, [])
+            for p, x, r in zip(peers, xs, rnds, strict=True)
+        ]  # fmt: skip
+        mean_update = torch.stack(updates).mean(0)
+        torch.testing.assert_close(torch.stack([p.u for p in peers]).mean(0), mean_update)
+        torch.testing.assert_close(torch.stack(xs).mean(0), before + mean_update)
+    x = torch.stack(xs)
+    apart = 60 * float((torch.stack(updates) - torch.stack(updates).mean(0)).norm())
+    assert float((x - x.mean(0)).norm()) < 0.05 * apart  # own updates alone: `apart`
+    assert all(p.resynced == 0 for p in peers)  # one vouched start, no dense copy
+
+
+def test_beer_refuses_what_choco_refuses_and_payloads_that_are_not_its_own() -> None:
+    with pytest.raises(ValueError, match="needs no"):
+        Beer("topk:0.01+ef")
+    beer = Beer("topk:0.1")
+    payload, _ = beer.codec.encode(torch.randn(50))
+    for bad in (payload, Payload(payload.arrays, {"n": 99}), Payload((), {"n": 0, "x.k": 1})):
+        with pytest.raises(CodecError):
+            beer.decode(bad, False, 50, torch.device("cpu"))

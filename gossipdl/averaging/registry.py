@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gossipdl.averaging.base import Averager
+from gossipdl.averaging.beer import Beer
 from gossipdl.averaging.broadcast import Broadcast
 from gossipdl.averaging.choco import Choco
 from gossipdl.averaging.dense import DenseGossip
@@ -20,6 +21,7 @@ _ALGORITHMS: dict[str, AveragerFactory] = {
     "broadcast": lambda codec, seed, gamma: Broadcast(codec, seed),
     "gossip-learning": lambda codec, seed, gamma: GossipLearning(codec, seed),
     "powergossip": lambda codec, seed, gamma: PowerGossip(codec, seed, gamma),
+    "beer": lambda codec, seed, gamma: Beer(codec, seed, gamma),
 }
 
 

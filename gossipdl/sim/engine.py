@@ -161,7 +161,7 @@ class Simulation:
         if config.mode not in SIM_MODES:
             raise SimulationError(
                 f"mode {config.mode!r} is not simulated yet; the simulator runs gossip "
-                f"(algorithms dense, choco, broadcast, gossip-learning, powergossip), "
+                f"(algorithms dense, choco, broadcast, gossip-learning, powergossip, beer), "
                 f"ring (ring all-reduce, codecs none, fp16 and powersgd:RANK) and ps "
                 f"(parameter server: sync, async, fedavg)"
             )

@@ -1,0 +1,190 @@
+"""BEER (Zhao, Li, Li, Richtárik and Chi, NeurIPS 2022): compressed gossip with tracking.
+
+Gradient tracking removes the heterogeneity penalty of gossip: every peer steps along
+an estimate of the swarm's average direction rather than its own. BEER gossips both the
+model and that tracker through CHOCO's public copies, so any contractive codec works:
+
+    X ← X + γ H(W − I) − η V          H ← H + C(X − H)      (public copy of X)
+    V ← V + γ G(W − I) + ∇F(X') − ∇F(X)  G ← G + C(V − G)   (public copy of V)
+
+Here the tracked quantity is the local optimizer's own update (its step, momentum and
+learning rate included) instead of −η∇F, so BEER wraps whatever optimizer the peer runs:
+per round, with ``d`` the local update since the last round (``x − x_last``),
+
+1. u ← u + γ (s_g − g) + d − d_prev        (u tracks the swarm's mean update; u = d at first)
+2. x_next = x_last + γ (s_h − h) + u       (the consensus step, then the tracked update
+                                            in place of the own one)
+3. q_h = C(x_next − h), q_g = C(u − g); h += q_h, g += q_g, and s_h, s_g add W_ii q;
+   both go out in one message; each q_j received adds W_ij q_j to s_h and s_g.
+
+State: x_last, d_prev, u, h, g, s_h, s_g (seven model-sized buffers). A lost message
+breaks s_h and s_g as in CHOCO and is repaired the same way (a resync rebuilds both from
+dense copies of h and g); the tracker keeps the offset the missed update left (the mean
+of u drifts from the mean update by it), which the decaying learning rate washes out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from gossipdl.averaging.base import Arrival, Averager, Round, Vouch
+from gossipdl.averaging.choco import auto_gamma, check_choco_codec
+from gossipdl.compression import Codec, CodecError, Payload, build_codec
+from gossipdl.compression.base import meta_int
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A BEER message decoded: the model's and the tracker's compressed differences (or, in
+    a resync, their dense public copies)."""
+
+    model: torch.Tensor
+    tracker: torch.Tensor
+
+
+def _join(first: Payload, second: Payload) -> Payload:
+    """Two payloads as one: the arrays one after the other, the meta keys prefixed."""
+    meta: dict[str, Any] = {"n": len(first.arrays)}
+    meta.update({f"h.{k}": v for k, v in first.meta.items()})
+    meta.update({f"g.{k}": v for k, v in second.meta.items()})
+    return Payload((*first.arrays, *second.arrays), meta)
+
+
+def _split(payload: Payload) -> tuple[Payload, Payload]:
+    """The two payloads :func:`_join` made; CodecError for anything else."""
+    count = meta_int(payload.meta, "n", "beer", 0, len(payload.arrays))
+    parts: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+    for key, value in payload.meta.items():
+        if key == "n":
+            continue
+        prefix, _, name = key.partition(".")
+        if prefix not in ("h", "g") or not name:
+            raise CodecError(f"beer: unexpected meta key {key!r}")
+        parts[prefix == "g"][name] = value
+    return (
+        Payload(payload.arrays[:count], parts[0]),
+        Payload(payload.arrays[count:], parts[1]),
+    )
+
+
+class Beer(Averager):
+    """BEER with codec ``codec`` (contractive, as for CHOCO) and step ``gamma`` (default:
+    :func:`~gossipdl.averaging.choco.auto_gamma`)."""
+
+    name = "beer"
+    uses_public_copies = True
+    accepts_late = True  # s_h and s_g are sums
+    supports_dynamic = False  # a skipped round would leave the tracker's sum behind
+    arrivals_read_only = True
+
+    def __init__(self, codec: Codec | str = "topk:0.01", seed: int = 0, gamma: float | None = None):
+        super().__init__(codec, seed)
+        check_choco_codec(self.codec)
+        if gamma is not None and not 0 < gamma <= 1:
+            raise ValueError(f"gamma = {gamma}; BEER needs 0 < gamma <= 1")
+        self.gamma = gamma
+        self._tracker_codec = build_codec(self.codec.spec, seed + 1)  # its own warm starts
+        self.scale = 1.0
+        self.h: torch.Tensor | None = None
+        self.g: torch.Tensor | None = None
+        self.s_h: torch.Tensor | None = None
+        self.s_g: torch.Tensor | None = None
+        self.u: torch.Tensor | None = None
+        self._last: torch.Tensor | None = None
+        self._step: torch.Tensor | None = None  # d of the last round
+        self._next: torch.Tensor | None = None
+        self._synced_at: dict[int, int] = {}
+        self.resynced: int | None = None
+
+    def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
+        """Steps 1–3: the tracker, the next model, and both compressed differences."""
+        if self.h is None:
+            start = self.origin if self.origin is not None else x
+            self.h, self.g = start.clone(), torch.zeros_like(x)
+            self.s_h, self.s_g = self.h * rnd.self_weight, torch.zeros_like(x)
+            self._last, self.u = start.clone(), torch.zeros_like(x)
+            self._step = torch.zeros_like(x)
+            self.scale = 1.0 / (1.0 + self.codec.omega(x.numel()))
+            self.gamma = self.gamma or auto_gamma(self.codec, x.numel())
+        assert self._last is not None and self.u is not None and self._step is not None
+        assert self.s_h is not None and self.s_g is not None and self.g is not None
+        assert self.gamma is not None
+        step = x - self._last
+        mixing = self.resynced is not None
+        if mixing:
+            self.u.add_(self.s_g - self.g, alpha=self.gamma).add_(step - self._step)
+        else:  # no s to mix with yet: the tracker starts at the own update
+            self.u = self.u + step - self._step
+        self._step = step
+        self._next = self._last + self.u
+        if mixing:
+            self._next.add_(self.s_h - self.h, alpha=self.gamma)
+        if rnd.resync:  # the neighbours get the dense copies instead: nothing to compress
+            empty = self.codec.encode(torch.zeros_like(x))[0]
+            return _join(empty, empty)
+        first, q_h = self.codec.encode(self._next - self.h)
+        second, q_g = self._tracker_codec.encode(self.u - self.g)
+        self.h.add_(q_h, alpha=self.scale)
+        self.g.add_(q_g, alpha=self.scale)
+        self.s_h.add_(q_h, alpha=rnd.self_weight * self.scale)
+        self.s_g.add_(q_g, alpha=rnd.self_weight * self.scale)
+        return _join(first, second)
+
+    def public_copy(self) -> Payload:
+        """The dense h and g, for a neighbour rebuilding its sums."""
+        assert self.h is not None and self.g is not None, "public_copy before the first outgoing"
+        both = torch.cat([self.h, self.g])
+        return Payload((both.detach().cpu().numpy().copy(),), {})
+
+    def decode(self, payload: Payload, dense: bool, numel: int, device: torch.device) -> Any:
+        """A :class:`Pair` (or a :class:`Vouch`); CodecError for anything else."""
+        if dense:
+            value = super().decode(payload, dense, 2 * numel, device)
+            return value if isinstance(value, Vouch) else Pair(value[:numel], value[numel:])
+        first, second = _split(payload)
+        return Pair(
+            self.codec.decode(first, numel, device), self.codec.decode(second, numel, device)
+        )
+
+    def incoming(
+        self,
+        x: torch.Tensor,
+        rnd: Round,
+        arrived: Mapping[int, Arrival],
+        missing: Sequence[int],
+        late: Sequence[tuple[int, Arrival]] = (),
+    ) -> torch.Tensor:
+        """Add what arrived to s_h and s_g (or rebuild them in a resync); the next model."""
+        assert self.h is not None and self.g is not None and self._next is not None
+        if rnd.resync:
+            own = Pair(self.h, self.g)
+            dense = self.vouched(
+                {j: a for j, a in arrived.items() if a.dense}, torch.cat([self.h, self.g])
+            )
+            self.needs_resync = set(dense) != set(rnd.weights)
+            if not self.needs_resync:
+                self.s_h, self.s_g = self.h * rnd.self_weight, self.g * rnd.self_weight
+                for j, arrival in dense.items():
+                    pair = arrival.value if isinstance(arrival.value, Pair) else own
+                    self.s_h.add_(pair.model, alpha=arrival.weight)
+                    self.s_g.add_(pair.tracker, alpha=arrival.weight)
+                    self._synced_at[j] = rnd.index
+                self.resynced = rnd.index
+        for j, arrival in [*arrived.items(), *late]:
+            if not arrival.dense:
+                self._add(j, arrival)
+        self._last = self._next
+        return self._next.clone()
+
+    def _add(self, sender: int, arrival: Arrival) -> None:
+        """s += W_ij q_j / (1+ω) for both sums, unless a later resync already holds it."""
+        assert self.s_h is not None and self.s_g is not None
+        rebuilt = -1 if self.resynced is None else self.resynced
+        if arrival.round > max(self._synced_at.get(sender, -1), rebuilt):
+            pair = cast(Pair, arrival.value)
+            self.s_h.add_(pair.model, alpha=arrival.weight * self.scale)
+            self.s_g.add_(pair.tracker, alpha=arrival.weight * self.scale)
