@@ -1,6 +1,7 @@
 """How peers combine models: averaging strategies behind one small interface."""
 
 from gossipdl.averaging.base import Arrival, Averager, Round, SharedDecodes
+from gossipdl.averaging.beer import Beer
 from gossipdl.averaging.broadcast import Broadcast
 from gossipdl.averaging.choco import Choco, auto_gamma
 from gossipdl.averaging.dense import DenseGossip
@@ -17,6 +18,7 @@ from gossipdl.averaging.triggers import Trigger, TriggerError, check_trigger, pa
 __all__ = [
     "Arrival",
     "Averager",
+    "Beer",
     "Broadcast",
     "Choco",
     "DenseGossip",
