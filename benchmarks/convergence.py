@@ -1,61 +1,69 @@
 """Convergence: accuracy against bytes sent, dense gossip vs the compressed algorithms.
 
 What it measures
-    From one invocation, the same job run once per setting: ``peers`` processes
-    (default 8), iid MNIST-1D shards, an MLP 40-1024-512-10 (571,914
-    parameters, so the byte ratios reflect payloads rather than message
-    headers), SGD with the config defaults and a cosine learning-rate schedule
-    (``--lr-schedule constant`` for the flat one), the same number of steps
-    and the same seed. Settings:
+    From one invocation, the same job run once per setting and topology: iid MNIST-1D
+    shards, an MLP 40-1024-512-10 (571,914 parameters, so the byte ratios reflect
+    payloads rather than message headers), SGD with the config defaults and a cosine
+    learning-rate schedule (``--lr-schedule constant`` for the flat one), the same number
+    of steps and the same seed, on a ring of ``--peers`` (default 8) and on the
+    exponential graph of ``--exponential-peers`` (default 16). Every γ is chosen
+    automatically (``averaging.choco.auto_gamma``; PowerGossip's is 1). Settings:
 
-    * ``dense``: dense gossip (D-PSGD) on a ring, the uncompressed baseline;
-    * ``choco-topk``, ``choco-sign``, ``choco-topk-qsgd``, ``choco-powersgd``:
-      CHOCO-SGD on the ring with ``topk:0.01``, ``sign``, ``topk:0.01+qsgd:16``
-      and ``powersgd:2``, each with its codec's default γ;
-    * ``broadcast``: Strom's compressed broadcast, ``threshold:auto:0.005+sign``
-      (the top ~0.5% of each update plus residual, as ±scale), which needs the
-      complete topology.
+    * ``dense``: dense gossip (D-PSGD), the uncompressed baseline;
+    * ``choco-topk``, ``choco-sign``, ``choco-topk-qsgd``, ``choco-powersgd``: CHOCO-SGD
+      with ``topk:0.01``, ``sign``, ``topk:0.01+qsgd:16`` and ``powersgd:1`` (per layer);
+    * ``powergossip``: PowerGossip, rank 1 per layer and edge;
+    * ``beer-topk``: BEER (gradient tracking through CHOCO's public copies) with top-1%;
+    * ``stacked``: the savings together: top-1% with QSGD values and Golomb-coded
+      indices (``topk:0.01+qsgd:16``) sent every 4th step (``periodic:4``);
+    * one non-IID row: ``--non-iid-setting`` (default ``powergossip``) on the ring with
+      ``dirichlet:0.1`` shards, beside its iid row.
 
-    Each run is started with ``gossipdl.experiments.launcher.launch`` into
-    ``OUT/<setting>`` (a previous run there is replaced). Per setting, from
-    its run directory: the final mean test accuracy over the peers, the mean
-    accuracy at half the steps, the gap to dense in points, total bytes sent
-    (every frame handed to a socket, the dense first round included), the
-    header bytes within them, bytes ratio vs dense, consensus distance and
-    wall time. The plot ``OUT/accuracy_vs_bytes.png`` shows mean accuracy
-    against total bytes sent (log x) for every setting over the run.
+    Each run is simulated (``--engine sim``, the default: the protocol's own code on a
+    virtual clock, every message encoded as on the wire, so bytes and accuracy are those
+    of a real swarm; ``--engine real`` launches processes) into ``OUT/<topology>/<setting>``
+    (a previous run there is replaced); ``--jobs N`` runs N at once. Per run: the final
+    mean test accuracy over the peers, the gap to dense (same topology) in points, total
+    bytes sent (every frame, headers included), and **the bytes sent until the mean
+    accuracy first reached dense's final accuracy minus 1 point** (``-`` when never), with
+    dense's over this one's as ``ratio_to_target``. The plot ``OUT/accuracy_vs_bytes.png``
+    shows mean accuracy against bytes (log x) for every run.
 
-Target
-    At least one compressed setting ends within 1 accuracy point of dense
-    gossip with at least 100x fewer bytes (aim: 1000x).
+Targets, on the ring
+    At least one setting within 1 point of dense with >= 100x fewer bytes to that accuracy;
+    at least one with >= 1000x fewer bytes to dense's accuracy minus 1 point; CHOCO top-1%
+    within 1.5 points of dense; no setting diverges (ends below 20% accuracy); the non-IID
+    row within 3 points of its iid accuracy.
 
 Run
-    python benchmarks/convergence.py --json runs/bench-convergence.json
-    python benchmarks/convergence.py --only dense,broadcast --steps 1500
-    python benchmarks/convergence.py --quick          # 4 peers, tiny MLP, 60 steps: a smoke test
+    python benchmarks/convergence.py --json runs/bench-convergence.json --jobs 2
+    python benchmarks/convergence.py --only dense,powergossip --topologies ring
+    python benchmarks/convergence.py --quick          # tiny MLP, 60 steps: a smoke test
 
-    On a 2-core machine the defaults take about 20 minutes (six runs of 8
-    processes; dense gossip moves ~110 GB through loopback).
+    On a 2-core machine the defaults take about an hour with ``--jobs 2``.
 
 JSON (``--json FILE``): ``{"benchmark": "convergence", "rows": [...], "meta": {...}}``;
-each row has ``setting``, ``algorithm``, ``codec``, ``topology``, ``gamma``,
-``accuracy``, ``half_accuracy``, ``gap_points``, ``bytes``, ``header_bytes``,
-``ratio`` (dense bytes / bytes), ``consensus_distance``, ``wall_time_s``,
-``peers_finished``, ``run_dir`` and ``curve`` (``step``, ``time_s``,
-``bytes_sent``, ``accuracy`` points); ``meta`` holds the settings, the plot's
-path, ``target`` and whether it was ``met`` (and by which settings).
+each row has ``setting``, ``topology``, ``peers``, ``partition``, ``algorithm``,
+``codec``, ``trigger``, ``gamma``, ``accuracy``, ``gap_points``, ``bytes``,
+``header_bytes``, ``ratio`` (dense's bytes / bytes), ``bytes_to_target``,
+``ratio_to_target`` (null when the target was never reached), ``consensus_distance``,
+``wall_time_s``, ``peers_finished``, ``run_dir`` and ``curve`` (``step``, ``time_s``,
+``bytes_sent``, ``accuracy`` points); ``meta`` holds the job, the plot's path and each
+target with whether it was met (and by which rows).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from _common import (
     Column,
-    add_engine_option,
     add_only_option,
     add_swarm_options,
     benchmark_parser,
@@ -65,27 +73,31 @@ from _common import (
     run_swarm,
 )
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from gossipdl.averaging import default_gamma
+from gossipdl.averaging import auto_gamma
+from gossipdl.compression import build_codec
 from gossipdl.config import Config, load_config
 from gossipdl.experiments.plots import plot_curves
 from gossipdl.experiments.summary import accuracy_curve
 from gossipdl.models import build_model
 from gossipdl.rundir import RunDir
 
-TARGET_POINTS, TARGET_RATIO = 1.0, 100.0
+TARGET_POINTS, TARGET_RATIO, TARGET_FAR = 1.0, 100.0, 1000.0
+TOPK_POINTS, NON_IID_POINTS, DIVERGED = 1.5, 3.0, 0.2
 DEFAULT_STEPS, DEFAULT_HIDDEN = 3000, "1024,512"
 QUICK_STEPS, QUICK_PEERS, QUICK_HIDDEN = 60, 4, "64"
+NON_IID = "dirichlet:0.1"
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One compared run: the algorithm, its codec and the topology it needs."""
+    """One compared configuration: the algorithm, its codec and when peers talk."""
 
     key: str
     algorithm: str
     codec: str
-    topology: str = "ring"
+    trigger: str = "always"
 
 
 SETTINGS = [
@@ -93,54 +105,165 @@ SETTINGS = [
     Setting("choco-topk", "choco", "topk:0.01"),
     Setting("choco-sign", "choco", "sign"),
     Setting("choco-topk-qsgd", "choco", "topk:0.01+qsgd:16"),
-    Setting("broadcast", "broadcast", "threshold:auto:0.005+sign", "complete"),
-    Setting("choco-powersgd", "choco", "powersgd:2"),
+    Setting("choco-powersgd", "choco", "powersgd:1"),
+    Setting("powergossip", "powergossip", "powersgd:1"),
+    Setting("beer-topk", "beer", "topk:0.01"),
+    Setting("stacked", "choco", "topk:0.01+qsgd:16", "periodic:4"),
 ]
 
 
-def config_for(setting: Setting, args: argparse.Namespace) -> Config:
-    """The shared job with this setting's algorithm, codec and topology."""
+@dataclass(frozen=True)
+class Job:
+    """One run: a setting on a topology of ``peers`` with shards ``partition``."""
+
+    setting: Setting
+    topology: str
+    peers: int
+    partition: str = "iid"
+
+    @property
+    def name(self) -> str:
+        return self.setting.key + ("" if self.partition == "iid" else f"-{self.partition}")
+
+
+def config_for(job: Job, args: argparse.Namespace) -> Config:
+    """The shared job with this run's algorithm, codec, trigger, topology and shards."""
+    setting = job.setting
     return load_config(
         args.config,
-        peers=args.peers,
+        peers=job.peers,
         steps=args.steps,
         model="mlp",
         hidden=[int(w) for w in args.hidden.split(",")],
         dataset="mnist1d",
-        partition="iid",
+        partition=job.partition,
         seed=args.seed,
         lr_schedule=args.lr_schedule,
-        eval_every=max(1, args.steps // 12),
+        eval_every=max(1, args.steps // 30),
         algorithm=setting.algorithm,
         codec=setting.codec,
-        topology=setting.topology,
-        out=str(args.out / setting.key),
+        trigger=setting.trigger,
+        topology=job.topology,
+        threads=1 if args.jobs > 1 else 0,
+        out=str(args.out / job.topology / job.name),
     )
 
 
-def run_setting(setting: Setting, config: Config, engine: str = "real") -> dict[str, Any]:
-    """Launch (or simulate) one run and read its row (dense-relative columns are filled in
-    later)."""
+def gamma_of(config: Config, numel: int) -> float | None:
+    """The consensus step the run used (given, or chosen automatically)."""
+    if config.algorithm == "powergossip":
+        return config.gamma or 1.0
+    if config.algorithm not in ("choco", "beer"):
+        return None
+    return config.gamma or auto_gamma(build_codec(config.codec), numel)
+
+
+def run_job(task: tuple[Job, Config, str, int]) -> dict[str, Any]:
+    """Run (or simulate) one job and read its row (dense-relative columns come later)."""
+    job, config, engine, numel = task
+    if engine == "sim":
+        torch.set_num_threads(max(1, config.threads))
+    fresh_run_dir(Path(config.out))
     summary = run_swarm(config, engine)
-    curve = accuracy_curve(RunDir(config.out))
-    half = [p["accuracy"] for p in curve if p["step"] <= config.steps // 2]
     return {
-        "setting": setting.key,
-        "algorithm": setting.algorithm,
-        "codec": setting.codec,
-        "topology": setting.topology,
-        "gamma": (config.gamma or default_gamma(setting.codec))
-        if setting.algorithm == "choco"
-        else None,
+        "setting": job.setting.key,
+        "topology": job.topology,
+        "peers": job.peers,
+        "partition": job.partition,
+        "algorithm": job.setting.algorithm,
+        "codec": job.setting.codec,
+        "trigger": job.setting.trigger,
+        "gamma": gamma_of(config, numel),
         "accuracy": summary["mean_accuracy"],
-        "half_accuracy": half[-1] if half else None,
         "bytes": summary["total_bytes_sent"],
         "header_bytes": summary["total_header_bytes_sent"],
         "consensus_distance": summary["consensus_distance"],
         "wall_time_s": summary["wall_time_s"],
         "peers_finished": summary["peers_finished"],
         "run_dir": config.out,
-        "curve": curve,
+        "curve": accuracy_curve(RunDir(config.out)),
+    }
+
+
+def run_all(tasks: list[tuple[Job, Config, str, int]], jobs: int) -> list[dict[str, Any]]:
+    """Every task's row, in the tasks' order, ``jobs`` at a time, with a progress bar (the
+    workers ignore Ctrl-C: this process stops them, as :func:`_common.run_script` unwinds)."""
+    rows: list[dict[str, Any] | None] = [None] * len(tasks)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        bar = progress.add_task(f"{len(tasks)} runs, {jobs} at a time", total=len(tasks))
+        if jobs == 1:
+            done = (run_job(task) for task in tasks)
+        else:
+            context = multiprocessing.get_context("spawn")  # no forked torch thread pools
+            pool = context.Pool(
+                jobs, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)
+            )
+            done = pool.imap_unordered(run_job, tasks, chunksize=1)
+        try:
+            for row in done:
+                rows[next(i for i, t in enumerate(tasks) if t[1].out == row["run_dir"])] = row
+                progress.update(bar, advance=1, description=f"done: {row['topology']}/"
+                                f"{row['setting']} ({row['partition']})")  # fmt: skip
+        finally:
+            if jobs > 1:
+                pool.terminate()
+    return [row for row in rows if row is not None]
+
+
+def bytes_to(curve: list[dict[str, Any]], accuracy: float) -> int | None:
+    """Bytes sent until the mean accuracy first reached ``accuracy`` (None: never)."""
+    return next((p["bytes_sent"] for p in curve if p["accuracy"] >= accuracy - 1e-12), None)
+
+
+def compare(rows: list[dict[str, Any]]) -> None:
+    """Fill each row's columns relative to dense on its topology (iid)."""
+    dense = {r["topology"]: r for r in rows if r["setting"] == "dense" and r["partition"] == "iid"}
+    for row in rows:
+        base = dense.get(row["topology"])
+        row["gap_points"] = row["ratio"] = row["bytes_to_target"] = row["ratio_to_target"] = None
+        if base is None or base["accuracy"] is None or row["accuracy"] is None:
+            continue
+        row["gap_points"] = (base["accuracy"] - row["accuracy"]) * 100
+        row["ratio"] = base["bytes"] / row["bytes"]
+        target = base["accuracy"] - TARGET_POINTS / 100
+        row["bytes_to_target"] = bytes_to(row["curve"], target)
+        theirs = bytes_to(base["curve"], target)
+        if row["bytes_to_target"] and theirs:
+            row["ratio_to_target"] = theirs / row["bytes_to_target"]
+
+
+def verdicts(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Each ring target and the rows that meet it."""
+    ring = [r for r in rows if r["topology"] == "ring" and r["gap_points"] is not None]
+    iid = [r for r in ring if r["partition"] == "iid" and r["setting"] != "dense"]
+    close = [
+        r["setting"]
+        for r in iid
+        if r["gap_points"] <= TARGET_POINTS and (r["ratio_to_target"] or 0) >= TARGET_RATIO
+    ]
+    far = [r["setting"] for r in iid if (r["ratio_to_target"] or 0) >= TARGET_FAR]
+    topk = [
+        r["setting"] for r in iid if r["setting"] == "choco-topk" and r["gap_points"] <= TOPK_POINTS
+    ]
+    healthy = [r["name"] for r in ring if r["accuracy"] >= DIVERGED]
+    non_iid = [
+        r["setting"]
+        for r in ring
+        for same in iid
+        if r["partition"] != "iid"
+        and same["setting"] == r["setting"]
+        and (same["accuracy"] - r["accuracy"]) * 100 <= NON_IID_POINTS
+    ]
+    return {
+        f"within {TARGET_POINTS:g} point with >= {TARGET_RATIO:g}x fewer bytes to it": close,
+        f">= {TARGET_FAR:g}x fewer bytes to dense - {TARGET_POINTS:g} point": far,
+        f"CHOCO top-1% within {TOPK_POINTS:g} points": topk,
+        f"no run below {DIVERGED:.0%} accuracy (diverged)": (
+            [f"all {len(ring)} ring runs"] if len(healthy) == len(ring) else []
+        ),
+        f"non-IID ({NON_IID}) within {NON_IID_POINTS:g} points of iid": non_iid,
     }
 
 
@@ -154,7 +277,20 @@ def main() -> None:
     parser = benchmark_parser(
         __doc__, quick=f"{QUICK_PEERS} peers, MLP {QUICK_HIDDEN}, {QUICK_STEPS} steps"
     )
-    add_swarm_options(parser, "convergence", steps=f"default {DEFAULT_STEPS}")
+    add_swarm_options(
+        parser, "convergence", peers="ring peers, default 8", steps=f"default {DEFAULT_STEPS}"
+    )
+    parser.add_argument(
+        "--exponential-peers",
+        type=int,
+        default=None,
+        help="peers on the exponential graph, default 16 (quick: the ring's)",
+    )
+    parser.add_argument(
+        "--topologies",
+        default="ring,exponential",
+        help="which topologies to run, default ring,exponential",
+    )
     parser.add_argument("--hidden", default=None, help=f"MLP widths, default {DEFAULT_HIDDEN}")
     parser.add_argument(
         "--lr-schedule",
@@ -162,79 +298,93 @@ def main() -> None:
         help="cosine (default: lr anneals to 0, so every setting ends on a settled model) "
         "or constant",
     )
+    parser.add_argument(
+        "--non-iid-setting",
+        default="powergossip",
+        help=f"the setting also run on {NON_IID} shards (ring); 'none': skip",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("sim", "real"),
+        default="sim",
+        help="sim: the simulator (default); real: local processes",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at once (sim only), each with one torch thread"
+    )
     add_only_option(parser, [s.key for s in SETTINGS])
-    add_engine_option(parser)
     args = parser.parse_args()
+    if args.jobs < 1 or (args.jobs > 1 and args.engine != "sim"):
+        parser.error("--jobs N needs N >= 1, and N > 1 only with --engine sim")
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     args.peers = args.peers or (QUICK_PEERS if args.quick else 8)
+    exponential = args.exponential_peers or (args.peers if args.quick else 16)
     args.hidden = args.hidden or (QUICK_HIDDEN if args.quick else DEFAULT_HIDDEN)
+    peers = {"ring": args.peers, "exponential": exponential}
+    topologies = [t for t in args.topologies.split(",") if t]
+    if not set(topologies) <= set(peers):
+        parser.error(f"--topologies: choose from {', '.join(peers)}")
     chosen = [s for s in SETTINGS if s.key in args.only]
+    jobs = [Job(s, t, peers[t]) for t in topologies for s in chosen]
+    extra = next((s for s in chosen if s.key == args.non_iid_setting), None)
+    if extra is not None and "ring" in topologies:
+        jobs.append(Job(extra, "ring", args.peers, NON_IID))
+    numel = parameter_count(args.hidden)
+    tasks = [(job, config_for(job, args), args.engine, numel) for job in jobs]
 
-    console = Console(stderr=True)
-    rows = []
-    for setting in chosen:
-        config = config_for(setting, args)
-        fresh_run_dir(Path(config.out))
-        console.print(f"running {setting.key}: {setting.algorithm}, {setting.codec} …")
-        rows.append(run_setting(setting, config, args.engine))
-
-    dense = next((r for r in rows if r["setting"] == "dense"), None)
+    rows = run_all(tasks, args.jobs)
     for row in rows:
-        if dense is not None and row["accuracy"] is not None and dense["accuracy"] is not None:
-            row["gap_points"] = (dense["accuracy"] - row["accuracy"]) * 100
-            row["ratio"] = dense["bytes"] / row["bytes"]
-        else:
-            row["gap_points"] = row["ratio"] = None
-    winners = [
-        r["setting"]
-        for r in rows
-        if r is not dense
-        and r["gap_points"] is not None
-        and r["gap_points"] <= TARGET_POINTS
-        and r["ratio"] >= TARGET_RATIO
-    ]
+        row["name"] = row["setting"] + (
+            "" if row["partition"] == "iid" else f" ({row['partition']})"
+        )
+    compare(rows)
+    met = verdicts(rows)
     plot = plot_curves(
-        {f"{r['setting']} ({r['codec']})": r["curve"] for r in rows},
+        {f"{r['topology']}: {r['name']}": r["curve"] for r in rows},
         args.out / "accuracy_vs_bytes.png",
-        f"{args.peers} peers, MLP {args.hidden} on MNIST-1D, {args.steps} steps",
+        f"MLP {args.hidden} on MNIST-1D, {args.steps} steps: ring of {args.peers}, "
+        f"exponential graph of {exponential}",
     )
     meta = {
         "steps": args.steps,
-        "peers": args.peers,
+        "peers": peers,
         "model": f"mlp {args.hidden}",
-        "parameters": parameter_count(args.hidden),
+        "parameters": numel,
         "seed": args.seed,
         "lr_schedule": args.lr_schedule,
+        "engine": args.engine,
         "config": str(args.config) if args.config else None,
         "plot": str(plot),
-        "target": f"within {TARGET_POINTS:g} point of dense with >= {TARGET_RATIO:g}x fewer bytes",
-        "met": bool(winners),
-        "met_by": winners,
+        "targets": {name: {"met": bool(rows_), "by": rows_} for name, rows_ in met.items()},
     }
     columns = [
-        Column("setting", "setting"),
+        Column("topology", "graph"),
+        Column("name", "setting"),
         Column("codec", "codec"),
-        Column("gamma", "γ", "{:g}"),
+        Column("trigger", "when"),
+        Column("gamma", "γ", "{:.3g}"),
         Column("accuracy", "final acc", "{:.4f}"),
-        Column("half_accuracy", "acc @ half", "{:.4f}"),
         Column("gap_points", "gap (pts)", "{:+.2f}"),
         Column("bytes", "bytes sent", lambda v: f"{v / 1e6:,.1f} MB"),
-        Column("header_bytes", "of which headers", lambda v: f"{v / 1e6:,.2f} MB"),
         Column("ratio", "fewer bytes", "{:,.0f}x"),
+        Column("bytes_to_target", "bytes to dense−1pt", lambda v: f"{v / 1e6:,.1f} MB"),
+        Column("ratio_to_target", "fewer to target", "{:,.0f}x"),
         Column("consensus_distance", "consensus dist", "{:.3g}"),
         Column("wall_time_s", "wall s", "{:.0f}"),
-        Column("peers_finished", "finished"),
     ]
-    verdict = f"[green]met[/] by {', '.join(winners)}" if winners else "[red]missed[/]"
+    notes = [
+        f"target ({name}): " + (f"[green]met[/] by {', '.join(by)}" if by else "[red]missed[/]")
+        for name, by in met.items()
+    ]
     report(
         "convergence",
-        f"Convergence: {args.peers} peers, MLP {args.hidden} ({meta['parameters']:,} parameters) "
-        f"on MNIST-1D, {args.steps} steps, {args.lr_schedule} lr",
+        f"Convergence: MLP {args.hidden} ({numel:,} parameters) on MNIST-1D, {args.steps} "
+        f"steps, {args.lr_schedule} lr, γ automatic ({args.engine} engine)",
         columns,
         rows,
         meta,
         args.json,
-        notes=[f"target ({meta['target']}): {verdict}", f"plot: {plot}"],
+        notes=[*notes, f"plot: {plot}"],
     )
 
 
