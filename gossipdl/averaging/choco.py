@@ -13,9 +13,9 @@ memory-efficient form that stores s_i instead of every x̂_j):
 s_i is a sum, so a q_j that arrives after its round is still added when it
 comes. A q_j that is lost makes s_i wrong for good; the peer then resyncs: its
 neighbours send their dense x̂_j once and s_i is rebuilt from them. The first
-round of every peer is such a resync, so x̂ starts at the model itself (nobody
-sends the initial weights through the compressor). In that round a peer sends
-the sha256 of its x̂ instead of x̂ (``Averager.vouch``): neighbours that start
+round of every peer is such a resync, and x̂ starts at the model the peer started
+from (nobody sends the initial weights through the compressor). In that round a
+peer sends the sha256 of its x̂ instead of x̂ (``Averager.vouch``): neighbours that start
 from the same model (one seed) take their own copy for it and nothing dense is
 sent; a neighbour whose model differs asks for the dense copy, and mixes only
 once it has every copy.
@@ -31,9 +31,6 @@ import torch
 from gossipdl.averaging.base import Arrival, Averager, Round, dense_payload
 from gossipdl.compression import Codec, Payload, stage_names
 from gossipdl.compression.sparse import RandomK
-
-_SPARSIFIERS = ("topk", "randomk", "threshold")
-_NEAR_LOSSLESS = ("none", "dense", "fp16", "bf16")
 
 
 def auto_gamma(codec: Codec, numel: int) -> float:
