@@ -14,9 +14,10 @@ What it measures
       with ``topk:0.01``, ``sign``, ``topk:0.01+qsgd:16`` and ``powersgd:1`` (per layer);
     * ``powergossip``: PowerGossip, rank 1 per layer and edge;
     * ``beer-topk``: BEER (gradient tracking through CHOCO's public copies) with top-1%;
-    * ``stacked``: the savings together: top-1% with QSGD values and Golomb-coded
-      indices (``topk:0.01+qsgd:16``) sent every 4th step (``periodic:4``);
-    * one non-IID row: ``--non-iid-setting`` (default ``powergossip``) on the ring with
+    * ``stacked-sign``, ``stacked``: the savings together, a message every 4th step
+      (``periodic:4``) of 1-bit values (``sign``), or of top-1% with QSGD values and
+      Golomb-coded indices (``topk:0.01+qsgd:16``);
+    * one non-IID row: ``--non-iid-setting`` (default ``stacked-sign``) on the ring with
       ``dirichlet:0.1`` shards, beside its iid row.
 
     Each run is simulated (``--engine sim``, the default: the protocol's own code on a
@@ -108,6 +109,7 @@ SETTINGS = [
     Setting("choco-powersgd", "choco", "powersgd:1"),
     Setting("powergossip", "powergossip", "powersgd:1"),
     Setting("beer-topk", "beer", "topk:0.01"),
+    Setting("stacked-sign", "choco", "sign", "periodic:4"),
     Setting("stacked", "choco", "topk:0.01+qsgd:16", "periodic:4"),
 ]
 
@@ -300,7 +302,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--non-iid-setting",
-        default="powergossip",
+        default="stacked-sign",
         help=f"the setting also run on {NON_IID} shards (ring); 'none': skip",
     )
     parser.add_argument(

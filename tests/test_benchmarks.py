@@ -119,6 +119,7 @@ def test_convergence_benchmark_compares_with_dense_and_plots(tmp_path: Path) -> 
     result = run_benchmark(
         "convergence", tmp_path, "--quick", "--peers", "2", "--exponential-peers", "4",
         "--steps", "24", "--only", "dense,choco-topk,powergossip", "--jobs", "2",
+        "--non-iid-setting", "powergossip",
         "--out", str(tmp_path / "c"),
     )  # fmt: skip
     rows = {(row["topology"], row["setting"], row["partition"]): row for row in result["rows"]}

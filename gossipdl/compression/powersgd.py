@@ -177,11 +177,15 @@ class PowerSGD(Codec):
         self._bound = LowRankLayout.of(shapes, self.rank)
 
     def contraction(self, numel: int) -> float:
-        """The values sent over the values there are (a rank-r factorization keeps at least
-        that share of a matrix's energy once the power iteration has warmed up)."""
+        """A quarter of the smallest ``r / min(rows, cols)`` over the matrices: the best
+        rank-r approximation keeps at least ``r / min(rows, cols)`` of a matrix's energy,
+        but one warm-started power step a round keeps less of a residual that changes
+        every round, and the weakest layer sets what the whole model can bear. Measured
+        with CHOCO on the 572k-parameter MLP (ring of 8, rank 1): the quarter gives
+        γ = 0.011, which trains; γ = 0.022 (the bound itself) and 0.045 do not."""
         layout = self._layout(numel)
-        sent = layout.p_length + layout.q_length + layout.dense_length
-        return min(1.0, sent / max(numel, 1))
+        shares = [r / min(rows, cols) for _, rows, cols, r in layout.layers]
+        return min(1.0, min(shares, default=1.0) / 4)
 
     def _layout(self, numel: int) -> LowRankLayout:
         """The bound layout, or one near-square matrix for a vector of another length."""
