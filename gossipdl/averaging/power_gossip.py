@@ -17,7 +17,8 @@ projector of an edge is drawn from the shared seed and the edge's epoch (every e
 alike, the paper's synchronized randomness), so no peer needs another's id. The two
 ends hold the same projector only while they stay in step: every message carries the
 edge's epoch and step, and an edge whose message was lost or does not match skips its
-update and restarts at the next epoch (both ends within two rounds). A projector's sign
+update and restarts at the next epoch (both ends within two rounds). A loss one way
+leaves that round's move applied at one end only, which shifts the average once by it. A projector's sign
 is fixed by its largest entry, so both ends normalise ±d to the same vector.
 
 Costs per neighbour and round: Σ cols (or Σ rows) + the vectors' values, float32
