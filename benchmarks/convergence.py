@@ -157,7 +157,10 @@ def gamma_of(config: Config, numel: int) -> float | None:
         return config.gamma or 1.0
     if config.algorithm not in ("choco", "beer"):
         return None
-    return config.gamma or auto_gamma(build_codec(config.codec), numel)
+    codec = build_codec(config.codec)
+    model = build_model("mlp", (40,), 10, list(config.hidden))
+    codec.bind_layout([tuple(p.shape) for p in model.parameters()])  # as the peers do
+    return config.gamma or auto_gamma(codec, numel)
 
 
 def run_job(task: tuple[Job, Config, str, int]) -> dict[str, Any]:

@@ -18,8 +18,9 @@ alike, the paper's synchronized randomness), so no peer needs another's id. The 
 ends hold the same projector only while they stay in step: every message carries the
 edge's epoch and step, and an edge whose message was lost or does not match skips its
 update and restarts at the next epoch (both ends within two rounds). A loss one way
-leaves that round's move applied at one end only, which shifts the average once by it. A projector's sign
-is fixed by its largest entry, so both ends normalise ±d to the same vector.
+leaves that round's move applied at one end only, which shifts the average once by it.
+A projector's sign is fixed by its largest entry, so both ends normalise ±d to the same
+vector.
 
 Costs per neighbour and round: Σ cols (or Σ rows) + the vectors' values, float32
 (12.4 KB for the 572k-parameter MLP against 2.29 MB dense); state per neighbour: one
