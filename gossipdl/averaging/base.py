@@ -127,6 +127,11 @@ class Averager(ABC):
         if self.uses_public_copies:
             self.origin = model.clone()
 
+    def start_copy(self, x: torch.Tensor) -> torch.Tensor:
+        """A new copy of where a public copy starts: the model the peer started from
+        (:meth:`begin`), or ``x`` when it was not told."""
+        return (x if self.origin is None else self.origin).clone()
+
     def vouch(self) -> Payload:
         """What a peer sends in its first round instead of :meth:`public_copy`: the copy's
         sha256 alone. A neighbour whose own copy has that digest (peers that start from
@@ -252,6 +257,15 @@ def mix(x: torch.Tensor, rnd: Round, arrived: Sequence[Arrival]) -> torch.Tensor
     for arrival in arrived:
         out.add_(arrival.value, alpha=arrival.weight)
     return out
+
+
+def after_rebuild(
+    sender: int, round: int, synced_at: Mapping[int, int], rebuilt: int | None
+) -> bool:
+    """Whether an update of ``sender`` for ``round`` still belongs in a sum of public copies:
+    not when a later dense resync already included it (or, from a neighbour of an earlier
+    topology, left it out: the sum was rebuilt after it)."""
+    return round > max(synced_at.get(sender, -1), -1 if rebuilt is None else rebuilt)
 
 
 def dense_payload(t: torch.Tensor) -> Payload:

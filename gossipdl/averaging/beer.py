@@ -31,7 +31,7 @@ from typing import Any, cast
 
 import torch
 
-from gossipdl.averaging.base import Arrival, Averager, Round, Vouch
+from gossipdl.averaging.base import Arrival, Averager, Round, Vouch, after_rebuild, dense_payload
 from gossipdl.averaging.choco import auto_gamma, check_choco_codec
 from gossipdl.compression import Codec, CodecError, Payload, build_codec
 from gossipdl.compression.base import meta_int
@@ -103,10 +103,9 @@ class Beer(Averager):
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """Steps 1–3: the tracker, the next model, and both compressed differences."""
         if self.h is None:
-            start = self.origin if self.origin is not None else x
-            self.h, self.g = start.clone(), torch.zeros_like(x)
+            self.h, self.g = self.start_copy(x), torch.zeros_like(x)
             self.s_h, self.s_g = self.h * rnd.self_weight, torch.zeros_like(x)
-            self._last, self.u = start.clone(), torch.zeros_like(x)
+            self._last, self.u = self.h.clone(), torch.zeros_like(x)
             self._step = torch.zeros_like(x)
             self.scale = 1.0 / (1.0 + self.codec.omega(x.numel()))
             self.gamma = self.gamma or auto_gamma(self.codec, x.numel())
@@ -137,8 +136,7 @@ class Beer(Averager):
     def public_copy(self) -> Payload:
         """The dense h and g, for a neighbour rebuilding its sums."""
         assert self.h is not None and self.g is not None, "public_copy before the first outgoing"
-        both = torch.cat([self.h, self.g])
-        return Payload((both.detach().cpu().numpy().copy(),), {})
+        return dense_payload(torch.cat([self.h, self.g]))
 
     def decode(self, payload: Payload, dense: bool, numel: int, device: torch.device) -> Any:
         """A :class:`Pair` (or a :class:`Vouch`); CodecError for anything else."""
@@ -183,8 +181,7 @@ class Beer(Averager):
     def _add(self, sender: int, arrival: Arrival) -> None:
         """s += W_ij q_j / (1+ω) for both sums, unless a later resync already holds it."""
         assert self.s_h is not None and self.s_g is not None
-        rebuilt = -1 if self.resynced is None else self.resynced
-        if arrival.round > max(self._synced_at.get(sender, -1), rebuilt):
+        if after_rebuild(sender, arrival.round, self._synced_at, self.resynced):
             pair = cast(Pair, arrival.value)
             self.s_h.add_(pair.model, alpha=arrival.weight * self.scale)
             self.s_g.add_(pair.tracker, alpha=arrival.weight * self.scale)

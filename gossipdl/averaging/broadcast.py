@@ -49,8 +49,7 @@ class Broadcast(Averager):
         round (the first one, too) sends no update: its neighbours get the dense x̄ instead,
         and the update waits in the residual."""
         if self.shared is None:  # first round: the dense average below sets x̄
-            start = self.origin
-            self.shared = (x if start is None else start).clone()
+            self.shared = self.start_copy(x)
             self.residual = torch.zeros_like(x)
         assert self.residual is not None
         v = (x - self.shared).add_(self.residual)

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from gossipdl.averaging.base import Arrival, Averager, Round, dense_payload
+from gossipdl.averaging.base import Arrival, Averager, Round, after_rebuild, dense_payload
 from gossipdl.compression import Codec, Payload, stage_names
 from gossipdl.compression.sparse import RandomK
 
@@ -42,8 +42,10 @@ def auto_gamma(codec: Codec, numel: int) -> float:
     of 8 (top-1%: 0.0375, sign: 0.4–0.45, Koloskova et al. 2020 and Vogels et al. 2020)
     and this project's own (top-1% on the 572k MLP: 0.05 trains, 0.1 drifts apart,
     ``benchmarks/convergence.py``) follow √δ/2: 0.05 for top-1%, 0.40 for sign, 0.032 for
-    top-1% with QSGD-16 values, 0.045 for rank-1 PowerSGD of that MLP. They depend little
-    on the graph (0.4 for sign on a ring of 8, 0.5 on 16), which is why ρ is left out.
+    top-1% with QSGD-16 values, 0.011 for rank-1 PowerSGD of that MLP. The published steps
+    depend little on the ring's size (0.4 for sign on 8, 0.5 on 16), which is why ρ is
+    left out; but on the exponential graph of 16 the top-1% step drove the models apart
+    (README, *Accuracy against bytes*): the rule does not yet take the graph into account.
     """
     delta = codec.contraction(numel)
     return 1.0 if delta >= 1.0 else max(1e-4, math.sqrt(delta) / 2)
@@ -115,8 +117,7 @@ class Choco(Averager):
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """Steps 1–2: q_i = Q(x_i − x̂_i); x̂_i += q_i; s_i += W_ii q_i."""
         if self.x_hat is None:  # first round: the public copy starts at the starting model
-            start = self.origin
-            self.x_hat = (x if start is None else start).clone()
+            self.x_hat = self.start_copy(x)
             self.s = self.x_hat * rnd.self_weight
             self.scale = 1.0 / (1.0 + self.codec.omega(x.numel()))
             if self.gamma is None:
@@ -168,6 +169,5 @@ class Choco(Averager):
         """s_i += W_ij q_j / (1+ω), unless a later dense resync already includes q_j (or, from a
         neighbour of an earlier topology, left it out: s_i was rebuilt after it)."""
         assert self.s is not None
-        rebuilt = -1 if self.resynced is None else self.resynced
-        if arrival.round > max(self._synced_at.get(sender, -1), rebuilt):
+        if after_rebuild(sender, arrival.round, self._synced_at, self.resynced):
             self.s.add_(arrival.value, alpha=arrival.weight * self.scale)
