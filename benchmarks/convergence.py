@@ -27,8 +27,9 @@ What it measures
     mean test accuracy over the peers, the gap to dense (same topology) in points, total
     bytes sent (every frame, headers included), and **the bytes sent until the mean
     accuracy first reached dense's final accuracy minus 1 point** (``-`` when never), with
-    dense's over this one's as ``ratio_to_target``. The plot ``OUT/accuracy_vs_bytes.png``
-    shows mean accuracy against bytes (log x) for every run.
+    dense's over this one's as ``ratio_to_target``. One plot per topology,
+    ``OUT/accuracy_vs_bytes_<topology>.png``, shows mean accuracy against bytes (log x) for
+    its runs, with the target (dense's accuracy minus 1 point) dashed.
 
 Targets, on the ring
     At least one setting within 1 point of dense with >= 100x fewer bytes to that accuracy;
@@ -49,8 +50,9 @@ each row has ``setting``, ``topology``, ``peers``, ``partition``, ``algorithm``,
 ``header_bytes``, ``ratio`` (dense's bytes / bytes), ``bytes_to_target``,
 ``ratio_to_target`` (null when the target was never reached), ``consensus_distance``,
 ``wall_time_s``, ``peers_finished``, ``run_dir`` and ``curve`` (``step``, ``time_s``,
-``bytes_sent``, ``accuracy`` points); ``meta`` holds the job, the plot's path and each
-target with whether it was met (and by which rows).
+``bytes_sent``, ``accuracy`` points); ``meta`` holds the job, the plots' paths (``plots``,
+one per topology; ``plot``, the first) and each target with whether it was met (and by
+which rows).
 """
 
 from __future__ import annotations
@@ -272,6 +274,22 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
     }
 
 
+TOPOLOGY_NAMES = {"ring": "ring", "exponential": "exponential graph"}
+
+
+def plot_topology(rows: list[dict[str, Any]], topology: str, out: Path, title: str) -> Path:
+    """``OUT/accuracy_vs_bytes_<topology>.png``: accuracy against bytes for that topology's
+    runs, with a dashed line at dense's accuracy minus 1 point (the target)."""
+    mine = [r for r in rows if r["topology"] == topology]
+    dense = next((r for r in mine if r["setting"] == "dense" and r["partition"] == "iid"), None)
+    return plot_curves(
+        {r["name"]: r["curve"] for r in mine},
+        out / f"accuracy_vs_bytes_{topology}.png",
+        title,
+        mark_y=None if dense is None else dense["accuracy"] - TARGET_POINTS / 100,
+    )
+
+
 def parameter_count(hidden: str) -> int:
     """Parameters of the benchmarked MLP on MNIST-1D (40 inputs, 10 classes)."""
     model = build_model("mlp", (40,), 10, [int(w) for w in hidden.split(",")])
@@ -344,12 +362,11 @@ def main() -> None:
         )
     compare(rows)
     met = verdicts(rows)
-    plot = plot_curves(
-        {f"{r['topology']}: {r['name']}": r["curve"] for r in rows},
-        args.out / "accuracy_vs_bytes.png",
-        f"MLP {args.hidden} on MNIST-1D, {args.steps} steps: ring of {args.peers}, "
-        f"exponential graph of {exponential}",
-    )
+    job = f"MLP {args.hidden} on MNIST-1D, {args.steps} steps"
+    plots = {
+        t: plot_topology(rows, t, args.out, f"{job}, {TOPOLOGY_NAMES[t]} of {peers[t]}")
+        for t in topologies
+    }
     meta = {
         "steps": args.steps,
         "peers": peers,
@@ -359,7 +376,8 @@ def main() -> None:
         "lr_schedule": args.lr_schedule,
         "engine": args.engine,
         "config": str(args.config) if args.config else None,
-        "plot": str(plot),
+        "plot": str(next(iter(plots.values()))),
+        "plots": {t: str(path) for t, path in plots.items()},
         "targets": {name: {"met": bool(rows_), "by": rows_} for name, rows_ in met.items()},
     }
     columns = [
@@ -389,7 +407,7 @@ def main() -> None:
         rows,
         meta,
         args.json,
-        notes=[*notes, f"plot: {plot}"],
+        notes=[*notes, *(f"plot ({t}): {path}" for t, path in plots.items())],
     )
 
 

@@ -143,8 +143,11 @@ def test_convergence_benchmark_compares_with_dense_and_plots(tmp_path: Path) -> 
     assert set(result["meta"]["targets"]) and all(
         {"met", "by"} == t.keys() for t in result["meta"]["targets"].values()
     )
-    png = Path(result["meta"]["plot"]).read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    plots = result["meta"]["plots"]
+    assert list(plots) == ["ring", "exponential"] and result["meta"]["plot"] == plots["ring"]
+    for path in plots.values():
+        png = Path(path).read_bytes()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
 
 def test_triggers_benchmark_counts_transmissions_and_plots_the_drift(tmp_path: Path) -> None:
