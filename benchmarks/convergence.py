@@ -17,7 +17,7 @@ What it measures
     * ``stacked-sign``, ``stacked``: the savings together, a message every 4th step
       (``periodic:4``) of 1-bit values (``sign``), or of top-1% with QSGD values and
       Golomb-coded indices (``topk:0.01+qsgd:16``);
-    * one non-IID row: ``--non-iid-setting`` (default ``stacked-sign``) on the ring with
+    * one non-IID row: ``--non-iid-setting`` (default ``beer-topk``) on the ring with
       ``dirichlet:0.1`` shards, beside its iid row.
 
     Each run is simulated (``--engine sim``, the default: the protocol's own code on a
@@ -85,6 +85,7 @@ from gossipdl.experiments.plots import plot_curves
 from gossipdl.experiments.summary import accuracy_curve
 from gossipdl.models import build_model
 from gossipdl.rundir import RunDir
+from gossipdl.topologies import build_topology
 
 TARGET_POINTS, TARGET_RATIO, TARGET_FAR = 1.0, 100.0, 1000.0
 TOPK_POINTS, NON_IID_POINTS, DIVERGED = 1.5, 3.0, 0.2
@@ -162,7 +163,8 @@ def gamma_of(config: Config, numel: int) -> float | None:
     codec = build_codec(config.codec)
     model = build_model("mlp", (40,), 10, list(config.hidden))
     codec.bind_layout([tuple(p.shape) for p in model.parameters()])  # as the peers do
-    return config.gamma or auto_gamma(codec, numel)
+    self_weight = float(build_topology(config.topology, config.peers).mixing_matrix()[0, 0])
+    return config.gamma or auto_gamma(codec, numel, self_weight)  # the graphs are regular
 
 
 def run_job(task: tuple[Job, Config, str, int]) -> dict[str, Any]:
@@ -323,8 +325,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--non-iid-setting",
-        default="stacked-sign",
-        help=f"the setting also run on {NON_IID} shards (ring); 'none': skip",
+        default="beer-topk",
+        help=f"the setting also run on {NON_IID} shards (ring), default beer-topk; 'none': skip",
     )
     parser.add_argument(
         "--engine",

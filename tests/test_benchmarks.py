@@ -133,7 +133,10 @@ def test_convergence_benchmark_compares_with_dense_and_plots(tmp_path: Path) -> 
         # top-1% of a 3,274-parameter MLP: far fewer bytes than dense, headers counted apart.
         assert rows[(topology, "choco-topk", "iid")]["ratio"] > 3
     assert rows[("exponential", "dense", "iid")]["peers"] == 4
-    assert rows[("ring", "choco-topk", "iid")]["gamma"] == pytest.approx((33 / 3274) ** 0.5 / 2)
+    delta = 33 / 3274  # top-1% of 3,274 values; a ring of 2 keeps W_ii = 1/2
+    assert rows[("ring", "choco-topk", "iid")]["gamma"] == pytest.approx(
+        min(delta**0.5 / 2, 2 * delta**0.85)
+    )
     for row in rows.values():
         assert 0 < row["header_bytes"] < row["bytes"]
         assert row["peers_finished"] == row["peers"] and row["accuracy"] is not None

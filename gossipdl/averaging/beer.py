@@ -86,7 +86,8 @@ class Beer(Averager):
         check_choco_codec(self.codec)
         if gamma is not None and not 0 < gamma <= 1:
             raise ValueError(f"gamma = {gamma}; BEER needs 0 < gamma <= 1")
-        self.gamma = gamma
+        self.given_gamma = gamma  # None: auto_gamma, every round (the row can change)
+        self.gamma: float | None = gamma  # the step of the latest round
         self._tracker_codec = build_codec(self.codec.spec, seed + 1)  # its own warm starts
         self.scale = 1.0
         self.h: torch.Tensor | None = None
@@ -108,10 +109,9 @@ class Beer(Averager):
             self._last, self.u = self.h.clone(), torch.zeros_like(x)
             self._step = torch.zeros_like(x)
             self.scale = 1.0 / (1.0 + self.codec.omega(x.numel()))
-            self.gamma = self.gamma or auto_gamma(self.codec, x.numel())
         assert self._last is not None and self.u is not None and self._step is not None
         assert self.s_h is not None and self.s_g is not None and self.g is not None
-        assert self.gamma is not None
+        self.gamma = self.given_gamma or auto_gamma(self.codec, x.numel(), rnd.self_weight)
         step = x - self._last
         mixing = self.resynced is not None
         if mixing:

@@ -33,22 +33,36 @@ from gossipdl.compression import Codec, Payload, stage_names
 from gossipdl.compression.sparse import RandomK
 
 
-def auto_gamma(codec: Codec, numel: int) -> float:
-    """CHOCO's consensus step for ``codec`` on a vector of ``numel``: ``√δ / 2`` with δ the
-    codec's contraction (``codec.contraction``), 1 for a lossless or near-lossless codec.
+def auto_gamma(codec: Codec, numel: int, self_weight: float) -> float:
+    """CHOCO's consensus step for ``codec`` on a vector of ``numel``, for a peer whose row of
+    the mixing matrix keeps ``self_weight`` for itself: ``min(√δ/2, δ^0.85 / (1 − W_ii))``
+    with δ the codec's contraction (``codec.contraction``); 1 for a (near-)lossless codec.
 
     The theory's step (Koloskova et al. 2019, Theorem 2: of order ρ²δ for a spectral gap
-    ρ) is hundreds of times smaller than what trains well; the steps published for a ring
-    of 8 (top-1%: 0.0375, sign: 0.4–0.45, Koloskova et al. 2020 and Vogels et al. 2020)
-    and this project's own (top-1% on the 572k MLP: 0.05 trains, 0.1 drifts apart,
-    ``benchmarks/convergence.py``) follow √δ/2: 0.05 for top-1%, 0.40 for sign, 0.032 for
-    top-1% with QSGD-16 values, 0.011 for rank-1 PowerSGD of that MLP. The published steps
-    depend little on the ring's size (0.4 for sign on 8, 0.5 on 16), which is why ρ is
-    left out; but on the exponential graph of 16 the top-1% step drove the models apart
-    (README, *Accuracy against bytes*): the rule does not yet take the graph into account.
+    ρ) is hundreds of times smaller than what trains well, and gets the graph backwards:
+    CHOCO's consensus alone (no training, ``gossipdl``'s own codecs, largest γ whose
+    consensus distance still shrinks over 1,500 rounds) stays stable up to γ* = 0.047
+    for top-1% on a ring of 8, but only 0.035 on the exponential graph of 16 and 0.031 on
+    the complete graph of 16, where each peer adds more compressed copies into s. γ*
+    grows like δ^0.85 with the kept share (top-10%: 0.35, 0.23, 0.21) and γ*(1 − W_ii)
+    varies far less across graphs than γ* does. So the step is δ^0.85 / (1 − W_ii)
+    (0.030, 0.023 and 0.022 for top-1% on those graphs: about two thirds of γ*), and no
+    more than √δ/2, the steps published for dense quantizers (sign: 0.40 against γ*
+    0.48–0.99). A step just above γ* does not blow up at once: training's pull hides the
+    slow growth until the learning rate anneals, then the models drift apart (top-1% at
+    γ 0.05 on the exponential graph of 16, README *Accuracy against bytes*).
     """
     delta = codec.contraction(numel)
-    return 1.0 if delta >= 1.0 else max(1e-4, math.sqrt(delta) / 2)
+    if delta >= 1.0:
+        return 1.0
+    share = 1.0 - self_weight  # the row's weight on the neighbours
+    bound = delta**GAMMA_EXPONENT / share if share > 0 else 1.0
+    return max(1e-4, min(math.sqrt(delta) / 2, bound))
+
+
+GAMMA_EXPONENT = 0.85
+"""How CHOCO's largest stable step grows with the codec's contraction δ (measured, see
+:func:`auto_gamma`)."""
 
 
 WARMUP_ROUNDS = 20
@@ -93,13 +107,20 @@ class Choco(Averager):
         check_choco_codec(self.codec)
         if gamma is not None and not 0 < gamma <= 1:
             raise ValueError(f"gamma = {gamma}; CHOCO needs 0 < gamma <= 1")
-        self.gamma = gamma  # None: auto_gamma, once the vector's length is known
+        self.given_gamma = gamma  # None: auto_gamma, every round (the row can change)
+        self.gamma: float | None = gamma  # the step of the latest round
         self.x_hat: torch.Tensor | None = None
         self.s: torch.Tensor | None = None
         self.scale = 1.0  # 1/(1+ω), set when the vector's length is known
         self._synced_at: dict[int, int] = {}
         self._first: int | None = None  # the round of the first outgoing (the warm-up's start)
         self.resynced: int | None = None  # the round s_i was last rebuilt from dense copies
+
+    def gamma_for(self, rnd: Round, numel: int) -> float:
+        """The given γ, or :func:`auto_gamma` for this round's row of the mixing matrix."""
+        if self.given_gamma is not None:
+            return self.given_gamma
+        return auto_gamma(self.codec, numel, rnd.self_weight)
 
     def step_size(self, rnd: Round) -> float:
         """γ in round ``rnd``: the warm-up's share of it in a peer's first rounds (a lossless
@@ -116,12 +137,11 @@ class Choco(Averager):
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """Steps 1–2: q_i = Q(x_i − x̂_i); x̂_i += q_i; s_i += W_ii q_i."""
+        self.gamma = self.gamma_for(rnd, x.numel())
         if self.x_hat is None:  # first round: the public copy starts at the starting model
             self.x_hat = self.start_copy(x)
             self.s = self.x_hat * rnd.self_weight
             self.scale = 1.0 / (1.0 + self.codec.omega(x.numel()))
-            if self.gamma is None:
-                self.gamma = auto_gamma(self.codec, x.numel())
             self._first = rnd.index
             payload, _ = self.codec.encode(torch.zeros_like(x))
             return payload
