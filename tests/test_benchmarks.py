@@ -153,6 +153,16 @@ def test_convergence_benchmark_compares_with_dense_and_plots(tmp_path: Path) -> 
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
 
+def test_stability_benchmark_finds_a_critical_step_above_the_automatic_one(tmp_path: Path) -> None:
+    result = run_benchmark("stability", tmp_path, "--quick")
+    (row,) = result["rows"]
+    assert (row["codec"], row["graph"], row["peers"]) == ("topk:0.01", "ring", 8)
+    assert row["self_weight"] == pytest.approx(1 / 3)
+    assert 0 < row["auto_gamma"] < row["critical_gamma"] < 1  # a margin, measured
+    assert row["ratio"] == pytest.approx(row["auto_gamma"] / row["critical_gamma"])
+    assert result["meta"]["margin"]["met"] and result["meta"]["rounds"] == 300
+
+
 def test_triggers_benchmark_counts_transmissions_and_plots_the_drift(tmp_path: Path) -> None:
     result = run_benchmark(
         "triggers", tmp_path, "--quick", "--engine", "sim", "--peers", "2", "--steps", "40",

@@ -50,7 +50,9 @@ def auto_gamma(codec: Codec, numel: int, self_weight: float) -> float:
     more than √δ/2, the steps published for dense quantizers (sign: 0.40 against γ*
     0.48–0.99). A step just above γ* does not blow up at once: training's pull hides the
     slow growth until the learning rate anneals, then the models drift apart (top-1% at
-    γ 0.05 on the exponential graph of 16, README *Accuracy against bytes*).
+    γ 0.05 on the exponential graph of 16, README *Accuracy against bytes*). On a graph
+    whose peers keep different W_ii, their steps differ, so the swarm's average moves by
+    a term that vanishes as the public copies agree (on regular graphs it is kept exactly).
     """
     delta = codec.contraction(numel)
     if delta >= 1.0:

@@ -1,0 +1,130 @@
+"""Stability: the largest CHOCO step each codec and graph bear, beside the automatic γ.
+
+What it measures
+    For each codec and graph, CHOCO's consensus alone (``gossipdl.averaging.consensus``:
+    gossipdl's own CHOCO and codecs in memory, no training, peers apart from one public
+    copy, a small MLP's layout of 6,250 values so PowerSGD has layers): γ*, the largest
+    step whose consensus distance still halves over the second half of ``--rounds``
+    rounds (bisection to 1/256), the automatic step (``averaging.auto_gamma``) for a
+    peer of that graph, and their ratio. Just above γ* nothing blows up at once: the
+    spread stops shrinking and grows slowly, which training's pull hides until the
+    learning rate anneals (README, *Accuracy against bytes*).
+
+Target
+    The automatic γ is at most 0.9 γ* for every codec and graph (a margin, not the
+    edge), and not below 0.1 γ* for top-k (a step far below γ* mixes slowly).
+
+Run
+    python benchmarks/stability.py --json runs/bench-stability.json
+    python benchmarks/stability.py --only topk:0.01,sign --graphs complete:16,torus:16
+    python benchmarks/stability.py --quick          # top-1%, ring of 8, 300 rounds
+
+    About 10 minutes on one core for the defaults (five codecs, ring of 8, exponential
+    graph of 16).
+
+JSON (``--json FILE``): ``{"benchmark": "stability", "rows": [...], "meta": {...}}``; each
+row has ``codec``, ``graph``, ``peers``, ``self_weight``, ``critical_gamma``,
+``auto_gamma``, ``ratio`` (auto over critical) and ``wall_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from _common import Column, add_only_option, benchmark_parser, report, run_script
+from rich.console import Console
+from rich.progress import Progress
+
+from gossipdl.averaging import auto_gamma
+from gossipdl.averaging.consensus import critical_gamma
+from gossipdl.compression import build_codec
+from gossipdl.topologies import build_topology
+
+SHAPES = ((64, 40), (64,), (48, 64), (48,), (10, 48), (10,))  # 6,250 values in 3 layers
+NUMEL = 6250
+CODECS = ["topk:0.01", "topk:0.1", "topk:0.01+qsgd:16", "sign", "powersgd:1"]
+GRAPHS = "ring:8,exponential:16"
+MARGIN, SLOWEST = 0.9, 0.1
+QUICK_ROUNDS, ROUNDS = 300, 1500
+
+
+def measure(spec: str, graph: str, peers: int, rounds: int) -> dict[str, Any]:
+    """One row: γ* and the automatic γ for ``spec`` on ``graph`` of ``peers``."""
+    topology = build_topology(graph, peers)
+    self_weight = float(topology.mixing_matrix()[0, 0])  # these graphs are regular
+    codec = build_codec(spec)
+    codec.bind_layout(SHAPES)
+    started = time.perf_counter()
+    critical = critical_gamma(spec, topology, rounds, SHAPES)
+    auto = auto_gamma(codec, NUMEL, self_weight)
+    return {
+        "codec": spec,
+        "graph": graph,
+        "peers": peers,
+        "self_weight": self_weight,
+        "critical_gamma": critical,
+        "auto_gamma": auto,
+        "ratio": auto / critical if critical > 0 else None,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, quick=f"top-1% on a ring of 8, {QUICK_ROUNDS} rounds")
+    parser.add_argument("--graphs", default=None, help=f"GRAPH:PEERS,..., default {GRAPHS}")
+    parser.add_argument("--rounds", type=int, default=None, help=f"default {ROUNDS}")
+    add_only_option(parser, CODECS)
+    args = parser.parse_args()
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
+    codecs = ["topk:0.01"] if args.quick else args.only
+    graphs = []
+    for item in (args.graphs or ("ring:8" if args.quick else GRAPHS)).split(","):
+        name, _, peers = item.partition(":")
+        if not peers.isdigit():
+            parser.error(f"--graphs: {item!r} is not GRAPH:PEERS (e.g. ring:8)")
+        graphs.append((name, int(peers)))
+    rows = []
+    with Progress(console=Console(stderr=True)) as progress:
+        bar = progress.add_task("bisecting γ*", total=len(codecs) * len(graphs))
+        for spec in codecs:
+            for name, peers in graphs:
+                rows.append(measure(spec, name, peers, rounds))
+                progress.advance(bar)
+    margin = [r for r in rows if r["ratio"] is not None and r["ratio"] > MARGIN]
+    slow = [r for r in rows if r["codec"].startswith("topk") and (r["ratio"] or 0) < SLOWEST]
+    notes = [
+        f"target (auto γ <= {MARGIN:g} γ* everywhere): "
+        + ("[green]met[/]" if not margin else "[red]missed[/] by " + _names(margin)),
+        f"target (top-k's auto γ >= {SLOWEST:g} γ*): "
+        + ("[green]met[/]" if not slow else "[red]missed[/] by " + _names(slow)),
+    ]
+    columns = [
+        Column("codec", "codec"),
+        Column("graph", "graph"),
+        Column("peers", "peers"),
+        Column("self_weight", "W_ii", "{:.3f}"),
+        Column("critical_gamma", "γ*", "{:.4f}"),
+        Column("auto_gamma", "auto γ", "{:.4f}"),
+        Column("ratio", "auto / γ*", "{:.2f}"),
+        Column("wall_s", "wall s", "{:.0f}"),
+    ]
+    meta = {"rounds": rounds, "shapes": [list(s) for s in SHAPES], "numel": NUMEL,
+            "margin": {"met": not margin}, "slowest": {"met": not slow}}  # fmt: skip
+    report(
+        "stability",
+        f"CHOCO's largest stable step (consensus alone, {rounds} rounds) and the automatic γ",
+        columns,
+        rows,
+        meta,
+        args.json,
+        notes=notes,
+    )
+
+
+def _names(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{r['codec']} on {r['graph']}:{r['peers']}" for r in rows)
+
+
+if __name__ == "__main__":
+    run_script(main)
