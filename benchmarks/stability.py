@@ -4,11 +4,12 @@ What it measures
     For each codec and graph, CHOCO's consensus alone (``gossipdl.averaging.consensus``:
     gossipdl's own CHOCO and codecs in memory, no training, peers apart from one public
     copy, a small MLP's layout of 6,250 values so PowerSGD has layers): γ*, the largest
-    step whose consensus distance still halves over the second half of ``--rounds``
-    rounds (bisection to 1/256), the automatic step (``averaging.auto_gamma``) for a
-    peer of that graph, and their ratio. Just above γ* nothing blows up at once: the
-    spread stops shrinking and grows slowly, which training's pull hides until the
-    learning rate anneals (README, *Accuracy against bytes*).
+    step whose consensus distance does not grow over the second half of ``--rounds``
+    rounds (bisection in log scale to 5.5%), the automatic step
+    (``averaging.auto_gamma``) for a peer of that graph, and their ratio. Just above γ*
+    nothing blows up at once: the spread stops shrinking and grows slowly, which
+    training's pull hides until the learning rate anneals (README, *Accuracy against
+    bytes*).
 
 Target
     The automatic γ is at most 0.9 γ* for every codec and graph (a margin, not the

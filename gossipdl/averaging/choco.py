@@ -39,17 +39,17 @@ def auto_gamma(codec: Codec, numel: int, self_weight: float) -> float:
     with δ the codec's contraction (``codec.contraction``); 1 for a (near-)lossless codec.
 
     The theory's step (Koloskova et al. 2019, Theorem 2: of order ρ²δ for a spectral gap
-    ρ) is hundreds of times smaller than what trains well, and gets the graph backwards:
-    CHOCO's consensus alone (no training, ``gossipdl``'s own codecs, largest γ whose
-    consensus distance still shrinks over 1,500 rounds) stays stable up to γ* = 0.047
-    for top-1% on a ring of 8, but only 0.035 on the exponential graph of 16 and 0.031 on
-    the complete graph of 16, where each peer adds more compressed copies into s. γ*
-    grows like δ^0.85 with the kept share (top-10%: 0.35, 0.23, 0.21) and γ*(1 − W_ii)
+    ρ) is hundreds of times smaller than what trains well, and gets the graph backwards.
+    CHOCO's consensus alone (``benchmarks/stability.py``: no training, gossipdl's own
+    CHOCO and codecs, the largest γ whose consensus distance does not grow over 1,500
+    rounds) bears up to γ* = 0.051 for top-1% on a ring of 8 but only 0.037 on the
+    exponential graph of 16, where each peer adds more compressed copies into s; γ*
+    grows like δ^0.85 with the kept share (top-10%: 0.36 and 0.23), and γ*(1 − W_ii)
     varies far less across graphs than γ* does. So the step is δ^0.85 / (1 − W_ii)
-    (0.030, 0.023 and 0.022 for top-1% on those graphs: about two thirds of γ*), and no
-    more than √δ/2, the steps published for dense quantizers (sign: 0.40 against γ*
-    0.48–0.99). A step just above γ* does not blow up at once: training's pull hides the
-    slow growth until the learning rate anneals, then the models drift apart (top-1% at
+    (0.030 and 0.023 for top-1% on those graphs, about 0.6 γ*), and no more than √δ/2,
+    the steps published for dense quantizers (sign: 0.40 against γ* 0.95 and 0.76). A
+    step just above γ* does not blow up at once: training's pull hides the slow growth
+    until the learning rate anneals, then the models drift apart (top-1% at
     γ 0.05 on the exponential graph of 16, README *Accuracy against bytes*). On a graph
     whose peers keep different W_ii, their steps differ, so the swarm's average moves by
     a term that vanishes as the public copies agree (on regular graphs it is kept exactly).

@@ -72,10 +72,11 @@ def critical_gamma(
     halvings: int = 7,
 ) -> float:
     """γ*: the largest step in [1/1024, 1] (bisected in log scale, ``halvings`` times: 7
-    gives 5.5%) whose consensus still converges: over the second half of ``rounds`` the
-    spread at least halves, or ends below 1e-6 of the start (float32's floor). Just above
-    γ* the spread shrinks for a while and then grows, which is why the test runs long;
-    0 when even 1/1024 does not converge."""
+    gives 5.5%) whose consensus does not drift apart: the spread after ``rounds`` is no
+    larger than halfway, or below :data:`FLOOR`. Just above γ* the spread shrinks for a
+    while and then grows slowly, which is why the test runs long; a coarse quantizer's
+    spread may level off instead of reaching 0 (sign: about 1% of the start on a ring of 8
+    at γ 0.4), which counts as stable. 0 when even 1/1024 drifts apart."""
     floor = low = math.log(1 / 1024)
     high = 0.0
     for _ in range(halvings):
@@ -93,4 +94,8 @@ def _converges(
     spec: str, topology: Topology, gamma: float, rounds: int, shapes: Sequence[Sequence[int]]
 ) -> bool:
     spreads = consensus_spreads(spec, topology, gamma, rounds, shapes, every=rounds // 2)
-    return spreads[-1] < 0.5 * spreads[0] or spreads[-1] < 1e-6
+    return spreads[-1] <= spreads[0] or spreads[-1] < FLOOR  # nan (blown up): False
+
+
+FLOOR = 1e-4
+"""A relative spread below which float32 rounding in the sums, not γ, sets what is left."""
