@@ -30,6 +30,7 @@ row has ``codec``, ``graph``, ``peers``, ``self_weight``, ``critical_gamma``,
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -43,7 +44,7 @@ from gossipdl.compression import build_codec
 from gossipdl.topologies import build_topology
 
 SHAPES = ((64, 40), (64,), (48, 64), (48,), (10, 48), (10,))  # 6,250 values in 3 layers
-NUMEL = 6250
+NUMEL = sum(math.prod(shape) for shape in SHAPES)
 CODECS = ["topk:0.01", "topk:0.1", "topk:0.01+qsgd:16", "sign", "powersgd:1"]
 GRAPHS = "ring:8,exponential:16"
 MARGIN, SLOWEST = 0.9, 0.1
@@ -84,6 +85,10 @@ def main() -> None:
         name, _, peers = item.partition(":")
         if not peers.isdigit():
             parser.error(f"--graphs: {item!r} is not GRAPH:PEERS (e.g. ring:8)")
+        try:
+            build_topology(name, int(peers))
+        except ValueError as err:  # TopologyError: an unknown name, a count it cannot take
+            parser.error(f"--graphs: {item!r}: {err}")
         graphs.append((name, int(peers)))
     rows = []
     with Progress(console=Console(stderr=True)) as progress:
@@ -92,7 +97,7 @@ def main() -> None:
             for name, peers in graphs:
                 rows.append(measure(spec, name, peers, rounds))
                 progress.advance(bar)
-    margin = [r for r in rows if r["ratio"] is not None and r["ratio"] > MARGIN]
+    margin = [r for r in rows if r["ratio"] is None or r["ratio"] > MARGIN]  # None: γ* = 0
     slow = [r for r in rows if r["codec"].startswith("topk") and (r["ratio"] or 0) < SLOWEST]
     notes = [
         f"target (auto γ <= {MARGIN:g} γ* everywhere): "
