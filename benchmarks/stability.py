@@ -73,7 +73,7 @@ def measure(spec: str, graph: str, peers: int, rounds: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, quick=f"top-1% on a ring of 8, {QUICK_ROUNDS} rounds")
+    parser = benchmark_parser(__doc__, quick=f"top-1%% on a ring of 8, {QUICK_ROUNDS} rounds")
     parser.add_argument("--graphs", default=None, help=f"GRAPH:PEERS,..., default {GRAPHS}")
     parser.add_argument("--rounds", type=int, default=None, help=f"default {ROUNDS}")
     add_only_option(parser, CODECS)
