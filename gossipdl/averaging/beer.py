@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round, Vouch, after_rebuild, dense_payload
-from gossipdl.averaging.choco import auto_gamma, check_choco_codec
+from gossipdl.averaging.choco import check_choco_codec, round_gamma
 from gossipdl.compression import Codec, CodecError, Payload, build_codec
 from gossipdl.compression.base import meta_int
 
@@ -111,7 +111,7 @@ class Beer(Averager):
             self.scale = 1.0 / (1.0 + self.codec.omega(x.numel()))
         assert self._last is not None and self.u is not None and self._step is not None
         assert self.s_h is not None and self.s_g is not None and self.g is not None
-        self.gamma = self.given_gamma or auto_gamma(self.codec, x.numel(), rnd.self_weight)
+        self.gamma = round_gamma(self.given_gamma, self.codec, x.numel(), rnd)
         step = x - self._last
         mixing = self.resynced is not None
         if mixing:

@@ -62,6 +62,12 @@ def auto_gamma(codec: Codec, numel: int, self_weight: float) -> float:
     return max(1e-4, min(math.sqrt(delta) / 2, bound))
 
 
+def round_gamma(given: float | None, codec: Codec, numel: int, rnd: Round) -> float:
+    """The step of round ``rnd``: ``given`` (``--gamma``), or :func:`auto_gamma` for that
+    round's row of the mixing matrix (it changes with the topology). CHOCO's and BEER's."""
+    return given if given is not None else auto_gamma(codec, numel, rnd.self_weight)
+
+
 GAMMA_EXPONENT = 0.85
 """How CHOCO's largest stable step grows with the codec's contraction δ (measured, see
 :func:`auto_gamma`)."""
@@ -118,12 +124,6 @@ class Choco(Averager):
         self._first: int | None = None  # the round of the first outgoing (the warm-up's start)
         self.resynced: int | None = None  # the round s_i was last rebuilt from dense copies
 
-    def gamma_for(self, rnd: Round, numel: int) -> float:
-        """The given γ, or :func:`auto_gamma` for this round's row of the mixing matrix."""
-        if self.given_gamma is not None:
-            return self.given_gamma
-        return auto_gamma(self.codec, numel, rnd.self_weight)
-
     def step_size(self, rnd: Round) -> float:
         """γ in round ``rnd``: the warm-up's share of it in a peer's first rounds (a lossless
         codec needs none: its x̂ is x)."""
@@ -139,7 +139,7 @@ class Choco(Averager):
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """Steps 1–2: q_i = Q(x_i − x̂_i); x̂_i += q_i; s_i += W_ii q_i."""
-        self.gamma = self.gamma_for(rnd, x.numel())
+        self.gamma = round_gamma(self.given_gamma, self.codec, x.numel(), rnd)
         if self.x_hat is None:  # first round: the public copy starts at the starting model
             self.x_hat = self.start_copy(x)
             self.s = self.x_hat * rnd.self_weight
