@@ -31,7 +31,8 @@ class Round:
     neighbour from their dense public copies (the first round, and the round a
     topology changes or a lost message was detected). ``mix`` is False in a
     round this peer sat out (dynamic trigger): take in what arrived, but keep
-    the model.
+    the model. ``lr`` is the learning rate of the local step just taken (1.0 where the
+    engine has none): gradient tracking tracks the update per unit of it.
     """
 
     index: int
@@ -39,6 +40,7 @@ class Round:
     self_weight: float
     resync: bool = False
     mix: bool = True
+    lr: float = 1.0
 
 
 VOUCH = "sha256"

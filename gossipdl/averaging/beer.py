@@ -7,20 +7,28 @@ model and that tracker through CHOCO's public copies, so any contractive codec w
     X ← X + γ H(W − I) − η V          H ← H + C(X − H)      (public copy of X)
     V ← V + γ G(W − I) + ∇F(X') − ∇F(X)  G ← G + C(V − G)   (public copy of V)
 
-Here the tracked quantity is the local optimizer's own update (its step, momentum and
-learning rate included) instead of −η∇F, so BEER wraps whatever optimizer the peer runs:
-per round, with ``d`` the local update since the last round (``x − x_last``),
+Here the tracked quantity is the local optimizer's own direction (its update per unit
+of learning rate, momentum included) instead of ∇F, so BEER wraps whatever optimizer the
+peer runs: per round, with ``d`` the local update since the last round (``x − x_last``)
+and η the learning rate of the last local step (``Round.lr``),
 
-1. u ← u + γ (s_g − g) + d − d_prev        (u tracks the swarm's mean update; u = d at first)
-2. x_next = x_last + γ (s_h − h) + u       (the consensus step, then the tracked update
-                                            in place of the own one)
-3. q_h = C(x_next − h), q_g = C(u − g); h += q_h, g += q_g, and s_h, s_g add W_ii q;
+1. v ← v + γ (s_g − g) + d/η − d_prev/η_prev  (v tracks the swarm's mean direction;
+                                              v = d/η at first)
+2. x_next = x_last + γ (s_h − h) + η v        (the consensus step, then the tracked
+                                              direction in place of the own one)
+3. q_h = C(x_next − h), q_g = C(v − g); h += q_h, g += q_g, and s_h, s_g add W_ii q;
    both go out in one message; each q_j received adds W_ij q_j to s_h and s_g.
 
-State: x_last, d_prev, u, h, g, s_h, s_g (seven model-sized buffers). A lost message
+Tracking the direction, not the update, keeps the tracker's correction (the mean
+direction minus the own one, the heterogeneity it removes) right as the learning rate
+anneals: tracking updates, that correction kept the size of the earlier, larger steps
+while the peer's own shrank, and on non-IID data the models drifted apart in the last
+rounds of a cosine schedule.
+
+State: x_last, d_prev/η_prev, v, h, g, s_h, s_g (seven model-sized buffers). A lost message
 breaks s_h and s_g as in CHOCO and is repaired the same way (a resync rebuilds both from
 dense copies of h and g); the tracker keeps the offset the missed update left (the mean
-of u drifts from the mean update by it), which the decaying learning rate washes out.
+of v drifts from the mean direction by it), which the decaying learning rate washes out.
 """
 
 from __future__ import annotations
@@ -94,9 +102,9 @@ class Beer(Averager):
         self.g: torch.Tensor | None = None
         self.s_h: torch.Tensor | None = None
         self.s_g: torch.Tensor | None = None
-        self.u: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
         self._last: torch.Tensor | None = None
-        self._step: torch.Tensor | None = None  # d of the last round
+        self._direction: torch.Tensor | None = None  # d/η of the last round
         self._next: torch.Tensor | None = None
         self._synced_at: dict[int, int] = {}
         self.resynced: int | None = None
@@ -106,27 +114,28 @@ class Beer(Averager):
         if self.h is None:
             self.h, self.g = self.start_copy(x), torch.zeros_like(x)
             self.s_h, self.s_g = self.h * rnd.self_weight, torch.zeros_like(x)
-            self._last, self.u = self.h.clone(), torch.zeros_like(x)
-            self._step = torch.zeros_like(x)
+            self._last, self.v = self.h.clone(), torch.zeros_like(x)
+            self._direction = torch.zeros_like(x)
             self.scale = 1.0 / (1.0 + self.codec.omega(x.numel()))
-        assert self._last is not None and self.u is not None and self._step is not None
+        assert self._last is not None and self.v is not None and self._direction is not None
         assert self.s_h is not None and self.s_g is not None and self.g is not None
         self.gamma = round_gamma(self.given_gamma, self.codec, x.numel(), rnd)
-        step = x - self._last
+        # at learning rate 0 the own direction is unknown (no step was taken): keep the last
+        direction = (x - self._last).div_(rnd.lr) if rnd.lr > 0 else self._direction
         mixing = self.resynced is not None
         if mixing:
-            self.u.add_(self.s_g - self.g, alpha=self.gamma).add_(step - self._step)
-        else:  # no s to mix with yet: the tracker starts at the own update
-            self.u = self.u + step - self._step
-        self._step = step
-        self._next = self._last + self.u
+            self.v.add_(self.s_g - self.g, alpha=self.gamma).add_(direction - self._direction)
+        else:  # no s to mix with yet: the tracker starts at the own direction
+            self.v = self.v + direction - self._direction
+        self._direction = direction
+        self._next = self._last + rnd.lr * self.v
         if mixing:
             self._next.add_(self.s_h - self.h, alpha=self.gamma)
         if rnd.resync:  # the neighbours get the dense copies instead: nothing to compress
             empty = self.codec.encode(torch.zeros_like(x))[0]
             return _join(empty, empty)
         first, q_h = self.codec.encode(self._next - self.h)
-        second, q_g = self._tracker_codec.encode(self.u - self.g)
+        second, q_g = self._tracker_codec.encode(self.v - self.g)
         self.h.add_(q_h, alpha=self.scale)
         self.g.add_(q_g, alpha=self.scale)
         self.s_h.add_(q_h, alpha=rnd.self_weight * self.scale)

@@ -21,7 +21,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from gossipdl.averaging import build_averager
-from gossipdl.averaging.momentum import mask_momentum
+from gossipdl.averaging.local_optimizer import current_lr, mask_momentum
 from gossipdl.averaging.triggers import check_trigger, parse_trigger
 from gossipdl.compression import Payload
 from gossipdl.coordinator.ring import (
@@ -379,7 +379,9 @@ class Peer:
         needs (woken by each arrival, up to its deadline), send what it asks, merge."""
         first_wait, self._first_wait = self._first_wait, 0.0
         with self._core:
-            sends = self.core.open_round(time.monotonic(), x, timeout=first_wait or None)
+            sends = self.core.open_round(
+                time.monotonic(), x, first_wait or None, current_lr(self.optimizer)
+            )
             mask_momentum(self.optimizer, self.params, self.averager.sent_mask())
         self._carry_out(sends)
         while True:

@@ -251,9 +251,12 @@ class GossipCore:
         """Whether a round is open (the engine polls it instead of training)."""
         return self._phase is not _Phase.IDLE
 
-    def open_round(self, now: float, x: torch.Tensor, timeout: float | None = None) -> list[Send]:
-        """The local steps of a round are done with model ``x``: send what the round sends.
-        Its messages are waited for ``timeout`` seconds (default ``round_timeout``)."""
+    def open_round(
+        self, now: float, x: torch.Tensor, timeout: float | None = None, lr: float = 1.0
+    ) -> list[Send]:
+        """The local steps of a round are done with model ``x``, the last at learning rate
+        ``lr``: send what the round sends. Its messages are waited for ``timeout`` seconds
+        (default ``round_timeout``)."""
         assert self._phase is _Phase.IDLE, "a round is already open"
         self._now = now
         t = self.round
@@ -262,7 +265,7 @@ class GossipCore:
         changes = topology_changes(self.membership.spans(), self.first_round)
         if t == self.first_round:
             self.averager.begin(self.reference)  # the model it started from, before any step
-        rnd, sends = self._round_view(t, changes)
+        rnd, sends = self._round_view(t, changes, lr)
         dense_to = self._dense_destinations(rnd, changes)
         tag: dict[str, Any] = {}
         sync = True
@@ -423,10 +426,10 @@ class GossipCore:
         target = self._walk_rng.choice(sorted(neighbours))
         return self.send(target, "walk", t, payload, {WALK_AGE: self.age})
 
-    def _round_view(self, t: int, changes: set[int]) -> tuple[Round, list[Send]]:
-        """This peer's view of round ``t`` (mixing weights, whether it resyncs), and the
-        resync requests due when the topology changed (at the rounds ``changes``) and we
-        learnt it too late."""
+    def _round_view(self, t: int, changes: set[int], lr: float) -> tuple[Round, list[Send]]:
+        """This peer's view of round ``t`` (mixing weights, whether it resyncs, ``lr`` the
+        learning rate of its last local step), and the resync requests due when the topology
+        changed (at the rounds ``changes``) and we learnt it too late."""
         weights, self_weight = self.mixing(t)
         resync, sends = False, []
         if self.averager.uses_public_copies:
@@ -435,7 +438,7 @@ class GossipCore:
                 sends = self._request_resync()
             self._last_ids = ids
             resync = t == self.first_round or t in changes or t in self._resync_at
-        return Round(t, weights, self_weight, resync), sends
+        return Round(t, weights, self_weight, resync, lr=lr), sends
 
     def reports(self) -> tuple[list[WireError], list[str]]:
         """What the engine must count (messages dropped on purpose) and log since it last

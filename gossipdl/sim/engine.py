@@ -42,7 +42,7 @@ from gossipdl.averaging import (
     check_trigger,
     parse_trigger,
 )
-from gossipdl.averaging.momentum import mask_momentum
+from gossipdl.averaging.local_optimizer import current_lr, mask_momentum
 from gossipdl.conditions import DeviceProfile, Drift, device_of
 from gossipdl.config import Config, to_dict
 from gossipdl.data import BatchSampler, Dataset, load_dataset
@@ -384,7 +384,7 @@ class Simulation:
         flat = peer.flat()
         wait, peer.first_wait = peer.first_wait or None, 0.0
         now = self.local(peer)
-        self._send(peer, peer.core.open_round(now, flat, timeout=wait))
+        self._send(peer, peer.core.open_round(now, flat, wait, current_lr(peer.optimizer)))
         mask_momentum(peer.optimizer, peer.params, peer.core.averager.sent_mask())
         if peer.leaving:  # a graceful leave during the round's sync
             self._finish(peer)

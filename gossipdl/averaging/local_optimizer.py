@@ -1,4 +1,6 @@
-"""DGC's momentum factor masking (Lin et al. 2018), applied by both engines after a send."""
+"""What the averagers need of the peer's local optimizer, in both engines: DGC's momentum
+factor masking (Lin et al. 2018) after a send, and the learning rate a round's tracking
+scales by."""
 
 from __future__ import annotations
 
@@ -34,3 +36,9 @@ def mask_momentum(
         if buffer is not None:
             buffer.view(-1).masked_fill_(mask[offset : offset + n].to(buffer.device), 0.0)
         offset += n
+
+
+def current_lr(optimizer: torch.optim.Optimizer | None) -> float:
+    """The learning rate of the optimizer's latest step (its first parameter group's); 1.0
+    without an optimizer (a peer driven step by step, whose updates are its own)."""
+    return 1.0 if optimizer is None else float(optimizer.param_groups[0]["lr"])
