@@ -177,18 +177,16 @@ class PowerSGD(Codec):
         self._bound = LowRankLayout.of(shapes, self.rank)
 
     def contraction(self, numel: int) -> float:
-        """A quarter of the smallest ``r / min(rows, cols)`` over the matrices: the best
-        rank-r approximation keeps at least ``r / min(rows, cols)`` of a matrix's energy,
-        but one warm-started power step a round keeps less of a residual that changes
-        every round, and the weakest layer sets what the whole model can bear. Measured
-        with CHOCO on the 572k-parameter MLP (ring of 8, rank 1) when γ was √δ/2: the
-        quarter gave γ = 0.011, whose training loss was 0.013 at step 1650 but whose models
-        drifted apart once the learning rate annealed; with γ = 0.022 (the bound itself)
-        the loss was 0.6, and 0.045 diverged by step 1200. With the graph bound of
-        ``auto_gamma`` the step is 0.0023 on a ring, and the models stay together."""
+        """The smallest ``r / min(rows, cols)`` over the matrices: the best rank-r
+        approximation keeps at least that share of a matrix's energy, and the weakest layer
+        sets what the whole model can bear. One warm-started power step a round keeps less
+        of a residual that changes every round, but CHOCO's consensus alone
+        (``benchmarks/stability.py``) bears the step ``auto_gamma`` gives the share itself
+        (about 0.6 γ*, as for top-k); a quarter of it gave 0.18–0.20 γ*, and CHOCO PowerSGD
+        mixed too little to train (README *Accuracy against bytes*)."""
         layout = self._layout(numel)
         shares = [r / min(rows, cols) for _, rows, cols, r in layout.layers]
-        return min(1.0, min(shares, default=1.0) / 4)
+        return min(1.0, min(shares, default=1.0))
 
     def _layout(self, numel: int) -> LowRankLayout:
         """The bound layout, or one near-square matrix for a vector of another length."""
