@@ -13,7 +13,8 @@ What it measures
     * ``choco-topk``, ``choco-sign``, ``choco-topk-qsgd``, ``choco-powersgd``: CHOCO-SGD
       with ``topk:0.01``, ``sign``, ``topk:0.01+qsgd:16`` and ``powersgd:1`` (per layer);
     * ``powergossip``: PowerGossip, rank 1 per layer and edge;
-    * ``beer-topk``: BEER (gradient tracking through CHOCO's public copies) with top-1%;
+    * ``beer-topk``, ``beer-topk-qsgd``: BEER (gradient tracking through CHOCO's public
+      copies) with top-1%, and with QSGD values on it;
     * ``stacked-sign``, ``stacked``: the savings together, a message every 4th step
       (``periodic:4``) of 1-bit values (``sign``), or of top-1% with QSGD values and
       Golomb-coded indices (``topk:0.01+qsgd:16``);
@@ -112,6 +113,7 @@ SETTINGS = [
     Setting("choco-powersgd", "choco", "powersgd:1"),
     Setting("powergossip", "powergossip", "powersgd:1"),
     Setting("beer-topk", "beer", "topk:0.01"),
+    Setting("beer-topk-qsgd", "beer", "topk:0.01+qsgd:16"),
     Setting("stacked-sign", "choco", "sign", "periodic:4"),
     Setting("stacked", "choco", "topk:0.01+qsgd:16", "periodic:4"),
 ]
