@@ -45,8 +45,14 @@ def peer_sampler(
     resumed at a later step draws anew); mode single takes every peer's batch at once."""
     shard = shard_for(config, dataset, peer_id)
     batch = config.batch_size * (config.peers if config.mode == "single" else 1)
-    seed = config.seed + 1000 + peer_id + 7919 * step
+    seed = sampler_seed(config, peer_id, step)
     return BatchSampler(dataset.x_train[shard], dataset.y_train[shard], batch, seed, device)
+
+
+def sampler_seed(config: Config, peer_id: int, step: int = 0) -> int:
+    """The seed of peer ``peer_id``'s batch order from local step ``step`` on (both
+    simulators and the real peers draw the same batches)."""
+    return config.seed + 1000 + peer_id + 7919 * step
 
 
 def local_gradients(

@@ -19,13 +19,14 @@ from gossipdl.data.datasets import (
     load_dataset,
     sized_dataset,
 )
-from gossipdl.data.loader import BatchSampler, to_tensors
+from gossipdl.data.loader import BatchSampler, IndexStream, to_tensors
 from gossipdl.data.partition import partition
 
 __all__ = [
     "BatchSampler",
     "DataError",
     "Dataset",
+    "IndexStream",
     "available_datasets",
     "builtin_dataset",
     "cache_dir",
