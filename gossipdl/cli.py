@@ -101,7 +101,7 @@ SWARM, DATA, OPTIMISATION = "Swarm", "Data and model", "Optimisation"
 COMMUNICATION, FAULTS, OUTPUT = "Communication", "Faults and links", "Output"
 _PANELS = {
     SWARM: ("mode", "peers", "topology", "ps", "ps_shards", "host", "advertise", "device",
-            "threads", "startup_timeout", "heartbeat", "dead_after", "max_members",
+            "threads", "batched", "startup_timeout", "heartbeat", "dead_after", "max_members",
             "forget_after"),
     DATA: ("dataset", "model", "hidden", "partition", "seed"),
     OPTIMISATION: ("steps", "batch_size", "optimizer", "lr", "lr_schedule", "momentum",
@@ -113,7 +113,9 @@ _PANELS = {
              "metrics_hook"),
 }  # fmt: skip
 _PANEL_OF = {name: panel for panel, names in _PANELS.items() for name in names}
-_FLAG_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "tuple[int, ...]": str}
+_FLAG_TYPES: dict[str, type] = {
+    "int": int, "float": float, "str": str, "bool": bool, "tuple[int, ...]": str
+}  # fmt: skip
 _KEYWORD = inspect.Parameter.KEYWORD_ONLY
 _SET = typer.Option(
     [],

@@ -160,6 +160,13 @@ class Config:
             'clog / unclog = "0>1", inject = {loss, duplicate, reorder}'
         },
     )
+    batched: bool = field(
+        default=False,
+        metadata={
+            "help": "simulate only: peers train as one batched computation (mode gossip, dense "
+            "or CHOCO top-k, a static topology, nothing fails): thousands of peers"
+        },
+    )
     checkpoint_every: int = field(
         default=0,
         metadata={"help": "save checkpoints/<id>.pt every N steps (0: never); see peer --resume"},
@@ -253,6 +260,12 @@ def _coerce(name: str, value: Any) -> Any:
             f"{name} = {value!r} is a string; write the number without quotes, e.g. "
             f"{name} = {FIELDS[name].default}"
         )
+    if kind == "bool":
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} = {value!r} is not a valid bool; write true or false")
+        return value
     try:
         if kind == "tuple[int, ...]":
             if isinstance(value, str):

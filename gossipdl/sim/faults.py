@@ -399,10 +399,16 @@ def _apply(fault: Fault, simulation: Simulation) -> None:
 
 
 def refuse_outside_simulation(config: Config) -> None:
-    """The real engine's answer to a config with ``faults``: a ConfigError saying where
-    they run (it cannot kill peers or split its network on a schedule)."""
+    """The real engine's answer to a config with ``faults`` or ``batched``: a ConfigError
+    saying where they run (it cannot kill peers or split its network on a schedule, and
+    its peers are processes)."""
     from gossipdl.config import ConfigError  # here: the config's checks import this module
 
+    if config.batched:
+        raise ConfigError(
+            "batched = true is a simulator setting: run this config with `gossipdl simulate`, "
+            "or set batched = false to run it for real"
+        )
     if config.faults:
         raise ConfigError(
             f"faults ({len(config.faults)} event(s)) are simulated only: run this config with "
