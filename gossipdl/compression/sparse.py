@@ -329,8 +329,21 @@ class SparseCodec(Codec):
         v = check_vector(x)
         numel = v.numel()
         chosen, kept, own_meta = self.sparsifier.select(v)
+        payload, value_estimate = self.payload(chosen, kept, numel, own_meta)
+        return payload, scatter(chosen, value_estimate, numel)
+
+    def payload(
+        self,
+        chosen: torch.Tensor,
+        kept: torch.Tensor,
+        numel: int,
+        own_meta: dict[str, Any] | None = None,
+    ) -> tuple[Payload, torch.Tensor]:
+        """The message for entries ``chosen`` (sorted indices into ``numel``) holding ``kept``,
+        and the values the receiver will read there: :meth:`encode` after its selection (the
+        batched simulator selects for many peers at once and encodes each row with it)."""
         value_payload, value_estimate = self.values.encode(kept.contiguous())
-        meta: dict[str, Any] = {"k": chosen.numel(), **own_meta}
+        meta: dict[str, Any] = {"k": chosen.numel(), **(own_meta or {})}
         arrays: tuple[np.ndarray, ...] = ()
         if self.indices is not None:
             index_arrays, index_meta = self.indices.encode(
@@ -340,7 +353,7 @@ class SparseCodec(Codec):
             meta.update({f"i.{key}": val for key, val in index_meta.items()})
         arrays += value_payload.arrays
         meta.update({f"v.{key}": val for key, val in value_payload.meta.items()})
-        return Payload(arrays, meta), scatter(chosen, value_estimate, numel)
+        return Payload(arrays, meta), value_estimate
 
     def decode(
         self, payload: Payload, numel: int, device: torch.device | str = "cpu"

@@ -14,6 +14,7 @@ from gossipdl.config import Config, to_dict
 from gossipdl.experiments.launcher import Interrupted, StopOnSignal, fresh_run
 from gossipdl.experiments.summary import summarize
 from gossipdl.rundir import RunDir, write_json_atomic
+from gossipdl.sim.batched import BatchedSimulation
 from gossipdl.sim.engine import Simulation, simulation_for
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,27 @@ def _ask(simulation: Simulation, run: RunDir, until: Callable[[RunDir], bool]) -
     simulation.clock.after(UNTIL_EVERY_S, probe)
 
 
+def _stop_batched(
+    simulation: BatchedSimulation,
+    run: RunDir,
+    stop: StopOnSignal,
+    until: Callable[[RunDir], bool] | None,
+) -> Callable[[], bool]:
+    """The batched engine's ``should_stop``: a signal came, or ``until`` (asked every
+    ``UNTIL_EVERY_S`` simulated seconds) says the run may end."""
+    asked = [0.0]
+
+    def should_stop() -> bool:
+        if stop.signum is not None:
+            return True
+        if until is None or simulation.now - asked[0] < UNTIL_EVERY_S:
+            return False
+        asked[0] = simulation.now
+        return until(run)
+
+    return should_stop
+
+
 def simulate(
     config: Config,
     *,
@@ -45,36 +67,47 @@ def simulate(
     until: Callable[[RunDir], bool] | None = None,
 ) -> dict[str, Any]:
     """Simulate ``config``'s swarm into its run directory and summarise it: the summary of
-    ``gossipdl run``, plus ``engine`` "sim", ``simulated_time_s`` and ``host_time_s``.
+    ``gossipdl run``, plus ``engine`` "sim" (or "batched"), ``simulated_time_s`` and
+    ``host_time_s``.
 
     ``until``, asked with the run directory every ``UNTIL_EVERY_S`` simulated seconds, ends
     the run early when it returns True (a target accuracy reached, a budget spent, as
-    ``launch``'s): the peers stop where they are, without final lines."""
+    ``launch``'s): the peers stop where they are, without final lines (batched: with final
+    lines that say ``stopped_early``)."""
     run, config = fresh_run(config)
     started = time.perf_counter()
     torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same sums in the same order every run
+    # per peer, one thread: the same sums in the same order every run; batched, the
+    # machine's (or ``threads``): its products are large enough to share
+    torch.set_num_threads(1 if not config.batched else config.threads or torch_threads)
     try:
         with StopOnSignal() as stop:
-            simulation = simulation_for(config.mode)(config, run, step_time=step_time)
-            if until is not None:
-                _ask(simulation, run, until)
-            try:
-                simulated = simulation.run(on_progress, lambda: stop.signum is not None)
-            except _Reached:
-                simulated = simulation.clock.now
+            simulation: Simulation | BatchedSimulation
+            if config.batched:
+                batched = simulation = BatchedSimulation(config, run, step_time=step_time)
+                simulated = batched.run(on_progress, _stop_batched(batched, run, stop, until))
+                ledger, failures = batched.ledger, {}
+            else:
+                simulation = simulation_for(config.mode)(config, run, step_time=step_time)
+                if until is not None:
+                    _ask(simulation, run, until)
+                try:
+                    simulated = simulation.run(on_progress, lambda: stop.signum is not None)
+                except _Reached:
+                    simulated = simulation.clock.now
+                ledger, failures = simulation.network.ledger, simulation.failures
     finally:
         torch.set_num_threads(torch_threads)
     summary = summarize(run)
     summary.update(
-        engine="sim",
+        engine="batched" if config.batched else "sim",
         simulated_time_s=round(simulated, 4),
         host_time_s=round(time.perf_counter() - started, 3),
         step_time_s=simulation.measured,
-        network=dict(sorted(simulation.network.ledger.items())),
+        network=dict(sorted(ledger.items())),
     )
-    if simulation.failures:  # a ring stops when a member dies; its peers say why
-        summary["failed"] = {str(i): why for i, why in sorted(simulation.failures.items())}
+    if failures:  # a ring stops when a member dies; its peers say why
+        summary["failed"] = {str(i): why for i, why in sorted(failures.items())}
     summary["config"] = to_dict(config)
     write_json_atomic(run.summary, summary)
     if stop.signum is not None:

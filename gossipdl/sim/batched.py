@@ -1,0 +1,322 @@
+"""The batched simulator: a swarm of peers that share one model as one computation.
+
+The event-driven engine (:mod:`gossipdl.sim.engine`) runs each peer's protocol core and
+model on its own: exact for faults and churn, but N times the interpreter's overhead per
+step. Here, for the common experiment (mode ``gossip``, dense gossip or CHOCO with top-k,
+a static topology, every peer on the same clock, no faults), the swarm is
+:class:`~gossipdl.sim.stacked.StackedModels`: every local step is one batched
+forward/backward and one optimizer update for all peers, every round one sparse matrix
+product over the stacked parameters. It is the same synchronous algorithm the cores run
+when no message is late, so results equal the per-peer engine's up to float reordering.
+
+Every peer draws its batches from the same :class:`~gossipdl.data.IndexStream` the
+per-peer engine gives it (the data set is held once), and every message it would send
+is encoded by the real wire encoder, so each one's bytes are those of a real swarm
+(messages a fault-free run also sends, heartbeats and goodbyes, are not simulated and
+not counted). Time is virtual: a round takes its local steps' ``step_time`` plus the
+slowest peer's transfer over the swarm's ``link`` (each neighbour's copy in turn on the
+uplink, then the latency and the receiver's downlink). The run directory is the
+per-peer engine's contract.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from gossipdl.averaging import auto_gamma, parse_trigger
+from gossipdl.averaging.base import VOUCH, _digest
+from gossipdl.averaging.choco import WARMUP_ROUNDS, check_choco_codec
+from gossipdl.compression import Codec, Payload, build_codec
+from gossipdl.compression.sparse import SparseCodec, TopK
+from gossipdl.conditions import parse_link
+from gossipdl.config import Config
+from gossipdl.data import IndexStream, load_dataset, partition
+from gossipdl.protocol.kinds import COMPRESSED_KINDS, TABLE, TABLE_KINDS
+from gossipdl.protocol.membership import Member, MemberTable
+from gossipdl.rundir import RunDir
+from gossipdl.sim.engine import SimulationError, measure_step_time, sim_address, swarm_id
+from gossipdl.sim.stacked import StackedModels, StackedSGD
+from gossipdl.topologies import build_topology
+from gossipdl.training import (
+    initial_model,
+    json_line,
+    lr_at,
+    metrics_line,
+    sampler_seed,
+    save_atomic,
+)
+from gossipdl.transport.wire import encode
+
+log = logging.getLogger(__name__)
+BATCHED_ALGORITHMS = ("dense", "choco")
+
+
+def check_batchable(config: Config) -> None:
+    """SimulationError, naming what to change, for a config the batched engine cannot run
+    (the per-peer engine, ``batched = false``, runs every simulated config)."""
+    problems = []
+    if config.mode != "gossip":
+        problems.append(f"mode {config.mode!r} (batched runs mode gossip)")
+    if config.algorithm not in BATCHED_ALGORITHMS:
+        problems.append(f"algorithm {config.algorithm!r} (batched runs dense and choco)")
+    elif config.algorithm == "choco" and not _top_k(build_codec(config.codec)):
+        problems.append(f"codec {config.codec!r} (batched CHOCO runs topk:RATIO[+INDEX CODER])")
+    elif config.algorithm == "dense" and config.codec != "none":
+        problems.append(f"codec {config.codec!r} (batched dense gossip sends models uncompressed)")
+    if parse_trigger(config.trigger).dynamic:
+        problems.append(f"trigger {config.trigger!r} (batched runs always and periodic:H)")
+    if config.optimizer != "sgd":
+        problems.append(f"optimizer {config.optimizer!r} (batched steps sgd)")
+    for name in ("slowdown", "drift", "profiles", "faults"):
+        if getattr(config, name):
+            problems.append(f"{name} (batched peers are alike and nothing fails)")
+    if config.loss:
+        problems.append("loss (batched loses no message)")
+    link = parse_link(config.link)
+    if link.jitter_s or link.loss or link.offline:
+        problems.append("a link with jitter, loss or offline windows")
+    if not build_topology(config.topology, config.peers, config.seed).is_static:
+        problems.append(f"topology {config.topology!r} (batched needs a static one)")
+    if problems:
+        raise SimulationError(
+            "the batched simulator cannot run this config: "
+            + "; ".join(problems)
+            + ". Set batched = false (the per-peer simulator runs it)"
+        )
+
+
+def _top_k(codec: Codec) -> bool:
+    """Whether ``codec`` is top-k with its values sent as they are (any index coder)."""
+    return (
+        isinstance(codec, SparseCodec)
+        and isinstance(codec.sparsifier, TopK)
+        and codec.values.spec == "none"
+    )
+
+
+@dataclass
+class Messages:
+    """What one round's sends of every peer amount to: one encoded message per peer (it
+    goes to each neighbour alike) and how many neighbours get it."""
+
+    kind: str
+    payloads: list[Payload]
+
+
+class StackedGossip:
+    """The averaging round of every peer at once: dense gossip (``X ← W X``) or CHOCO with
+    top-k (Koloskova et al. 2019, the per-peer :class:`~gossipdl.averaging.Choco`'s steps
+    on the rows of ``X``: ``Q = top-k(X − X̂)``, ``X̂ += Q``, ``S += W Q``,
+    ``X += γ(S − X̂)``, with its automatic γ and warm-up)."""
+
+    def __init__(self, config: Config, mixing: np.ndarray, start: torch.Tensor) -> None:
+        self.algorithm = config.algorithm
+        self.codec = build_codec(config.codec, config.seed)
+        count, numel = mixing.shape[0], start.numel()
+        with warnings.catch_warnings():  # "sparse CSR support is in beta": it is used alone
+            warnings.simplefilter("ignore", UserWarning)
+            self.w = torch.tensor(mixing, dtype=torch.float32).to_sparse_csr()
+        self_weight = np.diag(mixing)
+        self.gamma = None
+        self.digest = ""
+        if self.algorithm == "choco":
+            check_choco_codec(self.codec)
+            gammas = [config.gamma or auto_gamma(self.codec, numel, float(w)) for w in self_weight]
+            self.gamma = torch.tensor(gammas).unsqueeze(1)
+            self.x_hat = start.repeat(count, 1)  # public copies start at the starting model
+            self.s = self.x_hat.clone()  # Σ_j W_ij x̂_j: rows of W sum to 1
+            assert isinstance(self.codec, SparseCodec)  # check_batchable: top-k
+            kept = self.codec.sparsifier.count(numel)
+            assert kept is not None
+            self.k = kept
+            self.digest = _digest(start.numpy())
+
+    def round(self, x: torch.Tensor, index: int) -> Messages:
+        """Round ``index`` on the stacked models ``x`` (in place); what every peer sent (for
+        its bytes)."""
+        if self.algorithm == "dense":
+            x.copy_(torch.sparse.mm(self.w, x))
+            return Messages("params", [Payload((row.numpy(),), {}) for row in x])
+        if index == 0:  # everybody vouches for the same start: nothing to mix yet
+            return Messages("public", [Payload((), {VOUCH: self.digest})] * len(x))
+        assert self.gamma is not None
+        d = x - self.x_hat
+        chosen = torch.topk(d.abs(), self.k, dim=1, sorted=False).indices.sort(dim=1).values
+        values = d.gather(1, chosen)
+        q = torch.zeros_like(d).scatter_(1, chosen, values)
+        self.x_hat += q
+        self.s += torch.sparse.mm(self.w, q)
+        step = self.gamma * min(1.0, (index + 1) / WARMUP_ROUNDS)
+        x += step * (self.s - self.x_hat)
+        assert isinstance(self.codec, SparseCodec)
+        numel = x.shape[1]
+        payloads = [self.codec.payload(c, v, numel)[0] for c, v in zip(chosen, values, strict=True)]
+        return Messages("params", payloads)
+
+
+class BatchedSimulation:
+    """``config``'s swarm (see :func:`check_batchable`) as stacked peers, writing ``run``."""
+
+    def __init__(self, config: Config, run: RunDir, *, step_time: float | None = None) -> None:
+        check_batchable(config)
+        self.config = config
+        self.run_dir = run
+        self.dataset = load_dataset(config.dataset)
+        self.x_train = torch.as_tensor(self.dataset.x_train, dtype=torch.float32)
+        self.y_train = torch.as_tensor(self.dataset.y_train, dtype=torch.int64)
+        self.x_test = torch.as_tensor(self.dataset.x_test, dtype=torch.float32)
+        self.y_test = torch.as_tensor(self.dataset.y_test, dtype=torch.int64)
+        count = config.peers
+        template = initial_model(config, self.dataset)
+        self.models = StackedModels(template, count)
+        self.optimizer = StackedSGD(config.momentum, config.weight_decay)
+        parts = partition(self.dataset.y_train, count, config.partition, config.seed)
+        self.shards = [torch.from_numpy(np.asarray(p, dtype=np.int64)) for p in parts]
+        self.streams = [  # the per-peer engine's seeds (``peer_sampler``)
+            IndexStream(len(p), config.batch_size, sampler_seed(config, i))
+            for i, p in enumerate(parts)
+        ]
+        topology = build_topology(config.topology, count, config.seed)
+        self.neighbours = [len(topology.neighbors(i)) for i in range(count)]
+        self.gossip = StackedGossip(config, topology.mixing_matrix(), self.models.flat[0].clone())
+        self.trigger = parse_trigger(config.trigger)
+        self.link = parse_link(config.link)
+        self.measured = step_time if step_time is not None else None
+        if self.measured is None:
+            self.measured = measure_step_time(config, self.dataset)
+        self.table = MemberTable([Member(i, sim_address(i), 0) for i in range(count)]).digest()
+        self.swarm_start = round(time.time(), 3)
+        self.swarm_id = swarm_id(config)
+        self.now = 0.0
+        self.steps = 0
+        self.rounds = 0
+        self.bytes_sent = np.zeros(count, dtype=np.int64)
+        self.header_bytes = np.zeros(count, dtype=np.int64)
+        self.bytes_received = np.zeros(count, dtype=np.int64)
+        self.messages = np.zeros(count, dtype=np.int64)
+        self.losses: list[torch.Tensor] = []
+        self.ledger = {"delivered": 0}
+        self._neighbour_ids = [topology.neighbors(i) for i in range(count)]
+
+    # --------------------------------------------------------------------- steps
+    def _step(self) -> None:
+        """One local step of every peer: its batch, gradients and SGD update."""
+        rows = torch.stack(
+            [shard[s.next()] for shard, s in zip(self.shards, self.streams, strict=True)]
+        )
+        losses, grads = self.models.gradients(self.x_train[rows], self.y_train[rows])
+        self.optimizer.step(self.models.flat, grads, lr_at(self.config, self.steps))
+        self.losses.append(losses.detach())
+        self.steps += 1
+        self.now += self.measured or 0.0
+
+    def _round(self) -> None:
+        """A gossip round of every peer: the averaging, then what its messages cost."""
+        sent = self.gossip.round(self.models.flat, self.rounds)
+        kind = sent.kind
+        codec = self.gossip.codec.spec if kind in COMPRESSED_KINDS else "none"
+        slowest = 0.0
+        for i, payload in enumerate(sent.payloads):
+            meta = {**payload.meta, TABLE: self.table} if kind in TABLE_KINDS else payload.meta
+            # one message per neighbour, alike but for nothing the header's size depends on
+            # (each neighbour has had as many messages from i: the same seq)
+            frames = encode(kind, i, self.rounds + 1, self.rounds, payload.arrays, meta, codec)
+            size = sum(len(f) for f in frames)
+            fan = self.neighbours[i]
+            self.bytes_sent[i] += size * fan
+            self.header_bytes[i] += len(frames[0]) * fan
+            self.messages[i] += fan
+            for j in self._neighbour_ids[i]:
+                self.bytes_received[j] += size
+            slowest = max(slowest, self._transfer(size, fan))
+        self.ledger["delivered"] += int(self.messages.sum()) - self.ledger["delivered"]
+        self.rounds += 1
+        self.now += slowest
+
+    def _transfer(self, size: int, fan: int) -> float:
+        """Seconds until the last of ``fan`` copies of a ``size``-byte message is in."""
+        link = self.link
+        up = fan * size * 8 / link.uplink_bps if link.uplink_bps else 0.0
+        down = size * 8 / link.downlink_bps if link.downlink_bps else 0.0
+        return up + link.latency_s + down
+
+    # ------------------------------------------------------------------- records
+    def _record(self, files: list[Any], evaluate: bool, **extra: Any) -> None:
+        """One metrics line per peer, with the per-peer engine's keys."""
+        if evaluate:
+            accuracy, test_loss = self.models.evaluate(self.x_test, self.y_test)
+        losses = torch.stack(self.losses).mean(0).tolist() if self.losses else None
+        for i, file in enumerate(files):
+            stats = {
+                "bytes_sent": int(self.bytes_sent[i]),
+                "header_bytes_sent": int(self.header_bytes[i]),
+                "bytes_received": int(self.bytes_received[i]),
+                "messages_sent": int(self.messages[i]),
+                "messages_received": int(self.messages[i]),
+                "handshakes_refused": 0,
+                "messages_dropped": {},
+                "round": self.rounds,
+                "model_messages_sent": int(self.messages[i]),
+                "syncs": self.rounds,
+                "neighbour_misses": 0,
+                "resyncs": 0,
+                "idle_s": 0.0,
+                "members": self.config.peers,
+                "declared_dead": 0,
+                "rejoins": 0,
+                "online": True,
+                "sockets": self.config.peers - 1,
+            }
+            if evaluate:
+                extra = {
+                    **extra,
+                    "accuracy": round(float(accuracy[i]), 6),
+                    "test_loss": round(float(test_loss[i]), 6),
+                }
+            own = [losses[i]] if losses is not None else []
+            line = metrics_line(
+                i, self.steps, self.now, self.swarm_start + self.now, own, stats, extra
+            )
+            file.write(json_line(line))
+        self.losses.clear()
+
+    # ----------------------------------------------------------------------- run
+    def run(
+        self,
+        on_progress: Callable[[int, float], None] | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> float:
+        """Run every peer to ``steps`` (or until ``should_stop()``); the simulated seconds
+        it took. ``on_progress(steps done by all peers, simulated time)`` as it goes."""
+        config = self.config
+        count = config.peers
+        self.run_dir.write_members((i, sim_address(i)) for i in range(count))
+        files = [self.run_dir.metrics(i).open("w", buffering=1 << 16) for i in range(count)]
+        try:
+            self._record(files, True, start=True, swarm=self.swarm_id, swarm_start=self.swarm_start)
+            while self.steps < config.steps and not should_stop():
+                self._step()
+                if self.trigger.ends_round(self.steps):
+                    self._round()
+                if self.steps < config.steps:
+                    due = config.eval_every and self.steps % config.eval_every == 0
+                    if due or self.steps % config.log_every == 0:
+                        self._record(files, bool(due))
+                if on_progress is not None:
+                    on_progress(self.steps * count, self.now)
+            stopped = self.steps < config.steps
+            for i in range(count):
+                save_atomic(self.models.model(i).state_dict(), self.run_dir.model(i))
+            self._record(files, True, final=True, stopped_early=stopped, device="sim")
+        finally:
+            for file in files:
+                file.close()
+        return self.now

@@ -1,0 +1,189 @@
+"""The batched simulator: stacked peers train and gossip as the per-peer engine's do."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import small_config
+from typer.testing import CliRunner
+
+from gossipdl import cli
+from gossipdl.averaging import Arrival, Choco, Round
+from gossipdl.compression import build_codec
+from gossipdl.config import ConfigError, load_config
+from gossipdl.experiments.simulated import simulate
+from gossipdl.models import build_model
+from gossipdl.sim.batched import StackedGossip, check_batchable
+from gossipdl.sim.engine import SimulationError
+from gossipdl.sim.stacked import StackedModels, StackedSGD
+from gossipdl.topologies import build_topology
+from gossipdl.transport.wire import encode
+
+
+@pytest.mark.parametrize(("name", "hidden"), [("logistic", None), ("mlp", [16]), ("cnn1d", [8, 8])])
+def test_a_stacked_step_equals_the_per_peer_loop(name: str, hidden: list[int] | None) -> None:
+    """Three steps of five stacked copies (SGD with momentum and weight decay, each on its
+    own batch) give every copy the parameters and loss torch.optim.SGD gives it alone."""
+    torch.manual_seed(0)
+    template = build_model(name, (40,), 10, hidden)
+    count, batch = 5, 8
+    stacked, sgd = StackedModels(template, count), StackedSGD(0.9, 1e-3)
+    models = [copy.deepcopy(template) for _ in range(count)]
+    optimizers = [
+        torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3) for m in models
+    ]
+    for _ in range(3):
+        x, y = torch.randn(count, batch, 40), torch.randint(0, 10, (count, batch))
+        losses, grads = stacked.gradients(x, y)
+        sgd.step(stacked.flat, grads, 0.05)
+        for i, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x[i]), y[i])
+            loss.backward()
+            optimizer.step()
+            assert float(losses[i]) == pytest.approx(loss.item(), abs=1e-6)
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            torch.testing.assert_close(stacked.flat[i], flat, atol=1e-6, rtol=1e-5)
+    accuracy, _ = stacked.evaluate(torch.randn(50, 40), torch.randint(0, 10, (50,)))
+    assert accuracy.shape == (count,) and bool(((accuracy >= 0) & (accuracy <= 1)).all())
+    own = stacked.model(2)
+    torch.testing.assert_close(
+        torch.cat([p.detach().reshape(-1) for p in own.parameters()]), stacked.flat[2]
+    )
+
+
+def test_stacked_models_refuse_what_they_cannot_stack() -> None:
+    with pytest.raises(ValueError, match="running statistics"):
+        StackedModels(torch.nn.BatchNorm1d(4), 2)
+    with pytest.raises(ValueError, match="at least one"):
+        StackedModels(torch.nn.Linear(2, 2), 0)
+
+
+def test_batched_choco_rounds_equal_the_per_peer_averagers_and_their_messages(
+    tmp_path: Path,
+) -> None:
+    """Six CHOCO top-10% rounds on a ring of 5, the stacked form against five Choco
+    averagers fed the same models: the same models after every round (up to float
+    reordering), and every message the same bytes, frame for frame, as the real codec and
+    wire encoder make of the same difference."""
+    count, numel, rounds = 5, 300, 6
+    config = small_config(tmp_path, peers=count, algorithm="choco", codec="topk:0.1")
+    mixing = build_topology("ring", count).mixing_matrix()
+    start = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    gossip = StackedGossip(config, mixing, start)
+    codec = build_codec("topk:0.1")
+    peers = [Choco("topk:0.1") for _ in range(count)]
+    for p in peers:
+        p.begin(start)
+    xs = [start.clone() for _ in range(count)]
+    stacked = torch.stack(xs)
+    for t in range(rounds):
+        pulls = torch.randn(count, numel, generator=torch.Generator().manual_seed(10 + t))
+        xs = [x + 0.1 * pull for x, pull in zip(xs, pulls, strict=True)]
+        stacked += 0.1 * pulls
+        rnds = [
+            Round(t, {j: float(mixing[i, j]) for j in range(count) if j != i and mixing[i, j]},
+                  float(mixing[i, i]), resync=t == 0)
+            for i in range(count)
+        ]  # fmt: skip
+        payloads = [p.outgoing(x, r) for p, x, r in zip(peers, xs, rnds, strict=True)]
+        outs = [p.vouch() if t == 0 else q for p, q in zip(peers, payloads, strict=True)]
+        # the real codec on the stacked peers' own differences (their models differ from
+        # the per-peer ones by float reordering, so their messages may differ in a last bit)
+        real = outs if t == 0 else [codec.encode(d)[0] for d in stacked - gossip.x_hat]
+        sent = gossip.round(stacked, t)
+        for i, message in enumerate(real):
+            ours = encode(sent.kind, i, t + 1, t, sent.payloads[i].arrays, sent.payloads[i].meta)
+            theirs = encode(sent.kind, i, t + 1, t, message.arrays, message.meta)
+            assert [bytes(f) for f in ours] == [bytes(f) for f in theirs], (t, i)
+        cpu = torch.device("cpu")
+        xs = [
+            p.incoming(x, r, {j: Arrival(w, p.decode(outs[j], t == 0, numel, cpu), t, t == 0)
+                              for j, w in r.weights.items()}, [])
+            for p, x, r in zip(peers, xs, rnds, strict=True)
+        ]  # fmt: skip
+        torch.testing.assert_close(stacked, torch.stack(xs), atol=1e-6, rtol=1e-5)
+    assert float((stacked - start).abs().max()) > 0.1  # the models moved
+
+
+def test_sixteen_batched_peers_train_as_the_per_peer_engine_does(tmp_path: Path) -> None:
+    """The same 16-peer job (MLP on MNIST-1D, exponential graph, CHOCO top-1%) on both
+    simulators: the same model messages, accuracy within half a point, and total bytes
+    within 0.5% (the per-peer run also counts its goodbyes, which batched does not)."""
+    results = {}
+    for batched in (False, True):
+        config = load_config(
+            None,
+            peers=16,
+            steps=120,
+            model="mlp",
+            hidden=[32],
+            dataset="mnist1d",
+            topology="exponential",
+            algorithm="choco",
+            codec="topk:0.01",
+            eval_every=60,
+            batched=batched,
+            threads=1,
+            out=str(tmp_path / str(batched)),
+        )
+        results[batched] = simulate(config, step_time=0.01)
+    per_peer, stacked = results[False], results[True]
+    assert stacked["engine"] == "batched" and per_peer["engine"] == "sim"
+    assert stacked["total_messages_sent"] == per_peer["total_messages_sent"] == 16 * 7 * 120
+    assert stacked["mean_accuracy"] == pytest.approx(per_peer["mean_accuracy"], abs=0.005)
+    assert stacked["mean_accuracy"] > 0.2  # it learnt
+    assert stacked["total_bytes_sent"] == pytest.approx(per_peer["total_bytes_sent"], rel=0.005)
+    assert stacked["peers_finished"] == 16
+    lines = (tmp_path / "True" / "peers" / "3.jsonl").read_text().splitlines()
+    assert '"final":true' in lines[-1] and '"accuracy"' in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"algorithm": "beer"}, "algorithm 'beer'"),
+        ({"algorithm": "choco", "codec": "sign"}, "codec 'sign'"),
+        ({"trigger": "dynamic:0.1"}, "trigger 'dynamic:0.1'"),
+        ({"optimizer": "adam"}, "optimizer 'adam'"),
+        ({"slowdown": "1:2"}, "slowdown"),
+        ({"topology": "one-peer-exponential"}, "static"),
+    ],
+)
+def test_the_batched_simulator_names_what_it_cannot_run(
+    tmp_path: Path, changes: dict[str, str], named: str
+) -> None:
+    config = small_config(tmp_path, peers=4, batched=True, **changes)
+    with pytest.raises(SimulationError, match="batched = false") as info:
+        check_batchable(config)
+    assert named in str(info.value)
+
+
+def test_batched_is_a_simulator_setting_and_a_bool(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        cli.app, ["run", "--batched", "--out", str(tmp_path / "x")], env={"COLUMNS": "80"}
+    )
+    stderr = " ".join(result.stderr.split())
+    assert result.exit_code == 2, stderr
+    assert "gossipdl simulate" in stderr and not (tmp_path / "x" / "peers").exists()
+    with pytest.raises(ConfigError, match="true or false"):
+        load_config(None, batched="yes")
+    assert load_config(None, batched="true").batched is True
+
+
+def test_batched_peers_draw_the_per_peer_engines_batches() -> None:
+    """Peer i's index stream is the per-peer engine's sampler's, so the batches agree."""
+    from gossipdl.data import IndexStream, load_dataset
+    from gossipdl.training import peer_sampler, sampler_seed
+
+    config = load_config(None, peers=4, dataset="mnist1d", batch_size=16)
+    dataset = load_dataset("mnist1d")
+    sampler = peer_sampler(config, dataset, 2)
+    stream = IndexStream(len(sampler), 16, sampler_seed(config, 2))
+    for _ in range(40):  # several epochs of a 1000-sample shard
+        assert np.array_equal(sampler.next_indices().numpy(), stream.next().numpy())
