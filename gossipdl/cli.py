@@ -103,7 +103,7 @@ _PANELS = {
     SWARM: ("mode", "peers", "topology", "ps", "ps_shards", "host", "advertise", "device",
             "threads", "batched", "startup_timeout", "heartbeat", "dead_after", "max_members",
             "forget_after"),
-    DATA: ("dataset", "model", "hidden", "partition", "seed"),
+    DATA: ("dataset", "samples_per_peer", "model", "hidden", "partition", "seed"),
     OPTIMISATION: ("steps", "batch_size", "optimizer", "lr", "lr_schedule", "momentum",
                    "weight_decay", "staleness", "local_epochs", "fraction"),
     COMMUNICATION: ("algorithm", "trigger", "codec", "gamma", "round_timeout",

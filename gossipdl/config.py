@@ -98,7 +98,15 @@ class Config:
         metadata={"help": "concept drift: STEP:permute[:FRACTION] permutes labels from STEP"},
     )
     dataset: str = field(
-        default="mnist1d", metadata={"help": "mnist1d | digits | synthetic | module:function"}
+        default="mnist1d",
+        metadata={"help": "mnist1d[:N] | digits | synthetic[:N] | module:function (N: samples)"},
+    )
+    samples_per_peer: int = field(
+        default=0,
+        metadata={
+            "help": "generate mnist1d or synthetic with this many training samples per peer "
+            "(0: the data set's own size)"
+        },
     )
     model: str = field(
         default="cnn1d", metadata={"help": "logistic | mlp | cnn1d | cnn2d | module:function"}
@@ -107,7 +115,9 @@ class Config:
         default=(),
         metadata={"help": "layer widths / channels, e.g. 1024,512 (empty: model default)"},
     )
-    partition: str = field(default="iid", metadata={"help": "iid | dirichlet:ALPHA | shards:K"})
+    partition: str = field(
+        default="iid", metadata={"help": "iid | dirichlet:ALPHA | shards:K | powerlaw:A"}
+    )
     steps: int = field(default=1500, metadata={"help": "local training steps per peer"})
     batch_size: int = field(
         default=32, metadata={"help": "mini-batch per peer (single mode: × peers)"}
@@ -518,10 +528,15 @@ def _validate(c: Config) -> None:
         f"model = {c.model!r}; choose one of {', '.join(available_models())} or module:function",
     )
     _check(
-        re.fullmatch(r"iid|dirichlet:[0-9.eE+-]+|shards:\d+", c.partition) is not None,
-        f"partition = {c.partition!r}; use iid, dirichlet:ALPHA or shards:K",
+        re.fullmatch(r"iid|(dirichlet|powerlaw):[0-9.eE+-]+|shards:\d+", c.partition) is not None,
+        f"partition = {c.partition!r}; use iid, dirichlet:ALPHA, shards:K or powerlaw:A",
     )
     _check(c.optimizer in OPTIMIZERS, f"optimizer = {c.optimizer!r}; choose sgd or adam")
+    _check(
+        c.samples_per_peer == 0 or c.dataset in ("mnist1d", "synthetic"),
+        f"samples_per_peer = {c.samples_per_peer} generates mnist1d or synthetic; dataset = "
+        f'{c.dataset!r} has a size of its own (use dataset = "mnist1d", or samples_per_peer = 0)',
+    )
     _check(
         c.lr_schedule in LR_SCHEDULES,
         f"lr_schedule = {c.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}",
@@ -537,7 +552,10 @@ def _validate(c: Config) -> None:
         f"heartbeat = {c.heartbeat}, dead_after = {c.dead_after}; a member is declared dead "
         "after missing several heartbeats, so 0 < heartbeat < dead_after",
     )
-    for name in ("eval_every", "threads", "weight_decay", "max_message_rate", "checkpoint_every"):
+    for name in (
+        "eval_every", "threads", "weight_decay", "max_message_rate", "checkpoint_every",
+        "samples_per_peer",
+    ):  # fmt: skip
         _check(getattr(c, name) >= 0, f"{name} = {getattr(c, name)}; must not be negative")
     _check(c.max_members >= 2, f"max_members = {c.max_members}; a swarm needs at least 2")
     _check(

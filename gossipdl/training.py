@@ -16,13 +16,21 @@ import torch.nn.functional as F
 from gossipdl.averaging import parse_trigger
 from gossipdl.conditions import Drift, parse_drift
 from gossipdl.config import Config
-from gossipdl.data import BatchSampler, Dataset, partition
+from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
 from gossipdl.models import build_model
 from gossipdl.protocol.ps_server import ShardServer, fedavg_local_steps, fedavg_rounds
 from gossipdl.protocol.ps_worker import WorkerSettings
 from gossipdl.protocol.ring import chunk_bounds
 
 AWAY_POLL_S = 0.25  # how often a device inside an offline window looks again (and logs)
+
+
+def dataset_of(config: Config) -> Dataset:
+    """The config's data set: ``dataset``, generated with ``samples_per_peer`` training
+    samples per peer when that is set (the same data on every peer, from one recipe)."""
+    if config.samples_per_peer:
+        return load_dataset(f"{config.dataset}:{config.samples_per_peer * config.peers}")
+    return load_dataset(config.dataset)
 
 
 def initial_model(config: Config, dataset: Dataset) -> torch.nn.Module:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import random
 import re
 from pathlib import Path
@@ -328,6 +327,31 @@ def test_dirichlet_min_size_is_configurable() -> None:
     assert min(len(p) for p in parts) >= 200
 
 
+def test_dirichlet_over_thousands_of_peers_tops_up_the_short_parts() -> None:
+    """3,000 peers, ALPHA 0.3, 30,000 samples: no draw gives every peer 5 samples, so the
+    short parts are topped up from the largest; the parts still cover every sample once
+    and stay skewed."""
+    labels = np.repeat(np.arange(10), 3000)
+    parts = partition(labels, 3000, "dirichlet:0.3", seed=0, min_size=5)
+    assert min(len(p) for p in parts) >= 5
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(len(labels)))
+    entropy = np.mean([
+        -(f[f > 0] * np.log(f[f > 0])).sum()
+        for f in (np.bincount(labels[p], minlength=10) / len(p) for p in parts)
+    ])  # fmt: skip
+    assert entropy < 0.6 * np.log(10)
+
+
+def test_powerlaw_sizes_are_skewed_above_the_minimum() -> None:
+    parts = partition(LABELS, 200, "powerlaw:1.5", seed=0, min_size=5)
+    sizes = np.array([len(p) for p in parts])
+    assert sizes.min() >= 5 and sizes.sum() == len(LABELS)
+    assert sizes.max() > 8 * np.median(sizes)  # a few peers hold much of the data
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(len(LABELS)))
+    with pytest.raises(DataError, match="need 4000 samples"):
+        partition(LABELS[:3999], 400, "powerlaw:1.5", seed=0)
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_shards_few_labels_per_peer(k: int) -> None:
     parts = partition(LABELS, 10, f"shards:{k}", seed=0)
@@ -363,12 +387,14 @@ def test_single_part_is_everything() -> None:
         "shards:-2",
         "shards:x",
         "shards:1.5",
+        "powerlaw:0",
+        "powerlaw:x",
     ],
 )
 def test_bad_specs(spec: str) -> None:
     with pytest.raises(DataError, match=re.escape(repr(spec))) as info:
         partition(LABELS, 4, spec, seed=0)
-    assert "dirichlet:ALPHA" in str(info.value) and "shards:K" in str(info.value)
+    assert all(form in str(info.value) for form in ("dirichlet:ALPHA", "shards:K", "powerlaw:A"))
 
 
 @pytest.mark.parametrize(
@@ -387,12 +413,11 @@ def test_infeasible_partitions(n: int, spec: str, message: str) -> None:
         partition(LABELS, n, spec, seed=0)
 
 
-def test_dirichlet_gives_up_on_extreme_alpha(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the package re-exports the function under the module's name, so look the module up
-    partition_module = importlib.import_module("gossipdl.data.partition")
-    monkeypatch.setattr(partition_module, "_DIRICHLET_MAX_TRIES", 50)
-    with pytest.raises(DataError, match=r"after 50 draws.*ALPHA=0\.001 is too small for n=64"):
-        partition(LABELS, 64, "dirichlet:0.001", seed=0)
+def test_dirichlet_with_extreme_alpha_tops_up_instead_of_giving_up() -> None:
+    """ALPHA 0.001 gives each class to one peer: 54 of 64 peers would hold nothing."""
+    parts = partition(LABELS, 64, "dirichlet:0.001", seed=0)
+    assert min(len(p) for p in parts) >= 10
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(len(LABELS)))
 
 
 def test_bad_labels_and_seed() -> None:
@@ -490,3 +515,17 @@ def test_sampler_errors() -> None:
 def test_to_tensors_casts() -> None:
     xt, yt = to_tensors(np.zeros((2, 3), np.float64), np.array([1, 0], np.int32))
     assert xt.dtype == torch.float32 and yt.dtype == torch.int64
+
+
+def test_samples_per_peer_generates_the_data_the_peers_need() -> None:
+    from gossipdl.config import ConfigError, load_config
+    from gossipdl.training import dataset_of
+
+    config = load_config(None, peers=40, dataset="synthetic", samples_per_peer=50)
+    data = dataset_of(config)
+    assert (len(data.y_train), len(data.y_test), data.name) == (2000, 1000, "synthetic:2000")
+    assert len(dataset_of(load_config(None, dataset="synthetic")).y_train) == 4000
+    with pytest.raises(ConfigError, match="has a size of its own"):
+        load_config(None, dataset="digits", samples_per_peer=10)
+    with pytest.raises(DataError, match="1 <= N <= 4,000,000"):
+        dataset_of(load_config(None, peers=400, dataset="synthetic", samples_per_peer=20000))

@@ -8,12 +8,19 @@ A spec string names the scheme:
   Classification": for each class ``c`` draw ``p_c ~ Dir(ALPHA · 1_n)`` and give
   peer ``i`` a fraction ``p_c[i]`` of the class-``c`` samples. Small ALPHA (0.1)
   gives each peer a few dominant classes; large ALPHA (100) is close to iid.
-  The whole draw is repeated until every peer holds at least ``min_size``
-  samples.
+  The whole draw is repeated (up to ten times) until every peer holds at least
+  ``min_size`` samples; after that, the last draw's short parts are topped up
+  with random samples of the parts with the most to spare (thousands of peers
+  rarely all reach ``min_size`` in any draw, and the label skew is kept for all
+  but the few samples moved).
 - ``shards:K`` — pathological skew after McMahan et al. (2017), "Communication-
   Efficient Learning of Deep Networks from Decentralized Data": sort the samples
   by label, cut them into ``n·K`` equal shards and deal ``K`` random shards to
   each peer, so a peer sees about ``K`` (at most ``2K``) classes.
+- ``powerlaw:A`` — iid labels but skewed sizes, as real fleets' devices hold (LEAF;
+  Li et al. 2020, FedProx): each part's share of the samples above ``min_size`` is
+  drawn from a Pareto distribution of shape ``A`` (smaller: more skewed; 1.5 makes
+  a few peers hold most of the data).
 
 Every scheme returns disjoint, sorted ``int64`` index arrays that together cover
 all samples, and depends only on ``(labels, n, spec, seed)``: each peer can call
@@ -28,8 +35,8 @@ import numpy as np
 
 from gossipdl.data.datasets import DataError
 
-_FORMS = "'iid', 'dirichlet:ALPHA' (ALPHA > 0) or 'shards:K' (integer K >= 1)"
-_DIRICHLET_MAX_TRIES = 1000
+_FORMS = "'iid', 'dirichlet:ALPHA' (ALPHA > 0), 'shards:K' (integer K >= 1) or 'powerlaw:A' (A > 0)"
+_DIRICHLET_DRAWS = 10
 
 
 def partition(
@@ -40,9 +47,10 @@ def partition(
     Args:
         labels: 1-D integer class labels of the whole training set.
         n: number of parts (peers), ``1 <= n <= len(labels)``.
-        spec: ``"iid"``, ``"dirichlet:ALPHA"`` or ``"shards:K"`` (see module doc).
+        spec: ``"iid"``, ``"dirichlet:ALPHA"``, ``"shards:K"`` or ``"powerlaw:A"`` (see
+            module doc).
         seed: non-negative seed; the same arguments always give the same parts.
-        min_size: for ``dirichlet`` only, the fewest samples any part may hold.
+        min_size: for ``dirichlet`` and ``powerlaw``, the fewest samples any part holds.
 
     Returns:
         ``n`` sorted ``int64`` index arrays, disjoint, covering ``range(len(labels))``.
@@ -87,6 +95,10 @@ def partition(
                 f"but there are only {num} samples"
             )
         parts = _shards(labels, n, k, rng)
+    elif name == "powerlaw":
+        shape = _parse_alpha(spec, arg)
+        _check_room(spec, n, min_size, num)
+        parts = _powerlaw(num, n, shape, min_size, rng)
     else:
         raise DataError(f"unknown partition spec {spec!r}; expected {_FORMS}")
     return [np.sort(p).astype(np.int64) for p in parts]
@@ -121,6 +133,14 @@ def _iid(num: int, n: int, rng: np.random.Generator) -> list[np.ndarray]:
     return list(np.array_split(rng.permutation(num), n))
 
 
+def _check_room(spec: str, n: int, min_size: int, num: int) -> None:
+    if n * min_size > num:
+        raise DataError(
+            f"partition spec {spec!r}: n={n} parts of at least {min_size} "
+            f"samples need {n * min_size} samples, have {num}"
+        )
+
+
 def _dirichlet(
     labels: np.ndarray,
     n: int,
@@ -129,14 +149,10 @@ def _dirichlet(
     rng: np.random.Generator,
     spec: str,
 ) -> list[np.ndarray]:
-    if n * min_size > len(labels):
-        raise DataError(
-            f"partition spec {spec!r}: n={n} parts of at least {min_size} "
-            f"samples need {n * min_size} samples, have {len(labels)}"
-        )
+    _check_room(spec, n, min_size, len(labels))
     by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
-    smallest = 0
-    for _ in range(_DIRICHLET_MAX_TRIES):
+    merged: list[np.ndarray] = []
+    for _ in range(_DIRICHLET_DRAWS):
         parts: list[list[np.ndarray]] = [[] for _ in range(n)]
         for idx in by_class:
             idx = rng.permutation(idx)
@@ -145,15 +161,41 @@ def _dirichlet(
             for i, piece in enumerate(np.split(idx, cuts)):
                 parts[i].append(piece)
         merged = [np.concatenate(pieces) for pieces in parts]
-        smallest = min(len(m) for m in merged)
-        if smallest >= min_size:
+        if min(len(m) for m in merged) >= min_size:
             return merged
-    raise DataError(
-        f"partition spec {spec!r}: after {_DIRICHLET_MAX_TRIES} draws some of "
-        f"the n={n} parts still had fewer than {min_size} samples (last draw's "
-        f"smallest: {smallest}); ALPHA={alpha} is too small for n={n} and "
-        f"{len(labels)} samples — raise ALPHA or lower n"
-    )
+    return _top_up(merged, min_size, rng)
+
+
+def _top_up(parts: list[np.ndarray], min_size: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Parts below ``min_size`` filled up with random samples of the others' surplus over it,
+    taken from each in proportion to that surplus (the caller checked there is enough)."""
+    sizes = np.array([len(p) for p in parts])
+    need = np.maximum(min_size - sizes, 0)
+    spare = np.maximum(sizes - min_size, 0)
+    give = np.floor(need.sum() * spare / spare.sum()).astype(np.int64)
+    short = need.sum() - give.sum()  # what rounding down left: one more from the largest
+    give[np.argsort(-spare, kind="stable")[:short]] += 1
+    given = []
+    for donor in np.flatnonzero(give):
+        order = rng.permutation(len(parts[donor]))
+        given.append(parts[donor][order[: give[donor]]])
+        parts[donor] = parts[donor][order[give[donor] :]]
+    pool = rng.permutation(np.concatenate(given))
+    for short, extra in enumerate(np.split(pool, np.cumsum(need)[:-1])):
+        if len(extra):
+            parts[short] = np.concatenate([parts[short], extra])
+    return parts
+
+
+def _powerlaw(
+    num: int, n: int, shape: float, min_size: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    weights = rng.pareto(shape, n) + 1.0
+    rest = num - n * min_size
+    extra = np.floor(rest * weights / weights.sum()).astype(np.int64)
+    extra[np.argsort(-weights, kind="stable")[: rest - int(extra.sum())]] += 1
+    cuts = np.cumsum(min_size + extra)[:-1]
+    return list(np.split(rng.permutation(num), cuts))
 
 
 def _shards(labels: np.ndarray, n: int, k: int, rng: np.random.Generator) -> list[np.ndarray]:

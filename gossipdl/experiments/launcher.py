@@ -24,12 +24,13 @@ from typing import IO, Any
 from rich.console import Console
 
 from gossipdl.config import ADVERTISE_ENV, Config, ConfigError, resolved, to_toml
-from gossipdl.data import DataError, load_dataset, partition
+from gossipdl.data import DataError, partition
 from gossipdl.experiments.display import LiveProgress
 from gossipdl.experiments.summary import summarize
 from gossipdl.models import build_model
 from gossipdl.rundir import RUN_START_ENV, RunDir, default_run_dir
 from gossipdl.sim.faults import refuse_outside_simulation
+from gossipdl.training import dataset_of
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,10 @@ def preflight(config: Config) -> int:
     A partition that cannot be drawn or a factory that fails is reported now,
     and the dataset cache is warm for the peers. Returns the parameter count.
     """
-    dataset = load_dataset(config.dataset)
+    try:
+        dataset = dataset_of(config)
+    except DataError as exc:
+        raise ConfigError(f"dataset = {config.dataset!r}: {exc}") from None
     if config.mode != "single":
         try:
             partition(dataset.y_train, config.peers, config.partition, config.seed)

@@ -23,7 +23,7 @@ from gossipdl.conditions import DeviceProfile, device_of
 from gossipdl.config import Config, to_dict
 from gossipdl.coordinator.server import serve
 from gossipdl.coordinator.worker import ServerWorker
-from gossipdl.data import Dataset, load_dataset
+from gossipdl.data import Dataset
 from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
@@ -32,6 +32,7 @@ from gossipdl.peers.sinks import MetricsSinks, check_sinks
 from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic
 from gossipdl.training import (
     AWAY_POLL_S,
+    dataset_of,
     drift_of,
     drifted,
     evaluation,
@@ -103,7 +104,7 @@ def train_peer(
     stop = stop or threading.Event()
     check_sinks(config)
     device = pick_device(config.device, local_index)
-    dataset = load_dataset(config.dataset)
+    dataset = dataset_of(config)
     model = initial_model(config, dataset).to(device)
     optimizer = make_optimizer(config, model)
     single = config.mode == "single"
@@ -237,7 +238,7 @@ def run_shard(
 ) -> dict[str, Any]:
     """Serve parameter-server shard ``shard`` until every worker left; its counters go to
     ``servers/<shard>.json`` (rewritten about once a second and at the end)."""
-    server = shard_server(config, load_dataset(config.dataset), shard)
+    server = shard_server(config, dataset_of(config), shard)
     path = run.server_stats(shard)
     path.parent.mkdir(parents=True, exist_ok=True)
     start = run_start() or time.time()  # one clock with the workers the launcher started

@@ -38,7 +38,7 @@ from gossipdl.compression import Codec, Payload, build_codec
 from gossipdl.compression.sparse import SparseCodec, TopK
 from gossipdl.conditions import parse_link
 from gossipdl.config import Config
-from gossipdl.data import IndexStream, load_dataset, partition
+from gossipdl.data import IndexStream, partition
 from gossipdl.protocol.kinds import COMPRESSED_KINDS, TABLE, TABLE_KINDS
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
@@ -46,6 +46,7 @@ from gossipdl.sim.engine import SimulationError, measure_step_time, sim_address,
 from gossipdl.sim.stacked import StackedModels, StackedSGD
 from gossipdl.topologies import build_topology
 from gossipdl.training import (
+    dataset_of,
     initial_model,
     json_line,
     lr_at,
@@ -169,7 +170,7 @@ class BatchedSimulation:
         check_batchable(config)
         self.config = config
         self.run_dir = run
-        self.dataset = load_dataset(config.dataset)
+        self.dataset = dataset_of(config)
         self.x_train = torch.as_tensor(self.dataset.x_train, dtype=torch.float32)
         self.y_train = torch.as_tensor(self.dataset.y_train, dtype=torch.int64)
         self.x_test = torch.as_tensor(self.dataset.x_test, dtype=torch.float32)

@@ -45,7 +45,7 @@ from gossipdl.averaging import (
 from gossipdl.averaging.local_optimizer import current_lr, mask_momentum
 from gossipdl.conditions import DeviceProfile, Drift, device_of
 from gossipdl.config import Config, to_dict
-from gossipdl.data import BatchSampler, Dataset, load_dataset
+from gossipdl.data import BatchSampler, Dataset
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
@@ -55,6 +55,7 @@ from gossipdl.sim.joins import Join, answered, cancel_join, start_join
 from gossipdl.sim.network import SimNetwork
 from gossipdl.training import (
     AWAY_POLL_S,
+    dataset_of,
     drift_of,
     drifted,
     evaluation,
@@ -175,7 +176,7 @@ class Simulation:
         self.clock = Scheduler()
         self.network = SimNetwork(self.clock, seed=config.seed)
         self.decodes = SharedDecodes()  # a broadcast is decoded once for all its receivers
-        self.dataset = load_dataset(config.dataset)
+        self.dataset = dataset_of(config)
         self.x_test = torch.as_tensor(self.dataset.x_test)
         self.y_test = torch.as_tensor(self.dataset.y_test)
         self.measured = step_time if step_time is not None else None
