@@ -177,16 +177,17 @@ class PowerSGD(Codec):
         self._bound = LowRankLayout.of(shapes, self.rank)
 
     def contraction(self, numel: int) -> float:
-        """The smallest ``r / min(rows, cols)`` over the matrices: the best rank-r
+        """Half the smallest ``r / min(rows, cols)`` over the matrices: the best rank-r
         approximation keeps at least that share of a matrix's energy, and the weakest layer
-        sets what the whole model can bear. One warm-started power step a round keeps less
-        of a residual that changes every round, but CHOCO's consensus alone
-        (``benchmarks/stability.py``) bears the step ``auto_gamma`` gives the share itself
-        (about 0.6 γ*, as for top-k); a quarter of it gave 0.18–0.20 γ*, and CHOCO PowerSGD
-        mixed too little to train (README *Accuracy against bytes*)."""
+        sets what the whole model can bear, but one warm-started power step a round keeps
+        less of a residual that changes every round. CHOCO's consensus alone
+        (``benchmarks/stability.py``) puts the step ``auto_gamma`` gives the whole share at
+        0.88–0.99 γ*, half of it at about 0.5 γ* (top-k's is about 0.6); a quarter gave
+        0.18–0.20 γ*, and CHOCO PowerSGD mixed too little to train (README *Accuracy
+        against bytes*)."""
         layout = self._layout(numel)
         shares = [r / min(rows, cols) for _, rows, cols, r in layout.layers]
-        return min(1.0, min(shares, default=1.0))
+        return min(1.0, min(shares, default=1.0) / 2)
 
     def _layout(self, numel: int) -> LowRankLayout:
         """The bound layout, or one near-square matrix for a vector of another length."""
