@@ -302,3 +302,29 @@ def test_simulate_benchmark_refuses_a_recorded_edge_run_of_other_settings(tmp_pa
     )  # fmt: skip
     assert bad.returncode != 0 and "was run with peers = 3, the simulation runs 8" in bad.stderr
     assert not (tmp_path / "t").exists()
+
+
+def test_scale_benchmark_times_both_simulators_and_plots_seconds_per_step(
+    tmp_path: Path,
+) -> None:
+    result = run_benchmark(
+        "scale", tmp_path, "--peers", "4,6", "--unbatched-up-to", "4", "--only", "choco-topk",
+        "--topologies", "exponential", "--cnn-steps", "6", "--logistic-steps", "6",
+        "--samples-per-peer", "40", "--out", str(tmp_path / "scale"),
+    )  # fmt: skip
+    rows = result["rows"]
+    keys = [(r["peers"], r["model"], r["engine"]) for r in rows]
+    assert keys == [
+        (4, "cnn1d", "batched"), (4, "cnn1d", "per-peer"),
+        (4, "logistic", "batched"), (4, "logistic", "per-peer"),
+        (6, "cnn1d", "batched"), (6, "logistic", "batched"),
+    ]  # fmt: skip
+    for row in rows:
+        assert row["s_per_step"] == pytest.approx(row["wall_s"] / 6)
+        assert row["peak_rss_mb"] > 50 and 0 <= row["accuracy"] <= 1 and row["bytes"] > 0
+    batched, per_peer = rows[0], rows[1]
+    assert batched["bytes"] == pytest.approx(per_peer["bytes"], rel=0.02)  # the same messages
+    targets = result["meta"]["targets"]
+    assert targets["cnn_1000"]["met"] is None and targets["speedup"]["met"] is None  # not run
+    png = Path(result["meta"]["plot"]).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")

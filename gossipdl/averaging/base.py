@@ -68,8 +68,8 @@ class Arrival:
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-def _digest(values: np.ndarray) -> str:
-    """The hex sha256 of a float32 vector's bytes."""
+def model_digest(values: np.ndarray) -> str:
+    """The hex sha256 of a float32 vector's bytes: what a peer vouches for (:class:`Vouch`)."""
     return hashlib.sha256(np.ascontiguousarray(values, dtype=np.float32).tobytes()).hexdigest()
 
 
@@ -139,7 +139,7 @@ class Averager(ABC):
         sha256 alone. A neighbour whose own copy has that digest (peers that start from
         the same model) takes its own as this one; any other asks for the dense copy."""
         (copy,) = self.public_copy().arrays
-        return Payload((), {VOUCH: _digest(copy)})
+        return Payload((), {VOUCH: model_digest(copy)})
 
     @staticmethod
     def vouched(dense: Mapping[int, Arrival], own: torch.Tensor) -> dict[int, Arrival]:
@@ -151,7 +151,7 @@ class Averager(ABC):
             if not isinstance(arrival.value, Vouch):
                 out[j] = arrival
                 continue
-            mine = mine or _digest(own.detach().cpu().numpy())
+            mine = mine or model_digest(own.detach().cpu().numpy())
             if arrival.value.digest == mine:
                 out[j] = replace(arrival, value=own)
         return out

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from gossipdl.averaging import auto_gamma, parse_trigger
-from gossipdl.averaging.base import VOUCH, _digest
+from gossipdl.averaging.base import VOUCH, model_digest
 from gossipdl.averaging.choco import WARMUP_ROUNDS, check_choco_codec
 from gossipdl.compression import Codec, Payload, build_codec
 from gossipdl.compression.sparse import SparseCodec, TopK
@@ -105,8 +105,8 @@ def _top_k(codec: Codec) -> bool:
 
 @dataclass
 class Messages:
-    """What one round's sends of every peer amount to: one encoded message per peer (it
-    goes to each neighbour alike) and how many neighbours get it."""
+    """What every peer sent in one round: its message's kind and one payload per peer (each
+    neighbour gets the same)."""
 
     kind: str
     payloads: list[Payload]
@@ -138,7 +138,7 @@ class StackedGossip:
             kept = self.codec.sparsifier.count(numel)
             assert kept is not None
             self.k = kept
-            self.digest = _digest(start.numpy())
+            self.digest = model_digest(start.numpy())
 
     def round(self, x: torch.Tensor, index: int) -> Messages:
         """Round ``index`` on the stacked models ``x`` (in place); what every peer sent (for
