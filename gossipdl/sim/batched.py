@@ -191,8 +191,13 @@ class BatchedSimulation:
         self.trigger = parse_trigger(config.trigger)
         self.link = parse_link(config.link)
         self.measured = step_time if step_time is not None else None
-        if self.measured is None:
-            self.measured = measure_step_time(config, self.dataset)
+        if self.measured is None:  # one peer's step on one thread, as the per-peer engine's
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                self.measured = measure_step_time(config, self.dataset)
+            finally:
+                torch.set_num_threads(threads)
         self.table = MemberTable([Member(i, sim_address(i), 0) for i in range(count)]).digest()
         self.swarm_start = round(time.time(), 3)
         self.swarm_id = swarm_id(config)
