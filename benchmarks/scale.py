@@ -1,0 +1,275 @@
+"""Scale: how many simulated peers one machine runs, batched and per peer.
+
+What it measures
+    From one invocation, ``gossipdl simulate --batched`` for each peer count of ``--peers``
+    (default 16, 64, 256, 1000, 4000, 10000), each model, topology and algorithm:
+
+    * models: the 1-D CNN on MNIST-1D for up to 1,000 peers (``--cnn-steps``, 1500 steps)
+      and logistic regression on the synthetic blobs for every count (``--logistic-steps``,
+      500 steps); each peer gets ``--samples-per-peer`` (250) generated training samples,
+      iid;
+    * topologies: ``exponential`` and ``random-regular:4``;
+    * algorithms: CHOCO with top-1% (``choco-topk``) and dense gossip (``dense``).
+
+    The rows of up to ``--unbatched-up-to`` (64) peers also run through the per-peer
+    simulator. Each run happens in a fresh child process: ``peak_rss_mb`` is its own peak
+    resident memory (start-up, torch and the data included); ``wall_s`` its host time,
+    start-up included; ``s_per_step`` the wall time over the steps; ``accuracy`` the peers'
+    mean final test accuracy. One plot, ``OUT/seconds_per_step.png``: seconds per step
+    against peers, log-log, a line per model, algorithm and engine (exponential graph).
+
+Targets (this 2-core machine)
+    1,000 peers x 1,500 steps of the 1-D CNN with CHOCO top-1% in under 10 minutes and
+    under 8 GB; 10,000 logistic peers x 500 steps in under 15 minutes; the batched path
+    at least 10x faster than the per-peer one at 256 peers or more, the per-peer cost
+    taken from its largest row (its seconds per step grow with the peers: it runs them
+    one after another).
+
+Run
+    python benchmarks/scale.py --json runs/bench-scale.json
+    python benchmarks/scale.py --peers 16,64,256 --only choco-topk --topologies exponential
+    python benchmarks/scale.py --quick          # 16 and 64 peers, 30 steps: a smoke test
+
+JSON (``--json FILE``): ``{"benchmark": "scale", "rows": [...], "meta": {...}}``; each row
+has ``peers``, ``model``, ``algorithm``, ``topology``, ``engine`` (``batched`` or
+``per-peer``), ``steps``, ``s_per_step``, ``wall_s``, ``peak_rss_mb``, ``accuracy`` and
+``bytes``; ``meta`` the settings, the plot and each target's verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _common import Column, add_only_option, benchmark_parser, fresh_run_dir, report, run_script
+from rich.console import Console
+from rich.progress import Progress
+from simulate import run_simulated
+
+from gossipdl.config import load_config
+
+PEERS = (16, 64, 256, 1000, 4000, 10000)
+QUICK_PEERS, QUICK_STEPS = (16, 64), 30
+CNN_UP_TO, UNBATCHED_UP_TO = 1000, 64
+ALGORITHMS = {"choco-topk": ("choco", "topk:0.01"), "dense": ("dense", "none")}
+TOPOLOGIES = ("exponential", "random-regular:4")
+CNN_GOAL = (1000, 600.0, 8192.0)  # peers, seconds, MiB
+LOGISTIC_GOAL = (10000, 900.0)
+SPEEDUP, SPEEDUP_FROM = 10.0, 256
+
+
+@dataclass(frozen=True)
+class Run:
+    """One row: a model on a topology of ``peers`` with an algorithm, on one engine."""
+
+    peers: int
+    model: str
+    algorithm: str
+    topology: str
+    batched: bool
+    steps: int
+
+    @property
+    def engine(self) -> str:
+        return "batched" if self.batched else "per-peer"
+
+    @property
+    def name(self) -> str:
+        topology = self.topology.replace(":", "")
+        return f"{self.model}-{self.algorithm}-{topology}-{self.peers}-{self.engine}"
+
+
+def plan(args: argparse.Namespace) -> list[Run]:
+    """The runs of this invocation, smallest first."""
+    runs = []
+    for peers in args.peers:
+        for model, steps in (("cnn1d", args.cnn_steps), ("logistic", args.logistic_steps)):
+            if model == "cnn1d" and peers > CNN_UP_TO:
+                continue
+            for topology in args.topologies:
+                for algorithm in args.only:
+                    for batched in (True, False):
+                        if batched or peers <= args.unbatched_up_to:
+                            runs.append(Run(peers, model, algorithm, topology, batched, steps))
+    return runs
+
+
+def run_one(run: Run, args: argparse.Namespace) -> dict[str, Any]:
+    """Simulate ``run`` in a child process; its row."""
+    algorithm, codec = ALGORITHMS[run.algorithm]
+    out = args.out / run.name
+    fresh_run_dir(out)
+    config = load_config(
+        args.config,
+        peers=run.peers,
+        max_members=max(512, run.peers),
+        model=run.model,
+        dataset="mnist1d" if run.model == "cnn1d" else "synthetic",
+        samples_per_peer=args.samples_per_peer,
+        topology=run.topology,
+        algorithm=algorithm,
+        codec=codec,
+        steps=run.steps,
+        eval_every=0,
+        log_every=max(1, run.steps // 10),
+        seed=args.seed,
+        batched=run.batched,
+        out=str(out),
+    )
+    summary, peak_mb = run_simulated(config)
+    wall = summary["host_time_s"]
+    return {
+        "peers": run.peers,
+        "model": run.model,
+        "algorithm": run.algorithm,
+        "topology": run.topology,
+        "engine": run.engine,
+        "steps": run.steps,
+        "s_per_step": wall / run.steps,
+        "wall_s": wall,
+        "peak_rss_mb": peak_mb,
+        "accuracy": summary["mean_accuracy"],
+        "bytes": summary["total_bytes_sent"],
+    }
+
+
+def verdicts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each target's rows and whether it holds (None: its rows were not run)."""
+
+    def find(**keys: Any) -> list[dict[str, Any]]:
+        return [r for r in rows if all(r[k] == v for k, v in keys.items())]
+
+    peers, seconds, mib = CNN_GOAL
+    cnn = find(peers=peers, model="cnn1d", algorithm="choco-topk", engine="batched")
+    many, limit = LOGISTIC_GOAL
+    logistic = find(peers=many, model="logistic", engine="batched")
+    speedups = []
+    for slow in rows:
+        if slow["engine"] != "per-peer":
+            continue
+        per_peer = slow["s_per_step"] / slow["peers"]  # it runs the peers one by one
+        for fast in find(model=slow["model"], algorithm=slow["algorithm"],
+                         topology=slow["topology"], engine="batched"):  # fmt: skip
+            if fast["peers"] >= SPEEDUP_FROM:
+                speedups.append(per_peer * fast["peers"] / fast["s_per_step"])
+    return {
+        "cnn_1000": {
+            "met": all(r["wall_s"] < seconds and r["peak_rss_mb"] < mib for r in cnn)
+            if cnn
+            else None,
+            "wall_s": [r["wall_s"] for r in cnn],
+            "peak_rss_mb": [r["peak_rss_mb"] for r in cnn],
+        },
+        "logistic_10000": {
+            "met": all(r["wall_s"] < limit for r in logistic) if logistic else None,
+            "wall_s": [r["wall_s"] for r in logistic],
+        },
+        "speedup": {
+            "met": min(speedups) >= SPEEDUP if speedups else None,
+            "smallest": min(speedups, default=None),
+        },
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Seconds per step against peers (log-log) on the exponential graph."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r["topology"] == "exponential":
+            key = f"{r['model']}, {r['algorithm']}, {r['engine']}"
+            lines.setdefault(key, []).append((r["peers"], r["s_per_step"]))
+    for key, points in sorted(lines.items()):
+        xs, ys = zip(*sorted(points), strict=True)
+        ax.plot(xs, ys, marker="o", linestyle="--" if "per-peer" in key else "-", label=key)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("peers")
+    ax.set_ylabel("wall seconds per simulated step")
+    ax.set_title("Simulating many peers on one machine (exponential graph)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _counts(value: str) -> list[int]:
+    try:
+        counts = [int(v) for v in value.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 2:
+        raise argparse.ArgumentTypeError(f"{value!r}: peer counts >= 2, e.g. 16,64,256")
+    return sorted(set(counts))
+
+
+def _topologies(value: str) -> list[str]:
+    names = value.split(",")
+    unknown = sorted(set(names) - set(TOPOLOGIES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown topologies {unknown}; known: {TOPOLOGIES}")
+    return [t for t in TOPOLOGIES if t in names]
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, quick=f"16 and 64 peers, {QUICK_STEPS} steps")
+    parser.add_argument("--peers", type=_counts, default=None, help="default 16,...,10000")
+    parser.add_argument("--topologies", type=_topologies, default=list(TOPOLOGIES))
+    parser.add_argument("--cnn-steps", type=int, default=None, help="default 1500")
+    parser.add_argument("--logistic-steps", type=int, default=None, help="default 500")
+    parser.add_argument("--samples-per-peer", type=int, default=250)
+    parser.add_argument("--unbatched-up-to", type=int, default=UNBATCHED_UP_TO)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", type=Path, default=None, help="base TOML config")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-scale"))
+    add_only_option(parser, list(ALGORITHMS))
+    args = parser.parse_args()
+    quick = QUICK_STEPS if args.quick else None
+    args.peers = args.peers or list(QUICK_PEERS if args.quick else PEERS)
+    args.cnn_steps = args.cnn_steps or quick or 1500
+    args.logistic_steps = args.logistic_steps or quick or 500
+    runs = plan(args)
+    rows = []
+    with Progress(console=Console(stderr=True)) as progress:
+        bar = progress.add_task("simulating", total=len(runs))
+        for run in runs:
+            progress.update(bar, description=run.name)
+            rows.append(run_one(run, args))
+            progress.advance(bar)
+    plot_path = args.out / "seconds_per_step.png"
+    plot(rows, plot_path)
+    met = verdicts(rows)
+    notes = [
+        f"target ({name}): "
+        + ("not run" if v["met"] is None else "[green]met[/]" if v["met"] else "[red]missed[/]")
+        for name, v in met.items()
+    ]
+    columns = [
+        Column("peers", "peers"),
+        Column("model", "model"),
+        Column("algorithm", "algorithm"),
+        Column("topology", "topology"),
+        Column("engine", "engine"),
+        Column("steps", "steps"),
+        Column("s_per_step", "s / step", "{:.4f}"),
+        Column("wall_s", "wall s", "{:.0f}"),
+        Column("peak_rss_mb", "peak MiB", "{:.0f}"),
+        Column("accuracy", "accuracy", "{:.4f}"),
+        Column("bytes", "bytes", "{:,}"),
+    ]
+    settings = {k: v for k, v in vars(args).items() if k not in ("json", "config", "out")}
+    meta = {"settings": settings, "plot": str(plot_path), "targets": met}
+    report("scale", "Simulated peers on one machine", columns, rows, meta, args.json, notes=notes)
+
+
+if __name__ == "__main__":
+    run_script(main)
