@@ -171,7 +171,7 @@ def test_help_lists_every_option_with_its_default() -> None:
         (["--partition", "zipf:2"], ["zipf:2", "dirichlet:ALPHA"]),
         (["--lr", "-1"], ["lr = -1"]),
         (["--lr-schedule", "linear"], ["lr_schedule = 'linear'", "constant, cosine"]),
-        (["--peers", "40", "--partition", "dirichlet:0.001"], ["dirichlet:0.001"]),
+        (["--peers", "401", "--partition", "dirichlet:1"], ["dirichlet:1", "need 4010 samples"]),
         (["--steps", "ten"], ["Invalid value", "--steps"]),  # wording varies by click version
         (["--codec", "zip:9"], ["codec = 'zip:9'"]),
         (["--gamma", "2"], ["gamma = 2.0"]),
