@@ -96,11 +96,12 @@ def plot_curves(
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), dpi=120)
     for ax, panel in zip([axes] if len(panels) == 1 else axes, panels, strict=True):
-        for label, points in curves.items():
+        for n, (label, points) in enumerate(curves.items()):
             shown = [p for p in points if not panel.log_x or p[panel.x] > 0]
             x = [p[panel.x] for p in shown]
             y = [p[panel.y] for p in shown]
-            (line,) = ax.plot(x, y, marker="o", markersize=3, label=label)
+            style = ("-", "--", ":")[n // 10 % 3]  # the colour cycle has ten: tell the 11th apart
+            (line,) = ax.plot(x, y, marker="o", markersize=3, linestyle=style, label=label)
             spread = f"{panel.y}_std"
             if shown and spread in shown[0]:
                 std = [p[spread] for p in shown]
