@@ -44,7 +44,7 @@ from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
 from gossipdl.sim.engine import SimulationError, measure_step_time, sim_address, swarm_id
 from gossipdl.sim.stacked import StackedModels, StackedSGD
-from gossipdl.topologies import build_topology
+from gossipdl.topologies import Topology, build_topology
 from gossipdl.training import (
     dataset_of,
     initial_model,
@@ -54,15 +54,17 @@ from gossipdl.training import (
     sampler_seed,
     save_atomic,
 )
+from gossipdl.transport.stats import TransportStats
 from gossipdl.transport.wire import encode
 
 log = logging.getLogger(__name__)
 BATCHED_ALGORITHMS = ("dense", "choco")
 
 
-def check_batchable(config: Config) -> None:
+def check_batchable(config: Config, topology: Topology | None = None) -> None:
     """SimulationError, naming what to change, for a config the batched engine cannot run
-    (the per-peer engine, ``batched = false``, runs every simulated config)."""
+    (the per-peer engine, ``batched = false``, runs every simulated config); ``topology``:
+    the config's, where the caller built it already."""
     problems = []
     if config.mode != "gossip":
         problems.append(f"mode {config.mode!r} (batched runs mode gossip)")
@@ -84,7 +86,9 @@ def check_batchable(config: Config) -> None:
     link = parse_link(config.link)
     if link.jitter_s or link.loss or link.offline:
         problems.append("a link with jitter, loss or offline windows")
-    if not build_topology(config.topology, config.peers, config.seed).is_static:
+    if topology is None:
+        topology = build_topology(config.topology, config.peers, config.seed)
+    if not topology.is_static:
         problems.append(f"topology {config.topology!r} (batched needs a static one)")
     if problems:
         raise SimulationError(
@@ -167,7 +171,8 @@ class BatchedSimulation:
     """``config``'s swarm (see :func:`check_batchable`) as stacked peers, writing ``run``."""
 
     def __init__(self, config: Config, run: RunDir, *, step_time: float | None = None) -> None:
-        check_batchable(config)
+        topology = build_topology(config.topology, config.peers, config.seed)
+        check_batchable(config, topology)
         self.config = config
         self.run_dir = run
         self.dataset = dataset_of(config)
@@ -185,12 +190,10 @@ class BatchedSimulation:
             IndexStream(len(p), config.batch_size, sampler_seed(config, i))
             for i, p in enumerate(parts)
         ]
-        topology = build_topology(config.topology, count, config.seed)
-        self.neighbours = [len(topology.neighbors(i)) for i in range(count)]
         self.gossip = StackedGossip(config, topology.mixing_matrix(), self.models.flat[0].clone())
         self.trigger = parse_trigger(config.trigger)
         self.link = parse_link(config.link)
-        self.measured = step_time if step_time is not None else None
+        self.measured = step_time
         if self.measured is None:  # one peer's step on one thread, as the per-peer engine's
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
@@ -210,7 +213,7 @@ class BatchedSimulation:
         self.messages = np.zeros(count, dtype=np.int64)
         self.losses: list[torch.Tensor] = []
         self.ledger = {"delivered": 0}
-        self._neighbour_ids = [topology.neighbors(i) for i in range(count)]
+        self.neighbours = [topology.neighbors(i) for i in range(count)]
 
     # --------------------------------------------------------------------- steps
     def _step(self) -> None:
@@ -236,14 +239,14 @@ class BatchedSimulation:
             # (each neighbour has had as many messages from i: the same seq)
             frames = encode(kind, i, self.rounds + 1, self.rounds, payload.arrays, meta, codec)
             size = sum(len(f) for f in frames)
-            fan = self.neighbours[i]
+            fan = len(self.neighbours[i])
             self.bytes_sent[i] += size * fan
             self.header_bytes[i] += len(frames[0]) * fan
             self.messages[i] += fan
-            for j in self._neighbour_ids[i]:
+            for j in self.neighbours[i]:
                 self.bytes_received[j] += size
             slowest = max(slowest, self._transfer(size, fan))
-        self.ledger["delivered"] += int(self.messages.sum()) - self.ledger["delivered"]
+        self.ledger["delivered"] = int(self.messages.sum())  # nothing is lost
         self.rounds += 1
         self.now += slowest
 
@@ -261,14 +264,15 @@ class BatchedSimulation:
             accuracy, test_loss = self.models.evaluate(self.x_test, self.y_test)
         losses = torch.stack(self.losses).mean(0).tolist() if self.losses else None
         for i, file in enumerate(files):
-            stats = {
-                "bytes_sent": int(self.bytes_sent[i]),
-                "header_bytes_sent": int(self.header_bytes[i]),
-                "bytes_received": int(self.bytes_received[i]),
-                "messages_sent": int(self.messages[i]),
-                "messages_received": int(self.messages[i]),
-                "handshakes_refused": 0,
-                "messages_dropped": {},
+            transport = TransportStats(
+                bytes_sent=int(self.bytes_sent[i]),
+                header_bytes_sent=int(self.header_bytes[i]),
+                bytes_received=int(self.bytes_received[i]),
+                messages_sent=int(self.messages[i]),
+                messages_received=int(self.messages[i]),  # the graphs are undirected
+            )
+            stats = {  # the per-peer engine's keys: its network's, its core's, its own
+                **transport.snapshot(),
                 "round": self.rounds,
                 "model_messages_sent": int(self.messages[i]),
                 "syncs": self.rounds,
