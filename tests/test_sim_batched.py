@@ -18,6 +18,7 @@ from gossipdl.compression import build_codec
 from gossipdl.config import ConfigError, load_config
 from gossipdl.experiments.simulated import simulate
 from gossipdl.models import build_model
+from gossipdl.sim import stacked as stacked_module
 from gossipdl.sim.batched import StackedGossip, check_batchable
 from gossipdl.sim.engine import SimulationError
 from gossipdl.sim.stacked import StackedModels, StackedSGD
@@ -25,20 +26,34 @@ from gossipdl.topologies import build_topology
 from gossipdl.transport.wire import encode
 
 
-@pytest.mark.parametrize(("name", "hidden"), [("logistic", None), ("mlp", [16]), ("cnn1d", [8, 8])])
-def test_a_stacked_step_equals_the_per_peer_loop(name: str, hidden: list[int] | None) -> None:
-    """Three steps of five stacked copies (SGD with momentum and weight decay, each on its
-    own batch) give every copy the parameters and loss torch.optim.SGD gives it alone."""
+@pytest.mark.parametrize(
+    ("name", "shape", "hidden"),
+    [
+        ("logistic", (40,), None),
+        ("mlp", (40,), [16]),
+        ("cnn1d", (40,), [8, 8]),  # the hand-written convolution, one channel
+        ("cnn1d", (3, 21), [4]),  # ... several channels, an odd length
+        ("cnn2d", (6, 6), [4]),  # vmap's path
+    ],
+)
+def test_a_stacked_step_equals_the_per_peer_loop(
+    name: str, shape: tuple[int, ...], hidden: list[int] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three steps of five stacked copies in chunks of two (SGD with momentum and weight
+    decay, each on its own batch) give every copy the parameters, loss and test accuracy
+    (in chunks of 128 samples) torch.optim.SGD gives it alone."""
+    monkeypatch.setattr(stacked_module, "EVAL_SAMPLES", 256)
     torch.manual_seed(0)
-    template = build_model(name, (40,), 10, hidden)
+    template = build_model(name, shape, 10, hidden)
     count, batch = 5, 8
     stacked, sgd = StackedModels(template, count), StackedSGD(0.9, 1e-3)
+    stacked.chunk = 2
     models = [copy.deepcopy(template) for _ in range(count)]
     optimizers = [
         torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3) for m in models
     ]
     for _ in range(3):
-        x, y = torch.randn(count, batch, 40), torch.randint(0, 10, (count, batch))
+        x, y = torch.randn(count, batch, *shape), torch.randint(0, 10, (count, batch))
         losses, grads = stacked.gradients(x, y)
         sgd.step(stacked.flat, grads, 0.05)
         for i, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
@@ -49,8 +64,13 @@ def test_a_stacked_step_equals_the_per_peer_loop(name: str, hidden: list[int] | 
             assert float(losses[i]) == pytest.approx(loss.item(), abs=1e-6)
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             torch.testing.assert_close(stacked.flat[i], flat, atol=1e-6, rtol=1e-5)
-    accuracy, _ = stacked.evaluate(torch.randn(50, 40), torch.randint(0, 10, (50,)))
-    assert accuracy.shape == (count,) and bool(((accuracy >= 0) & (accuracy <= 1)).all())
+    x_test, y_test = torch.randn(300, *shape), torch.randint(0, 10, (300,))
+    accuracy, loss = stacked.evaluate(x_test, y_test)
+    for i, model in enumerate(models):
+        with torch.no_grad():
+            logits = model(x_test)
+        assert float(accuracy[i]) == (logits.argmax(1) == y_test).float().mean().item()
+        assert float(loss[i]) == pytest.approx(F.cross_entropy(logits, y_test).item(), abs=1e-5)
     own = stacked.model(2)
     torch.testing.assert_close(
         torch.cat([p.detach().reshape(-1) for p in own.parameters()]), stacked.flat[2]

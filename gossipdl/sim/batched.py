@@ -201,7 +201,8 @@ class BatchedSimulation:
                 self.measured = measure_step_time(config, self.dataset)
             finally:
                 torch.set_num_threads(threads)
-        self.table = MemberTable([Member(i, sim_address(i), 0) for i in range(count)]).digest()
+        members = [Member(i, sim_address(i), 0) for i in range(count)]
+        self.table = MemberTable(members, config.max_members).digest()
         self.swarm_start = round(time.time(), 3)
         self.swarm_id = swarm_id(config)
         self.now = 0.0

@@ -204,7 +204,7 @@ class Simulation:
             averager = self._averager_for(model)
             check_trigger(trigger, averager)
             flat = parameters_to_vector(model.parameters()).detach()
-            table = MemberTable(members)
+            table = MemberTable(members, config.max_members)
             core = GossipCore(
                 i, table, averager=averager, trigger=trigger, settings=settings, model=flat
             )
