@@ -972,3 +972,21 @@ def test_powersgd_compresses_each_layer_of_the_bound_model_and_sends_biases_as_t
         assert float((layer - w).norm() / w.norm()) < 1e-4  # each layer's rank 2, found
     whole = build_codec("powersgd:2", seed=1)  # unbound: the old near-square single matrix
     assert float((whole.encode(x)[1] - x).norm() / x.norm()) > 0.1
+
+
+@pytest.mark.parametrize("coder", ["raw", "delta-golomb", "delta-varint"])
+@pytest.mark.parametrize("ratio", [0.001, 0.02, 0.3, 0.9])
+def test_layouts_are_what_encode_puts_on_the_wire(coder: str, ratio: float) -> None:
+    """A sparse codec's layouts of many rows at once (the batched simulator's byte count:
+    Golomb's b and stream lengths computed for all rows together) equal each row's real
+    payload: dtypes, lengths and meta."""
+    codec = build_codec(f"topk:{ratio}+{coder}")
+    assert isinstance(codec, sparse_module.SparseCodec)
+    generator = torch.Generator().manual_seed(int(ratio * 1000))
+    numel = 5000
+    rows = torch.randn(40, numel, generator=generator)
+    rows[::3] *= torch.rand(numel, generator=generator) ** 8  # some rows heavy-tailed, clustered
+    rows[5, :50] += 100.0  # one row's largest entries all at the start
+    payloads = [codec.encode(row)[0] for row in rows]
+    chosen = np.stack([np.flatnonzero(codec.decode(p, numel).numpy()) for p in payloads])
+    assert codec.layouts(chosen, numel) == [p.layout() for p in payloads]

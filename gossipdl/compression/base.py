@@ -108,6 +108,21 @@ class Payload:
         """Exact bytes on the wire: every array's buffer plus the msgpack-packed ``meta``."""
         return sum(int(a.nbytes) for a in self.arrays) + len(msgpack.packb(self.meta))
 
+    def layout(self) -> Layout:
+        """What this payload puts on the wire, without its bytes."""
+        return Layout(tuple((dtype_name(a.dtype), a.size) for a in self.arrays), self.meta)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a payload puts on the wire, without its bytes: each (1-D) array's dtype name
+    and length, and the meta; :func:`gossipdl.transport.wire.message_size` counts its
+    message's bytes from it. Codecs that can give many at once (``SparseCodec.layouts``):
+    the batched simulator counts a swarm's messages without building them."""
+
+    arrays: tuple[tuple[str, int], ...]
+    meta: dict[str, MetaValue] = field(default_factory=dict)
+
 
 class Codec(ABC):
     """Maps a flat float32 tensor to a :class:`Payload` and back.

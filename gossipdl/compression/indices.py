@@ -40,7 +40,14 @@ from typing import Any
 
 import numpy as np
 
-from gossipdl.compression.base import CodecError, check_meta, dtype_name, meta_int
+from gossipdl.compression.base import (
+    CodecError,
+    Layout,
+    Payload,
+    check_meta,
+    dtype_name,
+    meta_int,
+)
 
 __all__ = [
     "DeltaGolomb",
@@ -66,6 +73,11 @@ class IndexCoder(ABC):
         self, indices: np.ndarray, numel: int
     ) -> tuple[tuple[np.ndarray, ...], dict[str, Any]]:
         """Arrays and meta for strictly increasing ``indices`` in ``[0, numel)``."""
+
+    def layouts(self, rows: np.ndarray, numel: int) -> list[Layout]:
+        """What :meth:`encode` gives each row of ``rows`` (``[count, k]``, each strictly
+        increasing), without the arrays' bytes where a coder can (here: by encoding)."""
+        return [Payload(*self.encode(row, numel)).layout() for row in rows]
 
     @abstractmethod
     def decode(
@@ -130,6 +142,9 @@ class RawIndices(IndexCoder):
         self, indices: np.ndarray, numel: int
     ) -> tuple[tuple[np.ndarray, ...], dict[str, Any]]:
         return (indices.astype(self._dtype(numel)),), {}
+
+    def layouts(self, rows: np.ndarray, numel: int) -> list[Layout]:
+        return [Layout(((self._dtype(numel), rows.shape[1]),), {})] * len(rows)
 
     def decode(
         self, arrays: tuple[np.ndarray, ...], meta: dict[str, Any], count: int, numel: int
@@ -233,6 +248,25 @@ class DeltaGolomb(IndexCoder):
             np.packbits(unary, bitorder="little"),
             np.packbits(remainders.astype(np.uint8).reshape(-1), bitorder="little"),
         ), {"b": b}
+
+    def layouts(self, rows: np.ndarray, numel: int) -> list[Layout]:
+        """:meth:`encode`'s choice of ``b`` and stream lengths for every row at once."""
+        count = rows.shape[1]
+        if not count:
+            return super().layouts(rows, numel)
+        gaps = np.diff(rows.astype(np.int64, copy=False), axis=1, prepend=-1) - 1
+        guess = np.log2(np.maximum(gaps.mean(axis=1), 1.0)).astype(np.int64)
+        # encode's candidates: guess − 1 (not below 0), guess, guess + 1; the first cheapest
+        candidates = np.stack([np.maximum(guess - 1, 0), guess, guess + 1], axis=1)
+        quotients = np.stack([(gaps >> c[:, None]).sum(axis=1) for c in candidates.T], axis=1)
+        best = np.argmin(count * candidates + quotients, axis=1)
+        b = np.take_along_axis(candidates, best[:, None], 1)[:, 0]
+        q = np.take_along_axis(quotients, best[:, None], 1)[:, 0]
+        unary, rest = (q + count + 7) // 8, (count * b + 7) // 8
+        return [
+            Layout((("uint8", int(u)), ("uint8", int(r))), {"b": int(c)})
+            for u, r, c in zip(unary, rest, b, strict=True)
+        ]
 
     def decode(
         self, arrays: tuple[np.ndarray, ...], meta: dict[str, Any], count: int, numel: int

@@ -20,6 +20,7 @@ from gossipdl.compression._kernels import Rng, scatter, to_host, use_numpy
 from gossipdl.compression.base import (
     Codec,
     CodecError,
+    Layout,
     Payload,
     ValueCodec,
     check_meta,
@@ -354,6 +355,23 @@ class SparseCodec(Codec):
         arrays += value_payload.arrays
         meta.update({f"v.{key}": val for key, val in value_payload.meta.items()})
         return Payload(arrays, meta), value_estimate
+
+    def layouts(self, chosen: np.ndarray, numel: int) -> list[Layout]:
+        """What :meth:`payload` puts on the wire for each row of ``chosen`` (``[count, k]``
+        sorted indices into ``numel``), without building the payloads: the batched
+        simulator counts a swarm's messages with it. Values sent as they are only."""
+        if self.values.spec != "none":
+            raise CodecError(f"{self.spec}: layouts need the values sent as they are")
+        count, k = chosen.shape
+        values = ("float32", k)
+        if self.indices is None:
+            return [Layout((values,), {"k": k})] * count
+        return [
+            Layout(
+                (*index.arrays, values), {"k": k, **{f"i.{m}": v for m, v in index.meta.items()}}
+            )
+            for index in self.indices.layouts(chosen, numel)
+        ]
 
     def decode(
         self, payload: Payload, numel: int, device: torch.device | str = "cpu"

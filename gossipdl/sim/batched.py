@@ -34,7 +34,8 @@ import torch
 from gossipdl.averaging import auto_gamma, parse_trigger
 from gossipdl.averaging.base import VOUCH, model_digest
 from gossipdl.averaging.choco import WARMUP_ROUNDS, check_choco_codec
-from gossipdl.compression import Codec, Payload, build_codec
+from gossipdl.compression import Codec, build_codec
+from gossipdl.compression.base import Layout
 from gossipdl.compression.sparse import SparseCodec, TopK
 from gossipdl.conditions import parse_link
 from gossipdl.config import Config
@@ -55,7 +56,7 @@ from gossipdl.training import (
     save_atomic,
 )
 from gossipdl.transport.stats import TransportStats
-from gossipdl.transport.wire import encode
+from gossipdl.transport.wire import message_size
 
 log = logging.getLogger(__name__)
 BATCHED_ALGORITHMS = ("dense", "choco")
@@ -109,62 +110,74 @@ def _top_k(codec: Codec) -> bool:
 
 @dataclass
 class Messages:
-    """What every peer sent in one round: its message's kind and one payload per peer (each
-    neighbour gets the same)."""
+    """What every peer sent in one round: its message's kind and one payload layout per
+    peer (each neighbour gets the same message)."""
 
     kind: str
-    payloads: list[Payload]
+    layouts: list[Layout]
 
 
 class StackedGossip:
     """The averaging round of every peer at once: dense gossip (``X ← W X``) or CHOCO with
     top-k (Koloskova et al. 2019, the per-peer :class:`~gossipdl.averaging.Choco`'s steps
     on the rows of ``X``: ``Q = top-k(X − X̂)``, ``X̂ += Q``, ``S += W Q``,
-    ``X += γ(S − X̂)``, with its automatic γ and warm-up)."""
+    ``X += γ(S − X̂)``, with its automatic γ and warm-up). ``W Q`` adds each peer's k
+    values into its neighbours' rows of ``S``: its cost grows with the edges times k, not
+    with the model."""
 
     def __init__(self, config: Config, mixing: np.ndarray, start: torch.Tensor) -> None:
         self.algorithm = config.algorithm
         self.codec = build_codec(config.codec, config.seed)
         count, numel = mixing.shape[0], start.numel()
+        device = start.device
+        rows, cols = np.nonzero(mixing)  # row-major: a CSR's order
+        weights = torch.tensor(mixing[rows, cols], dtype=torch.float32, device=device)
+        self.rows = torch.from_numpy(rows).to(device)
+        self.cols = torch.from_numpy(cols).to(device)
+        self.weights = weights
+        starts = np.searchsorted(rows, np.arange(count + 1))
         with warnings.catch_warnings():  # "sparse CSR support is in beta": it is used alone
             warnings.simplefilter("ignore", UserWarning)
-            self.w = torch.tensor(mixing, dtype=torch.float32).to_sparse_csr()
-        self_weight = np.diag(mixing)
+            self.w = torch.sparse_csr_tensor(
+                torch.from_numpy(starts).to(device), self.cols, weights, (count, count)
+            )
         self.gamma = None
         self.digest = ""
+        self.numel = numel
         if self.algorithm == "choco":
             check_choco_codec(self.codec)
+            self_weight = np.diag(mixing)
             gammas = [config.gamma or auto_gamma(self.codec, numel, float(w)) for w in self_weight]
-            self.gamma = torch.tensor(gammas).unsqueeze(1)
+            self.gamma = torch.tensor(gammas, device=device).unsqueeze(1)
             self.x_hat = start.repeat(count, 1)  # public copies start at the starting model
             self.s = self.x_hat.clone()  # Σ_j W_ij x̂_j: rows of W sum to 1
             assert isinstance(self.codec, SparseCodec)  # check_batchable: top-k
             kept = self.codec.sparsifier.count(numel)
             assert kept is not None
             self.k = kept
-            self.digest = model_digest(start.numpy())
+            self.digest = model_digest(start.cpu().numpy())
 
     def round(self, x: torch.Tensor, index: int) -> Messages:
         """Round ``index`` on the stacked models ``x`` (in place); what every peer sent (for
         its bytes)."""
+        count, numel = x.shape
         if self.algorithm == "dense":
             x.copy_(torch.sparse.mm(self.w, x))
-            return Messages("params", [Payload((row.numpy(),), {}) for row in x])
+            return Messages("params", [Layout((("float32", numel),), {})] * count)
         if index == 0:  # everybody vouches for the same start: nothing to mix yet
-            return Messages("public", [Payload((), {VOUCH: self.digest})] * len(x))
-        assert self.gamma is not None
+            return Messages("public", [Layout((), {VOUCH: self.digest})] * count)
+        assert self.gamma is not None and isinstance(self.codec, SparseCodec)
         d = x - self.x_hat
         chosen = torch.topk(d.abs(), self.k, dim=1, sorted=False).indices.sort(dim=1).values
         values = d.gather(1, chosen)
-        q = torch.zeros_like(d).scatter_(1, chosen, values)
-        self.x_hat += q
-        self.s += torch.sparse.mm(self.w, q)
+        self.x_hat.scatter_add_(1, chosen, values)
+        into = (self.rows.unsqueeze(1) * numel + chosen[self.cols]).reshape(-1)
+        self.s.view(-1).index_add_(
+            0, into, (self.weights.unsqueeze(1) * values[self.cols]).reshape(-1)
+        )
         step = self.gamma * min(1.0, (index + 1) / WARMUP_ROUNDS)
         x += step * (self.s - self.x_hat)
-        assert isinstance(self.codec, SparseCodec)
-        numel = x.shape[1]
-        payloads = [self.codec.payload(c, v, numel)[0] for c, v in zip(chosen, values, strict=True)]
-        return Messages("params", payloads)
+        return Messages("params", self.codec.layouts(chosen.cpu().numpy(), numel))
 
 
 class BatchedSimulation:
@@ -214,7 +227,9 @@ class BatchedSimulation:
         self.messages = np.zeros(count, dtype=np.int64)
         self.losses: list[torch.Tensor] = []
         self.ledger = {"delivered": 0}
-        self.neighbours = [topology.neighbors(i) for i in range(count)]
+        adjacency = topology.adjacency()
+        self.edges = np.nonzero(adjacency)  # (sender, receiver) of every message
+        self.fan = adjacency.sum(axis=1).astype(np.int64)
 
     # --------------------------------------------------------------------- steps
     def _step(self) -> None:
@@ -233,30 +248,34 @@ class BatchedSimulation:
         sent = self.gossip.round(self.models.flat, self.rounds)
         kind = sent.kind
         codec = self.gossip.codec.spec if kind in COMPRESSED_KINDS else "none"
-        slowest = 0.0
-        for i, payload in enumerate(sent.payloads):
-            meta = {**payload.meta, TABLE: self.table} if kind in TABLE_KINDS else payload.meta
+        sizes = np.empty((len(sent.layouts), 2), dtype=np.int64)
+        for i, layout in enumerate(sent.layouts):
+            meta = {**layout.meta, TABLE: self.table} if kind in TABLE_KINDS else layout.meta
             # one message per neighbour, alike but for nothing the header's size depends on
             # (each neighbour has had as many messages from i: the same seq)
-            frames = encode(kind, i, self.rounds + 1, self.rounds, payload.arrays, meta, codec)
-            size = sum(len(f) for f in frames)
-            fan = len(self.neighbours[i])
-            self.bytes_sent[i] += size * fan
-            self.header_bytes[i] += len(frames[0]) * fan
-            self.messages[i] += fan
-            for j in self.neighbours[i]:
-                self.bytes_received[j] += size
-            slowest = max(slowest, self._transfer(size, fan))
+            sizes[i] = message_size(
+                kind, i, self.rounds + 1, self.rounds, layout.arrays, meta, codec
+            )
+        size = sizes[:, 0]
+        self.bytes_sent += size * self.fan
+        self.header_bytes += sizes[:, 1] * self.fan
+        self.messages += self.fan
+        self.bytes_received += np.bincount(self.edges[1], size[self.edges[0]], len(size)).astype(
+            np.int64
+        )
         self.ledger["delivered"] = int(self.messages.sum())  # nothing is lost
         self.rounds += 1
-        self.now += slowest
+        self.now += float(self._transfer(size).max())
 
-    def _transfer(self, size: int, fan: int) -> float:
-        """Seconds until the last of ``fan`` copies of a ``size``-byte message is in."""
+    def _transfer(self, size: np.ndarray) -> np.ndarray:
+        """Each peer's seconds until the last of its copies of a ``size``-byte message is in."""
         link = self.link
-        up = fan * size * 8 / link.uplink_bps if link.uplink_bps else 0.0
-        down = size * 8 / link.downlink_bps if link.downlink_bps else 0.0
-        return up + link.latency_s + down
+        seconds = np.full(len(size), link.latency_s)
+        if link.uplink_bps:
+            seconds += self.fan * size * 8 / link.uplink_bps
+        if link.downlink_bps:
+            seconds += size * 8 / link.downlink_bps
+        return seconds
 
     # ------------------------------------------------------------------- records
     def _record(self, files: list[Any], evaluate: bool, **extra: Any) -> None:

@@ -154,8 +154,6 @@ def encode(
 
     The caller must not modify the arrays until the message has been sent.
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown message kind {kind!r}; known kinds: {sorted(KINDS)}")
     specs = []
     frames: list[Any] = []
     for array in arrays:
@@ -163,12 +161,61 @@ def encode(
             array = np.asarray(array)
         if not array.flags.c_contiguous:
             array = array.copy()
-        name = dtype_name(array.dtype)
-        if name not in DTYPES:
-            raise ValueError(f"dtype {array.dtype} cannot be sent; allowed: {sorted(DTYPES)}")
-        specs.append([name, list(array.shape)])
+        specs.append((dtype_name(array.dtype), array.shape))
         if array.nbytes:
             frames.append(_bytes_of(array))
+    lengths = [len(f) for f in frames]
+    return [_header(kind, sender, seq, round, specs, lengths, meta, codec), *frames]
+
+
+def message_size(
+    kind: str,
+    sender: int,
+    seq: int,
+    round: int,
+    arrays: Sequence[tuple[str, int]] = (),
+    meta: dict[str, Any] | None = None,
+    codec: str = "none",
+) -> tuple[int, int]:
+    """Bytes of the message :func:`encode` would build from 1-D arrays of these
+    ``(dtype name, length)``, in all and in its header, without the arrays themselves
+    (the batched simulator counts the bytes of many messages this way).
+
+    Example:
+        >>> frames = encode("params", 3, 1, 0, [np.zeros(5, np.float32)], {"k": 5})
+        >>> message_size("params", 3, 1, 0, [("float32", 5)], {"k": 5}) == (
+        ...     sum(len(f) for f in frames), len(frames[0]))
+        True
+    """
+    specs = [(name, (length,)) for name, length in arrays]
+    lengths = [n for name, length in arrays if (n := length * _sendable(name).itemsize)]
+    header = len(_header(kind, sender, seq, round, specs, lengths, meta, codec))
+    return header + sum(lengths), header
+
+
+def _sendable(name: str) -> np.dtype:
+    """The dtype called ``name``, or ValueError where the wire does not carry it."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name} cannot be sent; allowed: {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _header(
+    kind: str,
+    sender: int,
+    seq: int,
+    round: int,
+    specs: Sequence[tuple[str, tuple[int, ...]]],
+    frame_lengths: list[int],
+    meta: dict[str, Any] | None,
+    codec: str,
+) -> bytes:
+    """The packed header frame of a message whose arrays have ``specs`` (dtype name,
+    shape) and whose non-empty ones make frames of ``frame_lengths`` bytes."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown message kind {kind!r}; known kinds: {sorted(KINDS)}")
+    for name, _ in specs:
+        _sendable(name)
     header = {
         "v": PROTOCOL_VERSION,
         "kind": kind,
@@ -176,11 +223,11 @@ def encode(
         "seq": seq,
         "round": round,
         "codec": codec,
-        "arrays": specs,
-        "frames": [len(f) for f in frames],
+        "arrays": [[name, list(shape)] for name, shape in specs],
+        "frames": frame_lengths,
         "meta": meta or {},
     }
-    return [msgpack.packb(header, use_bin_type=True), *frames]
+    return msgpack.packb(header, use_bin_type=True)
 
 
 def _bytes_of(array: np.ndarray) -> memoryview:
