@@ -32,7 +32,8 @@ Run
 
 JSON (``--json FILE``): ``{"benchmark": "scale", "rows": [...], "meta": {...}}``; each row
 has ``peers``, ``model``, ``algorithm``, ``topology``, ``engine`` (``batched`` or
-``per-peer``), ``steps``, ``s_per_step``, ``wall_s``, ``peak_rss_mb``, ``accuracy`` and
+``per-peer``), ``device`` (the batched rows': ``--device``, a GPU where there is one),
+``steps``, ``s_per_step``, ``wall_s``, ``peak_rss_mb``, ``accuracy`` and
 ``bytes``; ``meta`` the settings, the plot and each target's verdict.
 """
 
@@ -49,6 +50,7 @@ from rich.progress import Progress
 from simulate import run_simulated
 
 from gossipdl.config import load_config
+from gossipdl.peers.device import pick_device
 
 PEERS = (16, 64, 256, 1000, 4000, 10000)
 QUICK_PEERS, QUICK_STEPS = (16, 64), 30
@@ -116,6 +118,7 @@ def run_one(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         log_every=max(1, run.steps // 10),
         seed=args.seed,
         batched=run.batched,
+        device=args.device,
         out=str(out),
     )
     summary, peak_mb = run_simulated(config)
@@ -126,6 +129,7 @@ def run_one(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         "algorithm": run.algorithm,
         "topology": run.topology,
         "engine": run.engine,
+        "device": str(pick_device(args.device)) if run.batched else "cpu",
         "steps": run.steps,
         "s_per_step": wall / run.steps,
         "wall_s": wall,
@@ -229,6 +233,11 @@ def main() -> None:
     parser.add_argument("--samples-per-peer", type=int, default=250)
     parser.add_argument("--unbatched-up-to", type=int, default=UNBATCHED_UP_TO)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="the batched rows' device: auto (a GPU where there is one), cpu, cuda",
+    )
     parser.add_argument("--config", type=Path, default=None, help="base TOML config")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-scale"))
     add_only_option(parser, list(ALGORITHMS))
@@ -259,6 +268,7 @@ def main() -> None:
         Column("algorithm", "algorithm"),
         Column("topology", "topology"),
         Column("engine", "engine"),
+        Column("device", "device"),
         Column("steps", "steps"),
         Column("s_per_step", "s / step", "{:.4f}"),
         Column("wall_s", "wall s", "{:.0f}"),

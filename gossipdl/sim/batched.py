@@ -40,6 +40,7 @@ from gossipdl.compression.sparse import SparseCodec, TopK
 from gossipdl.conditions import parse_link
 from gossipdl.config import Config
 from gossipdl.data import IndexStream, partition
+from gossipdl.peers.device import pick_device
 from gossipdl.protocol.kinds import COMPRESSED_KINDS, TABLE, TABLE_KINDS
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
@@ -189,13 +190,15 @@ class BatchedSimulation:
         self.config = config
         self.run_dir = run
         self.dataset = dataset_of(config)
-        self.x_train = torch.as_tensor(self.dataset.x_train, dtype=torch.float32)
-        self.y_train = torch.as_tensor(self.dataset.y_train, dtype=torch.int64)
-        self.x_test = torch.as_tensor(self.dataset.x_test, dtype=torch.float32)
-        self.y_test = torch.as_tensor(self.dataset.y_test, dtype=torch.int64)
+        self.device = pick_device(config.device)  # auto: the GPU where there is one
+        device = self.device
+        self.x_train = torch.as_tensor(self.dataset.x_train, dtype=torch.float32).to(device)
+        self.y_train = torch.as_tensor(self.dataset.y_train, dtype=torch.int64).to(device)
+        self.x_test = torch.as_tensor(self.dataset.x_test, dtype=torch.float32).to(device)
+        self.y_test = torch.as_tensor(self.dataset.y_test, dtype=torch.int64).to(device)
         count = config.peers
         template = initial_model(config, self.dataset)
-        self.models = StackedModels(template, count)
+        self.models = StackedModels(template, count).to(device)
         self.optimizer = StackedSGD(config.momentum, config.weight_decay)
         parts = partition(self.dataset.y_train, count, config.partition, config.seed)
         self.shards = [torch.from_numpy(np.asarray(p, dtype=np.int64)) for p in parts]
@@ -237,6 +240,7 @@ class BatchedSimulation:
         rows = torch.stack(
             [shard[s.next()] for shard, s in zip(self.shards, self.streams, strict=True)]
         )
+        rows = rows.to(self.device, non_blocking=True)
         losses, grads = self.models.gradients(self.x_train[rows], self.y_train[rows])
         self.optimizer.step(self.models.flat, grads, lr_at(self.config, self.steps))
         self.losses.append(losses.detach())
@@ -345,7 +349,14 @@ class BatchedSimulation:
             stopped = self.steps < config.steps
             for i in range(count):
                 save_atomic(self.models.model(i).state_dict(), self.run_dir.model(i))
-            self._record(files, True, final=True, stopped_early=stopped, device="sim")
+            self._record(
+                files,
+                True,
+                final=True,
+                stopped_early=stopped,
+                device="sim",
+                compute_device=str(self.device),
+            )
         finally:
             for file in files:
                 file.close()

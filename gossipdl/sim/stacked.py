@@ -29,7 +29,7 @@ the 8k-parameter 1-D CNN, 640 of a 410-parameter logistic regression): a chunk's
 activations stay in cache (the 1-D CNN at 1,000 peers: 0.16 ms per peer-step in chunks
 of 32, 0.52 in one pass) and the interpreter's cost per chunk stays small. On a GPU
 every peer is in one chunk."""
-EVAL_SAMPLES = 1 << 16
+EVAL_SAMPLES = 1 << 14
 """Peer-samples per batched forward in :meth:`StackedModels.evaluate` (bounds its
 activations' memory however many peers and test samples there are)."""
 
