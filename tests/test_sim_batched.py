@@ -84,20 +84,21 @@ def test_stacked_models_refuse_what_they_cannot_stack() -> None:
         StackedModels(torch.nn.Linear(2, 2), 0)
 
 
+@pytest.mark.parametrize("spec", ["topk:0.1", "sign"])
 def test_batched_choco_rounds_equal_the_per_peer_averagers_and_their_messages(
-    tmp_path: Path,
+    tmp_path: Path, spec: str
 ) -> None:
-    """Six CHOCO top-10% rounds on a ring of 5, the stacked form against five Choco
-    averagers fed the same models: the same models after every round (up to float
-    reordering), and every message's layout and size what the real codec and wire encoder
-    make of the same difference."""
+    """Six CHOCO rounds (top-10% and the scaled sign) on a ring of 5, the stacked form
+    against five Choco averagers fed the same models: the same models after every round
+    (up to float reordering), and every message's layout and size what the real codec and
+    wire encoder make of the same difference."""
     count, numel, rounds = 5, 300, 6
-    config = small_config(tmp_path, peers=count, algorithm="choco", codec="topk:0.1")
+    config = small_config(tmp_path, peers=count, algorithm="choco", codec=spec)
     mixing = build_topology("ring", count).mixing_matrix()
     start = torch.randn(numel, generator=torch.Generator().manual_seed(1))
     gossip = StackedGossip(config, mixing, start)
-    codec = build_codec("topk:0.1")
-    peers = [Choco("topk:0.1") for _ in range(count)]
+    codec = build_codec(spec)
+    peers = [Choco(spec) for _ in range(count)]
     for p in peers:
         p.begin(start)
     xs = [start.clone() for _ in range(count)]
@@ -169,7 +170,8 @@ def test_sixteen_batched_peers_train_as_the_per_peer_engine_does(tmp_path: Path)
     ("changes", "named"),
     [
         ({"algorithm": "beer"}, "algorithm 'beer'"),
-        ({"algorithm": "choco", "codec": "sign"}, "codec 'sign'"),
+        ({"algorithm": "choco", "codec": "topk:0.01+qsgd:16"}, "codec 'topk:0.01+qsgd:16'"),
+        ({"algorithm": "choco", "codec": "sign:64"}, "codec 'sign:64'"),
         ({"trigger": "dynamic:0.1"}, "trigger 'dynamic:0.1'"),
         ({"optimizer": "adam"}, "optimizer 'adam'"),
         ({"slowdown": "1:2"}, "slowdown"),

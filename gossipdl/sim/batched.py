@@ -6,14 +6,18 @@ step. Here, for the common experiment (mode ``gossip``, dense gossip or CHOCO wi
 a static topology, every peer on the same clock, no faults), the swarm is
 :class:`~gossipdl.sim.stacked.StackedModels`: every local step is one batched
 forward/backward and one optimizer update for all peers, every round one sparse matrix
-product over the stacked parameters. It is the same synchronous algorithm the cores run
-when no message is late, so results equal the per-peer engine's up to float reordering.
+product over the stacked parameters (for CHOCO, each peer's k values added into its
+neighbours' rows). It is the same synchronous algorithm the cores run when no message
+is late, so results equal the per-peer engine's up to float reordering. All of it runs
+on the config's ``device`` (``auto``: a GPU where there is one).
 
 Every peer draws its batches from the same :class:`~gossipdl.data.IndexStream` the
 per-peer engine gives it (the data set is held once), and every message it would send
-is encoded by the real wire encoder, so each one's bytes are those of a real swarm
-(messages a fault-free run also sends, heartbeats and goodbyes, are not simulated and
-not counted). Time is virtual: a round takes its local steps' ``step_time`` plus the
+is counted from its payload's layout (each array's dtype and length, its meta: for
+top-k, Golomb's parameter and stream lengths of every row at once) with the real wire
+encoder's header, so each one's bytes are those of a real swarm without building the
+payloads (messages a fault-free run also sends, heartbeats and goodbyes, are not
+simulated and not counted). Time is virtual: a round takes its local steps' ``step_time`` plus the
 slowest peer's transfer over the swarm's ``link`` (each neighbour's copy in turn on the
 uplink, then the latency and the receiver's downlink). The run directory is the
 per-peer engine's contract.
@@ -36,6 +40,7 @@ from gossipdl.averaging.base import VOUCH, model_digest
 from gossipdl.averaging.choco import WARMUP_ROUNDS, check_choco_codec
 from gossipdl.compression import Codec, build_codec
 from gossipdl.compression.base import Layout
+from gossipdl.compression.quantization import Sign
 from gossipdl.compression.sparse import SparseCodec, TopK
 from gossipdl.conditions import parse_link
 from gossipdl.config import Config
@@ -72,8 +77,10 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
         problems.append(f"mode {config.mode!r} (batched runs mode gossip)")
     if config.algorithm not in BATCHED_ALGORITHMS:
         problems.append(f"algorithm {config.algorithm!r} (batched runs dense and choco)")
-    elif config.algorithm == "choco" and not _top_k(build_codec(config.codec)):
-        problems.append(f"codec {config.codec!r} (batched CHOCO runs topk:RATIO[+INDEX CODER])")
+    elif config.algorithm == "choco" and not _batchable(build_codec(config.codec)):
+        problems.append(
+            f"codec {config.codec!r} (batched CHOCO runs topk:RATIO[+INDEX CODER] and sign)"
+        )
     elif config.algorithm == "dense" and config.codec != "none":
         problems.append(f"codec {config.codec!r} (batched dense gossip sends models uncompressed)")
     if parse_trigger(config.trigger).dynamic:
@@ -109,6 +116,12 @@ def _top_k(codec: Codec) -> bool:
     )
 
 
+def _batchable(codec: Codec) -> bool:
+    """Whether batched CHOCO runs ``codec``: top-k (:func:`_top_k`) or the whole-tensor
+    scaled sign."""
+    return _top_k(codec) or (isinstance(codec, Sign) and codec.block == 0)
+
+
 @dataclass
 class Messages:
     """What every peer sent in one round: its message's kind and one payload layout per
@@ -120,11 +133,11 @@ class Messages:
 
 class StackedGossip:
     """The averaging round of every peer at once: dense gossip (``X ← W X``) or CHOCO with
-    top-k (Koloskova et al. 2019, the per-peer :class:`~gossipdl.averaging.Choco`'s steps
-    on the rows of ``X``: ``Q = top-k(X − X̂)``, ``X̂ += Q``, ``S += W Q``,
-    ``X += γ(S − X̂)``, with its automatic γ and warm-up). ``W Q`` adds each peer's k
-    values into its neighbours' rows of ``S``: its cost grows with the edges times k, not
-    with the model."""
+    top-k or sign (Koloskova et al. 2019, the per-peer :class:`~gossipdl.averaging.Choco`'s
+    steps on the rows of ``X``: ``Q = C(X − X̂)``, ``X̂ += Q``, ``S += W Q``,
+    ``X += γ(S − X̂)``, with its automatic γ and warm-up). For top-k, ``W Q`` adds each
+    peer's k values into its neighbours' rows of ``S``: its cost grows with the edges
+    times k, not with the model."""
 
     def __init__(self, config: Config, mixing: np.ndarray, start: torch.Tensor) -> None:
         self.algorithm = config.algorithm
@@ -144,7 +157,6 @@ class StackedGossip:
             )
         self.gamma = None
         self.digest = ""
-        self.numel = numel
         if self.algorithm == "choco":
             check_choco_codec(self.codec)
             self_weight = np.diag(mixing)
@@ -152,10 +164,6 @@ class StackedGossip:
             self.gamma = torch.tensor(gammas, device=device).unsqueeze(1)
             self.x_hat = start.repeat(count, 1)  # public copies start at the starting model
             self.s = self.x_hat.clone()  # Σ_j W_ij x̂_j: rows of W sum to 1
-            assert isinstance(self.codec, SparseCodec)  # check_batchable: top-k
-            kept = self.codec.sparsifier.count(numel)
-            assert kept is not None
-            self.k = kept
             self.digest = model_digest(start.cpu().numpy())
 
     def round(self, x: torch.Tensor, index: int) -> Messages:
@@ -167,18 +175,33 @@ class StackedGossip:
             return Messages("params", [Layout((("float32", numel),), {})] * count)
         if index == 0:  # everybody vouches for the same start: nothing to mix yet
             return Messages("public", [Layout((), {VOUCH: self.digest})] * count)
-        assert self.gamma is not None and isinstance(self.codec, SparseCodec)
+        assert self.gamma is not None
         d = x - self.x_hat
-        chosen = torch.topk(d.abs(), self.k, dim=1, sorted=False).indices.sort(dim=1).values
+        if isinstance(self.codec, SparseCodec):
+            layouts = self._mix_top_k(d, self.codec)
+        else:  # the scaled sign: ±‖d_i‖₁/n, its layout (bits and one scale) set by n alone
+            scale = d.abs().sum(1, dtype=torch.float64).div_(numel).float().unsqueeze(1)
+            q = torch.where(torch.signbit(d), -scale, scale)
+            self.x_hat += q
+            self.s += torch.sparse.mm(self.w, q)
+            layouts = [self.codec.encode(d[0].cpu())[0].layout()] * count
+        step = self.gamma * min(1.0, (index + 1) / WARMUP_ROUNDS)
+        x += step * (self.s - self.x_hat)
+        return Messages("params", layouts)
+
+    def _mix_top_k(self, d: torch.Tensor, codec: SparseCodec) -> list[Layout]:
+        """CHOCO's ``X̂ += Q``, ``S += W Q`` for ``Q = top-k(d)``; each row's layout."""
+        numel = d.shape[1]
+        kept = codec.sparsifier.count(numel)
+        assert kept is not None  # top-k keeps a set count
+        chosen = torch.topk(d.abs(), kept, dim=1, sorted=False).indices.sort(dim=1).values
         values = d.gather(1, chosen)
         self.x_hat.scatter_add_(1, chosen, values)
         into = (self.rows.unsqueeze(1) * numel + chosen[self.cols]).reshape(-1)
         self.s.view(-1).index_add_(
             0, into, (self.weights.unsqueeze(1) * values[self.cols]).reshape(-1)
         )
-        step = self.gamma * min(1.0, (index + 1) / WARMUP_ROUNDS)
-        x += step * (self.s - self.x_hat)
-        return Messages("params", self.codec.layouts(chosen.cpu().numpy(), numel))
+        return codec.layouts(chosen.cpu().numpy(), numel)
 
 
 class BatchedSimulation:

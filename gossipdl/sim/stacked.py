@@ -25,7 +25,7 @@ from gossipdl.sim.stacked_layers import stacked_forward
 
 CPU_CHUNK_PARAMS = 1 << 18
 """Parameters of the peers in one batched forward and backward on a CPU (32 copies of
-the 8k-parameter 1-D CNN, 640 of a 410-parameter logistic regression): a chunk's
+the 8k-parameter 1-D CNN, 794 of the 330-parameter logistic regression): a chunk's
 activations stay in cache (the 1-D CNN at 1,000 peers: 0.16 ms per peer-step in chunks
 of 32, 0.52 in one pass) and the interpreter's cost per chunk stays small. On a GPU
 every peer is in one chunk."""
