@@ -208,6 +208,13 @@ def environment() -> dict[str, Any]:
     }
 
 
+def mark(met: bool | None) -> str:
+    """A target's verdict as the tables print it: met, missed, or not run (None)."""
+    if met is None:
+        return "not run"
+    return "[green]met[/]" if met else "[red]missed[/]"
+
+
 def report(
     benchmark: str,
     title: str,

@@ -66,7 +66,7 @@ import time
 from typing import Any
 
 import torch
-from _common import Column, benchmark_parser, report, run_script, start_worker
+from _common import Column, benchmark_parser, mark, report, run_script, start_worker
 
 IMPLS = ("gossipdl", "gloo")
 TARGET_PROCS, TARGET_NUMEL, TARGET_RATIO = 4, 25_000_000, 1.25
@@ -300,8 +300,7 @@ def main() -> None:
     if met is None:
         verdict = f"not measured (needs --procs with {TARGET_PROCS} and --sizes with 25M)"
     else:
-        mark = "[green]met[/]" if met else "[red]missed[/]"
-        verdict = f"ratio {at_target['ratio']:.2f}x — {mark}"
+        verdict = f"ratio {at_target['ratio']:.2f}x — {mark(met)}"
     wrong = [f"{r['procs']}x{r['numel']:,}" for r in table if not r["correct"]]
     notes = [
         f"target ({target}): {verdict}",

@@ -43,7 +43,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from _common import Column, benchmark_parser, report, run_script
+from _common import Column, benchmark_parser, mark, report, run_script
 
 from gossipdl.compression import build_codec
 from gossipdl.compression._kernels import native_kernels, numpy_kernels
@@ -208,7 +208,7 @@ def main() -> None:
     }
 
     def verdict(met: bool) -> str:
-        return "[green]met[/]" if met else "[red]missed[/]"
+        return mark(met)
 
     top, sign = targets.values()
     notes = [

@@ -72,6 +72,7 @@ from _common import (
     add_swarm_options,
     benchmark_parser,
     fresh_run_dir,
+    mark,
     report,
     run_script,
     run_swarm,
@@ -400,7 +401,7 @@ def main() -> None:
         Column("wall_time_s", "wall s", "{:.0f}"),
     ]
     notes = [
-        f"target ({name}): " + (f"[green]met[/] by {', '.join(by)}" if by else "[red]missed[/]")
+        f"target ({name}): " + (f"{mark(True)} by {', '.join(by)}" if by else mark(False))
         for name, by in met.items()
     ]
     report(

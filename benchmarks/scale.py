@@ -44,7 +44,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import Column, add_only_option, benchmark_parser, fresh_run_dir, report, run_script
+from _common import (
+    Column,
+    add_only_option,
+    benchmark_parser,
+    fresh_run_dir,
+    mark,
+    report,
+    run_script,
+)
 from rich.console import Console
 from rich.progress import Progress
 from simulate import run_simulated
@@ -257,11 +265,7 @@ def main() -> None:
     plot_path = args.out / "seconds_per_step.png"
     plot(rows, plot_path)
     met = verdicts(rows)
-    notes = [
-        f"target ({name}): "
-        + ("not run" if v["met"] is None else "[green]met[/]" if v["met"] else "[red]missed[/]")
-        for name, v in met.items()
-    ]
+    notes = [f"target ({name}): " + mark(v["met"]) for name, v in met.items()]
     columns = [
         Column("peers", "peers"),
         Column("model", "model"),

@@ -97,6 +97,7 @@ from _common import (
     Column,
     benchmark_parser,
     fresh_run_dir,
+    mark,
     report,
     run_script,
     start_worker,
@@ -420,11 +421,11 @@ def speed_notes(verdict: dict[str, Any]) -> list[str]:
         ratio = mine["choco_vs_ring"]
         shown = "-" if ratio is None else f"{bound}{ratio:.1f}x"
         lines.append(f"speed ({engine}): {ranking}; CHOCO vs ring all-reduce: {shown} sooner")
-    mark = "[green]met[/]" if verdict["met"] else "[red]missed[/]"
+    met = mark(verdict["met"])
     lines.append(
         f"speed: host time real {verdict['real']['wall_s']:,.0f} s, simulated "
         f"{verdict['sim']['wall_s']:,.0f} s: {verdict['wall_ratio']:.1f}x less (at least "
-        f"{SPEED_WALL_RATIO:g}x): {mark}; same ranking: "
+        f"{SPEED_WALL_RATIO:g}x): {met}; same ranking: "
         f"{'yes' if verdict['same_ranking'] else 'no'}"
     )
     return lines
@@ -468,7 +469,7 @@ def scale_verdict(row: dict[str, Any]) -> dict[str, Any]:
 
 def note_for(key: str, verdict: dict[str, Any]) -> str:
     """One line per case under the table."""
-    mark = "[green]met[/]" if verdict["met"] else "[red]missed[/]"
+    met = mark(verdict["met"])
 
     def show(value: float | None, fmt: str) -> str:
         return "-" if value is None else fmt.format(value)
@@ -476,16 +477,16 @@ def note_for(key: str, verdict: dict[str, Any]) -> str:
     if key == "scale":
         return (
             f"scale: {verdict['wall_s'] / 60:.1f} min (< 20), "
-            f"{verdict['peak_rss_mb'] / 1024:.2f} GB peak (< 6): {mark}"
+            f"{verdict['peak_rss_mb'] / 1024:.2f} GB peak (< 6): {met}"
         )
     if "time_ratio" in verdict:
         return (
             f"{key}: time to {verdict['target_accuracy']:g} sim/real "
-            f"{show(verdict['time_ratio'], '{:.3f}')} (within 15%): {mark}"
+            f"{show(verdict['time_ratio'], '{:.3f}')} (within 15%): {met}"
         )
     return (
         f"{key}: accuracy sim − real {show(verdict['accuracy_gap_points'], '{:+.2f}')} points "
-        f"(within 1), bytes sim/real {show(verdict['bytes_ratio'], '{:.4f}')} (within 1%): {mark}"
+        f"(within 1), bytes sim/real {show(verdict['bytes_ratio'], '{:.4f}')} (within 1%): {met}"
     )
 
 

@@ -34,7 +34,7 @@ import math
 import time
 from typing import Any
 
-from _common import Column, add_only_option, benchmark_parser, report, run_script
+from _common import Column, add_only_option, benchmark_parser, mark, report, run_script
 from rich.console import Console
 from rich.progress import Progress
 
@@ -101,7 +101,7 @@ def main() -> None:
     slow = [r for r in rows if r["codec"].startswith("topk") and (r["ratio"] or 0) < SLOWEST]
     notes = [
         f"target ({name}): "
-        + ("[green]met[/]" if not failing else "[red]missed[/] by " + _names(failing))
+        + (mark(True) if not failing else f"{mark(False)} by {_names(failing)}")
         for name, failing in (
             (f"auto γ <= {MARGIN:g} γ* everywhere", margin),
             (f"top-k's auto γ >= {SLOWEST:g} γ*", slow),

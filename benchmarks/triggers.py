@@ -56,6 +56,7 @@ from _common import (
     add_swarm_options,
     benchmark_parser,
     fresh_run_dir,
+    mark,
     report,
     run_script,
     run_swarm,
@@ -222,7 +223,7 @@ def main() -> None:
         Column("syncs", "peer syncs", "{:,}"),
         Column("wall_time_s", "wall s", "{:.0f}"),
     ]
-    verdict = f"[green]met[/] by {', '.join(winners)}" if winners else "[red]missed[/]"
+    verdict = f"{mark(True)} by {', '.join(winners)}" if winners else mark(False)
     notes = [f"target ({meta['target']}): {verdict}"]
     for trigger, d in drift.items():
         notes.append(
