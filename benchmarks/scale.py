@@ -196,7 +196,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         if r["topology"] == "exponential":
-            key = f"{r['model']}, {r['algorithm']}, {r['engine']}"
+            device = r.get("device", "cpu")
+            where = "" if device == "cpu" else f" on {device.split(':')[0].upper()}"
+            key = f"{r['model']}, {r['algorithm']}, {r['engine']}{where}"
             lines.setdefault(key, []).append((r["peers"], r["s_per_step"]))
     for key, points in sorted(lines.items()):
         xs, ys = zip(*sorted(points), strict=True)

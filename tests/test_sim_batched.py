@@ -18,6 +18,7 @@ from gossipdl.compression import build_codec
 from gossipdl.config import ConfigError, load_config
 from gossipdl.experiments.simulated import simulate
 from gossipdl.models import build_model
+from gossipdl.rundir import RunDir
 from gossipdl.sim import stacked as stacked_module
 from gossipdl.sim.batched import StackedGossip, check_batchable
 from gossipdl.sim.engine import SimulationError
@@ -136,7 +137,8 @@ def test_batched_choco_rounds_equal_the_per_peer_averagers_and_their_messages(
 def test_sixteen_batched_peers_train_as_the_per_peer_engine_does(tmp_path: Path) -> None:
     """The same 16-peer job (MLP on MNIST-1D, exponential graph, CHOCO top-1%) on both
     simulators: the same model messages, accuracy within half a point, and total bytes
-    within 0.5% (the per-peer run also counts its goodbyes, which batched does not)."""
+    within 0.5% (the per-peer run also counts its goodbyes, which batched does not), and
+    metrics lines with the per-peer engine's keys (the batched one lists its core's)."""
     results = {}
     for batched in (False, True):
         config = load_config(
@@ -164,6 +166,10 @@ def test_sixteen_batched_peers_train_as_the_per_peer_engine_does(tmp_path: Path)
     assert stacked["peers_finished"] == 16
     lines = (tmp_path / "True" / "peers" / "3.jsonl").read_text().splitlines()
     assert '"final":true' in lines[-1] and '"accuracy"' in lines[0]
+    records = {b: list(RunDir(tmp_path / str(b)).records(3)) for b in (False, True)}
+    assert len(records[True]) == len(records[False])
+    for ours, theirs in zip(records[True], records[False], strict=True):
+        assert set(ours) - {"compute_device"} == set(theirs), set(theirs) ^ set(ours)
 
 
 @pytest.mark.parametrize(
