@@ -87,9 +87,14 @@ class StackedModels:
         self._bind(self.flat.to(device))
         return self
 
-    def _chunks(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    def _chunks(self) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
+        """``(first peer, peers, their parameters)`` of each chunk."""
         return [
-            (a, {name: p[a : a + self.chunk] for name, p in self.params.items()})
+            (
+                a,
+                min(self.chunk, self.count - a),
+                {n: p[a : a + self.chunk] for n, p in self.params.items()},
+            )
             for a in range(0, self.count, self.chunk)
         ]
 
@@ -99,10 +104,10 @@ class StackedModels:
         of ``flat``)."""
         losses = torch.empty(self.count, device=self.flat.device)
         grads = torch.empty_like(self.flat)
-        for a, chunk in self._chunks():
+        for a, n, chunk in self._chunks():
             params = {name: p.detach().requires_grad_(True) for name, p in chunk.items()}
-            logits = self._forward(params, x[a : a + self.chunk])
-            n, batch = logits.shape[:2]
+            logits = self._forward(params, x[a : a + n])
+            batch = logits.shape[1]
             loss = (
                 F.cross_entropy(
                     logits.reshape(n * batch, -1), y[a : a + n].reshape(-1), reduction="none"
@@ -120,8 +125,7 @@ class StackedModels:
         """Every copy's accuracy and mean cross-entropy on the held-out set ``(x, y)``."""
         correct = torch.zeros(self.count, device=self.flat.device)
         loss = torch.zeros(self.count, dtype=torch.float64, device=self.flat.device)
-        for a, params in self._chunks():
-            n = len(next(iter(params.values())))
+        for a, n, params in self._chunks():
             step = max(1, EVAL_SAMPLES // n)
             for b in range(0, len(y), step):
                 xs, labels = x[b : b + step], y[b : b + step]
