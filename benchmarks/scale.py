@@ -202,7 +202,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             lines.setdefault(key, []).append((r["peers"], r["s_per_step"]))
     for key, points in sorted(lines.items()):
         xs, ys = zip(*sorted(points), strict=True)
-        ax.plot(xs, ys, marker="o", linestyle="--" if "per-peer" in key else "-", label=key)
+        style = "--" if "per-peer" in key else ":" if " on " in key else "-"
+        ax.plot(xs, ys, marker="s" if " on " in key else "o", linestyle=style, label=key)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("peers")
