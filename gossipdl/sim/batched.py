@@ -157,6 +157,7 @@ class StackedGossip:
             )
         self.gamma = None
         self.digest = ""
+        self.sign_layout: Layout | None = None
         if self.algorithm == "choco":
             check_choco_codec(self.codec)
             self_weight = np.diag(mixing)
@@ -165,6 +166,8 @@ class StackedGossip:
             self.x_hat = start.repeat(count, 1)  # public copies start at the starting model
             self.s = self.x_hat.clone()  # Σ_j W_ij x̂_j: rows of W sum to 1
             self.digest = model_digest(start.cpu().numpy())
+            if isinstance(self.codec, Sign):  # its layout (bits, one scale) is set by the size
+                self.sign_layout = self.codec.encode(start.cpu())[0].layout()
 
     def round(self, x: torch.Tensor, index: int) -> Messages:
         """Round ``index`` on the stacked models ``x`` (in place); what every peer sent (for
@@ -179,12 +182,13 @@ class StackedGossip:
         d = x - self.x_hat
         if isinstance(self.codec, SparseCodec):
             layouts = self._mix_top_k(d, self.codec)
-        else:  # the scaled sign: ±‖d_i‖₁/n, its layout (bits and one scale) set by n alone
+        else:  # the scaled sign: ±‖d_i‖₁/n
+            assert self.sign_layout is not None
             scale = d.abs().sum(1, dtype=torch.float64).div_(numel).float().unsqueeze(1)
             q = torch.where(torch.signbit(d), -scale, scale)
             self.x_hat += q
             self.s += torch.sparse.mm(self.w, q)
-            layouts = [self.codec.encode(d[0].cpu())[0].layout()] * count
+            layouts = [self.sign_layout] * count
         step = self.gamma * min(1.0, (index + 1) / WARMUP_ROUNDS)
         x += step * (self.s - self.x_hat)
         return Messages("params", layouts)

@@ -161,7 +161,9 @@ def encode(
             array = np.asarray(array)
         if not array.flags.c_contiguous:
             array = array.copy()
-        specs.append((dtype_name(array.dtype), array.shape))
+        name = dtype_name(array.dtype)
+        _sendable(name)
+        specs.append((name, array.shape))
         if array.nbytes:
             frames.append(_bytes_of(array))
     lengths = [len(f) for f in frames]
@@ -211,11 +213,10 @@ def _header(
     codec: str,
 ) -> bytes:
     """The packed header frame of a message whose arrays have ``specs`` (dtype name,
-    shape) and whose non-empty ones make frames of ``frame_lengths`` bytes."""
+    already checked by the caller, and shape) and whose non-empty ones make frames of
+    ``frame_lengths`` bytes."""
     if kind not in KINDS:
         raise ValueError(f"unknown message kind {kind!r}; known kinds: {sorted(KINDS)}")
-    for name, _ in specs:
-        _sendable(name)
     header = {
         "v": PROTOCOL_VERSION,
         "kind": kind,
