@@ -121,15 +121,18 @@ def with_header(message: list[Any], **changes: Any) -> list[Any]:
 
 
 def peer_pids(run_dir: Path) -> dict[int, int]:
-    """Peer processes of a launched run, found by their command lines: rank -> pid."""
+    """Live peer processes of a launched run, from the ``pid`` of each peer's latest life
+    (its last ``start`` line): rank -> pid."""
     pids = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"peer" in args and str(run_dir).encode() in args and b"--rank" in args:
-            pids[int(args[args.index(b"--rank") + 1])] = int(proc.name)
+    for path in (run_dir / "peers").glob("*.jsonl"):
+        starts = [line for line in complete_lines(path) if b'"start":true' in line]
+        pid = json.loads(starts[-1])["pid"] if starts else None
+        try:  # the state is the field after the name: Z is a zombie, dead but not reaped
+            alive = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            alive = False
+        if alive:
+            pids[int(path.stem)] = pid
     return pids
 
 

@@ -1,5 +1,8 @@
 """Start a local swarm: one ``gossipdl peer`` process per peer, watched until they finish.
 
+Peers are forked from a server that has imported gossipdl and torch once
+(:mod:`gossipdl.experiments.forking`), so a swarm starts in about the time of one import.
+
 The launcher is a spawner and observer, not a coordinator: peer 0 founds the
 swarm, the others join it through its address like any remote peer would, and
 all training traffic flows between peers. Progress is read from the metrics
@@ -25,7 +28,9 @@ from rich.console import Console
 
 from gossipdl.config import ADVERTISE_ENV, Config, ConfigError, resolved, to_toml
 from gossipdl.data import DataError, partition
+from gossipdl.experiments import forking
 from gossipdl.experiments.display import LiveProgress
+from gossipdl.experiments.forking import ForkedCommand
 from gossipdl.experiments.summary import summarize
 from gossipdl.models import build_model
 from gossipdl.rundir import RUN_START_ENV, RunDir, default_run_dir
@@ -37,6 +42,9 @@ log = logging.getLogger(__name__)
 LISTENING = "listening on "
 _STOP_GRACE_S = 30.0
 _SERVER_EXIT_S = 5.0
+Process = subprocess.Popen[str] | ForkedCommand
+"""A launched peer or server: forked from the fork server, or (on an emulated host, or
+where there is no fork server) a subprocess."""
 
 
 class LaunchError(RuntimeError):
@@ -92,12 +100,9 @@ def preflight(config: Config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def server_command(config_path: Path, out: Path, shard: int, listen: str) -> list[str]:
-    """The command line of one launched parameter-server shard."""
+def server_args(config_path: Path, out: Path, shard: int, listen: str) -> list[str]:
+    """The ``gossipdl`` arguments of one launched parameter-server shard."""
     return [
-        sys.executable,
-        "-m",
-        "gossipdl",
         "server",
         "--config",
         str(config_path),
@@ -110,7 +115,7 @@ def server_command(config_path: Path, out: Path, shard: int, listen: str) -> lis
     ]
 
 
-def peer_command(
+def peer_args(
     config_path: Path,
     out: Path,
     rank: int,
@@ -119,11 +124,8 @@ def peer_command(
     bootstrap: str | None,
     servers: list[str] | None = None,
 ) -> list[str]:
-    """The command line of one launched peer (a ps worker: with ``servers``)."""
+    """The ``gossipdl`` arguments of one launched peer (a ps worker: with ``servers``)."""
     cmd = [
-        sys.executable,
-        "-m",
-        "gossipdl",
         "peer",
         "--config",
         str(config_path),
@@ -151,9 +153,7 @@ def _log_tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def _read_address(
-    proc: subprocess.Popen[str], log_path: Path, timeout: float, who: str = "peer 0"
-) -> str:
+def _read_address(proc: Process, log_path: Path, timeout: float, who: str = "peer 0") -> str:
     """Wait for a process's 'listening on ADDRESS' line (the founder's, or a server's)."""
     assert proc.stdout is not None
     selector = selectors.DefaultSelector()
@@ -225,8 +225,8 @@ class Swarm:
     ) -> None:
         self.config = config
         self.run = run
-        self.procs: dict[int, subprocess.Popen[str]] = {}
-        self.servers: dict[int, subprocess.Popen[str]] = {}
+        self.procs: dict[int, Process] = {}
+        self.servers: dict[int, Process] = {}
         self._logs: list[IO[str]] = []
         self._place = place or (lambda rank: Placement())
         self._threads = config.threads or max(1, (os.cpu_count() or 1) // config.processes)
@@ -244,26 +244,24 @@ class Swarm:
         """
         n = self.config.processes
         listen = f"tcp://{self.config.host}:0"
-        env = self._env
         servers = None
         if self.config.mode == "ps":
             self.run.server_log(0).parent.mkdir(exist_ok=True)
             for k in range(self.config.ps_shards):
-                cmd = server_command(self.run.config, self.run.root, k, listen)
-                self.servers[k] = self._spawn(cmd, self.run.server_log(k), env)
+                args = server_args(self.run.config, self.run.root, k, listen)
+                self.servers[k] = self._spawn(args, self.run.server_log(k))
             servers = [
                 _read_address(p, self.run.server_log(k), self.config.startup_timeout, f"shard {k}")
                 for k, p in self.servers.items()
             ]
         address = None
         for rank in range(n):
-            cmd = peer_command(
+            args = peer_args(
                 self.run.config, self.run.root, rank, self._listen(rank), self._threads, address,
                 servers,
             )  # fmt: skip
-            self.procs[rank] = self._spawn(
-                [*self._place(rank).prefix, *cmd], self.run.log(rank), env
-            )
+            prefix = self._place(rank).prefix
+            self.procs[rank] = self._spawn(args, self.run.log(rank), prefix=prefix)
             if address is None and servers is None:
                 address = _read_address(self.procs[0], self.run.log(0), self.config.startup_timeout)
 
@@ -277,24 +275,33 @@ class Swarm:
 
     def restart(self, rank: int) -> None:
         """Start a killed peer again from its checkpoint (``gossipdl peer --resume``)."""
-        cmd = [
-            *self._place(rank).prefix,
-            *peer_command(self.run.config, self.run.root, rank, self._listen(rank),
-                          self._threads, None),
+        args = [
+            *peer_args(self.run.config, self.run.root, rank, self._listen(rank),
+                       self._threads, None),
             "--resume", str(self.run.root),
         ]  # fmt: skip
-        self.procs[rank] = self._spawn(cmd, self.run.log(rank), self._env, mode="a")
+        self.procs[rank] = self._spawn(
+            args, self.run.log(rank), prefix=self._place(rank).prefix, mode="a"
+        )
 
     def _spawn(
-        self, cmd: list[str], log_path: Path, env: dict[str, str], mode: str = "w"
-    ) -> subprocess.Popen[str]:
+        self, args: list[str], log_path: Path, prefix: tuple[str, ...] = (), mode: str = "w"
+    ) -> Process:
+        """``gossipdl ARGS``, stderr into ``log_path``: forked from the fork server, or run
+        as ``PREFIX python -m gossipdl ARGS`` on an emulated host (``prefix``)."""
+        if not prefix and forking.available():
+            return ForkedCommand(args, self._env, log_path, mode)
         log_file = log_path.open(mode)
         self._logs.append(log_file)
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
+        cmd = [*prefix, sys.executable, "-m", "gossipdl", *args]
+        return subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, env=self._env
+        )
 
     def failed(self) -> dict[int, int]:
         """Peers that exited with an error: id -> exit code."""
-        return {i: p.returncode for i, p in self.procs.items() if p.poll() not in (None, 0)}
+        codes = {i: p.poll() for i, p in self.procs.items()}
+        return {i: code for i, code in codes.items() if code is not None and code != 0}
 
     def running(self) -> bool:
         """Whether any peer process is still alive."""
@@ -359,6 +366,7 @@ def launch(
             f"{config.processes} on this machine; give it to `gossipdl peer` or `join`, one "
             "per machine (here, `host` sets the address peers listen on)"
         )
+    forking.warm_up()  # its imports overlap the checks below
     run, config = fresh_run(config)
     preflight(config)
     swarm = Swarm(config, run)

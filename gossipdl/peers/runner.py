@@ -315,7 +315,7 @@ def _loop(
 
     peer.sync_at_step(config.steps)  # dynamic trigger: the swarm ends on an agreed model
     try:
-        first = {"start": True, "swarm": swarm, "swarm_start": round(start, 3)}
+        first = {"start": True, "swarm": swarm, "swarm_start": round(start, 3), "pid": os.getpid()}
         if previous is not None:  # the gap while this peer was down shows in its time
             down = time.time() - start - previous.get("time", 0.0)
             first.update(resumed=True, down_s=round(max(0.0, down), 3))

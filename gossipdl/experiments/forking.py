@@ -1,0 +1,116 @@
+"""Local peers forked from a server that has imported gossipdl and torch once.
+
+A fresh ``python -m gossipdl peer`` spends about 2.5 s of CPU importing torch before it
+does anything; a swarm of eight pays that eight times over, on the same cores the
+founder is already training on. Here a local launch asks multiprocessing's fork server
+(one process, started once per launcher, that imports :mod:`gossipdl.cli` and so torch,
+and runs no torch operation, so it has no thread pool to break by forking) for each
+peer: the child is a copy of an interpreter that has done its imports, and runs the
+same ``gossipdl`` command line a subprocess would. :class:`ForkedCommand` looks like
+the ``subprocess.Popen`` the launcher used (pid, stdout, poll, wait, kill, signals,
+return codes as negative signal numbers), so the launcher treats both alike.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO
+
+PRELOAD = ["gossipdl.cli"]
+"""What the fork server imports before it forks anybody (torch comes with it)."""
+
+
+def available() -> bool:
+    """Whether this platform has a fork server (POSIX; not Windows)."""
+    return "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def _context() -> multiprocessing.context.ForkServerContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def warm_up() -> None:
+    """Start the fork server now, so its imports overlap the caller's own start-up."""
+    if available():
+        _context()
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def _run(
+    args: list[str],
+    env: dict[str, str],
+    cwd: str,
+    out: multiprocessing.connection.Connection,
+    log_path: str,
+    log_mode: str,
+) -> None:
+    """The child: stdout into ``out``, stderr into the log, ``env`` (its ``PYTHONPATH``
+    on ``sys.path`` too) and ``cwd`` as a fresh interpreter would have them, then
+    ``gossipdl ARGS``."""
+    os.dup2(out.fileno(), 1)
+    out.close()
+    with open(log_path, log_mode) as log:
+        os.dup2(log.fileno(), 2)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(write_through=True)  # type: ignore[union-attr]
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[:0] = extra  # where a fresh interpreter would put them
+    sys.argv = ["gossipdl", *args]
+    from gossipdl.cli import main
+
+    main()
+
+
+class ForkedCommand:
+    """``gossipdl ARGS`` in a process forked from the fork server, its stdout readable as
+    ``stdout`` (text), its stderr written to ``log_path``."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path, mode: str = "w"):
+        reader, writer = multiprocessing.Pipe(duplex=False)
+        self._process = _context().Process(
+            target=_run,
+            args=(args, env, os.getcwd(), writer, str(log_path), mode),
+            name=f"gossipdl {' '.join(args[:1])}",
+        )
+        self._process.start()
+        writer.close()
+        self.pid: int = self._process.pid  # type: ignore[assignment]
+        self.stdout: IO[str] | None = os.fdopen(os.dup(reader.fileno()), "r")
+        reader.close()
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit code (a signal's as minus its number), or None while it runs."""
+        if self.returncode is None:
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for it to end; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        self._process.join(timeout)
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` unless it has ended."""
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL (Popen's ``kill``)."""
+        self.send_signal(signal.SIGKILL)

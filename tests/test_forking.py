@@ -1,0 +1,63 @@
+"""Commands forked from the preloaded fork server behave as the subprocesses they replace:
+their arguments, environment, directory, output, exit codes and signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import small_config, write_config
+
+from gossipdl.experiments.forking import ForkedCommand
+
+
+def test_a_forked_command_gets_its_arguments_environment_and_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    env = {**os.environ, "COLUMNS": "50"}  # rich sizes the help to it
+    help_ = ForkedCommand(["--help"], env, tmp_path / "help.log")
+    assert help_.stdout is not None
+    text = help_.stdout.read()
+    assert help_.wait(60) == 0 and help_.poll() == 0
+    assert "Commands" in text and max(len(line) for line in text.splitlines()) <= 50
+    keys = ForkedCommand(["keys", "generate", "relative/alice"], {**os.environ}, tmp_path / "k.log")
+    assert keys.wait(60) == 0
+    assert (tmp_path / "relative" / "alice" / "peer.key").is_file()  # under the caller's cwd
+
+
+def test_a_forked_commands_errors_go_to_its_log_and_its_code(tmp_path: Path) -> None:
+    bad = ForkedCommand(["no-such-command"], {**os.environ}, tmp_path / "bad.log")
+    assert bad.wait(60) == 2
+    assert "No such command 'no-such-command'" in (tmp_path / "bad.log").read_text()
+
+
+def test_a_forked_peer_stops_on_sigint_and_dies_on_kill(tmp_path: Path) -> None:
+    """A founder waits an hour for the others: SIGINT ends it at once with 130 (its own
+    handler, not the fork server's, which ignores SIGINT); SIGKILL reads as -9."""
+    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, startup_timeout=3600.0))
+    args = ["peer", "--config", str(config), "--listen", "tcp://127.0.0.1:0"]
+    founders = [
+        ForkedCommand(
+            [*args, "--out", str(tmp_path / name)], {**os.environ}, tmp_path / f"{name}.log"
+        )
+        for name in ("a", "b")
+    ]
+    try:
+        for founder in founders:
+            assert founder.stdout is not None and founder.stdout.readline().startswith(
+                "listening on tcp://127.0.0.1:"
+            )
+        with pytest.raises(subprocess.TimeoutExpired):
+            founders[0].wait(0.2)
+        founders[0].send_signal(signal.SIGINT)
+        founders[1].kill()
+        codes = [founder.wait(60) for founder in founders]
+    finally:
+        for founder in founders:
+            founder.kill()
+    assert codes == [130, -signal.SIGKILL]
+    assert "interrupted before training started" in (tmp_path / "a.log").read_text()
