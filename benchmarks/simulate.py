@@ -83,7 +83,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import multiprocessing
 import resource
 import time
 import traceback
@@ -106,6 +105,7 @@ from edge import TIME_LOG, config_for, name_of, options, over, run_setting, sett
 from rich.console import Console
 
 from gossipdl.config import Config, from_dict, to_dict
+from gossipdl.experiments import forking
 from gossipdl.experiments.launcher import Interrupted, launch
 from gossipdl.experiments.plots import ACCURACY_VS_TIME, plot_curves
 from gossipdl.experiments.summary import accuracy_curve
@@ -230,7 +230,7 @@ def run_simulated(
     """Simulate ``config`` in a child process (``until``: a picklable early end, as
     ``simulate`` takes it); its summary and peak RSS (MiB). A stop signal here stops the
     child too (it writes what it simulated and exits)."""
-    context = multiprocessing.get_context("spawn")  # a fresh process: its own peak memory
+    context = forking.context()  # forked, preloaded: its own peak memory, no import cost
     receive, send = context.Pipe(duplex=False)
     child = context.Process(
         target=_simulate_worker, args=(to_dict(config), send, until), name="simulate", daemon=True

@@ -11,7 +11,6 @@ that command. Seeds run in parallel worker processes (``jobs``).
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from gossipdl.experiments import forking
 from gossipdl.experiments.launcher import fresh_run
 from gossipdl.sim.invariants import INVARIANTS, Violation, WatchedSimulation
 from gossipdl.sim.random_faults import random_case
@@ -112,7 +112,7 @@ def _outcomes(work: list[tuple[int, str]], jobs: int) -> Iterator[Outcome]:
         finally:
             torch.set_num_threads(threads)
         return
-    context = multiprocessing.get_context("spawn")  # no forked torch thread pools
+    context = forking.context()  # forked from a server that never ran torch: no thread pools
     with context.Pool(jobs, initializer=_worker_setup) as pool:
         yield from pool.imap_unordered(_check, work, chunksize=4)
 

@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 from typing import IO
 
-PRELOAD = ["gossipdl.cli"]
-"""What the fork server imports before it forks anybody (torch comes with it)."""
+PRELOAD = ["gossipdl.experiments.fork_preload"]
+"""What the fork server imports before it forks anybody: gossipdl's CLI, torch with it,
+and SIGINT blocked (see :mod:`gossipdl.experiments.fork_preload`)."""
 
 
 def available() -> bool:
@@ -31,7 +32,10 @@ def available() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
 
-def _context() -> multiprocessing.context.ForkServerContext:
+def context() -> multiprocessing.context.ForkServerContext:
+    """The multiprocessing context whose processes are forked from the preloaded server:
+    a worker starts without importing torch, with SIGINT blocked for its life (its
+    parent stops it), and with memory of its own (its peak RSS starts at the imports')."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context
@@ -40,7 +44,7 @@ def _context() -> multiprocessing.context.ForkServerContext:
 def warm_up() -> None:
     """Start the fork server now, so its imports overlap the caller's own start-up."""
     if available():
-        _context()
+        context()
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
@@ -55,8 +59,9 @@ def _run(
     log_mode: str,
 ) -> None:
     """The child: stdout into ``out``, stderr into the log, ``env`` (its ``PYTHONPATH``
-    on ``sys.path`` too) and ``cwd`` as a fresh interpreter would have them, then
-    ``gossipdl ARGS``."""
+    on ``sys.path`` too, its ``OMP_NUM_THREADS`` as torch's threads), ``cwd`` and SIGINT
+    as a fresh interpreter would have them, then ``gossipdl ARGS``."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.dup2(out.fileno(), 1)
     out.close()
     with open(log_path, log_mode) as log:
@@ -68,6 +73,10 @@ def _run(
     os.chdir(cwd)
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     sys.path[:0] = extra  # where a fresh interpreter would put them
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # read when torch loaded, in the server
+        import torch
+
+        torch.set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))
     sys.argv = ["gossipdl", *args]
     from gossipdl.cli import main
 
@@ -80,7 +89,7 @@ class ForkedCommand:
 
     def __init__(self, args: list[str], env: dict[str, str], log_path: Path, mode: str = "w"):
         reader, writer = multiprocessing.Pipe(duplex=False)
-        self._process = _context().Process(
+        self._process = context().Process(
             target=_run,
             args=(args, env, os.getcwd(), writer, str(log_path), mode),
             name=f"gossipdl {' '.join(args[:1])}",
