@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from gossipdl.config import Config, to_toml
+from gossipdl.experiments.forking import ForkedCommand
 from gossipdl.rundir import complete_lines
 
 
@@ -87,16 +87,10 @@ def gossipdl_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "gossipdl", *args]
 
 
-def start_peer(*args: str, log: Path) -> tuple[subprocess.Popen[str], str]:
-    """Start ``gossipdl peer ARGS`` and return the process and its listening address."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        gossipdl_cmd("peer", *args),
-        stdout=subprocess.PIPE,
-        stderr=log.open("w"),
-        text=True,
-        env=env,
-    )
+def start_peer(*args: str, log: Path) -> tuple[ForkedCommand, str]:
+    """Start ``gossipdl peer ARGS`` as the launcher does (forked from the preloaded server,
+    a process of its own) and return it and its listening address."""
+    proc = ForkedCommand(["peer", *args], {**os.environ, "OMP_NUM_THREADS": "1"}, log)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("listening on "):

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 import gossipdl.cli as cli
 from gossipdl.averaging import build_averager
 from gossipdl.averaging.triggers import parse_trigger
+from gossipdl.experiments.forking import ForkedCommand
 from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gossipdl.peers.membership import Member, Membership, parse_members
 from gossipdl.protocol.core import GossipCore, JoinRefused, Settings
@@ -224,7 +225,7 @@ def test_a_checkpoint_round_trips_and_a_wrong_or_torn_one_is_refused(tmp_path: P
         load_checkpoint(tmp_path / "none.pt", other, other_opt)
 
 
-def _swarm(tmp_path: Path, n: int, **changes: Any) -> tuple[list[subprocess.Popen[str]], Path]:
+def _swarm(tmp_path: Path, n: int, **changes: Any) -> tuple[list[ForkedCommand], Path]:
     """``n`` hand-started peers of one run; returns them and the run directory."""
     out = tmp_path / "run"
     config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=n, **changes))
@@ -242,7 +243,7 @@ def _record(out: Path, i: int) -> dict[str, Any]:
     return last_record(out / "peers" / f"{i}.jsonl") or {}
 
 
-def _stop(procs: list[subprocess.Popen[str]]) -> list[int | None]:
+def _stop(procs: list[ForkedCommand]) -> list[int | None]:
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
