@@ -21,10 +21,11 @@ from gossipdl.rundir import complete_lines
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one worker per core and one more. The tests that start real peers wait
-    on sockets, paced steps and timeouts part of the time; the spare worker fills it (on 2
-    cores the suite took 438 s with 2 workers, 350 s with 3, using the CPU 75% and 93%)."""
-    return (os.cpu_count() or 1) + 1
+    """``-n auto``: two workers per core. The tests that start real peers wait on sockets,
+    paced steps and timeouts much of the time, and, forked from a preloaded server, no
+    longer spend seconds of CPU importing torch; the spare workers fill the waits (on 2
+    cores: 413 s with 3 workers using the CPU 74%, 379 s with 4)."""
+    return 2 * (os.cpu_count() or 1)
 
 
 @pytest.fixture(autouse=True, scope="session")

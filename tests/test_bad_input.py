@@ -141,7 +141,7 @@ def test_a_peer_that_cannot_bind_says_which_port_and_why(tmp_path: Path) -> None
 
 def test_join_from_the_cli_takes_a_neighbours_model_and_trains(tmp_path: Path) -> None:
     out = tmp_path / "swarm"
-    steps = 1000  # at 20 ms a step at least: 20 s for the joiner to start and get in
+    steps = 700  # at 20 ms a step at least: 14 s for the joiner to start and get in
     paced = 'profiles={paced = {peers = "*", step_time = "20ms"}}'  # idle steps spare the CPU
     swarm = subprocess.Popen(
         gossipdl_cmd(

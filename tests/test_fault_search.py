@@ -23,7 +23,7 @@ from gossipdl.sim.faults import parse_faults
 from gossipdl.sim.invariants import WatchedSimulation
 from gossipdl.sim.random_faults import PEERS, STEPS, Case, random_case
 
-CI_SEEDS = range(0, 200)  # the search CI runs on every push (the README's command runs 2,000)
+CI_SEEDS = range(0, 100)  # the search CI runs on every push (the README's command runs 2,000)
 CI_PARTS = 4  # tests they are split into (one 70 s test would be the suite's long tail)
 
 # Seeds that break an invariant without a fix this search led to, and what each shows (the
@@ -81,7 +81,7 @@ def test_ci_seeds_break_no_invariant(part: int, tmp_path: Path) -> None:
     outcomes = search(seeds, str(tmp_path))  # in this process: the suite has every core
     broken = [fault_search.report(o) for o in outcomes if o.violation is not None]
     assert not broken, "\n\n".join(broken)
-    assert len(outcomes) == len(seeds) and sum(o.faults for o in outcomes) > 500 / CI_PARTS
+    assert len(outcomes) == len(seeds) and sum(o.faults for o in outcomes) > 2 * len(seeds)
     assert list(tmp_path.iterdir()) == []  # a seed that held leaves nothing behind
 
 
