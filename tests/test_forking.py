@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import small_config, write_config
+from conftest import small_config, wait_for, write_config
 
 from gossipdl.experiments.forking import ForkedCommand
 
@@ -61,3 +62,22 @@ def test_a_forked_peer_stops_on_sigint_and_dies_on_kill(tmp_path: Path) -> None:
             founder.kill()
     assert codes == [130, -signal.SIGKILL]
     assert "interrupted before training started" in (tmp_path / "a.log").read_text()
+
+
+def test_a_forked_command_is_stopped_when_its_caller_exits(tmp_path: Path) -> None:
+    """Not waited for (a crashed launcher would hang on its peers): SIGTERM, which a peer
+    takes as a clean stop."""
+    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, startup_timeout=3600.0))
+    log = tmp_path / "founder.log"
+    args = ["peer", "--config", str(config), "--out", str(tmp_path / "f")]
+    caller = (
+        "import os, pathlib\n"
+        "from gossipdl.experiments.forking import ForkedCommand\n"
+        f"founder = ForkedCommand({args!r}, dict(os.environ), pathlib.Path({str(log)!r}))\n"
+        "print(founder.stdout.readline(), end='', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", caller], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.startswith("listening on "), done.stderr
+    wait_for(lambda: "interrupted before training started" in log.read_text(), 60,
+             "the founder to stop")  # fmt: skip

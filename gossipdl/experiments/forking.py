@@ -93,6 +93,7 @@ class ForkedCommand:
             target=_run,
             args=(args, env, os.getcwd(), writer, str(log_path), mode),
             name=f"gossipdl {' '.join(args[:1])}",
+            daemon=True,  # a caller that exits stops it (SIGTERM) rather than waiting on it
         )
         self._process.start()
         writer.close()
