@@ -59,7 +59,6 @@ which rows).
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +82,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gossipdl.averaging import auto_gamma
 from gossipdl.compression import build_codec
 from gossipdl.config import Config, load_config
+from gossipdl.experiments import forking
 from gossipdl.experiments.plots import plot_curves
 from gossipdl.experiments.summary import accuracy_curve
 from gossipdl.models import build_model
@@ -208,7 +208,7 @@ def run_all(tasks: list[tuple[Job, Config, str, int]], jobs: int) -> list[dict[s
         if jobs == 1:
             done = (run_job(task) for task in tasks)
         else:
-            context = multiprocessing.get_context("spawn")  # no forked torch thread pools
+            context = forking.context()  # preloaded: a worker starts without importing torch
             pool = context.Pool(
                 jobs, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)
             )

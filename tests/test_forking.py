@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import small_config, wait_for, write_config
 
+from gossipdl.experiments import forking
 from gossipdl.experiments.forking import ForkedCommand
 
 
@@ -81,3 +82,19 @@ def test_a_forked_command_is_stopped_when_its_caller_exits(tmp_path: Path) -> No
     assert done.returncode == 0 and done.stdout.startswith("listening on "), done.stderr
     wait_for(lambda: "interrupted before training started" in log.read_text(), 60,
              "the founder to stop")  # fmt: skip
+
+
+def _launch_in_a_pool_worker(out: str) -> int:
+    from gossipdl.experiments.launcher import launch
+
+    config = small_config(Path(out), peers=2, steps=10).replace(out=out)
+    return int(launch(config, progress=False)["peers_finished"])
+
+
+def test_a_launch_inside_a_daemonic_worker_starts_its_peers_as_subprocesses(
+    tmp_path: Path,
+) -> None:
+    """A pool's workers are daemonic and may not fork children of their own: a launch
+    there (a user's Pool, say) falls back to subprocesses."""
+    with forking.context().Pool(1) as pool:
+        assert pool.apply(_launch_in_a_pool_worker, (str(tmp_path / "run"),)) == 2

@@ -28,8 +28,11 @@ and SIGINT blocked (see :mod:`gossipdl.experiments.fork_preload`)."""
 
 
 def available() -> bool:
-    """Whether this platform has a fork server (POSIX; not Windows)."""
-    return "forkserver" in multiprocessing.get_all_start_methods()
+    """Whether a command can be forked from here: the platform has a fork server (POSIX;
+    not Windows) and this is not a daemonic multiprocessing worker (those may not start
+    processes of their own, e.g. a launch inside a user's ``Pool``)."""
+    daemonic = multiprocessing.current_process().daemon
+    return "forkserver" in multiprocessing.get_all_start_methods() and not daemonic
 
 
 def context() -> multiprocessing.context.ForkServerContext:
