@@ -23,8 +23,44 @@ from gossipdl.sim import stacked as stacked_module
 from gossipdl.sim.batched import StackedGossip, check_batchable
 from gossipdl.sim.engine import SimulationError
 from gossipdl.sim.stacked import StackedModels, StackedSGD
+from gossipdl.sim.stacked_layers import _ConvReLU
 from gossipdl.topologies import build_topology
 from gossipdl.transport.wire import encode, message_size
+
+
+@pytest.mark.parametrize(
+    ("length", "k", "stride", "pad"),
+    [
+        (40, 5, 2, 2),
+        (21, 3, 2, 1),
+        (7, 3, 1, 0),
+        (3, 5, 2, 2),
+        (10, 4, 3, 1),
+        (5, 3, 1, 2),
+        (2, 5, 3, 2),
+    ],  # the last: tap 0 reads only padding
+)
+def test_the_stacked_convolution_equals_conv1d_and_its_gradients(
+    length: int, k: int, stride: int, pad: int
+) -> None:
+    """Filled and folded tap by tap, any kernel, stride and padding (taps that read only
+    padding at a short signal's ends too) gives each peer ``relu(conv1d)`` and autograd's
+    gradients of it."""
+    torch.manual_seed(0)
+    peers, batch, c, c_out = 2, 3, 2, 4
+    x = torch.randn(peers, batch, length, c, requires_grad=True)
+    w = torch.randn(peers, c_out, c, k, requires_grad=True)
+    b = torch.randn(peers, c_out, requires_grad=True)
+    out = _ConvReLU.apply(x, w, b, stride, pad)
+    weights = torch.randn_like(out)
+    found = torch.autograd.grad((out * weights).sum(), (x, w, b))
+    for i in range(peers):
+        xi, wi, bi = (t.detach()[i].requires_grad_(True) for t in (x, w, b))
+        expected = F.relu(F.conv1d(xi.transpose(1, 2), wi, bi, stride, pad)).transpose(1, 2)
+        torch.testing.assert_close(out[i], expected)
+        grads = torch.autograd.grad((expected * weights[i]).sum(), (xi, wi, bi))
+        for got, want in zip(found, grads, strict=True):
+            torch.testing.assert_close(got[i], want)
 
 
 @pytest.mark.parametrize(

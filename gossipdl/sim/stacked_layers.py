@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gossipdl.models.cnn import CNN1d
@@ -26,43 +25,67 @@ Forward = Callable[[dict[str, Tensor], Tensor], Tensor]
 give ``[peers, B, classes]``."""
 
 
+def _taps(length: int, out_len: int, k: int, stride: int, pad: int) -> list[tuple[int, int, int]]:
+    """For each kernel tap ``j``: the outputs ``[lo, hi)`` whose input ``stride·t + j − pad``
+    is inside the signal, and the first such input (the rest read the zero padding)."""
+    taps = []
+    for j in range(k):
+        lo = max(0, -((j - pad) // stride))  # ceil((pad − j) / stride), at least 0
+        hi = min(out_len, (length - 1 + pad - j) // stride + 1)
+        taps.append((lo, max(lo, hi), stride * lo + j - pad))
+    return taps
+
+
 class _ConvReLU(torch.autograd.Function):
     """``relu(conv1d(x, w, b))`` of every peer at once, channels last: ``x`` is
     ``[peers, B, L, C]``, ``w`` ``[peers, C_out, C, k]`` (torch's layout), the result
-    ``[peers, B, L_out, C_out]``."""
+    ``[peers, B, L_out, C_out]``. The columns are filled tap by tap from ``x`` itself and
+    the input's gradient is folded back the same way, so neither pads a copy of the signal
+    (on a CPU the copies cost nearly as much as the products: 4–6% off a 256-peer step)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor, stride: int, pad: int) -> Tensor:
         n, batch, length, c = x.shape
         c_out, k = w.shape[1], w.shape[3]
         out_len = (length + 2 * pad - k) // stride + 1
-        padded = F.pad(x, (0, 0, pad, pad))
-        s = padded.stride()
-        cols = padded.as_strided(  # [peers, B, L_out, k, C]: the k taps of each output
-            (n, batch, out_len, k, c), (s[0], s[1], stride * s[2], s[2], s[3])
-        ).reshape(n, batch * out_len, k * c)
+        taps = _taps(length, out_len, k, stride, pad)
+        cols = x.new_empty(n, batch, out_len, k, c)  # [peers, B, L_out, k, C]: each output's taps
+        for j, (lo, hi, first) in enumerate(taps):
+            tap = cols.select(3, j)
+            if lo:
+                tap.narrow(2, 0, lo).zero_()
+            if hi < out_len:
+                tap.narrow(2, hi, out_len - hi).zero_()
+            if hi > lo:
+                tap.narrow(2, lo, hi - lo).copy_(
+                    x.narrow(2, first, stride * (hi - lo - 1) + 1)[:, :, ::stride]
+                )
+        cols = cols.view(n, batch * out_len, k * c)
         weights = w.permute(0, 3, 2, 1).reshape(n, k * c, c_out)
         out = torch.baddbmm(b.unsqueeze(1), cols, weights).clamp_min_(0)
         ctx.save_for_backward(cols, weights, out)
-        ctx.shape = (length, c, k, out_len, stride, pad)
+        ctx.shape = (length, c, k, out_len, stride, taps)
         return out.view(n, batch, out_len, c_out)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor, Tensor, None, None]:
         cols, weights, out = ctx.saved_tensors
-        length, c, k, out_len, stride, pad = ctx.shape
+        length, c, k, out_len, stride, taps = ctx.shape
         n, batch = grad.shape[:2]
         # through the ReLU (aten's own kernel: masked_fill or where run 10x slower here)
         g = torch.ops.aten.threshold_backward(grad.reshape(out.shape), out, 0.0)
         grad_w = torch.bmm(cols.transpose(1, 2), g).view(n, k, c, -1).permute(0, 3, 2, 1)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            taps = torch.bmm(g, weights.transpose(1, 2)).view(n, batch, out_len, k, c)
-            padded = grad.new_zeros(n, batch, length + 2 * pad, c)
-            span = stride * (out_len - 1) + 1
-            for j in range(k):  # col2im: tap j of output t came from position j + stride·t
-                padded[:, :, j : j + span : stride] += taps[:, :, :, j]
-            grad_x = padded[:, :, pad : pad + length]
+            columns = torch.bmm(g, weights.transpose(1, 2)).view(n, batch, out_len, k, c)
+            grad_x = grad.new_zeros(n, batch, length, c)
+            for j, (lo, hi, first) in enumerate(taps):  # col2im: output t's tap j came from
+                if hi == lo:
+                    continue
+                span = stride * (hi - lo - 1) + 1  # input stride·t + j − pad
+                grad_x.narrow(2, first, span)[:, :, ::stride] += columns.select(3, j).narrow(
+                    2, lo, hi - lo
+                )
         return grad_x, grad_w, g.sum(1), None, None
 
 
