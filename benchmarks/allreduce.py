@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing as mp
 import queue
 import re
 import socket
@@ -67,6 +66,8 @@ from typing import Any
 
 import torch
 from _common import Column, benchmark_parser, mark, report, run_script, start_worker
+
+from gossipdl.experiments import forking
 
 IMPLS = ("gossipdl", "gloo")
 TARGET_PROCS, TARGET_NUMEL, TARGET_RATIO = 4, 25_000_000, 1.25
@@ -244,7 +245,7 @@ def main() -> None:
     if args.repeats < 1 or args.warmup < 1:
         parser.error("--repeats and --warmup must be at least 1 (the first warm-up is checked)")
 
-    ctx = mp.get_context("spawn")
+    ctx = forking.context()  # preloaded: a worker starts without importing torch
     table, rows = [], []
     for procs in args.procs:
         for numel in args.sizes:

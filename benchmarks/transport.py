@@ -45,7 +45,6 @@ gossipdl row, ``ratio``; ``meta`` holds the settings, ``ratio``, ``target``,
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import struct
 import time
 from multiprocessing.connection import Connection
@@ -55,6 +54,7 @@ import numpy as np
 import zmq
 from _common import Column, benchmark_parser, report, run_script, start_worker
 
+from gossipdl.experiments import forking
 from gossipdl.transport import Message, Transport, decode, encode
 
 IMPLS = ("gossipdl", "raw-pyzmq")
@@ -247,7 +247,7 @@ def main() -> None:
     if args.quick:
         args.numel, args.messages, args.warmup = 1_000_000, 5, 1
 
-    ctx = mp.get_context("spawn")
+    ctx = forking.context()  # preloaded: a worker starts without importing torch
     pairs = [Pair(ctx, impl, args.numel) for impl in IMPLS]
     try:
         interleaved(pairs, args.warmup)
