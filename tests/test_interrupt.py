@@ -96,6 +96,14 @@ def test_sigterm_stops_a_benchmark_its_peers_and_its_next_setting(tmp_path: Path
     assert not (out / "ring" / "choco-topk").exists(), "the next setting was started"
 
 
+def ranks_of(script: int) -> list[int]:
+    """The worker processes a benchmark script started: forked by its fork server."""
+    processes = live_processes()
+    servers = {pid for pid, (parent, cmd) in processes.items()
+               if parent == script and b"forkserver" in cmd}  # fmt: skip
+    return [pid for pid, (parent, _) in processes.items() if parent in servers]
+
+
 @pytest.mark.parametrize(
     "signum, group",
     [(signal.SIGINT, True), (signal.SIGTERM, False)],
@@ -109,11 +117,7 @@ def test_a_signal_stops_a_benchmark_and_the_workers_it_spawned(
          "--sizes", "100k", "--repeats", "100000", "--warmup", "1"], tmp_path,
     )  # fmt: skip
     try:
-        workers = wait_for(
-            lambda: [pid for pid, (parent, cmd) in live_processes().items()
-                     if parent == proc.pid and b"spawn_main" in cmd],
-            60, "the ranks to start",
-        )  # fmt: skip
+        workers = wait_for(lambda: ranks_of(proc.pid), 60, "the ranks to start")
         assert all(blocks_sigint(p) for p in workers)  # born so: no traceback from each
         if group:
             os.killpg(proc.pid, signum)  # what the terminal does on Ctrl-C
