@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import gossipdl_cmd, last_record, small_config, wait_for, write_config
+from conftest import gossipdl_cmd, last_record, peer_pids, small_config, wait_for, write_config
 
 from gossipdl.experiments.launcher import Placement, Swarm
 from gossipdl.rundir import RUN_START_ENV, RunDir
@@ -33,11 +33,6 @@ def live_processes() -> dict[int, tuple[int, bytes]]:
         if state != "Z":
             found[int(proc.name)] = (int(parent), cmdline)
     return found
-
-
-def processes_naming(path: Path) -> list[int]:
-    """Live processes whose command line names ``path``: a run's peers."""
-    return [pid for pid, (_, cmd) in live_processes().items() if str(path).encode() in cmd]
 
 
 def blocks_sigint(pid: int) -> bool:
@@ -91,7 +86,7 @@ def test_sigterm_stops_a_benchmark_its_peers_and_its_next_setting(tmp_path: Path
     assert code == 128 + signal.SIGTERM, stderr
     assert "Traceback" not in stderr
     assert stderr.splitlines()[-1].startswith("convergence.py: interrupted by SIGTERM")
-    assert not processes_naming(out), "peer processes left running"
+    assert not peer_pids(first), "peer processes left running"
     assert (first / "summary.json").is_file()  # what was measured is kept
     assert not (out / "ring" / "choco-topk").exists(), "the next setting was started"
 
@@ -146,7 +141,7 @@ def test_sigint_to_gossipdl_run_stops_its_peers_and_exits_130(tmp_path: Path) ->
         cleanup(proc)
     assert code == 130, stderr
     assert "Traceback" not in stderr and "interrupted" in stderr
-    assert not processes_naming(out), "peer processes left running"
+    assert not peer_pids(out), "peer processes left running"
     assert (out / "summary.json").is_file()
 
 
