@@ -36,6 +36,12 @@ def _taps(length: int, out_len: int, k: int, stride: int, pad: int) -> list[tupl
     return taps
 
 
+def _inputs(signal: Tensor, lo: int, hi: int, first: int, stride: int) -> Tensor:
+    """The view of ``signal`` (``[peers, B, L, C]``) that outputs ``[lo, hi)`` of one tap
+    read: every ``stride``-th position from ``first``."""
+    return signal.narrow(2, first, stride * (hi - lo - 1) + 1)[:, :, ::stride]
+
+
 class _ConvReLU(torch.autograd.Function):
     """``relu(conv1d(x, w, b))`` of every peer at once, channels last: ``x`` is
     ``[peers, B, L, C]``, ``w`` ``[peers, C_out, C, k]`` (torch's layout), the result
@@ -57,9 +63,7 @@ class _ConvReLU(torch.autograd.Function):
             if hi < out_len:
                 tap.narrow(2, hi, out_len - hi).zero_()
             if hi > lo:
-                tap.narrow(2, lo, hi - lo).copy_(
-                    x.narrow(2, first, stride * (hi - lo - 1) + 1)[:, :, ::stride]
-                )
+                tap.narrow(2, lo, hi - lo).copy_(_inputs(x, lo, hi, first, stride))
         cols = cols.view(n, batch * out_len, k * c)
         weights = w.permute(0, 3, 2, 1).reshape(n, k * c, c_out)
         out = torch.baddbmm(b.unsqueeze(1), cols, weights).clamp_min_(0)
@@ -80,12 +84,10 @@ class _ConvReLU(torch.autograd.Function):
             columns = torch.bmm(g, weights.transpose(1, 2)).view(n, batch, out_len, k, c)
             grad_x = grad.new_zeros(n, batch, length, c)
             for j, (lo, hi, first) in enumerate(taps):  # col2im: output t's tap j came from
-                if hi == lo:
-                    continue
-                span = stride * (hi - lo - 1) + 1  # input stride·t + j − pad
-                grad_x.narrow(2, first, span)[:, :, ::stride] += columns.select(3, j).narrow(
-                    2, lo, hi - lo
-                )
+                if hi > lo:  # input stride·t + j − pad
+                    _inputs(grad_x, lo, hi, first, stride).add_(
+                        columns.select(3, j).narrow(2, lo, hi - lo)
+                    )
         return grad_x, grad_w, g.sum(1), None, None
 
 
