@@ -115,18 +115,29 @@ def with_header(message: list[Any], **changes: Any) -> list[Any]:
     return [msgpack.packb(header), *message[1:]]
 
 
+def live_processes() -> dict[int, tuple[int, bytes]]:
+    """Every live (not zombie) process: pid -> (parent pid, command line)."""
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            state, parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue  # not a process, or one that just ended
+        if state != "Z":
+            found[int(proc.name)] = (int(parent), cmdline)
+    return found
+
+
 def peer_pids(run_dir: Path) -> dict[int, int]:
     """Live peer processes of a launched run, from the ``pid`` of each peer's latest life
     (its last ``start`` line): rank -> pid."""
+    live = live_processes()
     pids = {}
     for path in (run_dir / "peers").glob("*.jsonl"):
         starts = [line for line in complete_lines(path) if b'"start":true' in line]
         pid = json.loads(starts[-1])["pid"] if starts else None
-        try:  # the state is the field after the name: Z is a zombie, dead but not reaped
-            alive = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except (OSError, IndexError):
-            alive = False
-        if alive:
+        if pid in live:
             pids[int(path.stem)] = pid
     return pids
 

@@ -12,27 +12,21 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import gossipdl_cmd, last_record, peer_pids, small_config, wait_for, write_config
+from conftest import (
+    gossipdl_cmd,
+    last_record,
+    live_processes,
+    peer_pids,
+    small_config,
+    wait_for,
+    write_config,
+)
 
 from gossipdl.experiments.launcher import Placement, Swarm
 from gossipdl.rundir import RUN_START_ENV, RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP_S = 15  # a stopped run's peers finish their step and report: seconds, not minutes
-
-
-def live_processes() -> dict[int, tuple[int, bytes]]:
-    """Every live (not zombie) process: pid -> (parent pid, command line)."""
-    found = {}
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            state, parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-            cmdline = (proc / "cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue  # not a process, or one that just ended
-        if state != "Z":
-            found[int(proc.name)] = (int(parent), cmdline)
-    return found
 
 
 def blocks_sigint(pid: int) -> bool:
