@@ -174,7 +174,8 @@ class Config:
         default=False,
         metadata={
             "help": "simulate only: peers train as one batched computation (mode gossip, dense "
-            "or CHOCO top-k, a static topology, nothing fails): thousands of peers"
+            "or CHOCO with top-k, threshold, sign or QSGD, a static topology, nothing fails): "
+            "thousands of peers"
         },
     )
     checkpoint_every: int = field(

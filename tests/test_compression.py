@@ -28,8 +28,10 @@ from gossipdl.compression import (
 )
 from gossipdl.compression import _kernels as kernels
 from gossipdl.compression import sparse as sparse_module
+from gossipdl.compression.base import ValueCodec
 from gossipdl.compression.floating import Float16
 from gossipdl.compression.powersgd import matrix_shape
+from gossipdl.compression.quantization import QSGD, Sign
 from gossipdl.compression.sparse import random_subset
 
 EXAMPLES = [
@@ -990,3 +992,47 @@ def test_layouts_are_what_encode_puts_on_the_wire(coder: str, ratio: float) -> N
     payloads = [codec.encode(row)[0] for row in rows]
     chosen = np.stack([np.flatnonzero(codec.decode(p, numel).numpy()) for p in payloads])
     assert codec.layouts(chosen, numel) == [p.layout() for p in payloads]
+
+
+@pytest.mark.parametrize(
+    "spec", ["topk:0.02+qsgd:16+delta-golomb", "topk:0.02+sign+raw", "threshold:1.5+delta-varint"]
+)
+def test_layouts_count_quantized_values_and_rows_of_any_length(spec: str) -> None:
+    """Layouts with quantized values, and of rows that keep different counts (a threshold's),
+    equal each row's real payload."""
+    codec = build_codec(spec)
+    assert isinstance(codec, sparse_module.SparseCodec)
+    numel = 3000
+    rows = torch.randn(12, numel, generator=torch.Generator().manual_seed(5))
+    rows[::2] *= 1.4  # a threshold keeps more of these
+    payloads = [codec.encode(row)[0] for row in rows]
+    chosen = [codec.sparsifier.select(row)[0].numpy() for row in rows]
+    assert len({len(c) for c in chosen}) > 1 or spec.startswith("topk")
+    assert codec.layouts(chosen, numel) == [p.layout() for p in payloads]
+
+
+@pytest.mark.parametrize(
+    "spec", ["none", "fp16", "bf16", "sign", "sign:64", "ternary:32", "qsgd:8", "uniform:4:100"]
+)
+def test_a_value_codecs_layout_is_what_encode_sends(spec: str) -> None:
+    """``layout(count)`` (what decode checks and the batched simulator counts) is the
+    payload encode makes, for empty, short and block-straddling vectors."""
+    codec = build_codec(spec)
+    assert isinstance(codec, ValueCodec)
+    for count in (0, 1, 7, 513, 1000):
+        x = torch.randn(count, generator=torch.Generator().manual_seed(count))
+        assert codec.layout(count) == codec.encode(x)[0].layout(), count
+
+
+@pytest.mark.parametrize("spec", ["sign", "sign:64", "qsgd:4:100"])
+def test_estimate_rows_is_each_rows_encode(spec: str) -> None:
+    """A value codec's ``estimate_rows`` reads for every row what decoding that row's
+    message gives, QSGD drawing its rounding once for all rows as codecs from one seed do."""
+    rows = torch.randn(6, 450, generator=torch.Generator().manual_seed(2))
+    batch = build_codec(spec, 9)
+    assert isinstance(batch, QSGD | Sign)
+    estimate = batch.estimate_rows(rows)
+    for row, got in zip(rows, estimate, strict=True):
+        one = build_codec(spec, 9)  # a peer's codec: the same seed, the same draw
+        payload, _ = one.encode(row)
+        torch.testing.assert_close(got, one.decode(payload, 450), atol=1e-6, rtol=1e-6)

@@ -194,6 +194,12 @@ class ValueCodec(Codec):
 
     n_arrays: int = 1
 
+    @abstractmethod
+    def layout(self, count: int) -> Layout:
+        """What :meth:`encode` puts on the wire for ``count`` values (its arrays' dtypes and
+        lengths; a value codec sends no meta), without encoding: what :meth:`decode` checks
+        a payload against, and what the batched simulator counts."""
+
 
 # --- checks shared by the codecs ---------------------------------------------------------------
 
@@ -245,6 +251,16 @@ def check_arrays(
             raise CodecError(f"{what}: array {i} has {array.shape[0]} elements, expected {length}")
         out.append(np.ascontiguousarray(array))
     return tuple(out)
+
+
+def check_layout(payload: Any, what: str, layout: Layout) -> tuple[np.ndarray, ...]:
+    """Check ``payload`` holds exactly ``layout``'s arrays and no meta (a value codec's
+    payload, :meth:`ValueCodec.layout`); returns the arrays as :func:`check_arrays` does."""
+    arrays = check_arrays(
+        payload, what, [dtype for dtype, _ in layout.arrays], [n for _, n in layout.arrays]
+    )
+    check_meta(payload.meta, what, {})
+    return arrays
 
 
 def check_meta(meta: Mapping[str, Any], what: str, keys: Mapping[str, type]) -> None:

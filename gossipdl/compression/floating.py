@@ -10,10 +10,10 @@ import torch
 
 from gossipdl.compression._kernels import from_host, to_host
 from gossipdl.compression.base import (
+    Layout,
     Payload,
     ValueCodec,
-    check_arrays,
-    check_meta,
+    check_layout,
     check_numel,
     check_vector,
 )
@@ -49,12 +49,14 @@ class Identity(ValueCodec):
         estimate = v.clone()
         return Payload((array,), {}), estimate
 
+    def layout(self, count: int) -> Layout:
+        return Layout((("float32", count),))
+
     def decode(
         self, payload: Payload, numel: int, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
         numel = check_numel(numel)
-        (values,) = check_arrays(payload, "none", ["float32"], [numel])
-        check_meta(payload.meta, "none", {})
+        (values,) = check_layout(payload, "none", self.layout(numel))
         device = torch.device(device)
         if values.flags.writeable:
             return torch.from_numpy(values).to(device, copy=True)
@@ -90,12 +92,14 @@ class Float16(ValueCodec):
         array = to_host(half)  # shares memory with ``half`` on CPU, which nothing else holds
         return Payload((array,), {}), estimate
 
+    def layout(self, count: int) -> Layout:
+        return Layout((("float16", count),))
+
     def decode(
         self, payload: Payload, numel: int, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
         numel = check_numel(numel)
-        (values,) = check_arrays(payload, "fp16", ["float16"], [numel])
-        check_meta(payload.meta, "fp16", {})
+        (values,) = check_layout(payload, "fp16", self.layout(numel))
         device = torch.device(device)
         return from_host(values, device).float()
 
@@ -124,12 +128,14 @@ class BFloat16(ValueCodec):
         array = to_host(brain.view(torch.int16)).view(np.uint16)
         return Payload((array,), {}), estimate
 
+    def layout(self, count: int) -> Layout:
+        return Layout((("uint16", count),))
+
     def decode(
         self, payload: Payload, numel: int, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
         numel = check_numel(numel)
-        (values,) = check_arrays(payload, "bf16", ["uint16"], [numel])
-        check_meta(payload.meta, "bf16", {})
+        (values,) = check_layout(payload, "bf16", self.layout(numel))
         device = torch.device(device)
         brain = from_host(values.view(np.int16), device).view(torch.bfloat16)
         return brain.float()

@@ -38,10 +38,10 @@ from gossipdl.compression._kernels import (
 )
 from gossipdl.compression.base import (
     CodecError,
+    Layout,
     Payload,
     ValueCodec,
-    check_arrays,
-    check_meta,
+    check_layout,
     check_numel,
     check_scales,
     check_vector,
@@ -73,25 +73,28 @@ def _check_block(name: str, block: int) -> int:
 def _reduce(
     t: torch.Tensor, block: int, op: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
-    """``op`` (a row reduction of a 2-D tensor) over each block; float32, one value per block."""
-    count = t.numel()
+    """``op`` (a row reduction of a 2-D tensor) over each block of ``t``'s last dimension (a
+    vector, or rows of vectors); float32, one value per block: ``[..., blocks]``."""
+    count, lead = t.shape[-1], t.shape[:-1]
     if count == 0:
-        return torch.zeros(_num_blocks(0, block), dtype=torch.float32, device=t.device)
+        return torch.zeros(*lead, _num_blocks(0, block), dtype=torch.float32, device=t.device)
     size = count if block == 0 else block
     full = count // size
+    rows = t.reshape(-1, count)
     parts = []
     if full:
-        parts.append(op(t[: full * size].view(full, size)))
+        parts.append(op(rows[:, : full * size].reshape(-1, size)).view(-1, full))
     if count > full * size:
-        parts.append(op(t[full * size :].view(1, -1)))
-    return torch.cat(parts).float()
+        parts.append(op(rows[:, full * size :]).view(-1, 1))
+    return torch.cat(parts, dim=1).float().view(*lead, -1)
 
 
 def _expand(scales: torch.Tensor, block: int, count: int) -> torch.Tensor:
-    """Per-block ``scales`` repeated to one value per element (a broadcastable view if block 0)."""
+    """Per-block ``scales`` (``[..., blocks]``) repeated to one value per element of the last
+    dimension (a broadcastable view if block 0)."""
     if block == 0:
         return scales
-    return scales.repeat_interleave(block)[:count]
+    return scales.repeat_interleave(block, dim=-1)[..., :count]
 
 
 def _scale_blocks(values: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
@@ -164,20 +167,30 @@ class Sign(ValueCodec):
 
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         p = check_vector(x)
-        count = p.numel()
         if use_numpy(p):
             return self._encode_numpy(p.numpy())
-        negative = torch.signbit(p)
-        ones = 1.0 - 2.0 * negative.float()
+        negative, scales, estimate = self._quantize(p)
+        bits = pack_bits(negative.to(torch.uint8), 1)
+        return Payload((bits, to_host(scales).copy()), {}), estimate
+
+    def estimate_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """What the receiver of :meth:`encode` reads, for every row of ``rows`` (``[count,
+        n]``) at once, without the payloads (the batched simulator's peers)."""
+        return self._quantize(rows)[2]
+
+    def _quantize(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps 1–3 in torch along ``p``'s last dimension: the sign bits (set: negative),
+        the scales and the receiver's values."""
+        count = p.shape[-1]
         # 1. scale = ‖p‖₁ / d per tensor or block.
         l1 = _reduce(p.abs(), self.block, lambda rows: rows.double().sum(dim=1))
         lengths = torch.from_numpy(_block_lengths(count, self.block)).to(p.device)
         scales = (l1.double() / lengths).float()
-        # 2. sign(p) as packed bits.
-        bits = pack_bits(negative.to(torch.uint8), 1)
+        # 2. sign(p), -0.0 included.
+        negative = torch.signbit(p)
         # 3. the receiver's value: ±scale.
-        estimate = ones * _expand(scales, self.block, count)
-        return Payload((bits, to_host(scales).copy()), {}), estimate
+        estimate = (1.0 - 2.0 * negative.float()) * _expand(scales, self.block, count)
+        return negative, scales, estimate
 
     def _encode_numpy(self, p: np.ndarray) -> tuple[Payload, torch.Tensor]:
         count = p.size
@@ -207,15 +220,16 @@ class Sign(ValueCodec):
             estimate = _scale_blocks(ones, scales, self.block)
         return Payload((bits, scales), {}), torch.from_numpy(estimate)
 
+    def layout(self, count: int) -> Layout:
+        return Layout(
+            (("uint8", packed_size(count, 1)), ("float32", _num_blocks(count, self.block)))
+        )
+
     def decode(
         self, payload: Payload, numel: int, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
         count = check_numel(numel)
-        blocks = _num_blocks(count, self.block)
-        bits, scales = check_arrays(
-            payload, self.spec, ["uint8", "float32"], [packed_size(count, 1), blocks]
-        )
-        check_meta(payload.meta, self.spec, {})
+        bits, scales = check_layout(payload, self.spec, self.layout(count))
         check_scales(scales, self.spec)
         device = torch.device(device)
         native = native_kernels(device)
@@ -290,17 +304,14 @@ class Ternary(ValueCodec):
         estimate = trits.float() * s
         return Payload((to_host(packed).copy(), to_host(scales).copy()), {}), estimate
 
+    def layout(self, count: int) -> Layout:
+        return Layout((("uint8", -(-count // 5)), ("float32", _num_blocks(count, self.block))))
+
     def decode(
         self, payload: Payload, numel: int, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
         count = check_numel(numel)
-        packed, scales = check_arrays(
-            payload,
-            self.spec,
-            ["uint8", "float32"],
-            [-(-count // 5), _num_blocks(count, self.block)],
-        )
-        check_meta(payload.meta, self.spec, {})
+        packed, scales = check_layout(payload, self.spec, self.layout(count))
         check_scales(scales, self.spec)
         if packed.size and int(packed.max()) > 242:
             raise CodecError(f"{self.spec}: a packed byte exceeds 242 (not 5 base-3 digits)")
@@ -367,8 +378,20 @@ class QSGD(ValueCodec):
         return (codes.float() - self.levels) * unit
 
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
-        v = check_vector(x)
-        count, s = v.numel(), self.levels
+        codes, norms, estimate = self._quantize(check_vector(x))
+        payload = Payload((pack_bits(codes, self.bits), to_host(norms).copy()), {})
+        return payload, estimate
+
+    def estimate_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """What the receiver of :meth:`encode` reads, for every row of ``rows`` (``[count,
+        n]``) at once, without the payloads (the batched simulator's peers): one draw of
+        the rounding for all rows, as ``count`` codecs built from one seed draw."""
+        return self._quantize(rows)[2]
+
+    def _quantize(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps 1–4 along ``v``'s last dimension: the codes, the norms and the receiver's
+        values."""
+        count, s = v.shape[-1], self.levels
         # 1. ‖v‖₂ per bucket.
         norms = _reduce(v, self.block, lambda rows: torch.linalg.vector_norm(rows, dim=1))
         scale = _expand(
@@ -382,21 +405,18 @@ class QSGD(ValueCodec):
         # 3. signed level + s in [0, 2s], packed with ``bits`` bits.
         codes = (torch.sign(v) * level + s).to(torch.uint8)
         # 4. the receiver's value.
-        estimate = self._values(codes, norms, count)
-        payload = Payload((pack_bits(codes, self.bits), to_host(norms).copy()), {})
-        return payload, estimate
+        return codes, norms, self._values(codes, norms, count)
+
+    def layout(self, count: int) -> Layout:
+        return Layout(
+            (("uint8", packed_size(count, self.bits)), ("float32", _num_blocks(count, self.block)))
+        )
 
     def decode(
         self, payload: Payload, numel: int, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
         count = check_numel(numel)
-        packed, norms = check_arrays(
-            payload,
-            self.spec,
-            ["uint8", "float32"],
-            [packed_size(count, self.bits), _num_blocks(count, self.block)],
-        )
-        check_meta(payload.meta, self.spec, {})
+        packed, norms = check_layout(payload, self.spec, self.layout(count))
         check_scales(norms, self.spec)
         device = torch.device(device)
         codes = unpack_bits(packed, self.bits, count, device)
@@ -459,18 +479,17 @@ class Uniform(ValueCodec):
         arrays = (pack_bits(codes, self.bits), to_host(lo).copy(), to_host(step).copy())
         return Payload(arrays, {}), estimate
 
+    def layout(self, count: int) -> Layout:
+        blocks = _num_blocks(count, self.block)
+        return Layout(
+            (("uint8", packed_size(count, self.bits)), ("float32", blocks), ("float32", blocks))
+        )
+
     def decode(
         self, payload: Payload, numel: int, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
         count = check_numel(numel)
-        blocks = _num_blocks(count, self.block)
-        packed, lo, step = check_arrays(
-            payload,
-            self.spec,
-            ["uint8", "float32", "float32"],
-            [packed_size(count, self.bits), blocks, blocks],
-        )
-        check_meta(payload.meta, self.spec, {})
+        packed, lo, step = check_layout(payload, self.spec, self.layout(count))
         check_scales(step, self.spec)
         if lo.size and not np.isfinite(lo).all():
             raise CodecError(f"{self.spec}: lo must be finite")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -67,10 +68,11 @@ def _magnitude_at_least(x: torch.Tensor, tau: float, strict: bool) -> torch.Tens
 
 
 def _sample_magnitudes(x: torch.Tensor, rng: Rng) -> torch.Tensor:
-    """``|x|`` at ``_SAMPLE`` positions drawn uniformly with replacement."""
+    """``|x|`` at ``_SAMPLE`` positions of its last dimension drawn uniformly with
+    replacement (the same positions in every row of a matrix)."""
     gen = rng.torch(x.device)
-    positions = torch.randint(x.numel(), (_SAMPLE,), generator=gen, device=x.device)
-    return x[positions].abs()
+    positions = torch.randint(x.shape[-1], (_SAMPLE,), generator=gen, device=x.device)
+    return x[..., positions].abs()
 
 
 class Sparsifier(ABC):
@@ -196,21 +198,24 @@ class Threshold(Sparsifier):
         return self.density or 0.01
 
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        tau = self.tau if self.tau is not None else self._estimate(x)
+        tau = self.tau if self.tau is not None else float(self.thresholds(x.view(1, -1))[0])
         chosen = _magnitude_at_least(x, tau, strict=True)
         return chosen, x[chosen], {}
 
-    def _estimate(self, x: torch.Tensor) -> float:
-        """The magnitude exceeded by a fraction ``density`` of the (sampled) entries."""
-        numel = x.numel()
-        if numel == 0:
-            return 0.0
-        sample = x.abs() if numel <= _SAMPLE else _sample_magnitudes(x, self._rng)
-        size = sample.numel()
+    def thresholds(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each row's τ for ``rows`` (``[count, n]``): the fixed one, or the magnitude that a
+        share ``density`` of the row's (sampled) entries exceed (-1 where every entry is
+        kept). The rows are sampled at the same positions, one draw for all of them, as
+        ``count`` sparsifiers built from one seed draw (the batched simulator's peers)."""
+        count, numel = rows.shape
+        if self.tau is not None or numel == 0:
+            return torch.full((count,), self.tau or 0.0, device=rows.device)
+        sample = rows.abs() if numel <= _SAMPLE else _sample_magnitudes(rows, self._rng)
+        size = sample.shape[1]
         above = max(1, round(self.density * size))
         if above >= size:
-            return -1.0  # keep everything
-        return float(torch.kthvalue(sample, size - above).values)
+            return torch.full((count,), -1.0, device=rows.device)  # keep everything
+        return torch.kthvalue(sample, size - above, dim=1).values
 
 
 class RandomK(Sparsifier):
@@ -356,21 +361,25 @@ class SparseCodec(Codec):
         meta.update({f"v.{key}": val for key, val in value_payload.meta.items()})
         return Payload(arrays, meta), value_estimate
 
-    def layouts(self, chosen: np.ndarray, numel: int) -> list[Layout]:
-        """What :meth:`payload` puts on the wire for each row of ``chosen`` (``[count, k]``
-        sorted indices into ``numel``), without building the payloads: the batched
-        simulator counts a swarm's messages with it. Values sent as they are only."""
-        if self.values.spec != "none":
-            raise CodecError(f"{self.spec}: layouts need the values sent as they are")
-        count, k = chosen.shape
-        values = ("float32", k)
+    def layouts(self, chosen: np.ndarray | Sequence[np.ndarray], numel: int) -> list[Layout]:
+        """What :meth:`payload` puts on the wire for each message's ``chosen`` indices (sorted,
+        into ``numel``; a ``[count, k]`` array when every message keeps ``k``), without
+        building the payloads: the batched simulator counts a swarm's messages with it."""
         if self.indices is None:
-            return [Layout((values,), {"k": k})] * count
+            raise CodecError(f"{self.spec}: a message's meta holds its own seed; build it")
+        rows = [np.asarray(row) for row in chosen]
+        counts = {len(row) for row in rows}
+        if len(counts) == 1:  # the index coders' layouts for a whole matrix at once
+            indices = self.indices.layouts(np.stack(rows), numel)
+        else:
+            indices = [self.indices.layouts(row[None], numel)[0] for row in rows]
+        values = {k: self.values.layout(k) for k in counts}
         return [
             Layout(
-                (*index.arrays, values), {"k": k, **{f"i.{m}": v for m, v in index.meta.items()}}
+                (*index.arrays, *values[len(row)].arrays),
+                {"k": len(row), **{f"i.{m}": v for m, v in index.meta.items()}},
             )
-            for index in self.indices.layouts(chosen, numel)
+            for row, index in zip(rows, indices, strict=True)
         ]
 
     def decode(

@@ -11,16 +11,25 @@ neighbours' rows). It is the same synchronous algorithm the cores run when no me
 is late, so results equal the per-peer engine's up to float reordering. All of it runs
 on the config's ``device`` (``auto``: a GPU where there is one).
 
+A heterogeneous swarm (``profiles`` with their own ``step_time`` or links, ``slowdown``)
+runs here too: each peer keeps its own virtual clock, and a round ends for a peer when the
+last of its neighbours' messages is in. Rounds are synchronous, so when a step happens in
+virtual time changes no peer's computation: every peer's k-th step still runs in one
+batch with the others' (a fast peer waits for its slow neighbours, as the per-peer
+engine's do, and the time it waits is its ``idle_s``). A wait past ``round_timeout``
+would be a missed neighbour in the per-peer engine; the batched one stops there and says so.
+
 Every peer draws its batches from the same :class:`~gossipdl.data.IndexStream` the
 per-peer engine gives it (the data set is held once), and every message it would send
 is counted from its payload's layout (each array's dtype and length, its meta: for
 top-k, Golomb's parameter and stream lengths of every row at once) with the real wire
 encoder's header, so each one's bytes are those of a real swarm without building the
 payloads (messages a fault-free run also sends, heartbeats and goodbyes, are not
-simulated and not counted). Time is virtual: a round takes its local steps' ``step_time`` plus the
-slowest peer's transfer over the swarm's ``link`` (each neighbour's copy in turn on the
-uplink, then the latency and the receiver's downlink). The run directory is the
-per-peer engine's contract.
+simulated and not counted). Time is virtual: a local step takes the peer's ``step_time``,
+and a message arrives after its sender's copies to every neighbour in turn on the
+sender's uplink, the sender's latency and the receiver's downlink (each link on its own:
+a copy does not queue behind the previous round's). The run directory is the per-peer
+engine's contract.
 """
 
 from __future__ import annotations
@@ -40,9 +49,10 @@ from gossipdl.averaging.base import VOUCH, model_digest
 from gossipdl.averaging.choco import WARMUP_ROUNDS, check_choco_codec
 from gossipdl.compression import Codec, build_codec
 from gossipdl.compression.base import Layout
-from gossipdl.compression.quantization import Sign
-from gossipdl.compression.sparse import SparseCodec, TopK
-from gossipdl.conditions import parse_link
+from gossipdl.compression.floating import Identity
+from gossipdl.compression.quantization import QSGD, Sign
+from gossipdl.compression.sparse import SparseCodec, Threshold, TopK
+from gossipdl.conditions import DeviceProfile, device_of
 from gossipdl.config import Config
 from gossipdl.data import IndexStream, partition
 from gossipdl.peers.device import pick_device
@@ -79,7 +89,8 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
         problems.append(f"algorithm {config.algorithm!r} (batched runs dense and choco)")
     elif config.algorithm == "choco" and not _batchable(build_codec(config.codec)):
         problems.append(
-            f"codec {config.codec!r} (batched CHOCO runs topk:RATIO[+INDEX CODER] and sign)"
+            f"codec {config.codec!r} (batched CHOCO runs topk:RATIO[+sign|+qsgd:LEVELS], "
+            "threshold:TAU|auto, sign[:BLOCK] and qsgd:LEVELS, with any index coder)"
         )
     elif config.algorithm == "dense" and config.codec != "none":
         problems.append(f"codec {config.codec!r} (batched dense gossip sends models uncompressed)")
@@ -87,13 +98,13 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
         problems.append(f"trigger {config.trigger!r} (batched runs always and periodic:H)")
     if config.optimizer != "sgd":
         problems.append(f"optimizer {config.optimizer!r} (batched steps sgd)")
-    for name in ("slowdown", "drift", "profiles", "faults"):
+    for name in ("drift", "faults"):
         if getattr(config, name):
-            problems.append(f"{name} (batched peers are alike and nothing fails)")
+            problems.append(f"{name} (batched peers learn one task and nothing fails)")
     if config.loss:
         problems.append("loss (batched loses no message)")
-    link = parse_link(config.link)
-    if link.jitter_s or link.loss or link.offline:
+    links = [device.link for device in devices_of(config)]
+    if any(link.jitter_s or link.loss or link.offline for link in links):
         problems.append("a link with jitter, loss or offline windows")
     if topology is None:
         topology = build_topology(config.topology, config.peers, config.seed)
@@ -107,19 +118,27 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
         )
 
 
-def _top_k(codec: Codec) -> bool:
-    """Whether ``codec`` is top-k with its values sent as they are (any index coder)."""
-    return (
-        isinstance(codec, SparseCodec)
-        and isinstance(codec.sparsifier, TopK)
-        and codec.values.spec == "none"
-    )
+def devices_of(config: Config) -> list[DeviceProfile]:
+    """Every peer's device: its profile, or the swarm-wide link and slowdown."""
+    return [
+        device_of(i, config.peers, config.profiles, config.link, config.slowdown)
+        for i in range(config.peers)
+    ]
 
 
 def _batchable(codec: Codec) -> bool:
-    """Whether batched CHOCO runs ``codec``: top-k (:func:`_top_k`) or the whole-tensor
-    scaled sign."""
-    return _top_k(codec) or (isinstance(codec, Sign) and codec.block == 0)
+    """Whether batched CHOCO runs ``codec``: top-k with its values as they are, signed or
+    QSGD-rounded, threshold with its values as they are (either with any index coder), or
+    the sign or QSGD of the whole model."""
+    if isinstance(codec, SparseCodec):
+        if isinstance(codec.sparsifier, TopK):
+            return isinstance(codec.values, (Identity, *ROW_CODECS))
+        return isinstance(codec.sparsifier, Threshold) and isinstance(codec.values, Identity)
+    return isinstance(codec, ROW_CODECS)
+
+
+ROW_CODECS = (Sign, QSGD)
+"""Value codecs that quantize every peer's row at once (``estimate_rows``)."""
 
 
 @dataclass
@@ -131,13 +150,27 @@ class Messages:
     layouts: list[Layout]
 
 
+@dataclass
+class SparseRows:
+    """Every peer's kept entries, by peer and then by index: ``peer``, ``index`` and the
+    receiver's ``value`` of each, and where each peer's entries start (``count + 1``)."""
+
+    peer: torch.Tensor
+    index: torch.Tensor
+    value: torch.Tensor
+    starts: torch.Tensor
+
+
 class StackedGossip:
-    """The averaging round of every peer at once: dense gossip (``X ← W X``) or CHOCO with
-    top-k or sign (Koloskova et al. 2019, the per-peer :class:`~gossipdl.averaging.Choco`'s
-    steps on the rows of ``X``: ``Q = C(X − X̂)``, ``X̂ += Q``, ``S += W Q``,
-    ``X += γ(S − X̂)``, with its automatic γ and warm-up). For top-k, ``W Q`` adds each
-    peer's k values into its neighbours' rows of ``S``: its cost grows with the edges
-    times k, not with the model."""
+    """The averaging round of every peer at once: dense gossip (``X ← W X``) or CHOCO
+    (Koloskova et al. 2019, the per-peer :class:`~gossipdl.averaging.Choco`'s steps on the
+    rows of ``X``: ``Q = C(X − X̂)``, ``X̂ += Q``, ``S += W Q``, ``X += γ(S − X̂)``, with its
+    automatic γ, warm-up and the 1/(1+ω) of an unbiased codec). For a sparsifier, ``W Q``
+    adds each peer's kept values into its neighbours' rows of ``S``: its cost grows with
+    the edges times the entries kept, not with the model.
+
+    The peers' codecs are built from one seed (as the per-peer engine's are), so their
+    random draws are alike in every round: one draw serves every row."""
 
     def __init__(self, config: Config, mixing: np.ndarray, start: torch.Tensor) -> None:
         self.algorithm = config.algorithm
@@ -157,17 +190,15 @@ class StackedGossip:
             )
         self.gamma = None
         self.digest = ""
-        self.sign_layout: Layout | None = None
         if self.algorithm == "choco":
             check_choco_codec(self.codec)
             self_weight = np.diag(mixing)
             gammas = [config.gamma or auto_gamma(self.codec, numel, float(w)) for w in self_weight]
             self.gamma = torch.tensor(gammas, device=device).unsqueeze(1)
+            self.scale = 1.0 / (1.0 + self.codec.omega(numel))  # an unbiased codec's
             self.x_hat = start.repeat(count, 1)  # public copies start at the starting model
             self.s = self.x_hat.clone()  # Σ_j W_ij x̂_j: rows of W sum to 1
             self.digest = model_digest(start.cpu().numpy())
-            if isinstance(self.codec, Sign):  # its layout (bits, one scale) is set by the size
-                self.sign_layout = self.codec.encode(start.cpu())[0].layout()
 
     def round(self, x: torch.Tensor, index: int) -> Messages:
         """Round ``index`` on the stacked models ``x`` (in place); what every peer sent (for
@@ -177,35 +208,67 @@ class StackedGossip:
             x.copy_(torch.sparse.mm(self.w, x))
             return Messages("params", [Layout((("float32", numel),), {})] * count)
         if index == 0:  # everybody vouches for the same start: nothing to mix yet
+            # the per-peer codecs encode an all-zero first message: draw what they draw
+            self._compress(x.new_zeros(1, numel))
             return Messages("public", [Layout((), {VOUCH: self.digest})] * count)
         assert self.gamma is not None
-        d = x - self.x_hat
-        if isinstance(self.codec, SparseCodec):
-            layouts = self._mix_top_k(d, self.codec)
-        else:  # the scaled sign: ±‖d_i‖₁/n
-            assert self.sign_layout is not None
-            scale = d.abs().sum(1, dtype=torch.float64).div_(numel).float().unsqueeze(1)
-            q = torch.where(torch.signbit(d), -scale, scale)
-            self.x_hat += q
-            self.s += torch.sparse.mm(self.w, q)
-            layouts = [self.sign_layout] * count
+        q = self._compress(x - self.x_hat)
+        if isinstance(q, SparseRows):
+            self._mix_sparse(q, numel)
+        else:
+            self.x_hat.add_(q, alpha=self.scale)
+            self.s.add_(torch.sparse.mm(self.w, q), alpha=self.scale)
         step = self.gamma * min(1.0, (index + 1) / WARMUP_ROUNDS)
         x += step * (self.s - self.x_hat)
-        return Messages("params", layouts)
+        return Messages("params", self._layouts(q, count, numel))
 
-    def _mix_top_k(self, d: torch.Tensor, codec: SparseCodec) -> list[Layout]:
-        """CHOCO's ``X̂ += Q``, ``S += W Q`` for ``Q = top-k(d)``; each row's layout."""
-        numel = d.shape[1]
-        kept = codec.sparsifier.count(numel)
-        assert kept is not None  # top-k keeps a set count
-        chosen = torch.topk(d.abs(), kept, dim=1, sorted=False).indices.sort(dim=1).values
-        values = d.gather(1, chosen)
-        self.x_hat.scatter_add_(1, chosen, values)
-        into = (self.rows.unsqueeze(1) * numel + chosen[self.cols]).reshape(-1)
-        self.s.view(-1).index_add_(
-            0, into, (self.weights.unsqueeze(1) * values[self.cols]).reshape(-1)
-        )
-        return codec.layouts(chosen.cpu().numpy(), numel)
+    def _compress(self, d: torch.Tensor) -> torch.Tensor | SparseRows:
+        """What every row of ``d`` sends: its kept entries, or its dense estimate."""
+        codec = self.codec
+        if not isinstance(codec, SparseCodec):
+            assert isinstance(codec, ROW_CODECS)
+            return codec.estimate_rows(d)
+        count, numel = d.shape
+        sparsifier = codec.sparsifier
+        if isinstance(sparsifier, TopK):
+            kept = sparsifier.count(numel)
+            chosen = torch.topk(d.abs(), kept, dim=1, sorted=False).indices.sort(dim=1).values
+            values = d.gather(1, chosen)
+            if isinstance(codec.values, ROW_CODECS):
+                values = codec.values.estimate_rows(values)
+            peer = torch.arange(count, device=d.device).repeat_interleave(kept)
+            starts = torch.arange(count + 1, device=d.device) * kept
+            return SparseRows(peer, chosen.reshape(-1), values.reshape(-1), starts)
+        assert isinstance(sparsifier, Threshold)
+        peer, index = torch.nonzero(d.abs() > sparsifier.thresholds(d).unsqueeze(1), as_tuple=True)
+        starts = torch.searchsorted(peer, torch.arange(count + 1, device=d.device))
+        return SparseRows(peer, index, d[peer, index], starts)
+
+    def _mix_sparse(self, q: SparseRows, numel: int) -> None:
+        """``X̂ += Q`` and ``S += W Q`` for sparse rows: each edge adds its sender's entries."""
+        self.x_hat.view(-1).index_add_(0, q.peer * numel + q.index, q.value, alpha=self.scale)
+        per_edge = (q.starts[1:] - q.starts[:-1])[self.cols]
+        edge = torch.repeat_interleave(per_edge)  # the edge of each entry carried
+        shift = q.starts[self.cols] - (torch.cumsum(per_edge, 0) - per_edge)
+        entry = shift[edge] + torch.arange(len(edge), device=edge.device)
+        into = self.rows[edge] * numel + q.index[entry]
+        self.s.view(-1).index_add_(0, into, self.weights[edge] * q.value[entry], alpha=self.scale)
+
+    def _layouts(self, q: torch.Tensor | SparseRows, count: int, numel: int) -> list[Layout]:
+        """Each peer's message layout for what it sent, ``q``."""
+        codec = self.codec
+        if not isinstance(q, SparseRows):
+            assert isinstance(codec, ROW_CODECS)
+            return [codec.layout(numel)] * count
+        assert isinstance(codec, SparseCodec)
+        indices = q.index.cpu().numpy()
+        return codec.layouts(np.split(indices, q.starts[1:-1].cpu().numpy()), numel)
+
+
+def _seconds_per_bit(rates: list[float]) -> np.ndarray:
+    """1/rate of each link direction (0 for an unshaped one: it takes no time)."""
+    bps = np.array(rates, dtype=np.float64)
+    return np.divide(1.0, bps, out=np.zeros_like(bps), where=bps > 0)
 
 
 class BatchedSimulation:
@@ -235,20 +298,27 @@ class BatchedSimulation:
         ]
         self.gossip = StackedGossip(config, topology.mixing_matrix(), self.models.flat[0].clone())
         self.trigger = parse_trigger(config.trigger)
-        self.link = parse_link(config.link)
-        self.measured = step_time
-        if self.measured is None:  # one peer's step on one thread, as the per-peer engine's
-            threads = torch.get_num_threads()
+        devices = devices_of(config)
+        if step_time is None and not all(device.step_time for device in devices):
+            threads = torch.get_num_threads()  # one peer's step on one thread, as per-peer
             torch.set_num_threads(1)
             try:
-                self.measured = measure_step_time(config, self.dataset)
+                step_time = measure_step_time(config, self.dataset)
             finally:
                 torch.set_num_threads(threads)
+        self.measured = step_time  # the host's step (None where every profile sets its own)
+        self.step_times = np.array(  # the per-peer engine's ``_step_time``
+            [device.step_time or (step_time or 0.0) * device.slowdown for device in devices]
+        )
+        self.latency = np.array([device.link.latency_s for device in devices])
+        self.up = _seconds_per_bit([device.link.uplink_bps for device in devices])
+        self.down = _seconds_per_bit([device.link.downlink_bps for device in devices])
         members = [Member(i, sim_address(i), 0) for i in range(count)]
         self.table = MemberTable(members, config.max_members).digest()
         self.swarm_start = round(time.time(), 3)
         self.swarm_id = swarm_id(config)
-        self.now = 0.0
+        self.clock = np.zeros(count)  # each peer's virtual time
+        self.idle = np.zeros(count)  # each peer's time spent waiting for its neighbours
         self.steps = 0
         self.rounds = 0
         self.bytes_sent = np.zeros(count, dtype=np.int64)
@@ -261,6 +331,11 @@ class BatchedSimulation:
         self.edges = np.nonzero(adjacency)  # (sender, receiver) of every message
         self.fan = adjacency.sum(axis=1).astype(np.int64)
 
+    @property
+    def now(self) -> float:
+        """The simulated time: the furthest peer's clock."""
+        return float(self.clock.max())
+
     # --------------------------------------------------------------------- steps
     def _step(self) -> None:
         """One local step of every peer: its batch, gradients and SGD update."""
@@ -272,7 +347,7 @@ class BatchedSimulation:
         self.optimizer.step(self.models.flat, grads, lr_at(self.config, self.steps))
         self.losses.append(losses.detach())
         self.steps += 1
-        self.now += self.measured or 0.0
+        self.clock += self.step_times
 
     def _round(self) -> None:
         """A gossip round of every peer: the averaging, then what its messages cost."""
@@ -296,17 +371,34 @@ class BatchedSimulation:
         )
         self.ledger["delivered"] = int(self.messages.sum())  # nothing is lost
         self.rounds += 1
-        self.now += float(self._transfer(size).max())
+        self._wait(size)
 
-    def _transfer(self, size: np.ndarray) -> np.ndarray:
-        """Each peer's seconds until the last of its copies of a ``size``-byte message is in."""
-        link = self.link
-        seconds = np.full(len(size), link.latency_s)
-        if link.uplink_bps:
-            seconds += self.fan * size * 8 / link.uplink_bps
-        if link.downlink_bps:
-            seconds += size * 8 / link.downlink_bps
-        return seconds
+    def _wait(self, size: np.ndarray) -> None:
+        """Move each peer's clock to when the last of its neighbours' ``size``-byte messages
+        (one size per sender) is in; SimulationError where the per-peer engine would have
+        given up on one (``round_timeout``)."""
+        sender, receiver = self.edges
+        bits = 8 * size[sender]
+        arrival = (
+            self.clock[sender]
+            + bits * self.fan[sender] * self.up[sender]  # the last copy off the uplink
+            + self.latency[sender]
+            + bits * self.down[receiver]
+        )
+        done = self.clock.copy()
+        np.maximum.at(done, receiver, arrival)
+        wait = done - self.clock
+        late = np.flatnonzero(wait >= self.config.round_timeout)
+        if late.size:
+            i = int(late[np.argmax(wait[late])])
+            raise SimulationError(
+                f"peer {i} would wait {wait[i]:.3g} s for its neighbours in round "
+                f"{self.rounds}, past round_timeout = {self.config.round_timeout} s: the "
+                "per-peer simulator models the missed messages. Set batched = false, or "
+                "raise round_timeout"
+            )
+        self.idle += wait
+        self.clock = done
 
     # ------------------------------------------------------------------- records
     def _record(self, files: list[Any], evaluate: bool, **extra: Any) -> None:
@@ -329,7 +421,7 @@ class BatchedSimulation:
                 "syncs": self.rounds,
                 "neighbour_misses": 0,
                 "resyncs": 0,
-                "idle_s": 0.0,
+                "idle_s": round(float(self.idle[i]), 6),
                 "members": self.config.peers,
                 "declared_dead": 0,
                 "rejoins": 0,
@@ -343,9 +435,8 @@ class BatchedSimulation:
                     "test_loss": round(float(test_loss[i]), 6),
                 }
             own = [losses[i]] if losses is not None else []
-            line = metrics_line(
-                i, self.steps, self.now, self.swarm_start + self.now, own, stats, extra
-            )
+            now = float(self.clock[i])
+            line = metrics_line(i, self.steps, now, self.swarm_start + now, own, stats, extra)
             file.write(json_line(line))
         self.losses.clear()
 
