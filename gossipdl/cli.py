@@ -21,7 +21,11 @@ from rich.logging import RichHandler
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
-from gossipdl.config import (
+from gossipdl.experiments import forking
+
+forking.warm_up_for(sys.argv)  # before the imports below bring torch in: they overlap
+
+from gossipdl.config import (  # noqa: E402
     ADVERTISE_ENV,
     DEFAULTS,
     FIELDS,
@@ -35,8 +39,8 @@ from gossipdl.config import (
     resolved,
     to_toml,
 )
-from gossipdl.rundir import RunDir, default_run_dir
-from gossipdl.transport.curve import Curve, CurveError
+from gossipdl.rundir import RunDir, default_run_dir  # noqa: E402
+from gossipdl.transport.curve import Curve, CurveError  # noqa: E402
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True)

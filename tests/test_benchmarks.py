@@ -102,6 +102,14 @@ def test_parity_benchmark_runs_both_modes(tmp_path: Path) -> None:
     assert "gap_points" in result["meta"] and "within_target" in result["meta"]
 
 
+def test_startup_benchmark_times_a_typed_run_to_every_peers_first_round(tmp_path: Path) -> None:
+    result = run_benchmark("startup", tmp_path, "--quick", "--out", str(tmp_path / "s"))
+    (row,) = result["rows"]
+    assert (row["setting"], row["peers"]) == ("decentralizepy job", 4)
+    assert 0 < row["train_s"] < row["wall_s"] and 0 < row["startup_s"] < row["wall_s"]
+    assert result["meta"]["first_round_met"] is None  # no 8-peer row in a quick run
+
+
 def test_codec_benchmark_reports_every_codec_with_its_keys(tmp_path: Path) -> None:
     result = run_benchmark("codecs", tmp_path, "--quick")
     rows = {row["codec"]: row for row in result["rows"]}

@@ -98,3 +98,28 @@ def test_a_launch_inside_a_daemonic_worker_starts_its_peers_as_subprocesses(
     there (a user's Pool, say) falls back to subprocesses."""
     with forking.context().Pool(1) as pool:
         assert pool.apply(_launch_in_a_pool_worker, (str(tmp_path / "run"),)) == 2
+
+
+def _imported(names: list[str]) -> list[bool]:
+    return [name in sys.modules for name in names]
+
+
+def test_the_fork_server_has_imported_what_a_peer_would_import_when_it_starts() -> None:
+    """torch._dynamo (the first optimizer imports it: 1.1–1.6 s), typer's adapters (the
+    first command line parsed) and the peer's modules come with the fork, not per peer."""
+    names = ["torch._dynamo", "typer._adapters", "gossipdl.peers.runner"]
+    with forking.context().Pool(1) as pool:
+        assert pool.apply(_imported, (names,)) == [True, True, True]
+
+
+def test_only_a_launching_gossipdl_command_starts_the_fork_server_early(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started: list[bool] = []
+    monkeypatch.setattr(forking, "warm_up", lambda: started.append(True))
+    for argv in (["/usr/bin/gossipdl", "peer"], ["-c"], ["pytest", "run"], ["/x/gossipdl"]):
+        forking.warm_up_for(argv)
+    assert not started
+    for argv in (["/venv/bin/gossipdl", "run"], ["/src/gossipdl/__main__.py", "sweep"]):
+        forking.warm_up_for(argv)
+    assert started == [True, True]

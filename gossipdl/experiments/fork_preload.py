@@ -1,14 +1,27 @@
 """What the fork server of :mod:`gossipdl.experiments.forking` imports, and only it.
 
 It imports :mod:`gossipdl.cli` (and so torch, numpy and zmq) once for all the children,
-and blocks SIGINT in the server, so every child is born with it blocked: a Ctrl-C that
-a terminal sends to the whole process group stays pending in a benchmark's worker (its
-script stops it), and a forked ``gossipdl`` command unblocks it first thing, as a fresh
-interpreter has it. The server itself ignores SIGINT anyway.
+what a peer imports only when it runs: ``torch._dynamo``, which torch imports when the
+first optimizer is built (1.1–1.6 s of every peer's start-up, before it would bind its
+socket), typer's adapters (pydantic: 0.1 s, when typer first parses a command line) and
+the peer's own modules. It blocks SIGINT in the
+server, so every child is born with it blocked: a Ctrl-C that a terminal sends to the
+whole process group stays pending in a benchmark's worker (its script stops it), and a
+forked ``gossipdl`` command unblocks it first thing, as a fresh interpreter has it. The
+server itself ignores SIGINT anyway.
 """
 
+import contextlib
 import signal
 
-import gossipdl.cli  # noqa: F401  (the import is the point)
+import torch._dynamo  # noqa: F401  (the imports are the point)
+
+import gossipdl.cli
+import gossipdl.experiments.summary
+import gossipdl.peers.launch_env
+import gossipdl.peers.runner  # noqa: F401
+
+with contextlib.suppress(ImportError):  # a private module: a typer without it still works
+    import typer._adapters  # noqa: F401
 
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

@@ -53,6 +53,20 @@ def warm_up() -> None:
         forkserver.ensure_running()
 
 
+LAUNCH_COMMANDS = ("run", "experiment", "sweep")
+"""The ``gossipdl`` commands that start local peers."""
+
+
+def warm_up_for(argv: list[str]) -> None:
+    """:func:`warm_up` when ``argv`` is a ``gossipdl`` command that starts local peers (one
+    of :data:`LAUNCH_COMMANDS`): the CLI calls it before its own imports, so the server's
+    (torch, about 3.5 s of CPU) run beside the command's (2.3 s) on another core instead
+    of after them."""
+    command = Path(argv[0]).name in ("gossipdl", "__main__.py") and argv[1:2]
+    if command and argv[1] in LAUNCH_COMMANDS:
+        warm_up()
+
+
 def _run(
     args: list[str],
     env: dict[str, str],
