@@ -275,8 +275,8 @@ def test_c_sign_kernels_name_a_size_mismatch() -> None:
 
 def test_recycled_host_memory_comes_back_only_when_no_view_is_left() -> None:
     recycler = kernels._Recycler(min_bytes=1 << 20, keep=2)
-    count = (1 << 20) // 4
-    a = recycler.empty(count)
+    count = 1 << 20  # bytes
+    a = recycler.empty(count).view(np.float32)
     address = a.ctypes.data
     t = torch.from_numpy(a)
     view = t[10:]  # torch views and numpy views of them keep the memory
@@ -288,10 +288,24 @@ def test_recycled_host_memory_comes_back_only_when_no_view_is_left() -> None:
     del array_view
     again = recycler.empty(count)
     assert again.ctypes.data == address  # gone: the same memory again
-    other_size = recycler.empty(count - 1)
+    other_size = recycler.empty(count - 4)
     assert other_size.ctypes.data not in (address, fresh.ctypes.data)
     small = recycler.empty(10)
     assert small.base is None  # under min_bytes: plain numpy memory
+
+
+def test_recycled_tensors_of_any_type_give_their_memory_back() -> None:
+    """host_tensor's tensors (float32, half, bfloat16) are views of a recycled block: the
+    next tensor of the same size gets the block once the last one is gone."""
+    count = (32 << 20) // 2
+    half = kernels.host_tensor(count, torch.float16)
+    address = half.data_ptr()
+    brain = kernels.host_tensor(count, torch.bfloat16)
+    assert brain.data_ptr() != address  # the first is still alive
+    del half
+    again = kernels.host_tensor(count // 2, torch.float32)  # the same bytes
+    assert again.data_ptr() == address and again.dtype == torch.float32
+    assert kernels.host_tensor(0, torch.bfloat16).shape == (0,)
 
 
 @FAST
@@ -937,16 +951,16 @@ def test_recycled_memory_is_private_to_a_forked_process() -> None:
     """A fork (a data-loader worker, say) that reuses a pooled block must not write into its
     parent's memory."""
     recycler = kernels._Recycler(min_bytes=1 << 20)
-    count = (1 << 20) // 4
+    count = 1 << 20  # bytes
     block = recycler.empty(count)
-    block[:] = 1.0
+    block[:] = 1
     del block  # back in the pool, in parent and child alike
     pid = os.fork()
     if pid == 0:  # the child takes the same block and overwrites it
-        recycler.empty(count)[:] = 7.0
+        recycler.empty(count)[:] = 7
         os._exit(0)
     os.waitpid(pid, 0)
-    assert recycler.empty(count)[0] == 1.0
+    assert recycler.empty(count)[0] == 1
 
 
 def test_powersgd_compresses_each_layer_of_the_bound_model_and_sends_biases_as_they_are() -> None:

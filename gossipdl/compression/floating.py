@@ -5,10 +5,12 @@ Each also encodes the kept values of a sparsifier (``topk:0.01+fp16``).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
-from gossipdl.compression._kernels import from_host, to_host
+from gossipdl.compression._kernels import empty_on, from_host, to_host
 from gossipdl.compression.base import (
     Layout,
     Payload,
@@ -21,6 +23,21 @@ from gossipdl.compression.base import (
 __all__ = ["BFloat16", "Float16", "Identity"]
 
 _FP16_MAX = 65504.0
+
+
+def _host_copy(
+    values: np.ndarray, device: torch.device, view: torch.dtype | None = None
+) -> torch.Tensor:
+    """The wire's ``values`` (float32 or float16, maybe a read-only buffer; bfloat16 bits
+    as int16 with ``view`` bfloat16) as a new float32 tensor on ``device``: on a CPU in
+    recycled memory, cast by torch (vectorised, unlike numpy's half casts)."""
+    if device.type != "cpu":
+        source = from_host(values, device)
+        return (source if view is None else source.view(view)).float()
+    with warnings.catch_warnings():  # a read-only wire buffer: only read here
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(values)
+    return empty_on(device, values.size).copy_(source if view is None else source.view(view))
 
 
 class Identity(ValueCodec):
@@ -43,10 +60,11 @@ class Identity(ValueCodec):
 
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         v = check_vector(x)
-        array = to_host(v)
-        if v.device.type == "cpu":  # to_host shared x's memory; the payload must own its bytes
-            array = array.copy()
-        estimate = v.clone()
+        estimate = empty_on(v.device, v.numel()).copy_(v)
+        if v.device.type == "cpu":  # the payload owns its bytes (to_host would share x's)
+            array = empty_on(v.device, v.numel()).copy_(v).numpy()
+        else:
+            array = to_host(v)
         return Payload((array,), {}), estimate
 
     def layout(self, count: int) -> Layout:
@@ -57,10 +75,7 @@ class Identity(ValueCodec):
     ) -> torch.Tensor:
         numel = check_numel(numel)
         (values,) = check_layout(payload, "none", self.layout(numel))
-        device = torch.device(device)
-        if values.flags.writeable:
-            return torch.from_numpy(values).to(device, copy=True)
-        return from_host(values, device)  # copies the read-only buffer
+        return _host_copy(values, torch.device(device))
 
 
 class Float16(ValueCodec):
@@ -83,12 +98,12 @@ class Float16(ValueCodec):
 
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         v = check_vector(x)
-        half = v.half()
+        half = empty_on(v.device, v.numel(), torch.float16).copy_(v)
         if half.numel():
             lo, hi = torch.aminmax(half)
             if bool(torch.isinf(lo) | torch.isinf(hi)):
                 half = v.clamp(-_FP16_MAX, _FP16_MAX).half()
-        estimate = half.float()
+        estimate = empty_on(v.device, v.numel()).copy_(half)
         array = to_host(half)  # shares memory with ``half`` on CPU, which nothing else holds
         return Payload((array,), {}), estimate
 
@@ -100,8 +115,7 @@ class Float16(ValueCodec):
     ) -> torch.Tensor:
         numel = check_numel(numel)
         (values,) = check_layout(payload, "fp16", self.layout(numel))
-        device = torch.device(device)
-        return from_host(values, device).float()
+        return _host_copy(values, torch.device(device))
 
 
 class BFloat16(ValueCodec):
@@ -123,8 +137,8 @@ class BFloat16(ValueCodec):
 
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         v = check_vector(x)
-        brain = v.to(torch.bfloat16)
-        estimate = brain.float()
+        brain = empty_on(v.device, v.numel(), torch.bfloat16).copy_(v)
+        estimate = empty_on(v.device, v.numel()).copy_(brain)
         array = to_host(brain.view(torch.int16)).view(np.uint16)
         return Payload((array,), {}), estimate
 
@@ -136,6 +150,4 @@ class BFloat16(ValueCodec):
     ) -> torch.Tensor:
         numel = check_numel(numel)
         (values,) = check_layout(payload, "bf16", self.layout(numel))
-        device = torch.device(device)
-        brain = from_host(values.view(np.int16), device).view(torch.bfloat16)
-        return brain.float()
+        return _host_copy(values.view(np.int16), torch.device(device), torch.bfloat16)
