@@ -110,6 +110,20 @@ def test_startup_benchmark_times_a_typed_run_to_every_peers_first_round(tmp_path
     assert result["meta"]["first_round_met"] is None  # no 8-peer row in a quick run
 
 
+def test_overhead_benchmark_compares_gossip_with_the_same_swarm_alone(tmp_path: Path) -> None:
+    result = run_benchmark(
+        "overhead", tmp_path, "--quick", "--only", "choco-sign", "--steps", "12",
+        "--log-every", "2", "--out", str(tmp_path / "o"),
+    )  # fmt: skip
+    alone, sign = result["rows"]
+    assert (alone["setting"], sign["setting"]) == ("alone", "choco-sign")
+    assert alone["overhead"] is None and alone["bytes_per_round"] is None
+    ratio = alone["s_per_step"] / sign["s_per_step"]
+    assert alone["s_per_step"] > 0 and sign["overhead"] == pytest.approx(1 - ratio)
+    assert sign["bytes_per_round"] > 0 and sign["parameters"] == alone["parameters"] > 0
+    assert set(result["meta"]["met"]) == {"choco-sign"}
+
+
 def test_codec_benchmark_reports_every_codec_with_its_keys(tmp_path: Path) -> None:
     result = run_benchmark("codecs", tmp_path, "--quick")
     rows = {row["codec"]: row for row in result["rows"]}
@@ -121,6 +135,10 @@ def test_codec_benchmark_reports_every_codec_with_its_keys(tmp_path: Path) -> No
             continue
         assert {"bytes", "ratio", "encode_ms", "decode_ms", "rel_error"} <= row.keys()
         assert row["bytes"] > 0 and row["ratio"] > 0
+        assert row["x_floor"] == pytest.approx(row["roundtrip_ms"] / row["floor_ms"])
+    floor = result["meta"]["targets"]["within_2x_floor"]
+    assert "sign" in floor["codecs"] and "topk:0.01+delta-golomb" not in floor["codecs"]
+    assert floor["copy_gb_s"] > 0 and floor["met"] == (not floor["over"])
 
 
 def test_convergence_benchmark_compares_with_dense_and_plots(tmp_path: Path) -> None:

@@ -1,0 +1,183 @@
+"""Overhead: what gossip adds to a training step, on a model where compute dominates.
+
+What it measures
+    Real peer processes (default 2, a ring, one thread each, so each has a core) train
+    an MLP of about 10.7M parameters (widths 2300, 2300, 2300) on MNIST-1D, batch 32,
+    once without gossip (``periodic:H`` with H past the last step: the same swarm,
+    processes and heartbeats, no round) and once per setting: dense gossip, CHOCO with
+    top-1% and CHOCO with the scaled sign, a round after every step. A peer's step time
+    is read from its metrics lines (one every ``--log-every`` steps, the first ones
+    skipped as warm-up): the time between its first and last line over the steps
+    between them, averaged over the peers. The overhead of a setting is the share of its
+    step that the rounds add: ``1 − alone / setting``. Waiting for a slower neighbour
+    counts: it is part of what a round costs. Each row also has the share of the run
+    the peers spent idle (waiting for messages) and the bytes a peer sent per round.
+
+Target
+    Gossip at most 5% of the step time for dense, CHOCO top-1% and sign (this CPU; on
+    a GPU when one is lent: ``--device cuda``).
+
+Run
+    python benchmarks/overhead.py                    # 10.7M parameters, 60 steps each
+    python benchmarks/overhead.py --quick            # 100k parameters, 20 steps: a smoke test
+    python benchmarks/overhead.py --json runs/bench-overhead.json
+
+JSON (``--json FILE``): ``{"benchmark": "overhead", "rows": [...], "meta": {...}}``; each
+row has ``setting``, ``algorithm``, ``codec``, ``parameters``, ``s_per_step``,
+``overhead`` (a fraction; null for the run without gossip), ``idle_share``,
+``bytes_per_round`` and ``run_dir``; ``meta`` holds the settings, the target and
+whether each setting met it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    Column,
+    add_only_option,
+    add_swarm_options,
+    benchmark_parser,
+    fresh_run_dir,
+    mark,
+    report,
+    run_script,
+)
+from rich.console import Console
+
+from gossipdl.config import Config, load_config
+from gossipdl.experiments.launcher import launch
+from gossipdl.rundir import RunDir
+from gossipdl.training import dataset_of, initial_model
+
+TARGET = 0.05
+SETTINGS = {  # name: (algorithm, codec, trigger); "alone" is the baseline
+    "alone": ("dense", "none", None),
+    "dense": ("dense", "none", "always"),
+    "choco-topk": ("choco", "topk:0.01", "always"),
+    "choco-sign": ("choco", "sign", "always"),
+}
+HIDDEN, QUICK_HIDDEN = "2300,2300,2300", "256,256"
+STEPS, QUICK_STEPS = 60, 20
+
+
+def step_time(run: RunDir, peers: int, warm_up: int) -> float:
+    """Seconds per step, averaged over the peers, between each one's first metrics line
+    after ``warm_up`` steps and its last line before the final one."""
+    times = []
+    for i in range(peers):
+        lines = [
+            r
+            for r in run.records(i)
+            if r["step"] >= warm_up and not r.get("final") and not r.get("start")
+        ]
+        if len(lines) < 2 or lines[-1]["step"] == lines[0]["step"]:
+            raise SystemExit(f"peer {i} of {run.root} wrote too few lines; raise --steps")
+        times.append(
+            (lines[-1]["time"] - lines[0]["time"]) / (lines[-1]["step"] - lines[0]["step"])
+        )
+    return statistics.mean(times)
+
+
+def parameters(config: Config) -> int:
+    """The model's parameter count."""
+    model = initial_model(config, dataset_of(config))
+    return sum(p.numel() for p in model.parameters())
+
+
+def config_for(args: Any, name: str) -> Config:
+    """The swarm of setting ``name``: the same job, its algorithm, codec and trigger."""
+    algorithm, codec, trigger = SETTINGS[name]
+    return load_config(
+        args.config,
+        peers=args.peers,
+        topology="ring",
+        dataset="mnist1d",
+        model="mlp",
+        hidden=args.hidden,
+        batch_size=32,
+        steps=args.steps,
+        algorithm=algorithm,
+        codec=codec,
+        trigger=trigger or f"periodic:{args.steps + 1}",
+        threads=1,
+        eval_every=0,
+        log_every=args.log_every,
+        device=args.device,
+        seed=args.seed,
+        out=str(args.out / name),
+    )
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__ or "", f"widths {QUICK_HIDDEN}, {QUICK_STEPS} steps")
+    add_swarm_options(parser, "overhead", peers="default 2", steps=f"default {STEPS}")
+    add_only_option(parser, [name for name in SETTINGS if name != "alone"])
+    parser.add_argument("--hidden", default=None, help=f"MLP widths, default {HIDDEN}")
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    args = parser.parse_args()
+    args.peers = args.peers or 2
+    args.hidden = args.hidden or (QUICK_HIDDEN if args.quick else HIDDEN)
+    args.steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+    warm_up = min(2 * args.log_every, args.steps // 3)
+
+    console = Console(stderr=True)
+    rows = []
+    for name in ["alone", *args.only]:
+        config = config_for(args, name)
+        fresh_run_dir(Path(config.out))
+        console.print(f"running {name}: {config.peers} peers, {config.steps} steps …")
+        summary = launch(config, progress=False)
+        run = RunDir(config.out)
+        rounds = max(1, min(p["syncs"] for p in summary["peers"]))
+        rows.append(
+            {
+                "setting": name,
+                "algorithm": config.algorithm if name != "alone" else "none",
+                "codec": config.codec,
+                "parameters": parameters(config),
+                "s_per_step": step_time(run, config.peers, warm_up),
+                "idle_share": statistics.mean(p["idle_s"] for p in summary["peers"])
+                / max(summary["training_s"], 1e-9),
+                "bytes_per_round": summary["total_bytes_sent"] / config.peers / rounds
+                if name != "alone"
+                else None,
+                "run_dir": config.out,
+            }
+        )
+    alone = rows[0]["s_per_step"]
+    rows[0]["overhead"] = None
+    for row in rows[1:]:
+        row["overhead"] = 1 - alone / row["s_per_step"]
+    met = {row["setting"]: row["overhead"] <= TARGET for row in rows[1:]}
+    columns = [
+        Column("setting", "setting"),
+        Column("codec", "codec"),
+        Column("parameters", "parameters", "{:,}"),
+        Column("s_per_step", "s / step", "{:.4f}"),
+        Column("overhead", "gossip share of the step", "{:.1%}"),
+        Column("idle_share", "idle share", "{:.1%}"),
+        Column("bytes_per_round", "bytes / peer / round", "{:,.0f}"),
+    ]
+    notes = [f"{name}: gossip ≤ {TARGET:.0%} of the step — {mark(ok)}" for name, ok in met.items()]
+    notes.append(
+        f"{args.peers} peers on a ring, MLP widths {args.hidden}, {args.steps} steps, "
+        f"one thread each, device {args.device}"
+    )
+    meta = {
+        "peers": args.peers,
+        "hidden": args.hidden,
+        "steps": args.steps,
+        "warm_up_steps": warm_up,
+        "device": args.device,
+        "target": TARGET,
+        "met": met,
+    }
+    report("overhead", "Gossip overhead per step", columns, rows, meta, args.json, notes=notes)
+
+
+if __name__ == "__main__":
+    run_script(main)
