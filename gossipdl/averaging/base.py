@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from gossipdl.compression import Codec, CodecError, Payload, build_codec
+from gossipdl.compression._kernels import empty_on
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,8 @@ def mix(x: torch.Tensor, rnd: Round, arrived: Sequence[Arrival]) -> torch.Tensor
     dynamic round) leaves the swarm's average exactly where it was. Renormalising the
     arrived weights to one instead scales the peer's row and moves the average.
     """
-    out = x * (rnd.self_weight + sum(rnd.weights.values()) - sum(a.weight for a in arrived))
+    kept = rnd.self_weight + sum(rnd.weights.values()) - sum(a.weight for a in arrived)
+    out = torch.mul(x, kept, out=empty_on(x.device, x.numel()))  # no fresh pages to fault
     for arrival in arrived:
         out.add_(arrival.value, alpha=arrival.weight)
     return out

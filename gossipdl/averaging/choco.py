@@ -30,6 +30,7 @@ import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round, after_rebuild, dense_payload
 from gossipdl.compression import Codec, Payload, stage_names
+from gossipdl.compression._kernels import empty_on
 from gossipdl.compression.sparse import RandomK
 
 
@@ -155,7 +156,7 @@ class Choco(Averager):
             payload, _ = self.codec.encode(torch.zeros_like(x))
             return payload
         assert self.s is not None
-        payload, q = self.codec.encode(x - self.x_hat)
+        payload, q = self.codec.encode(torch.sub(x, self.x_hat, out=empty_on(x.device, x.numel())))
         self.x_hat.add_(q, alpha=self.scale)
         self.s.add_(q, alpha=rnd.self_weight * self.scale)
         return payload
@@ -192,7 +193,8 @@ class Choco(Averager):
                 self._add(j, arrival)
         if not rnd.mix or self.resynced is None:  # no s to mix with until one full rebuild
             return x
-        return x + self.step_size(rnd) * (self.s - self.x_hat)
+        out = torch.sub(self.s, self.x_hat, out=empty_on(x.device, x.numel()))
+        return out.mul_(self.step_size(rnd)).add_(x)  # x + γ(s − x̂), in one recycled buffer
 
     def _add(self, sender: int, arrival: Arrival) -> None:
         """s_i += W_ij q_j / (1+ω), unless a later dense resync already includes q_j (or, from a

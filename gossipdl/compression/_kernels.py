@@ -108,7 +108,7 @@ class _Recycler:
     the same size. At most ``keep`` blocks wait, the oldest dropped first.
     """
 
-    def __init__(self, min_bytes: int = 16 << 20, keep: int = 4) -> None:
+    def __init__(self, min_bytes: int = 16 << 20, keep: int = 8) -> None:
         self.min_bytes = min_bytes
         self._free: deque[mmap.mmap] = deque(maxlen=keep)
         self._lock = threading.RLock()  # a finalizer may run on any thread, even inside empty()

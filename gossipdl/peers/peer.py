@@ -24,6 +24,7 @@ from gossipdl.averaging import build_averager
 from gossipdl.averaging.local_optimizer import current_lr, mask_momentum
 from gossipdl.averaging.triggers import check_trigger, parse_trigger
 from gossipdl.compression import Payload
+from gossipdl.compression._kernels import empty_on
 from gossipdl.coordinator.ring import (
     RING_CHECKS_FINITE,
     RING_SEND_HWM,
@@ -833,9 +834,10 @@ class Peer:
 
     # ----------------------------------------------------------------- helpers
     def _flat(self) -> torch.Tensor:
-        """A copy of the parameters as one vector."""
+        """A copy of the parameters as one vector (in recycled memory on a CPU)."""
         with torch.no_grad():
-            return parameters_to_vector(self.params)
+            views = [p.reshape(-1) for p in self.params]
+            return torch.cat(views, out=empty_on(self.device, self.numel))
 
     def _set_params(self, flat: torch.Tensor) -> None:
         """Copy ``flat`` into the parameters (which never become views of it, unlike with
