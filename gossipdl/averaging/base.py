@@ -111,7 +111,9 @@ class Averager(ABC):
 
     @abstractmethod
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload | Mapping[int, Payload]:
-        """The payload every neighbour gets this round, or one per neighbour (by id)."""
+        """The payload every neighbour gets this round, or one per neighbour (by id).
+        ``x`` is the round's model, which the caller does not write afterwards: a
+        payload may share its memory until it is sent."""
 
     def sent_mask(self) -> torch.Tensor | None:
         """The coordinates the last :meth:`outgoing` sent, for DGC's momentum factor masking

@@ -31,7 +31,7 @@ import torch
 from gossipdl.averaging.base import Arrival, Averager, Round, after_rebuild, dense_payload
 from gossipdl.compression import Codec, Payload, stage_names
 from gossipdl.compression._kernels import empty_on
-from gossipdl.compression.sparse import RandomK
+from gossipdl.compression.sparse import RandomK, SparseCodec
 
 
 def auto_gamma(codec: Codec, numel: int, self_weight: float) -> float:
@@ -156,7 +156,14 @@ class Choco(Averager):
             payload, _ = self.codec.encode(torch.zeros_like(x))
             return payload
         assert self.s is not None
-        payload, q = self.codec.encode(torch.sub(x, self.x_hat, out=empty_on(x.device, x.numel())))
+        d = torch.sub(x, self.x_hat, out=empty_on(x.device, x.numel()))
+        if isinstance(self.codec, SparseCodec):  # add the kept values alone, in place
+            payload, chosen, values = self.codec.encode_sparse(d)
+            del d
+            self.x_hat.index_add_(0, chosen, values, alpha=self.scale)
+            self.s.index_add_(0, chosen, values, alpha=rnd.self_weight * self.scale)
+            return payload
+        payload, q = self.codec.encode(d)
         self.x_hat.add_(q, alpha=self.scale)
         self.s.add_(q, alpha=rnd.self_weight * self.scale)
         return payload

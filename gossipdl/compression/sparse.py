@@ -332,11 +332,16 @@ class SparseCodec(Codec):
         return self.values.omega(numel if count is None else count)
 
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
+        payload, chosen, values = self.encode_sparse(x)
+        return payload, scatter(chosen, values, x.numel())
+
+    def encode_sparse(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor, torch.Tensor]:
+        """:meth:`encode` without the dense estimate: the payload, the kept indices and the
+        values the receiver reads there (CHOCO adds them into its copies in place)."""
         v = check_vector(x)
-        numel = v.numel()
         chosen, kept, own_meta = self.sparsifier.select(v)
-        payload, value_estimate = self.payload(chosen, kept, numel, own_meta)
-        return payload, scatter(chosen, value_estimate, numel)
+        payload, values = self.payload(chosen, kept, v.numel(), own_meta)
+        return payload, chosen, values
 
     def payload(
         self,
