@@ -96,10 +96,12 @@ def measure(setting: str, peers: int, args: list[str], out: Path) -> dict[str, A
 
 def main() -> None:
     parser = benchmark_parser(__doc__ or "", "4 peers, no quick start")
-    parser.add_argument("--peers", default="4,8,16", help="comma-separated, default 4,8,16")
+    parser.add_argument(
+        "--peers", default=None, help="comma-separated, default 4,8,16 (--quick: 4)"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench-startup"))
     args = parser.parse_args()
-    counts = [4] if args.quick else [int(n) for n in args.peers.split(",")]
+    counts = [int(n) for n in (args.peers or ("4" if args.quick else "4,8,16")).split(",")]
     rows = [
         measure("decentralizepy job", n, ["--peers", str(n), *JOB], args.out / f"peers-{n}")
         for n in counts
