@@ -294,6 +294,13 @@ def test_recycled_host_memory_comes_back_only_when_no_view_is_left() -> None:
     assert small.base is None  # under min_bytes: plain numpy memory
 
 
+def test_the_recycler_keeps_no_more_idle_memory_than_its_cap() -> None:
+    recycler = kernels._Recycler(min_bytes=1 << 20, keep=8, max_bytes=3 << 20)
+    blocks = [recycler.empty(1 << 20) for _ in range(5)]
+    del blocks  # five blocks come back; three fit under the cap
+    assert len(recycler._free) == 3
+
+
 def test_recycled_tensors_of_any_type_give_their_memory_back() -> None:
     """host_tensor's tensors (float32, half, bfloat16) are views of a recycled block: the
     next tensor of the same size gets the block once the last one is gone."""

@@ -96,6 +96,11 @@ def numpy_kernels() -> AbstractContextManager[None]:
 # --- recycled host buffers -----------------------------------------------------------------------
 
 
+RECYCLED_MAX_BYTES = 1 << 30
+"""The most memory the recycler keeps idle for later outputs (1 GiB: eight blocks of a
+33M-parameter model, two of a 130M one)."""
+
+
 class _Recycler:
     """Large uninitialised byte arrays whose memory comes back when the last view is gone.
 
@@ -105,11 +110,16 @@ class _Recycler:
     ``mmap``; the array handed out is its only numpy view (every view of that
     array keeps it alive, as does a tensor made from it), so when the array
     dies nothing else can see the memory and it is kept for the next call of
-    the same size. At most ``keep`` blocks wait, the oldest dropped first.
+    the same size. At most ``keep`` blocks (a round has about that many alive) and
+    ``max_bytes`` wait, the oldest dropped first: the memory held idle between rounds is
+    bounded whatever the model's size.
     """
 
-    def __init__(self, min_bytes: int = 16 << 20, keep: int = 8) -> None:
+    def __init__(
+        self, min_bytes: int = 16 << 20, keep: int = 8, max_bytes: int = RECYCLED_MAX_BYTES
+    ) -> None:
         self.min_bytes = min_bytes
+        self.max_bytes = max_bytes
         self._free: deque[mmap.mmap] = deque(maxlen=keep)
         self._lock = threading.RLock()  # a finalizer may run on any thread, even inside empty()
 
@@ -131,6 +141,8 @@ class _Recycler:
     def _give_back(self, block: mmap.mmap) -> None:
         with self._lock:
             self._free.append(block)
+            while sum(map(len, self._free)) > self.max_bytes:
+                self._free.popleft()
 
 
 _recycler = _Recycler()
