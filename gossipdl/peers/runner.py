@@ -104,6 +104,8 @@ def train_peer(
     stop = stop or threading.Event()
     check_sinks(config)
     device = pick_device(config.device, local_index)
+    if device.type == "cuda":  # this process's default GPU: streams, caches, kernels go there
+        torch.cuda.set_device(device)
     dataset = dataset_of(config)
     model = initial_model(config, dataset).to(device)
     optimizer = make_optimizer(config, model)
@@ -291,7 +293,7 @@ def _loop(
     swarm, start = _swarm(peer)
     carried = {k: previous.get(k, 0) for k in CARRIED} if previous else {}
     carried_drops: dict[str, int] = dict(previous.get("dropped_reasons", {})) if previous else {}
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []  # read (one host sync) only when a line is written
     log.info(
         "peer %d: training on %d samples, %s, from step %d%s",
         peer.id,
@@ -307,7 +309,8 @@ def _loop(
         now = time.time()
         for key, base in carried.items():
             stats[key] = round(stats[key] + base, 4) if key == "idle_s" else stats[key] + base
-        line = metrics_line(peer.id, peer.steps, now - start, now, losses, stats, extra)
+        means = torch.stack(losses).tolist() if losses else []
+        line = metrics_line(peer.id, peer.steps, now - start, now, means, stats, extra)
         metrics.write(json_line(line))
         sinks.write(line)
         losses.clear()
@@ -333,7 +336,7 @@ def _loop(
             loss = local_gradients(config, model, optimizer, sampler, peer.steps)
             _take_as_long(emulated, computed)
             peer.step()
-            losses.append(loss.item())
+            losses.append(loss.detach())
             if config.checkpoint_every and peer.steps % config.checkpoint_every == 0:
                 save_checkpoint(run.checkpoint(peer.id), model, optimizer, peer.steps)
             due = config.eval_every and peer.steps % config.eval_every == 0

@@ -1,0 +1,42 @@
+"""On a GPU: peers train there and codecs keep their work there (skipped without CUDA:
+this project's CI machines have none; run them where ``torch.cuda.is_available()``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import small_config
+
+from gossipdl.compression import build_codec
+from gossipdl.experiments.launcher import launch
+from gossipdl.rundir import RunDir
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none"
+)
+
+
+def test_local_peers_train_on_the_gpu_and_say_so(tmp_path: Path) -> None:
+    """Each peer's final line names the GPU its model trained on."""
+    config = small_config(tmp_path, peers=2, steps=20, device="auto", algorithm="choco",
+                          codec="topk:0.1+raw")  # fmt: skip
+    summary = launch(config, progress=False)
+    assert summary["peers_finished"] == 2
+    run = RunDir(config.out)
+    for i in range(2):
+        final = list(run.records(i))[-1]
+        assert final["device"].startswith("cuda"), final["device"]
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "sign", "qsgd:16", "topk:0.01+raw", "ternary"])
+def test_a_codec_leaves_its_tensors_on_the_gpu(spec: str) -> None:
+    """The sender's estimate and the decoded tensor stay on the device; only the payload
+    is on the host (the wire's bytes)."""
+    x = torch.randn(100_000, device="cuda")
+    codec = build_codec(spec)
+    payload, estimate = codec.encode(x)
+    decoded = codec.decode(payload, x.numel(), x.device)
+    assert estimate.device == x.device and decoded.device == x.device
+    torch.testing.assert_close(decoded, estimate)
