@@ -65,15 +65,18 @@ def _round_peaks(algorithm: str, codec: str, rounds: int) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    ("algorithm", "codec"), [("choco", "topk:0.01"), ("dense", "none"), ("choco", "sign")]
+    ("algorithm", "codec", "bound"),
+    [("choco", "topk:0.01", 1.6), ("dense", "none", 2.1), ("choco", "sign", 2.1)],
 )
-def test_a_round_holds_at_most_two_model_sized_buffers(algorithm: str, codec: str) -> None:
+def test_a_round_holds_at_most_two_model_sized_buffers(
+    algorithm: str, codec: str, bound: float
+) -> None:
     """After the first round (which builds CHOCO's public copies: 10 buffers at its peak
     for top-k, 4 for sign), a round holds the neighbour's decoded message and the merged
-    model: two buffers (x + γ(s − x̂) as three temporaries made it three). CHOCO adds its top-k
-    values into x̂ and s in place (no dense estimate), computes x − x̂ and x + γ(s − x̂)
-    in one buffer each, and dense gossip sends the round's model without copying it."""
+    model: two buffers (x + γ(s − x̂) as three temporaries made it three). CHOCO with
+    top-k holds less: the neighbours' kept values are added where they belong, never
+    made dense, so its peak is x − x̂ and the selection's masks (a byte per value)."""
     with forking.context().Pool(1) as pool:
         peaks = pool.apply(_round_peaks, (algorithm, codec, 4))
-    assert all(peak <= 2.1 for peak in peaks[1:]), peaks
-    assert max(peaks[1:]) > 1.5, peaks  # the window sees the round's buffers at all
+    assert all(peak <= bound for peak in peaks[1:]), peaks
+    assert max(peaks[1:]) > 1.0, peaks  # the window sees the round's buffers at all

@@ -22,6 +22,7 @@ import torch
 
 from gossipdl.compression import Codec, CodecError, Payload, build_codec
 from gossipdl.compression._kernels import empty_on
+from gossipdl.compression.sparse import SparseCodec
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,10 @@ class Averager(ABC):
     # peers in one process may be handed one shared decoded tensor (:class:`SharedDecodes`).
     # False by default: an averager of one's own opts in once it is known not to write them.
     arrivals_read_only: bool = False
+    # True when ``incoming`` takes a sparse codec's messages as they came (a
+    # :class:`~gossipdl.compression.sparse.SparseVector`) and adds them in place: no
+    # full-size copy of each neighbour's update.
+    sparse_arrivals: bool = False
     # The model the peer started from (:meth:`begin`).
     origin: torch.Tensor | None = None
 
@@ -166,7 +171,10 @@ class Averager(ABC):
             if payload.arrays or len(payload.meta) != 1 or not _HEX64.fullmatch(str(digest)):
                 raise CodecError(f"a vouch is one {VOUCH!r} of 64 hex digits and no arrays")
             return Vouch(str(digest))
-        return (self._dense if dense else self.codec).decode(payload, numel, device)
+        codec = self._dense if dense else self.codec
+        if self.sparse_arrivals and isinstance(codec, SparseCodec):
+            return codec.decode_sparse(payload, numel, device)
+        return codec.decode(payload, numel, device)
 
     @abstractmethod
     def incoming(
@@ -238,7 +246,7 @@ class SharedDecodes:
         value = averager.decode(payload, dense, numel, device)
         with contextlib.suppress(TypeError):  # not weakly referenceable: kept while recent
             self._held[key] = value
-        size = value.nbytes if isinstance(value, torch.Tensor) else 0
+        size = int(getattr(value, "nbytes", 0))  # a tensor's, a sparse vector's; a vouch: 0
         self._recent[key] = (value, size)
         self._recent_bytes += size
         while self._recent and (

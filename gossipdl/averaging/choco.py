@@ -31,7 +31,7 @@ import torch
 from gossipdl.averaging.base import Arrival, Averager, Round, after_rebuild, dense_payload
 from gossipdl.compression import Codec, Payload, stage_names
 from gossipdl.compression._kernels import empty_on
-from gossipdl.compression.sparse import RandomK, SparseCodec
+from gossipdl.compression.sparse import RandomK, SparseCodec, SparseVector
 
 
 def auto_gamma(codec: Codec, numel: int, self_weight: float) -> float:
@@ -117,6 +117,7 @@ class Choco(Averager):
 
     name = "choco"
     arrivals_read_only = True  # s_i += W_ij q_j reads q_j
+    sparse_arrivals = True  # a sparse q_j is added at its indices alone
 
     def __init__(self, codec: Codec | str = "topk:0.01", seed: int = 0, gamma: float | None = None):
         super().__init__(codec, seed)
@@ -207,5 +208,10 @@ class Choco(Averager):
         """s_i += W_ij q_j / (1+ω), unless a later dense resync already includes q_j (or, from a
         neighbour of an earlier topology, left it out: s_i was rebuilt after it)."""
         assert self.s is not None
-        if after_rebuild(sender, arrival.round, self._synced_at, self.resynced):
-            self.s.add_(arrival.value, alpha=arrival.weight * self.scale)
+        if not after_rebuild(sender, arrival.round, self._synced_at, self.resynced):
+            return
+        q, alpha = arrival.value, arrival.weight * self.scale
+        if isinstance(q, SparseVector):
+            self.s.index_add_(0, q.indices, q.values, alpha=alpha)
+        else:
+            self.s.add_(q, alpha=alpha)

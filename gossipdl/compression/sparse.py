@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,15 @@ from gossipdl.compression.base import (
 )
 from gossipdl.compression.indices import IndexCoder
 
-__all__ = ["RandomK", "SparseCodec", "Sparsifier", "Threshold", "TopK", "random_subset"]
+__all__ = [
+    "RandomK",
+    "SparseCodec",
+    "SparseVector",
+    "Sparsifier",
+    "Threshold",
+    "TopK",
+    "random_subset",
+]
 
 _SAMPLE = 1 << 17  # values sampled to estimate a magnitude threshold
 _EXACT_BELOW = 4 * _SAMPLE  # shorter vectors use torch.topk directly
@@ -292,6 +301,21 @@ def random_subset(seed: int, numel: int, count: int) -> np.ndarray:
     return np.flatnonzero(mask)
 
 
+@dataclass(frozen=True)
+class SparseVector:
+    """A vector of ``numel`` that is zero but at ``indices`` (strictly increasing, checked),
+    where it holds ``values``: a sparse message as decoded, before it is made dense."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        """Memory it holds (what a cache of decoded messages counts)."""
+        return self.indices.nbytes + self.values.nbytes
+
+
 class SparseCodec(Codec):
     """A sparsifier, a value codec for the kept values and (unless randomk) an index coder.
 
@@ -390,6 +414,14 @@ class SparseCodec(Codec):
     def decode(
         self, payload: Payload, numel: int, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
+        sparse = self.decode_sparse(payload, numel, device)
+        return scatter(sparse.indices, sparse.values, sparse.numel)
+
+    def decode_sparse(
+        self, payload: Payload, numel: int, device: torch.device | str = "cpu"
+    ) -> SparseVector:
+        """:meth:`decode` without densifying: the kept indices and the values there, as
+        checked as decode's (an averager that adds them in place needs no full-size copy)."""
         numel = check_numel(numel)
         device = torch.device(device)
         if not isinstance(payload, Payload):
@@ -422,4 +454,4 @@ class SparseCodec(Codec):
         values = self.values.decode(
             Payload(payload.arrays[n_index:], split_meta(meta, "v.")), count, device
         )
-        return scatter(torch.from_numpy(indices).to(device), values, numel)
+        return SparseVector(torch.from_numpy(indices).to(device), values, numel)
