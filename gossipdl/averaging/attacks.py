@@ -1,0 +1,92 @@
+"""What a Byzantine peer sends in place of its model: the attacks robust gossip is tested
+against, as pure functions of what the attacker can see.
+
+In gossip an attacker sends models, so every attack here returns a model. The ones that
+aim at a neighbour (the "victim") use what a colluding attacker is assumed to know: the
+victim's model and the models of the victim's honest neighbours, as in the
+decentralized evaluation of He, Karimireddy and Jaggi (2022), whose definitions these
+follow.
+
+- :func:`sign_flip`, :func:`scaled`, :func:`gaussian`: a broken or crude peer.
+- :func:`alie`: "A little is enough" (Baruch, Baruch and Goldberg 2019).
+- :func:`inner_product_manipulation`: Xie, Koyejo and Gupta (2020).
+- :func:`dissensus`: He, Karimireddy and Jaggi (2022), made against gossip.
+- :func:`flip_labels`: poisoned data (the peer trains honestly on wrong labels).
+
+(A crashed peer that sends a stale model forever needs no function: it keeps the model
+of the round it crashed in.)
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import torch
+
+
+def sign_flip(own: torch.Tensor) -> torch.Tensor:
+    """The peer's model negated (a bit-flipping worker)."""
+    return -own
+
+
+def scaled(own: torch.Tensor, factor: float) -> torch.Tensor:
+    """The peer's model times ``factor`` (e.g. 100: a model blown up)."""
+    return own * factor
+
+
+def gaussian(own: torch.Tensor, sigma: float, generator: torch.Generator) -> torch.Tensor:
+    """The peer's model plus independent N(0, σ²) noise in every coordinate."""
+    noise = torch.randn(own.shape, generator=generator, dtype=own.dtype)
+    return own + sigma * noise.to(own.device)
+
+
+def alie_z(peers: int, byzantine: int) -> float:
+    """ALIE's z: with ``s = ⌊n/2 + 1⌋ − f`` honest supporters needed for a majority, the
+    largest z with ``Φ(z) < (n − s)/n`` (Baruch et al. 2019, §4): the step that still
+    looks like one of the crowd to a median or trimmed mean."""
+    if not 0 <= byzantine < peers:
+        raise ValueError(f"{byzantine} Byzantine of {peers} peers; ALIE needs 0 <= f < n")
+    supporters = math.floor(peers / 2 + 1) - byzantine
+    share = (peers - supporters) / peers
+    return NormalDist().inv_cdf(min(max(share, 1e-12), 1 - 1e-12))
+
+
+def alie(victim: torch.Tensor, honest: torch.Tensor, z: float) -> torch.Tensor:
+    """ "A little is enough": ``μ − z·σ``, coordinate by coordinate, over the victim's model
+    and its honest neighbours' (``honest``, ``[k, n]``): a model just inside the honest
+    spread in every coordinate, all of them pushed the same way."""
+    models = torch.cat([victim.unsqueeze(0), honest])
+    return models.mean(0) - z * models.std(0)
+
+
+def inner_product_manipulation(
+    victim: torch.Tensor, honest: torch.Tensor, epsilon: float = 0.1
+) -> torch.Tensor:
+    """``−ε`` times the mean of the victim's and its honest neighbours' models: a model
+    whose inner product with the honest mean is negative, so an average that lets it in
+    moves backwards (Xie et al. 2020; ε = 0.1 as they and He et al. use)."""
+    models = torch.cat([victim.unsqueeze(0), honest])
+    return models.mean(0) * -epsilon
+
+
+def dissensus(
+    victim: torch.Tensor,
+    honest: torch.Tensor,
+    honest_weights: torch.Tensor,
+    byzantine_weight: float,
+    epsilon: float = 1.5,
+) -> torch.Tensor:
+    """``x_v − ε Σ_k W_vk (x_k − x_v) / W_byz``: the model that, given the Byzantine
+    neighbours' total weight ``byzantine_weight`` in the victim's row, cancels the pull of
+    its honest neighbours (ε = 1) or reverses it (ε > 1), so the victim drifts away from
+    consensus while sending nothing unusually large (He et al. 2022, §5)."""
+    if byzantine_weight <= 0:
+        raise ValueError("dissensus needs the Byzantine neighbours' weight in the row (> 0)")
+    pull = ((honest - victim) * honest_weights.to(victim.dtype).unsqueeze(1)).sum(0)
+    return victim - pull * (epsilon / byzantine_weight)
+
+
+def flip_labels(labels: torch.Tensor, classes: int) -> torch.Tensor:
+    """Label ``l`` becomes ``classes − 1 − l``: a peer that trains on poisoned data."""
+    return classes - 1 - labels

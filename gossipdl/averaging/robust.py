@@ -1,0 +1,129 @@
+"""Byzantine-robust ways to combine a peer's model with its neighbours': pure functions.
+
+Plain gossip averaging (:func:`~gossipdl.averaging.base.mix`) lets one neighbour that sends
+a scaled or sign-flipped model drag every model it touches. Each rule here bounds what
+one bad neighbour can do, at a stated price; all take the peer's own model ``x`` (``[n]``)
+and its neighbours' models stacked as ``neighbours`` (``[k, n]``), and return a new
+tensor. What a rule assumes is in its docstring: how many bad neighbours a peer may have
+(``bad``), and on which graphs the guarantee holds.
+
+- :func:`clipped_mix`: self-centred clipping (He, Karimireddy & Jaggi 2022, "Byzantine-
+  robust decentralized learning via ClippedGossip"), with :func:`auto_radius`.
+- :func:`trimmed_mean` and :func:`coordinate_median`: coordinate-wise, over the peer and
+  its neighbours.
+- :func:`balance`: BALANCE's distance filter (Fang et al. 2024).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def distances(x: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
+    """Each neighbour's Euclidean distance to ``x`` (``[k]``, float64 sums): what the rules
+    below judge by, and what a peer records per neighbour to tell which one looks wrong."""
+    return torch.linalg.vector_norm((neighbours - x).double(), dim=1)
+
+
+def auto_radius(gaps: torch.Tensor, bad: int = 1) -> float:
+    """The clipping radius that clips the ``bad`` farthest neighbours to the distance of the
+    next one: the ``(bad + 1)``-th largest of ``gaps`` (the reference implementation's
+    choice for one bad neighbour: the second largest distance). With at most ``bad`` bad
+    neighbours, the radius is an honest neighbour's distance, whatever the bad ones send;
+    0 when there are no more neighbours than bad ones (nobody is trusted)."""
+    if bad < 0:
+        raise ValueError(f"bad = {bad}; the number of bad neighbours is at least 0")
+    if gaps.numel() <= bad:
+        return 0.0
+    return float(torch.topk(gaps, bad + 1).values[-1])
+
+
+def clipped_mix(
+    x: torch.Tensor,
+    neighbours: torch.Tensor,
+    weights: torch.Tensor,
+    self_weight: float,
+    radius: float | None = None,
+    bad: int = 1,
+) -> torch.Tensor:
+    """Self-centred clipping: ``W_ii x + Σ_j W_ij (x + clip(x_j − x, τ))``, where
+    ``clip(z, τ) = z · min(1, τ/‖z‖)``; ``τ`` is ``radius``, or :func:`auto_radius` of the
+    neighbours' distances for ``bad`` bad neighbours.
+
+    Assumes: each peer has at most ``bad`` bad neighbours, and those carry a small share of
+    its row of W (the paper's bound needs the bad weight well below the graph's spectral
+    gap). A bad neighbour j then moves x by at most ``W_ij τ``, and ``τ`` is an honest
+    neighbour's distance: as the honest models agree, τ shrinks and so does what a bad
+    neighbour can do. Cost: the k distances (one pass over the neighbours' models) and a
+    sort of k numbers; with no attack and ``τ`` at least the largest distance it is plain
+    gossip (an honest far neighbour is slowed, not cut off).
+    """
+    gaps = distances(x, neighbours)
+    if radius is None:
+        radius = auto_radius(gaps, bad)
+    scale = torch.where(gaps > radius, radius / gaps.clamp_min(1e-30), 1.0).to(x.dtype)
+    pull = ((neighbours - x) * (weights.to(x.dtype) * scale).unsqueeze(1)).sum(0)
+    kept = self_weight + float(weights.sum())
+    return x * kept + pull
+
+
+def trimmed_mean(x: torch.Tensor, neighbours: torch.Tensor, trim: int = 1) -> torch.Tensor:
+    """Coordinate-wise trimmed mean over the peer and its neighbours: in every coordinate
+    the ``trim`` largest and ``trim`` smallest values are dropped and the rest averaged.
+
+    Assumes: at most ``trim`` bad neighbours, and at least ``2·trim + 1`` values in all;
+    each output coordinate then lies between honest values of that coordinate. Ignores
+    the mixing weights (each kept value counts alike), so on irregular graphs it does not
+    keep the swarm's average. Cost: a sort of k + 1 values per coordinate."""
+    stacked = torch.cat([x.unsqueeze(0), neighbours])
+    count = stacked.shape[0]
+    if trim < 0 or count <= 2 * trim:
+        raise ValueError(
+            f"trim = {trim} of {count} values leaves none; a trimmed mean needs "
+            f"more than 2·trim values (the peer and its neighbours)"
+        )
+    ordered = torch.sort(stacked, dim=0).values
+    return ordered[trim : count - trim].mean(0)
+
+
+def coordinate_median(x: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise median of the peer and its neighbours (the mean of the two middle
+    values when there is an even number).
+
+    Assumes: fewer than half of the values are bad; each output coordinate then lies
+    between honest values. Like :func:`trimmed_mean` it ignores the mixing weights, and
+    on non-IID data the median of honest models is biased towards the majority. Cost: a
+    sort of k + 1 values per coordinate."""
+    stacked = torch.cat([x.unsqueeze(0), neighbours])
+    ordered = torch.sort(stacked, dim=0).values
+    count = stacked.shape[0]
+    return (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
+
+
+def balance(
+    x: torch.Tensor,
+    neighbours: torch.Tensor,
+    progress: float,
+    gamma: float = 0.5,
+    kappa: float = 1.0,
+    alpha: float = 0.5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BALANCE (Fang, Zhang, Yuan, Li and Gong 2024): a neighbour's model is accepted when
+    ``‖x − x_j‖ ≤ γ · exp(−κ · progress) · ‖x‖`` (``progress`` runs from 0 at the start
+    of training to 1 at its end, so the filter tightens as the models settle); the new
+    model is ``α x + (1 − α) · mean(accepted)``, or ``x`` if none is. Returns it and the
+    accepted mask.
+
+    Assumes: honest neighbours stay within the threshold of the peer (IID-ish data, or a
+    γ large enough for the heterogeneity); any number of bad neighbours is survived, since
+    a rejected one has no influence at all, but an accepted bad one moves ``x`` by at most
+    ``(1 − α) γ ‖x‖ / (accepted count)``. Cost: the k distances and one norm."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha = {alpha}; BALANCE keeps a share 0..1 of the own model")
+    threshold = gamma * math.exp(-kappa * progress) * float(torch.linalg.vector_norm(x.double()))
+    accepted = distances(x, neighbours) <= threshold
+    if not bool(accepted.any()):
+        return x.clone(), accepted
+    return x * alpha + neighbours[accepted].mean(0) * (1.0 - alpha), accepted

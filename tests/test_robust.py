@@ -1,0 +1,126 @@
+"""Byzantine robustness, the math: each defence bounds what one bad neighbour can do with a
+known bad vector, and each attack is what its paper describes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from gossipdl.averaging import attacks, robust
+
+
+def _swarm(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A peer's model and four honest neighbours' near it (dimension 50)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(50, generator=g)
+    return x, x + 0.1 * torch.randn(4, 50, generator=g)
+
+
+BAD = (
+    ("blown up", lambda x: 1e6 * x),
+    ("sign flip", lambda x: -x),
+    ("far away", lambda x: x + 1e3),
+)
+
+
+@pytest.mark.parametrize(("name", "make_bad"), BAD, ids=[b[0] for b in BAD])
+def test_clipping_bounds_one_bad_neighbour_by_its_weight_times_an_honest_distance(
+    name: str, make_bad: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """With the radius chosen for one bad neighbour, the result moves from plain gossip
+    over the honest neighbours (the bad one's weight left on the peer) by at most the bad
+    weight times the largest honest distance, whatever the bad vector."""
+    x, honest = _swarm()
+    bad = make_bad(x)
+    neighbours = torch.cat([honest, bad.unsqueeze(0)])
+    weights = torch.full((5,), 0.15)
+    out = robust.clipped_mix(x, neighbours, weights, self_weight=0.25, bad=1)
+    honest_only = x * (0.25 + 0.15) + (honest * 0.15).sum(0)
+    largest = float(robust.distances(x, honest).max())
+    assert float(torch.linalg.vector_norm(out - honest_only)) <= 0.15 * largest + 1e-5
+    plain = x * 0.25 + (neighbours * 0.15).sum(0)  # what plain gossip makes of it
+    assert float(torch.linalg.vector_norm(plain - honest_only)) > 10 * 0.15 * largest
+
+
+def test_clipping_with_a_radius_past_every_distance_is_plain_gossip() -> None:
+    x, honest = _swarm(1)
+    weights = torch.tensor([0.2, 0.2, 0.2, 0.2])
+    out = robust.clipped_mix(x, honest, weights, self_weight=0.2, radius=1e9)
+    torch.testing.assert_close(out, x * 0.2 + (honest * 0.2).sum(0))
+    assert robust.auto_radius(torch.tensor([3.0, 1.0, 2.0]), bad=1) == 2.0
+    assert robust.auto_radius(torch.tensor([3.0]), bad=1) == 0.0  # nobody to trust
+
+
+@pytest.mark.parametrize(("name", "make_bad"), BAD, ids=[b[0] for b in BAD])
+def test_trimmed_mean_and_median_stay_between_honest_values(
+    name: str, make_bad: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    x, honest = _swarm(2)
+    neighbours = torch.cat([honest, make_bad(x).unsqueeze(0)])
+    values = torch.cat([x.unsqueeze(0), honest])
+    low, high = values.min(0).values, values.max(0).values
+    rules = (robust.trimmed_mean(x, neighbours, trim=1), robust.coordinate_median(x, neighbours))
+    for out in rules:
+        assert bool(((out >= low - 1e-6) & (out <= high + 1e-6)).all())
+    with pytest.raises(ValueError, match="more than 2·trim"):
+        robust.trimmed_mean(x, neighbours[:1], trim=1)
+
+
+def test_balance_rejects_a_far_neighbour_and_averages_the_rest() -> None:
+    x, honest = _swarm(3)
+    neighbours = torch.cat([honest, (x + 1e3).unsqueeze(0)])
+    out, accepted = robust.balance(x, neighbours, progress=0.0, gamma=0.5, alpha=0.5)
+    assert accepted.tolist() == [True, True, True, True, False]
+    torch.testing.assert_close(out, 0.5 * x + 0.5 * honest.mean(0))
+    late, late_accepted = robust.balance(x, honest * 1.5, progress=1.0, gamma=0.5)
+    assert not bool(late_accepted.any()) and torch.equal(late, x)  # nobody close enough
+
+
+def test_alie_sits_z_standard_deviations_inside_the_honest_spread() -> None:
+    x, honest = _swarm(4)
+    z = attacks.alie_z(16, 2)
+    assert z == pytest.approx(0.1573, abs=1e-4)  # Φ(z) = (16 − s)/16, s = ⌊16/2 + 1⌋ − 2
+    assert attacks.alie_z(50, 24) == pytest.approx(1.75, abs=0.01)  # the paper's n = 50 row
+    sent = attacks.alie(x, honest, z)
+    models = torch.cat([x.unsqueeze(0), honest])
+    mean, std = models.mean(0), models.std(0)
+    torch.testing.assert_close((mean - sent) / std, torch.full_like(mean, z))
+
+
+def test_inner_product_manipulation_points_against_the_honest_mean() -> None:
+    x, honest = _swarm(5)
+    sent = attacks.inner_product_manipulation(x, honest, epsilon=0.1)
+    mean = torch.cat([x.unsqueeze(0), honest]).mean(0)
+    assert float(sent @ mean) == pytest.approx(-0.1 * float(mean @ mean), rel=1e-5)
+
+
+def test_dissensus_cancels_then_reverses_the_honest_pull_under_plain_gossip() -> None:
+    """The victim mixes with weight 0.2 on itself, 0.2 on each of three honest neighbours
+    and 0.2 on the attacker: with ε = 1 it stays where it is; with ε = 2 it moves away
+    from its honest neighbours' mean."""
+    victim, honest = _swarm(6)
+    honest = honest[:3]
+    weights = torch.full((3,), 0.2)
+    for epsilon, moved in ((1.0, 0.0), (2.0, None)):
+        sent = attacks.dissensus(victim, honest, weights, 0.2, epsilon)
+        mixed = victim * 0.2 + (honest * 0.2).sum(0) + sent * 0.2
+        target = honest.mean(0)
+        before = float(torch.linalg.vector_norm(victim - target))
+        after = float(torch.linalg.vector_norm(mixed - target))
+        if moved == 0.0:
+            torch.testing.assert_close(mixed, victim)
+        else:
+            assert after > before
+
+
+def test_the_crude_attacks_and_flipped_labels() -> None:
+    x, _ = _swarm(7)
+    torch.testing.assert_close(attacks.sign_flip(x), -x)
+    torch.testing.assert_close(attacks.scaled(x, 100.0), 100 * x)
+    noisy = attacks.gaussian(x, 2.0, torch.Generator().manual_seed(0))
+    assert float((noisy - x).std()) == pytest.approx(2.0, rel=0.3)
+    labels = torch.tensor([0, 3, 9])
+    assert attacks.flip_labels(labels, 10).tolist() == [9, 6, 0]
+    assert torch.equal(attacks.flip_labels(attacks.flip_labels(labels, 10), 10), labels)
