@@ -86,6 +86,13 @@ class Config:
         default=0.0,
         metadata={"help": "consensus step of CHOCO and PowerGossip (0: chosen automatically)"},
     )
+    defence: str = field(
+        default="none",
+        metadata={
+            "help": "Byzantine-robust combining for dense gossip: none, clip[:BAD], "
+            "trimmed[:TRIM], median, balance[:GAMMA]"
+        },
+    )
     loss: float = field(
         default=0.0, metadata={"help": "fraction of model messages dropped on purpose (testing)"}
     )
@@ -442,6 +449,7 @@ def _validate(c: Config) -> None:
         check_trigger,
         parse_trigger,
     )
+    from gossipdl.averaging.robust import parse_defence
     from gossipdl.compression import CodecError, build_codec
     from gossipdl.conditions import (
         ConditionError,
@@ -502,7 +510,17 @@ def _validate(c: Config) -> None:
         f"algorithm = {c.algorithm!r}; choose one of {', '.join(available_algorithms())}",
     )
     try:
-        check_trigger(parse_trigger(c.trigger), build_averager(c.algorithm, c.codec))
+        parse_defence(c.defence)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _check(
+        c.defence == "none" or c.mode == "gossip",
+        f"defence = {c.defence!r} combines gossip neighbours' models; mode {c.mode!r} has none "
+        "(use mode gossip, or defence none)",
+    )
+    try:
+        averager = build_averager(c.algorithm, c.codec, defence=c.defence)
+        check_trigger(parse_trigger(c.trigger), averager)
     except TriggerError as exc:
         raise ConfigError(f"trigger = {c.trigger!r}: {exc}") from None
     except ValueError as exc:

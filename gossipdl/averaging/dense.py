@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round, mix
+from gossipdl.averaging.robust import Defence
 from gossipdl.compression import Payload
 
 LATE_ROUNDS = 4
@@ -28,14 +29,19 @@ class DenseGossip(Averager):
     make both ends agree), and moves the average once by ``W_ij (x_i − x_j) / n``.
     With a lossy codec this is naive compressed gossip (the model itself quantized),
     which is why CHOCO is the default as soon as the codec is lossy.
+
+    With a ``defence`` (:mod:`gossipdl.averaging.robust`) the arrived models are combined
+    by that rule instead of the weighted average, and a late model is not paired up:
+    a robust rule judges the models of one round together.
     """
 
     name = "dense"
     arrivals_read_only = True  # the average reads what arrived
     accepts_late = True  # a late model pairs up with the own model of its round
 
-    def __init__(self, codec: str = "none", seed: int = 0) -> None:
+    def __init__(self, codec: str = "none", seed: int = 0, defence: Defence | None = None):
         super().__init__(codec, seed)
+        self.defence = defence
         # round -> (own model of that round, neighbours whose model is still missing)
         self._held: OrderedDict[int, tuple[torch.Tensor, set[int]]] = OrderedDict()
 
@@ -55,7 +61,14 @@ class DenseGossip(Averager):
         missing: Sequence[int],
         late: Sequence[tuple[int, Arrival]] = (),
     ) -> torch.Tensor:
-        """Weighted average of ``x`` and the arrived vectors, plus the late ones' edges."""
+        """Weighted average of ``x`` and the arrived vectors, plus the late ones' edges (or
+        the defence's combination of the arrived ones)."""
+        if self.defence is not None and arrived:
+            got = list(arrived.values())
+            weights = torch.tensor([a.weight for a in got], dtype=torch.float64)
+            kept = rnd.self_weight + sum(rnd.weights.values()) - float(weights.sum())
+            neighbours = torch.stack([a.value for a in got])
+            return self.defence.combine(x, neighbours, weights, kept)
         out = mix(x, rnd, list(arrived.values()))
         for j, arrival in late:
             held = self._held.get(arrival.round)
@@ -65,7 +78,7 @@ class DenseGossip(Averager):
                 waiting.discard(j)
                 if not waiting:
                     del self._held[arrival.round]
-        if missing:
+        if missing and self.defence is None:
             self._held[rnd.index] = (x.clone(), set(missing))
             while len(self._held) > LATE_ROUNDS:
                 self._held.popitem(last=False)

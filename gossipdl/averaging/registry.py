@@ -11,6 +11,7 @@ from gossipdl.averaging.choco import Choco
 from gossipdl.averaging.dense import DenseGossip
 from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.averaging.power_gossip import PowerGossip
+from gossipdl.averaging.robust import parse_defence
 from gossipdl.compression import build_codec
 
 AveragerFactory = Callable[[str, int, "float | None"], Averager]
@@ -43,10 +44,23 @@ def resolve_algorithm(name: str, codec: str) -> str:
 
 
 def build_averager(
-    name: str = "auto", codec: str = "none", seed: int = 0, gamma: float | None = None
+    name: str = "auto",
+    codec: str = "none",
+    seed: int = 0,
+    gamma: float | None = None,
+    defence: str = "none",
 ) -> Averager:
-    """The averaging strategy ``name`` with codec ``codec``."""
+    """The averaging strategy ``name`` with codec ``codec`` (dense gossip: and ``defence``,
+    a Byzantine-robust rule, :func:`~gossipdl.averaging.robust.parse_defence`)."""
     name = resolve_algorithm(name, codec)
+    rule = parse_defence(defence)
+    if rule is not None:
+        if name != "dense":
+            raise ValueError(
+                f"defence = {defence!r} combines neighbours' models as they are, which dense "
+                f"gossip sends; algorithm {name!r} sends something else: use algorithm dense"
+            )
+        return DenseGossip(codec, seed, rule)
     try:
         factory = _ALGORITHMS[name]
     except KeyError:

@@ -17,6 +17,7 @@ tensor. What a rule assumes is in its docstring: how many bad neighbours a peer 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -127,3 +128,55 @@ def balance(
     if not bool(accepted.any()):
         return x.clone(), accepted
     return x * alpha + neighbours[accepted].mean(0) * (1.0 - alpha), accepted
+
+
+DEFENCES = "none, clip[:BAD], trimmed[:TRIM], median, balance[:GAMMA]"
+
+
+@dataclass(frozen=True)
+class Defence:
+    """A ``defence`` setting: which rule combines the neighbours' models, and its number
+    (clip: bad neighbours assumed; trimmed: values trimmed per side; balance: γ)."""
+
+    rule: str
+    param: float
+
+    def combine(
+        self, x: torch.Tensor, neighbours: torch.Tensor, weights: torch.Tensor, kept: float
+    ) -> torch.Tensor:
+        """The new model from ``x`` and the neighbours' models that arrived (``[k, n]``, their
+        mixing ``weights``; ``kept``: the row's weight left on the peer, a missing
+        neighbour's included). Only clipping uses the weights; the coordinate-wise rules and
+        BALANCE count every model alike. BALANCE runs without its schedule (progress 0): a
+        peer does not know how long training lasts."""
+        if self.rule == "clip":
+            return clipped_mix(x, neighbours, weights, kept, bad=int(self.param))
+        if self.rule == "trimmed":
+            return trimmed_mean(x, neighbours, int(self.param))
+        if self.rule == "median":
+            return coordinate_median(x, neighbours)
+        return balance(x, neighbours, progress=0.0, gamma=self.param)[0]
+
+
+def parse_defence(spec: str) -> Defence | None:
+    """``spec`` as a :class:`Defence` (None for ``none``); ValueError naming the forms.
+
+    Example:
+        >>> parse_defence("clip:2"), parse_defence("none")
+        (Defence(rule='clip', param=2.0), None)
+    """
+    name, _, arg = spec.partition(":")
+    usage = f"defence = {spec!r}; use one of {DEFENCES}"
+    defaults = {"clip": 1.0, "trimmed": 1.0, "median": 0.0, "balance": 0.5}
+    if name == "none" and not arg:
+        return None
+    if name not in defaults or (arg and name == "median"):
+        raise ValueError(usage)
+    try:
+        value = float(arg) if arg else defaults[name]
+    except ValueError:
+        raise ValueError(usage) from None
+    whole = name in ("clip", "trimmed")
+    if not math.isfinite(value) or value < 0 or (whole and not value.is_integer()):
+        raise ValueError(f"{usage} ({name}'s number is a {'count' if whole else 'γ'} >= 0)")
+    return Defence(name, value)

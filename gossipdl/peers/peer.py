@@ -96,7 +96,9 @@ class Peer:
     codec ``algorithm="auto"`` is CHOCO-SGD with the codec's default ``gamma``.
     A lost message (a gap in a neighbour's sequence numbers) triggers a dense
     resync of the public copies two rounds later. ``loss`` drops that fraction
-    of this peer's model messages on purpose, to test exactly that.
+    of this peer's model messages on purpose, to test exactly that. ``defence``
+    (dense gossip: ``clip[:BAD]``, ``trimmed[:TRIM]``, ``median``, ``balance[:GAMMA]``)
+    combines the neighbours' models by a Byzantine-robust rule instead of averaging.
 
     ``trigger`` says when to talk: ``"always"`` (every step), ``"periodic:H"``
     (local SGD, every H steps) or ``"dynamic:DELTA[%][:B]"`` (every B steps,
@@ -159,6 +161,7 @@ class Peer:
         codec: str = "none",
         trigger: str = "always",
         gamma: float | None = None,
+        defence: str = "none",
         loss: float = 0.0,
         min_peers: int | None = None,
         seed: int = 0,
@@ -211,7 +214,9 @@ class Peer:
         ring = algorithm == "allreduce"
         if ring:
             check_ring_codec(codec)
-        self.averager = build_averager("dense" if ring else algorithm, codec, seed, gamma)
+        self.averager = build_averager(
+            "dense" if ring else algorithm, codec, seed, gamma, "none" if ring else defence
+        )
         self.averager.bind_layout([tuple(p.shape) for p in self.params])
         self.trigger = parse_trigger(trigger)
         check_trigger(self.trigger, self.averager)

@@ -142,6 +142,7 @@ def train_peer(
             codec=config.codec,
             trigger=config.trigger,
             gamma=config.gamma or None,
+            defence=config.defence,
             loss=config.loss,
             min_peers=1 if single else config.peers,
             seed=config.seed,

@@ -96,6 +96,8 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
         problems.append(f"codec {config.codec!r} (batched dense gossip sends models uncompressed)")
     if parse_trigger(config.trigger).dynamic:
         problems.append(f"trigger {config.trigger!r} (batched runs always and periodic:H)")
+    if config.defence != "none":
+        problems.append(f"defence {config.defence!r} (batched mixes by plain averaging)")
     if config.optimizer != "sgd":
         problems.append(f"optimizer {config.optimizer!r} (batched steps sgd)")
     for name in ("drift", "faults"):

@@ -240,7 +240,9 @@ class Simulation:
     def _averager(self) -> Averager:
         """The averaging rule of one peer's protocol core (a new one per peer)."""
         config = self.config
-        return build_averager(config.algorithm, config.codec, config.seed, config.gamma or None)
+        return build_averager(
+            config.algorithm, config.codec, config.seed, config.gamma or None, config.defence
+        )
 
     def _averager_for(self, model: torch.nn.Module) -> Averager:
         """:meth:`_averager`, told the shapes of ``model``'s parameters."""
