@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gossipdl.averaging import attacks, robust
+from gossipdl.rundir import RunDir
 
 
 def _swarm(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,8 +141,17 @@ def test_dense_gossip_with_a_defence_keeps_a_bad_neighbours_model_out() -> None:
     plain = build_averager("dense").incoming(x, rnd, arrivals, [])
     assert float(torch.linalg.vector_norm(plain - honest_mean)) > 1e4
     for defence in ("clip", "trimmed", "median", "balance"):
-        out = build_averager("dense", defence=defence).incoming(x, rnd, arrivals, [])
+        averager = build_averager("dense", defence=defence)
+        for _ in range(3):
+            out = averager.incoming(x, rnd, arrivals, [])
         assert float(torch.linalg.vector_norm(out - honest_mean)) < 1.0, defence
+        # detection: the bad one stands out in the peer's metrics
+        judged = averager.metrics()["neighbours"]
+        assert set(judged) == {"1", "2", "3", "4"} and judged["4"]["rounds"] == 3
+        honest_aside = max(judged[j]["filtered"] for j in "123")  # a median sets most aside
+        assert judged["4"]["filtered"] > 0.9 and judged["4"]["filtered"] > honest_aside
+        assert judged["4"]["distance"] > 1e4 * max(judged[j]["distance"] for j in "123")
+    assert build_averager("dense").metrics() == {}  # no defence, no such key
 
 
 def test_a_defence_is_named_and_checked_in_the_config() -> None:
@@ -184,3 +194,6 @@ def test_a_simulated_swarm_trains_under_every_defence(tmp_path: Path) -> None:
     assert accuracy["none"] > 0.6 and min(accuracy.values()) >= accuracy["none"] - 0.05, accuracy
     for defence, result in results.items():
         assert result["consensus_distance"] < alone / 3, (defence, result["consensus_distance"])
+    last = list(RunDir(tmp_path / "clip" / "run").records(0))[-1]
+    assert set(last["neighbours"]) == {"1", "7"}  # peer 0's ring neighbours, judged
+    assert "neighbours" not in list(RunDir(tmp_path / "none" / "run").records(0))[-1]

@@ -120,6 +120,10 @@ class Averager(ABC):
         ``x`` is the round's model, which the caller does not write afterwards: a
         payload may share its memory until it is sent."""
 
+    def metrics(self) -> dict[str, Any]:
+        """The averager's own part of a metrics line (nothing, but for a defended one)."""
+        return {}
+
     def sent_mask(self) -> torch.Tensor | None:
         """The coordinates the last :meth:`outgoing` sent, for DGC's momentum factor masking
         (the peer zeroes its optimizer's momentum there), or None where masking does not

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round, mix
-from gossipdl.averaging.robust import Defence
+from gossipdl.averaging.robust import Defence, distances
 from gossipdl.compression import Payload
 
 LATE_ROUNDS = 4
@@ -42,8 +43,26 @@ class DenseGossip(Averager):
     def __init__(self, codec: str = "none", seed: int = 0, defence: Defence | None = None):
         super().__init__(codec, seed)
         self.defence = defence
+        self._judged: dict[int, list[float]] = {}  # sender -> [rounds, Σ distance, Σ set aside]
         # round -> (own model of that round, neighbours whose model is still missing)
         self._held: OrderedDict[int, tuple[torch.Tensor, set[int]]] = OrderedDict()
+
+    def metrics(self) -> dict[str, Any]:
+        """With a defence, ``neighbours``: per neighbour id, the ``rounds`` its model was
+        judged, its mean ``distance`` to this peer's model and the share the defence set
+        aside (``filtered``), over the whole run: the neighbour that looks wrong stands out."""
+        if self.defence is None:
+            return {}
+        return {
+            "neighbours": {
+                str(j): {
+                    "rounds": int(n),
+                    "distance": round(total / n, 6),
+                    "filtered": round(aside / n, 4),
+                }
+                for j, (n, total, aside) in sorted(self._judged.items())
+            }
+        }
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """The whole parameter vector, encoded; uncompressed, the payload is ``x``'s own
@@ -68,6 +87,13 @@ class DenseGossip(Averager):
             weights = torch.tensor([a.weight for a in got], dtype=torch.float64)
             kept = rnd.self_weight + sum(rnd.weights.values()) - float(weights.sum())
             neighbours = torch.stack([a.value for a in got])
+            gaps = distances(x, neighbours).tolist()
+            aside = self.defence.filtered(x, neighbours).tolist()
+            for j, gap, share in zip(arrived, gaps, aside, strict=True):
+                judged = self._judged.setdefault(j, [0.0, 0.0, 0.0])
+                judged[0] += 1
+                judged[1] += gap
+                judged[2] += share
             return self.defence.combine(x, neighbours, weights, kept)
         out = mix(x, rnd, list(arrived.values()))
         for j, arrival in late:

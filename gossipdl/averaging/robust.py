@@ -157,6 +157,25 @@ class Defence:
             return coordinate_median(x, neighbours)
         return balance(x, neighbours, progress=0.0, gamma=self.param)[0]
 
+    def filtered(self, x: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
+        """How much of each neighbour's model the rule set aside (``[k]``, 0..1): clipping
+        and BALANCE 1 for a model clipped or rejected, the coordinate-wise rules the share
+        of its coordinates outside the values they kept. What a peer records per
+        neighbour, so a report can show which one looks wrong."""
+        if self.rule in ("clip", "balance"):
+            gaps = distances(x, neighbours)
+            if self.rule == "clip":
+                limit = auto_radius(gaps, int(self.param))
+            else:
+                limit = self.param * float(torch.linalg.vector_norm(x.double()))
+            return (gaps > limit).double()
+        stacked = torch.cat([x.unsqueeze(0), neighbours])
+        count = stacked.shape[0]
+        trim = int(self.param) if self.rule == "trimmed" else (count - 1) // 2
+        ordered = torch.sort(stacked, dim=0).values
+        low, high = ordered[trim], ordered[count - 1 - trim]
+        return ((neighbours < low) | (neighbours > high)).double().mean(1)
+
 
 def parse_defence(spec: str) -> Defence | None:
     """``spec`` as a :class:`Defence` (None for ``none``); ValueError naming the forms.

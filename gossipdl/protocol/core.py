@@ -459,6 +459,7 @@ class GossipCore:
             "idle_s": round(counters.idle_s, 4),
             "members": len(self.membership.in_swarm()),
             "declared_dead": counters.declared_dead,
+            **self.averager.metrics(),
         }
 
     def neighbours(self, round: int | None = None) -> list[int]:
