@@ -35,7 +35,7 @@ from gossipdl.suggest import did_you_mean
 from gossipdl.transport.shaping import LinkError, LinkProfile, parse_link, parse_windows
 
 LINK_KEYS = ("up", "down", "latency", "jitter", "loss")
-PROFILE_KEYS = ("peers", *LINK_KEYS, "slowdown", "step_time", "offline")
+PROFILE_KEYS = ("peers", *LINK_KEYS, "slowdown", "step_time", "offline", "byzantine")
 _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ms|s)")  # a string names its unit
 
 
@@ -135,6 +135,7 @@ class DeviceProfile:
     link: LinkProfile = dataclasses.field(default_factory=LinkProfile)
     slowdown: float = 1.0
     step_time: float = 0.0
+    byzantine: str = ""  # an attack (gossipdl.averaging.attacks.parse_attack): its peers lie
 
 
 def parse_peer_ids(value: Any, peers: int, what: str, key: str = "peers") -> tuple[int, ...]:
@@ -196,12 +197,21 @@ def parse_profile(name: str, table: Mapping[str, Any], peers: int) -> DeviceProf
         offline = parse_windows(table.get("offline", []))
     except LinkError as exc:
         raise ConditionError(f"{what}: {exc}") from None
+    byzantine = str(table.get("byzantine", ""))
+    if byzantine:
+        from gossipdl.averaging.attacks import parse_attack
+
+        try:
+            parse_attack(byzantine)
+        except ValueError as exc:
+            raise ConditionError(f"{what}: {exc}") from None
     return DeviceProfile(
         name,
         parse_peer_ids(table["peers"], peers, what),
         dataclasses.replace(link, offline=offline),
         float(slowdown),
         step_time,
+        byzantine,
     )
 
 

@@ -449,6 +449,7 @@ def _validate(c: Config) -> None:
         check_trigger,
         parse_trigger,
     )
+    from gossipdl.averaging.attacks import parse_attack
     from gossipdl.averaging.robust import parse_defence
     from gossipdl.compression import CodecError, build_codec
     from gossipdl.conditions import (
@@ -537,6 +538,16 @@ def _validate(c: Config) -> None:
         f"profiles: offline windows need the gossip mode, where the swarm drops a silent peer "
         f"and takes it back; the {c.mode} mode would stop or wait for it",
     )
+    liars = sorted(i for i, d in devices.items() if d.byzantine)
+    if liars:
+        _check(
+            c.mode == "gossip",
+            f"profiles: byzantine peers {liars} lie to gossip neighbours; mode {c.mode!r} has none",
+        )
+        try:
+            build_averager(c.algorithm, c.codec, attack=parse_attack(devices[liars[0]].byzantine))
+        except ValueError as exc:
+            raise ConfigError(f"profiles: {exc}") from None
     _check(
         c.dataset in available_datasets() or ":" in c.dataset,
         f"dataset = {c.dataset!r}; choose one of {', '.join(available_datasets())} "

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from gossipdl.averaging import parse_trigger
-from gossipdl.conditions import Drift, parse_drift
+from gossipdl.averaging.attacks import Attack, alie_z, parse_attack
+from gossipdl.conditions import Drift, parse_drift, parse_profiles
 from gossipdl.config import Config
 from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
 from gossipdl.models import build_model
@@ -54,7 +55,11 @@ def peer_sampler(
     shard = shard_for(config, dataset, peer_id)
     batch = config.batch_size * (config.peers if config.mode == "single" else 1)
     seed = sampler_seed(config, peer_id, step)
-    return BatchSampler(dataset.x_train[shard], dataset.y_train[shard], batch, seed, device)
+    labels = dataset.y_train[shard]
+    attack = byzantine_of(config, peer_id) if config.mode == "gossip" else None
+    if attack is not None and attack.name == "label-flip":  # trains honestly on lies
+        labels = dataset.num_classes - 1 - labels
+    return BatchSampler(dataset.x_train[shard], labels, batch, seed, device)
 
 
 def sampler_seed(config: Config, peer_id: int, step: int = 0) -> int:
@@ -164,6 +169,23 @@ def ps_worker_settings(config: Config, dataset: Dataset, rank: int) -> WorkerSet
         timeout=config.round_timeout,
         seed=config.seed,
     )
+
+
+def byzantine_of(config: Config, peer_id: int | None) -> Attack | None:
+    """The attack peer ``peer_id`` runs (its profile's ``byzantine``), None for an honest
+    peer (or one without a rank yet). ALIE's z, unless given, comes from the swarm's size
+    and how many of its peers are Byzantine (:func:`~gossipdl.averaging.attacks.alie_z`)."""
+    if peer_id is None:
+        return None
+    profiles = parse_profiles(config.profiles, config.peers)
+    profile = profiles.get(peer_id)
+    if profile is None or not profile.byzantine:
+        return None
+    attack = parse_attack(profile.byzantine)
+    if attack.name == "alie" and attack.param is None:
+        byzantine = sum(1 for p in profiles.values() if p.byzantine)
+        attack = Attack("alie", alie_z(config.peers, byzantine))
+    return attack
 
 
 def drift_of(config: Config, peer_id: int) -> Drift | None:

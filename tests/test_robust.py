@@ -197,3 +197,83 @@ def test_a_simulated_swarm_trains_under_every_defence(tmp_path: Path) -> None:
     last = list(RunDir(tmp_path / "clip" / "run").records(0))[-1]
     assert set(last["neighbours"]) == {"1", "7"}  # peer 0's ring neighbours, judged
     assert "neighbours" not in list(RunDir(tmp_path / "none" / "run").records(0))[-1]
+
+
+def _honest_accuracy(summary: dict, byzantine: set[int]) -> float:
+    honest = [p["accuracy"] for p in summary["peers"] if p["id"] not in byzantine]
+    return sum(honest) / len(honest)
+
+
+def test_a_byzantine_peer_wrecks_plain_gossip_and_clipping_holds_it_off(tmp_path: Path) -> None:
+    """Eight simulated peers on a ring, peer 3 Byzantine: a blown-up model (scaled ×100)
+    and the dissensus attack take plain dense gossip's honest peers below 50%; with
+    clipping they stay within 2 points of the attack-free run."""
+    from conftest import small_config
+
+    from gossipdl.experiments.simulated import simulate
+
+    def run(name: str, attack: str | None, defence: str) -> float:
+        profiles = {"liar": {"peers": "3", "byzantine": attack}} if attack else {}
+        config = small_config(
+            tmp_path / name, peers=8, topology="ring", steps=80, defence=defence,
+            profiles=profiles,
+        )  # fmt: skip
+        return _honest_accuracy(simulate(config, step_time=0.01), {3})
+
+    clean = run("clean", None, "clip")
+    for attack in ("scaled", "dissensus"):
+        assert run(f"{attack}-plain", attack, "none") < 0.5, attack
+        assert run(f"{attack}-clip", attack, "clip") >= clean - 0.02, attack
+
+
+def test_a_byzantine_averager_sends_what_its_attack_makes_of_its_model() -> None:
+    from gossipdl.averaging import Arrival, Round
+    from gossipdl.averaging.attacks import parse_attack
+    from gossipdl.averaging.byzantine import ByzantineGossip
+    from gossipdl.averaging.dense import DenseGossip
+
+    x, honest = _swarm(9)
+    rnd = Round(1, {1: 0.25, 2: 0.25, 3: 0.25}, 0.25)
+    seen = {j: Arrival(0.25, honest[j - 1], 0) for j in (1, 2, 3)}
+
+    def sent(spec: str) -> object:
+        liar = ByzantineGossip(parse_attack(spec))
+        liar.incoming(x, rnd, seen, [])  # it learns what its neighbours sent
+        return liar.outgoing(x, rnd)
+
+    def model(payload: object) -> torch.Tensor:
+        return DenseGossip().decode(payload, False, 50, torch.device("cpu"))  # type: ignore[arg-type]
+
+    torch.testing.assert_close(model(sent("scaled:3")), 3 * x)
+    torch.testing.assert_close(model(sent("sign-flip")), -x)
+    crowd = honest[:3]
+    ipm = attacks.inner_product_manipulation(x, crowd, 0.5)
+    torch.testing.assert_close(model(sent("ipm:0.5")), ipm)
+    torch.testing.assert_close(model(sent("alie:1.0")), attacks.alie(x, crowd, 1.0))
+    per_neighbour = sent("dissensus:1.0")
+    assert isinstance(per_neighbour, dict) and sorted(per_neighbour) == [1, 2, 3]
+    victim = model(per_neighbour[1])  # cancels the others' pull on neighbour 1 (ε = 1)
+    expected = attacks.dissensus(honest[0], honest[1:3], torch.tensor([0.25, 0.25]), 0.25, 1.0)
+    torch.testing.assert_close(victim, expected)
+    stale = ByzantineGossip(parse_attack("stale"))
+    first = model(stale.outgoing(x, rnd))
+    torch.testing.assert_close(model(stale.outgoing(x + 1, rnd)), first)  # frozen for good
+
+
+def test_real_peers_with_clipping_shrug_off_a_byzantine_peer_process(tmp_path: Path) -> None:
+    """Four real peer processes on a ring, peer 1 sends its model blown up ×100 over real
+    sockets; with clipping the honest three train as without it, and their metrics name
+    peer 1 as the neighbour set aside."""
+    from conftest import small_config
+
+    from gossipdl.experiments.launcher import launch
+
+    config = small_config(
+        tmp_path, peers=4, topology="ring", steps=60, defence="clip",
+        profiles={"liar": {"peers": "1", "byzantine": "scaled"}},
+    )  # fmt: skip
+    summary = launch(config, progress=False)
+    assert summary["peers_finished"] == 4
+    assert _honest_accuracy(summary, {1}) > 0.8, summary["peers"]
+    judged = list(RunDir(config.out).records(0))[-1]["neighbours"]
+    assert judged["1"]["filtered"] > 0.9 > 0.1 > judged["3"]["filtered"], judged

@@ -20,6 +20,7 @@ of the round it crashed in.)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from statistics import NormalDist
 
 import torch
@@ -90,3 +91,52 @@ def dissensus(
 def flip_labels(labels: torch.Tensor, classes: int) -> torch.Tensor:
     """Label ``l`` becomes ``classes − 1 − l``: a peer that trains on poisoned data."""
     return classes - 1 - labels
+
+
+ATTACKS = (
+    "sign-flip, scaled[:FACTOR], gaussian[:SIGMA], alie[:Z], ipm[:EPSILON], "
+    "dissensus[:EPSILON], stale, label-flip"
+)
+_DEFAULTS: dict[str, float | None] = {
+    "sign-flip": None,
+    "scaled": 100.0,
+    "gaussian": 1.0,
+    "alie": None,  # z from the swarm's size and how many are Byzantine (alie_z)
+    "ipm": 0.1,
+    "dissensus": 1.5,
+    "stale": None,
+    "label-flip": None,
+}
+
+
+@dataclass(frozen=True)
+class Attack:
+    """What a Byzantine peer does (a profile's ``byzantine`` key): the attack's name and its
+    number, if it takes one (``scaled``: the factor, ``gaussian``: σ, ``alie``: z,
+    ``ipm`` and ``dissensus``: ε)."""
+
+    name: str
+    param: float | None = None
+
+
+def parse_attack(spec: str) -> Attack:
+    """``spec`` as an :class:`Attack`; ValueError naming the forms.
+
+    Example:
+        >>> parse_attack("scaled"), parse_attack("ipm:0.5")
+        (Attack(name='scaled', param=100.0), Attack(name='ipm', param=0.5))
+    """
+    name, _, arg = str(spec).partition(":")
+    usage = f"byzantine = {spec!r}; use one of {ATTACKS}"
+    if name not in _DEFAULTS:
+        raise ValueError(usage)
+    takes = name in ("scaled", "gaussian", "alie", "ipm", "dissensus")
+    if arg and not takes:
+        raise ValueError(f"{usage} ({name} takes no number)")
+    try:
+        param = float(arg) if arg else _DEFAULTS[name]
+    except ValueError:
+        raise ValueError(usage) from None
+    if param is not None and not math.isfinite(param):
+        raise ValueError(f"{usage} (its number must be finite)")
+    return Attack(name, param)

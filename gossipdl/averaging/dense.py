@@ -64,9 +64,13 @@ class DenseGossip(Averager):
             }
         }
 
-    def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
-        """The whole parameter vector, encoded; uncompressed, the payload is ``x``'s own
-        memory on a CPU (the round's model, which nobody writes: no copy, no estimate)."""
+    def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload | Mapping[int, Payload]:
+        """The whole parameter vector, encoded (:meth:`encoded`)."""
+        return self.encoded(x)
+
+    def encoded(self, x: torch.Tensor) -> Payload:
+        """``x`` as sent; uncompressed, the payload is ``x``'s own memory on a CPU (the
+        round's model, which nobody writes: no copy, no estimate)."""
         if self.codec.spec == "none" and x.device.type == "cpu":
             return Payload((x.detach().numpy(),), {})
         payload, _ = self.codec.encode(x)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gossipdl.averaging.attacks import Attack
 from gossipdl.averaging.base import Averager
 from gossipdl.averaging.beer import Beer
 from gossipdl.averaging.broadcast import Broadcast
+from gossipdl.averaging.byzantine import ByzantineGossip
 from gossipdl.averaging.choco import Choco
 from gossipdl.averaging.dense import DenseGossip
 from gossipdl.averaging.gossip_learning import GossipLearning
@@ -49,17 +51,22 @@ def build_averager(
     seed: int = 0,
     gamma: float | None = None,
     defence: str = "none",
+    attack: Attack | None = None,
 ) -> Averager:
     """The averaging strategy ``name`` with codec ``codec`` (dense gossip: and ``defence``,
-    a Byzantine-robust rule, :func:`~gossipdl.averaging.robust.parse_defence`)."""
+    a Byzantine-robust rule, :func:`~gossipdl.averaging.robust.parse_defence`; a
+    Byzantine peer's ``attack``, :class:`~gossipdl.averaging.byzantine.ByzantineGossip`)."""
     name = resolve_algorithm(name, codec)
     rule = parse_defence(defence)
+    if (rule is not None or attack is not None) and name != "dense":
+        what = f"defence = {defence!r}" if attack is None else f"byzantine {attack.name!r}"
+        raise ValueError(
+            f"{what} works on the models dense gossip sends; algorithm {name!r} sends "
+            "something else: use algorithm dense"
+        )
+    if attack is not None:
+        return ByzantineGossip(attack, codec, seed, rule)
     if rule is not None:
-        if name != "dense":
-            raise ValueError(
-                f"defence = {defence!r} combines neighbours' models as they are, which dense "
-                f"gossip sends; algorithm {name!r} sends something else: use algorithm dense"
-            )
         return DenseGossip(codec, seed, rule)
     try:
         factory = _ALGORITHMS[name]

@@ -21,6 +21,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from gossipdl.averaging import build_averager
+from gossipdl.averaging.attacks import Attack
 from gossipdl.averaging.local_optimizer import current_lr, mask_momentum
 from gossipdl.averaging.triggers import check_trigger, parse_trigger
 from gossipdl.compression import Payload
@@ -98,7 +99,9 @@ class Peer:
     resync of the public copies two rounds later. ``loss`` drops that fraction
     of this peer's model messages on purpose, to test exactly that. ``defence``
     (dense gossip: ``clip[:BAD]``, ``trimmed[:TRIM]``, ``median``, ``balance[:GAMMA]``)
-    combines the neighbours' models by a Byzantine-robust rule instead of averaging.
+    combines the neighbours' models by a Byzantine-robust rule instead of averaging;
+    ``attack`` (:func:`~gossipdl.averaging.attacks.parse_attack`) makes this peer a
+    Byzantine one that sends attacked models (for testing defences).
 
     ``trigger`` says when to talk: ``"always"`` (every step), ``"periodic:H"``
     (local SGD, every H steps) or ``"dynamic:DELTA[%][:B]"`` (every B steps,
@@ -162,6 +165,7 @@ class Peer:
         trigger: str = "always",
         gamma: float | None = None,
         defence: str = "none",
+        attack: Attack | None = None,
         loss: float = 0.0,
         min_peers: int | None = None,
         seed: int = 0,
@@ -215,7 +219,12 @@ class Peer:
         if ring:
             check_ring_codec(codec)
         self.averager = build_averager(
-            "dense" if ring else algorithm, codec, seed, gamma, "none" if ring else defence
+            "dense" if ring else algorithm,
+            codec,
+            seed,
+            gamma,
+            "none" if ring else defence,
+            None if ring else attack,
         )
         self.averager.bind_layout([tuple(p.shape) for p in self.params])
         self.trigger = parse_trigger(trigger)

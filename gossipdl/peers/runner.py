@@ -32,6 +32,7 @@ from gossipdl.peers.sinks import MetricsSinks, check_sinks
 from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic
 from gossipdl.training import (
     AWAY_POLL_S,
+    byzantine_of,
     dataset_of,
     drift_of,
     drifted,
@@ -143,6 +144,7 @@ def train_peer(
             trigger=config.trigger,
             gamma=config.gamma or None,
             defence=config.defence,
+            attack=byzantine_of(config, rank),
             loss=config.loss,
             min_peers=1 if single else config.peers,
             seed=config.seed,

@@ -105,7 +105,10 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
             problems.append(f"{name} (batched peers learn one task and nothing fails)")
     if config.loss:
         problems.append("loss (batched loses no message)")
-    links = [device.link for device in devices_of(config)]
+    devices = devices_of(config)
+    if any(device.byzantine for device in devices):
+        problems.append("byzantine peers (batched peers are honest)")
+    links = [device.link for device in devices]
     if any(link.jitter_s or link.loss or link.offline for link in links):
         problems.append("a link with jitter, loss or offline windows")
     if topology is None:

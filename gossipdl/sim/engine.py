@@ -55,6 +55,7 @@ from gossipdl.sim.joins import Join, answered, cancel_join, start_join
 from gossipdl.sim.network import SimNetwork
 from gossipdl.training import (
     AWAY_POLL_S,
+    byzantine_of,
     dataset_of,
     drift_of,
     drifted,
@@ -201,7 +202,7 @@ class Simulation:
         self.peers: list[VirtualPeer] = []
         for i in range(config.peers):
             model = copy.deepcopy(template)
-            averager = self._averager_for(model)
+            averager = self._averager_for(model, i)
             check_trigger(trigger, averager)
             flat = parameters_to_vector(model.parameters()).detach()
             table = MemberTable(members, config.max_members)
@@ -237,16 +238,22 @@ class Simulation:
         schedule(faults, self)  # the config's fault events
         self.template = template
 
-    def _averager(self) -> Averager:
-        """The averaging rule of one peer's protocol core (a new one per peer)."""
+    def _averager(self, peer_id: int | None = None) -> Averager:
+        """The averaging rule of one peer's protocol core (a new one per peer): a Byzantine
+        peer's (``byzantine`` in its profile) sends attacked models."""
         config = self.config
         return build_averager(
-            config.algorithm, config.codec, config.seed, config.gamma or None, config.defence
+            config.algorithm,
+            config.codec,
+            config.seed,
+            config.gamma or None,
+            config.defence,
+            byzantine_of(config, peer_id),
         )
 
-    def _averager_for(self, model: torch.nn.Module) -> Averager:
+    def _averager_for(self, model: torch.nn.Module, peer_id: int | None = None) -> Averager:
         """:meth:`_averager`, told the shapes of ``model``'s parameters."""
-        averager = self._averager()
+        averager = self._averager(peer_id)
         averager.bind_layout([tuple(p.shape) for p in model.parameters()])
         return averager
 
@@ -559,7 +566,7 @@ class Simulation:
         peer.core = GossipCore(
             -1,
             MemberTable([], old.membership.limit),
-            averager=self._averager_for(model),
+            averager=self._averager_for(model, peer_id),
             trigger=old.trigger,
             settings=old.settings,
             model=flat,

@@ -116,7 +116,7 @@ class PsSimulation(Simulation):
             for peer in self.peers
         }
 
-    def _averager(self) -> Averager:
+    def _averager(self, peer_id: int | None = None) -> Averager:
         config = self.config  # the idle gossip core's: the lightest there is
         return build_averager("dense", "none", config.seed)
 

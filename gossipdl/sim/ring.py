@@ -65,7 +65,7 @@ class RingSimulation(Simulation):
         self.low_rank = config.codec.startswith("powersgd:")
         self.rings = {peer.id: RingPeer(self._reducer(peer, ids)) for peer in self.peers}
 
-    def _averager(self) -> Averager:
+    def _averager(self, peer_id: int | None = None) -> Averager:
         config = self.config  # the ring averages no models; the core counts rounds
         return build_averager("dense", config.codec, config.seed, config.gamma or None)
 
