@@ -20,6 +20,7 @@ whole benchmark, with the processes it started, and exits with 128 + the signal
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -27,16 +28,20 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gossipdl.experiments import forking
 from gossipdl.experiments.launcher import Interrupted
+
+T = TypeVar("T")
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -161,6 +166,42 @@ def run_swarm(
     from gossipdl.experiments.launcher import launch
 
     return launch(config, **{"progress": False, **launch_options}, until=until)
+
+
+def _numbered(worker: Callable[[Any], T], item: tuple[int, Any]) -> tuple[int, T]:
+    index, task = item
+    return index, worker(task)
+
+
+def run_tasks(
+    worker: Callable[[Any], T], tasks: Sequence[Any], jobs: int, describe: Callable[[T], str]
+) -> list[T]:
+    """``worker(task)`` for every task, in the tasks' order, ``jobs`` at a time (forked from
+    the preloaded server: a worker starts without importing torch), with a progress bar
+    that names each finished one by ``describe``. The workers ignore Ctrl-C: this process
+    stops them, as :func:`run_script` unwinds."""
+    results: list[T | None] = [None] * len(tasks)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())  # fmt: skip
+    numbered = functools.partial(_numbered, worker)
+    pool = None
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        bar = progress.add_task(f"{len(tasks)} runs, {jobs} at a time", total=len(tasks))
+        if jobs == 1:
+            done: Iterator[tuple[int, T]] = map(numbered, enumerate(tasks))
+        else:
+            pool = forking.context().Pool(
+                jobs, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)
+            )
+            done = pool.imap_unordered(numbered, enumerate(tasks), chunksize=1)
+        try:
+            for index, result in done:
+                results[index] = result
+                progress.update(bar, advance=1, description=describe(result))
+        finally:
+            if pool is not None:
+                pool.terminate()
+    return [result for result in results if result is not None]
 
 
 def add_only_option(parser: argparse.ArgumentParser, known: Sequence[str]) -> None:

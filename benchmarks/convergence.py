@@ -59,7 +59,6 @@ which rows).
 from __future__ import annotations
 
 import argparse
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,14 +74,12 @@ from _common import (
     report,
     run_script,
     run_swarm,
+    run_tasks,
 )
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from gossipdl.averaging import auto_gamma
 from gossipdl.compression import build_codec
 from gossipdl.config import Config, load_config
-from gossipdl.experiments import forking
 from gossipdl.experiments.plots import plot_curves
 from gossipdl.experiments.summary import accuracy_curve
 from gossipdl.models import build_model
@@ -198,30 +195,13 @@ def run_job(task: tuple[Job, Config, str, int]) -> dict[str, Any]:
 
 
 def run_all(tasks: list[tuple[Job, Config, str, int]], jobs: int) -> list[dict[str, Any]]:
-    """Every task's row, in the tasks' order, ``jobs`` at a time, with a progress bar (the
-    workers ignore Ctrl-C: this process stops them, as :func:`_common.run_script` unwinds)."""
-    rows: list[dict[str, Any] | None] = [None] * len(tasks)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())  # fmt: skip
-    with Progress(*columns, console=Console(stderr=True)) as progress:
-        bar = progress.add_task(f"{len(tasks)} runs, {jobs} at a time", total=len(tasks))
-        if jobs == 1:
-            done = (run_job(task) for task in tasks)
-        else:
-            context = forking.context()  # preloaded: a worker starts without importing torch
-            pool = context.Pool(
-                jobs, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)
-            )
-            done = pool.imap_unordered(run_job, tasks, chunksize=1)
-        try:
-            for row in done:
-                rows[next(i for i, t in enumerate(tasks) if t[1].out == row["run_dir"])] = row
-                progress.update(bar, advance=1, description=f"done: {row['topology']}/"
-                                f"{row['setting']} ({row['partition']})")  # fmt: skip
-        finally:
-            if jobs > 1:
-                pool.terminate()
-    return [row for row in rows if row is not None]
+    """Every task's row, in the tasks' order, ``jobs`` at a time (:func:`_common.run_tasks`)."""
+    return run_tasks(
+        run_job,
+        tasks,
+        jobs,
+        lambda row: f"done: {row['topology']}/{row['setting']} ({row['partition']})",
+    )
 
 
 def bytes_to(curve: list[dict[str, Any]], accuracy: float) -> int | None:
