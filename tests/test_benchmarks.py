@@ -126,6 +126,20 @@ def test_overhead_benchmark_compares_gossip_with_the_same_swarm_alone(tmp_path: 
     assert set(result["meta"]["met"]) == {"choco-sign"}
 
 
+def test_byzantine_benchmark_pits_attacks_against_defences(tmp_path: Path) -> None:
+    result = run_benchmark("byzantine", tmp_path, "--quick", "--out", str(tmp_path / "b"))
+    rows = {(r["attack"], r["byzantine"], r["defence"]): r for r in result["rows"]}
+    assert set(rows) == {
+        ("none", 0, "none"), ("none", 0, "clip"), ("scaled", 1, "none"), ("scaled", 1, "clip"),
+        ("dissensus", 1, "none"), ("dissensus", 1, "clip"),
+    }  # fmt: skip
+    assert {"attack", "defence", "byzantine", "topology", "partition", "accuracy"} <= set(
+        rows[("none", 0, "none")]
+    )
+    assert rows[("scaled", 1, "none")]["accuracy"] < 0.5 < rows[("scaled", 1, "clip")]["accuracy"]
+    assert result["meta"]["targets"]["defence_cost"]["ring/iid"]["met"] in (True, False)
+
+
 def test_codec_benchmark_reports_every_codec_with_its_keys(tmp_path: Path) -> None:
     result = run_benchmark("codecs", tmp_path, "--quick")
     rows = {row["codec"]: row for row in result["rows"]}
