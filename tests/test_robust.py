@@ -152,6 +152,9 @@ def test_dense_gossip_with_a_defence_keeps_a_bad_neighbours_model_out() -> None:
         assert judged["4"]["filtered"] > 0.9 and judged["4"]["filtered"] > honest_aside
         assert judged["4"]["distance"] > 1e4 * max(judged[j]["distance"] for j in "123")
     assert build_averager("dense").metrics() == {}  # no defence, no such key
+    # neighbours missing: a trimmed mean trims what it can, the round goes on
+    one = build_averager("dense", defence="trimmed:2").incoming(x, rnd, {1: arrivals[1]}, [2, 3])
+    torch.testing.assert_close(one, (x + honest[0]) / 2)
 
 
 def test_a_defence_is_named_and_checked_in_the_config() -> None:

@@ -148,11 +148,12 @@ class Defence:
         mixing ``weights``; ``kept``: the row's weight left on the peer, a missing
         neighbour's included). Only clipping uses the weights; the coordinate-wise rules and
         BALANCE count every model alike. BALANCE runs without its schedule (progress 0): a
-        peer does not know how long training lasts."""
+        peer does not know how long training lasts. When neighbours are missing, a trimmed
+        mean trims what it can (:meth:`_trim`) rather than fail the round."""
         if self.rule == "clip":
             return clipped_mix(x, neighbours, weights, kept, bad=int(self.param))
         if self.rule == "trimmed":
-            return trimmed_mean(x, neighbours, int(self.param))
+            return trimmed_mean(x, neighbours, self._trim(neighbours))
         if self.rule == "median":
             return coordinate_median(x, neighbours)
         return balance(x, neighbours, progress=0.0, gamma=self.param)[0]
@@ -171,10 +172,15 @@ class Defence:
             return (gaps > limit).double()
         stacked = torch.cat([x.unsqueeze(0), neighbours])
         count = stacked.shape[0]
-        trim = int(self.param) if self.rule == "trimmed" else (count - 1) // 2
+        trim = self._trim(neighbours) if self.rule == "trimmed" else (count - 1) // 2
         ordered = torch.sort(stacked, dim=0).values
         low, high = ordered[trim], ordered[count - 1 - trim]
         return ((neighbours < low) | (neighbours > high)).double().mean(1)
+
+    def _trim(self, neighbours: torch.Tensor) -> int:
+        """The values a trimmed mean drops per side this round: TRIM, or fewer when too few
+        neighbours sent (at most ``(count − 1) // 2`` of ``count`` values keeps one)."""
+        return min(int(self.param), neighbours.shape[0] // 2)
 
 
 def parse_defence(spec: str) -> Defence | None:
