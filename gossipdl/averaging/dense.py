@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round, mix
-from gossipdl.averaging.robust import Defence, distances
+from gossipdl.averaging.robust import Defence
 from gossipdl.compression import Payload
 
 LATE_ROUNDS = 4
@@ -91,14 +91,13 @@ class DenseGossip(Averager):
             weights = torch.tensor([a.weight for a in got], dtype=torch.float64)
             kept = rnd.self_weight + sum(rnd.weights.values()) - float(weights.sum())
             neighbours = torch.stack([a.value for a in got])
-            gaps = distances(x, neighbours).tolist()
-            aside = self.defence.filtered(x, neighbours).tolist()
-            for j, gap, share in zip(arrived, gaps, aside, strict=True):
+            model, gaps, aside = self.defence.judge(x, neighbours, weights, kept)
+            for j, gap, share in zip(arrived, gaps.tolist(), aside.tolist(), strict=True):
                 judged = self._judged.setdefault(j, [0.0, 0.0, 0.0])
                 judged[0] += 1
                 judged[1] += gap
                 judged[2] += share
-            return self.defence.combine(x, neighbours, weights, kept)
+            return model
         out = mix(x, rnd, list(arrived.values()))
         for j, arrival in late:
             held = self._held.get(arrival.round)

@@ -48,6 +48,7 @@ def clipped_mix(
     self_weight: float,
     radius: float | None = None,
     bad: int = 1,
+    gaps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Self-centred clipping: ``W_ii x + Σ_j W_ij (x + clip(x_j − x, τ))``, where
     ``clip(z, τ) = z · min(1, τ/‖z‖)``; ``τ`` is ``radius``, or :func:`auto_radius` of the
@@ -59,9 +60,10 @@ def clipped_mix(
     neighbour's distance: as the honest models agree, τ shrinks and so does what a bad
     neighbour can do. Cost: the k distances (one pass over the neighbours' models) and a
     sort of k numbers; with no attack and ``τ`` at least the largest distance it is plain
-    gossip (an honest far neighbour is slowed, not cut off).
+    gossip (an honest far neighbour is slowed, not cut off). ``gaps``: the neighbours'
+    :func:`distances`, where the caller has them already.
     """
-    gaps = distances(x, neighbours)
+    gaps = distances(x, neighbours) if gaps is None else gaps
     if radius is None:
         radius = auto_radius(gaps, bad)
     scale = torch.where(gaps > radius, radius / gaps.clamp_min(1e-30), 1.0).to(x.dtype)
@@ -85,8 +87,13 @@ def trimmed_mean(x: torch.Tensor, neighbours: torch.Tensor, trim: int = 1) -> to
             f"trim = {trim} of {count} values leaves none; a trimmed mean needs "
             f"more than 2·trim values (the peer and its neighbours)"
         )
-    ordered = torch.sort(stacked, dim=0).values
-    return ordered[trim : count - trim].mean(0)
+    return _kept_mean(torch.sort(stacked, dim=0).values, trim)
+
+
+def _kept_mean(ordered: torch.Tensor, trim: int) -> torch.Tensor:
+    """The mean of each coordinate's sorted values (``ordered``, ``[count, n]``) without the
+    ``trim`` smallest and largest: a trimmed mean, and the median at ``(count − 1) // 2``."""
+    return ordered[trim : ordered.shape[0] - trim].mean(0)
 
 
 def coordinate_median(x: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
@@ -98,9 +105,7 @@ def coordinate_median(x: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor
     on non-IID data the median of honest models is biased towards the majority. Cost: a
     sort of k + 1 values per coordinate."""
     stacked = torch.cat([x.unsqueeze(0), neighbours])
-    ordered = torch.sort(stacked, dim=0).values
-    count = stacked.shape[0]
-    return (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
+    return _kept_mean(torch.sort(stacked, dim=0).values, (stacked.shape[0] - 1) // 2)
 
 
 def balance(
@@ -110,6 +115,7 @@ def balance(
     gamma: float = 0.5,
     kappa: float = 1.0,
     alpha: float = 0.5,
+    gaps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BALANCE (Fang, Zhang, Yuan, Li and Gong 2024): a neighbour's model is accepted when
     ``‖x − x_j‖ ≤ γ · exp(−κ · progress) · ‖x‖`` (``progress`` runs from 0 at the start
@@ -120,11 +126,12 @@ def balance(
     Assumes: honest neighbours stay within the threshold of the peer (IID-ish data, or a
     γ large enough for the heterogeneity); any number of bad neighbours is survived, since
     a rejected one has no influence at all, but an accepted bad one moves ``x`` by at most
-    ``(1 − α) γ ‖x‖ / (accepted count)``. Cost: the k distances and one norm."""
+    ``(1 − α) γ ‖x‖ / (accepted count)``. Cost: the k distances (``gaps``, where the
+    caller has them) and one norm."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha = {alpha}; BALANCE keeps a share 0..1 of the own model")
     threshold = gamma * math.exp(-kappa * progress) * float(torch.linalg.vector_norm(x.double()))
-    accepted = distances(x, neighbours) <= threshold
+    accepted = (distances(x, neighbours) if gaps is None else gaps) <= threshold
     if not bool(accepted.any()):
         return x.clone(), accepted
     return x * alpha + neighbours[accepted].mean(0) * (1.0 - alpha), accepted
@@ -141,41 +148,35 @@ class Defence:
     rule: str
     param: float
 
-    def combine(
+    def judge(
         self, x: torch.Tensor, neighbours: torch.Tensor, weights: torch.Tensor, kept: float
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The new model from ``x`` and the neighbours' models that arrived (``[k, n]``, their
         mixing ``weights``; ``kept``: the row's weight left on the peer, a missing
-        neighbour's included). Only clipping uses the weights; the coordinate-wise rules and
-        BALANCE count every model alike. BALANCE runs without its schedule (progress 0): a
-        peer does not know how long training lasts. When neighbours are missing, a trimmed
-        mean trims what it can (:meth:`_trim`) rather than fail the round."""
-        if self.rule == "clip":
-            return clipped_mix(x, neighbours, weights, kept, bad=int(self.param))
-        if self.rule == "trimmed":
-            return trimmed_mean(x, neighbours, self._trim(neighbours))
-        if self.rule == "median":
-            return coordinate_median(x, neighbours)
-        return balance(x, neighbours, progress=0.0, gamma=self.param)[0]
+        neighbour's included), each neighbour's :func:`distances` to ``x``, and how much of
+        each one's model the rule set aside (``[k]``, 0..1: clipping and BALANCE 1 for a
+        model clipped or rejected, the coordinate-wise rules the share of its coordinates
+        outside the values they kept), which a peer records so a report can show which
+        neighbour looks wrong. The distances and the sort are done once for both.
 
-    def filtered(self, x: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
-        """How much of each neighbour's model the rule set aside (``[k]``, 0..1): clipping
-        and BALANCE 1 for a model clipped or rejected, the coordinate-wise rules the share
-        of its coordinates outside the values they kept. What a peer records per
-        neighbour, so a report can show which one looks wrong."""
-        if self.rule in ("clip", "balance"):
-            gaps = distances(x, neighbours)
-            if self.rule == "clip":
-                limit = auto_radius(gaps, int(self.param))
-            else:
-                limit = self.param * float(torch.linalg.vector_norm(x.double()))
-            return (gaps > limit).double()
-        stacked = torch.cat([x.unsqueeze(0), neighbours])
-        count = stacked.shape[0]
+        Only clipping uses the weights; the coordinate-wise rules and BALANCE count every
+        model alike. BALANCE runs without its schedule (progress 0): a peer does not know
+        how long training lasts. When neighbours are missing, a trimmed mean trims what it
+        can (:meth:`_trim`) rather than fail the round."""
+        gaps = distances(x, neighbours)
+        if self.rule == "clip":
+            radius = auto_radius(gaps, int(self.param))
+            model = clipped_mix(x, neighbours, weights, kept, radius=radius, gaps=gaps)
+            return model, gaps, (gaps > radius).double()
+        if self.rule == "balance":
+            model, accepted = balance(x, neighbours, progress=0.0, gamma=self.param, gaps=gaps)
+            return model, gaps, (~accepted).double()
+        count = neighbours.shape[0] + 1
         trim = self._trim(neighbours) if self.rule == "trimmed" else (count - 1) // 2
-        ordered = torch.sort(stacked, dim=0).values
+        ordered = torch.sort(torch.cat([x.unsqueeze(0), neighbours]), dim=0).values
         low, high = ordered[trim], ordered[count - 1 - trim]
-        return ((neighbours < low) | (neighbours > high)).double().mean(1)
+        aside = ((neighbours < low) | (neighbours > high)).double().mean(1)
+        return _kept_mean(ordered, trim), gaps, aside
 
     def _trim(self, neighbours: torch.Tensor) -> int:
         """The values a trimmed mean drops per side this round: TRIM, or fewer when too few
