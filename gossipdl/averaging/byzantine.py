@@ -43,9 +43,9 @@ class ByzantineGossip(DenseGossip):
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload | Mapping[int, Payload]:
         """The attacked model (dissensus: one per neighbour)."""
         attack, p = self.attack, self.attack.param
-        seen = torch.stack(list(self._seen.values())) if self._seen else x.unsqueeze(0)
         if attack.name == "dissensus":
             return {v: self.encoded(self._dissensus(x, v, rnd)) for v in rnd.weights}
+        seen = torch.stack(list(self._seen.values())) if self._seen else x.unsqueeze(0)
         if attack.name == "sign-flip":
             sent = attacks.sign_flip(x)
         elif attack.name == "scaled":
