@@ -369,3 +369,12 @@ def test_scale_benchmark_times_both_simulators_and_plots_seconds_per_step(
     assert targets["cnn_1000"]["met"] is None and targets["speedup"]["met"] is None  # not run
     png = Path(result["meta"]["plot"]).read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_gpu_syncs_benchmark_runs_every_setting_through_real_rounds(tmp_path: Path) -> None:
+    """On a CPU the audit's path runs (rounds end, models move); there is no sync to count."""
+    result = run_benchmark("gpu_syncs", tmp_path, "--quick", "--device", "cpu")
+    assert [row["setting"] for row in result["rows"]] == list(result["meta"]["placement"])
+    assert all(row["per_step"] == 0.0 and row["site"] == "-" for row in result["rows"])
+    placement = result["meta"]["placement"]
+    assert placement["choco-topk"]["averager.x_hat"] == placement["dense"]["model"] == "cpu"

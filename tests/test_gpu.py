@@ -10,7 +10,9 @@ import torch
 from conftest import small_config
 
 from gossipdl.compression import build_codec
+from gossipdl.compression._kernels import from_host, to_host
 from gossipdl.experiments.launcher import launch
+from gossipdl.peers.device import pick_device
 from gossipdl.rundir import RunDir
 
 pytestmark = pytest.mark.skipif(
@@ -40,3 +42,19 @@ def test_a_codec_leaves_its_tensors_on_the_gpu(spec: str) -> None:
     decoded = codec.decode(payload, x.numel(), x.device)
     assert estimate.device == x.device and decoded.device == x.device
     torch.testing.assert_close(decoded, estimate)
+
+
+def test_cuda_without_an_index_names_the_peers_gpu() -> None:
+    """``--device cuda`` gives an indexed device, which ``torch.cuda.set_device`` needs."""
+    device = pick_device("cuda", local_index=torch.cuda.device_count())
+    assert device == torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+
+
+def test_payloads_cross_to_the_host_through_pinned_memory() -> None:
+    """A payload leaves the GPU into pinned memory and comes back equal."""
+    x = torch.randn(1000, device="cuda")
+    host = to_host(x)
+    assert torch.from_numpy(host).is_pinned()
+    back = from_host(host, x.device)
+    torch.testing.assert_close(back, x)

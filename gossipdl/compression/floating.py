@@ -5,6 +5,7 @@ Each also encodes the kept values of a sparsifier (``topk:0.01+fp16``).
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -99,7 +100,9 @@ class Float16(ValueCodec):
     def encode(self, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         v = check_vector(x)
         half = empty_on(v.device, v.numel(), torch.float16).copy_(v)
-        if half.numel():
+        if half.is_cuda:  # clamped in place: a branch on the host would wait for the GPU
+            torch.nan_to_num_(half, nan=math.nan, posinf=_FP16_MAX, neginf=-_FP16_MAX)
+        elif half.numel():  # on a CPU one read to find out is cheaper than a write
             lo, hi = torch.aminmax(half)
             if bool(torch.isinf(lo) | torch.isinf(hi)):
                 half = v.clamp(-_FP16_MAX, _FP16_MAX).half()

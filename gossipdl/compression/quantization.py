@@ -184,7 +184,7 @@ class Sign(ValueCodec):
         count = p.shape[-1]
         # 1. scale = ‖p‖₁ / d per tensor or block.
         l1 = _reduce(p.abs(), self.block, lambda rows: rows.double().sum(dim=1))
-        lengths = torch.from_numpy(_block_lengths(count, self.block)).to(p.device)
+        lengths = from_host(_block_lengths(count, self.block), p.device)
         scales = (l1.double() / lengths).float()
         # 2. sign(p), -0.0 included.
         negative = torch.signbit(p)
@@ -323,7 +323,7 @@ class Ternary(ValueCodec):
             trits = np.take(_TRIT_TABLE, packed, axis=0).reshape(-1)[:count]
             return torch.from_numpy(trits * np.repeat(scales, self.block)[:count])
         # Only the packed bytes cross to the device; the lookup runs there.
-        table = torch.from_numpy(_TRIT_TABLE).to(device)
+        table = from_host(_TRIT_TABLE, device)
         t = table[from_host(packed, device).long()].reshape(-1)[:count]
         return t * _expand(from_host(scales, device), self.block, count)
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gossipdl.compression._kernels import Rng, scatter, to_host, use_numpy
+from gossipdl.compression._kernels import Rng, from_host, scatter, to_host, use_numpy
 from gossipdl.compression.base import (
     Codec,
     CodecError,
@@ -259,7 +259,7 @@ class RandomK(Sparsifier):
         numel = x.numel()
         k = self.count(numel)
         seed = self._rng.message_seed()
-        chosen = torch.from_numpy(random_subset(seed, numel, k)).to(x.device)
+        chosen = from_host(random_subset(seed, numel, k), x.device)
         values = x[chosen]
         if self.scaled and k:
             values.mul_(numel / k)
@@ -454,4 +454,5 @@ class SparseCodec(Codec):
         values = self.values.decode(
             Payload(payload.arrays[n_index:], split_meta(meta, "v.")), count, device
         )
-        return SparseVector(torch.from_numpy(indices).to(device), values, numel)
+        chosen = torch.from_numpy(indices) if device.type == "cpu" else from_host(indices, device)
+        return SparseVector(chosen, values, numel)
