@@ -1,8 +1,10 @@
 """Byzantine: the honest peers' accuracy under every attack, with every defence.
 
 What it measures
-    Simulated swarms (the per-peer engine: attacks and defences run in the protocol's own
-    code) of 16 peers training the 1-D CNN on MNIST-1D, on the exponential graph and on
+    Simulated swarms of 16 peers (the batched engine by default: the peers' own averaging
+    rules, attacks and defences judge every round, the training stacked; a swarm that
+    diverges reruns on the per-peer engine, which models its dropped messages; rows say
+    which engine ran them) training the 1-D CNN on MNIST-1D, on the exponential graph and on
     a random 4-regular one, with iid shards and Dirichlet(0.3) ones. For each topology
     and partition: the attack-free run under every defence, then every attack with 1
     and with 2 Byzantine peers (peers 3 and 11, spread over the graph), under every
@@ -23,14 +25,14 @@ Run
 
 JSON (``--json FILE``): ``{"benchmark": "byzantine", "rows": [...], "meta": {...}}``;
 each row has ``attack`` ("none" for the attack-free runs), ``defence``, ``byzantine``
-(how many lie), ``topology``, ``partition``, ``accuracy`` (the honest peers') and
-``run_dir``; ``meta`` holds the settings and each target's verdict.
+(how many lie), ``topology``, ``partition``, ``accuracy`` (the honest peers'),
+``engine`` and ``run_dir``; ``meta`` holds the settings and each target's verdict.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ from _common import (
 
 from gossipdl.config import Config, load_config
 from gossipdl.experiments.simulated import simulate
+from gossipdl.sim.engine import SimulationError
 
 ATTACKS = ("sign-flip", "scaled", "gaussian", "alie", "ipm", "dissensus", "stale", "label-flip")
 DEFENCES = ("none", "clip", "trimmed", "median", "balance")
@@ -92,16 +95,25 @@ def config_for(args: argparse.Namespace, run: Run) -> Config:
         log_every=max(1, args.steps // 10),
         seed=args.seed,
         threads=1,
+        batched=args.engine == "batched",
         out=str(args.out / name.replace(":", "_")),
     )
 
 
 def run_one(task: tuple[Run, Config]) -> dict[str, Any]:
-    """Simulate one swarm; its row."""
+    """Simulate one swarm; its row. A batched swarm that diverges (its neighbours would drop
+    a non-finite model, which batched does not model) runs again on the per-peer engine."""
     run, config = task
     torch.set_num_threads(1)
     fresh_run_dir(Path(config.out))
-    summary = simulate(config)
+    try:
+        summary = simulate(config)
+    except SimulationError:
+        if not config.batched:
+            raise
+        config = replace(config, batched=False)
+        fresh_run_dir(Path(config.out))
+        summary = simulate(config)
     liars = {int(i) for i in LIARS.get(run.byzantine, "").split(",") if i}
     honest = [p["accuracy"] for p in summary["peers"] if p["id"] not in liars]
     return {
@@ -111,6 +123,7 @@ def run_one(task: tuple[Run, Config]) -> dict[str, Any]:
         "topology": run.topology,
         "partition": run.partition,
         "accuracy": sum(honest) / len(honest) if honest else None,
+        "engine": "batched" if config.batched else "per-peer",
         "run_dir": config.out,
     }
 
@@ -177,6 +190,10 @@ def main() -> None:
     parser.add_argument("--partitions", type=_names, default=None, help=",".join(PARTITIONS))
     parser.add_argument("--liars", type=_names, default=None, help="1,2")
     parser.add_argument("--jobs", type=int, default=1, help="simulations at once")
+    parser.add_argument(
+        "--engine", choices=("batched", "per-peer"), default="batched",
+        help="batched (default; a swarm that diverges reruns per peer) or per-peer",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", type=Path, default=None, help="base TOML config")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-byzantine"))

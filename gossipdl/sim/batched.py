@@ -11,6 +11,13 @@ neighbours' rows). It is the same synchronous algorithm the cores run when no me
 is late, so results equal the per-peer engine's up to float reordering. All of it runs
 on the config's ``device`` (``auto``: a GPU where there is one).
 
+Dense gossip with a defence or Byzantine peers (issue 26) runs here too: the training
+stays stacked, and every round each peer's own averaging rule (the per-peer engine's
+:class:`~gossipdl.averaging.DenseGossip` or
+:class:`~gossipdl.averaging.byzantine.ByzantineGossip`) sends, attacks and judges, one
+peer after another. A message that is not finite stops the run (a receiver would drop
+it, ``non_finite``, which only the per-peer engine models).
+
 A heterogeneous swarm (``profiles`` with their own ``step_time`` or links, ``slowdown``)
 runs here too: each peer keeps its own virtual clock, and a round ends for a peer when the
 last of its neighbours' messages is in. Rounds are synchronous, so when a step happens in
@@ -37,18 +44,19 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from gossipdl.averaging import auto_gamma, parse_trigger
-from gossipdl.averaging.base import VOUCH, model_digest
+from gossipdl.averaging import auto_gamma, build_averager, parse_trigger
+from gossipdl.averaging.base import VOUCH, Arrival, Round, model_digest
 from gossipdl.averaging.choco import WARMUP_ROUNDS, check_choco_codec
+from gossipdl.averaging.dense import DenseGossip
 from gossipdl.compression import Codec, build_codec
-from gossipdl.compression.base import Layout
+from gossipdl.compression.base import Layout, Payload
 from gossipdl.compression.floating import Identity
 from gossipdl.compression.quantization import QSGD, Sign
 from gossipdl.compression.sparse import SparseCodec, Threshold, TopK
@@ -56,6 +64,7 @@ from gossipdl.conditions import DeviceProfile, device_of
 from gossipdl.config import Config
 from gossipdl.data import IndexStream, partition
 from gossipdl.peers.device import pick_device
+from gossipdl.protocol.core import addressed
 from gossipdl.protocol.kinds import COMPRESSED_KINDS, TABLE, TABLE_KINDS
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
@@ -63,6 +72,7 @@ from gossipdl.sim.engine import SimulationError, measure_step_time, sim_address,
 from gossipdl.sim.stacked import StackedModels, StackedSGD
 from gossipdl.topologies import Topology, build_topology
 from gossipdl.training import (
+    byzantine_of,
     dataset_of,
     initial_model,
     json_line,
@@ -72,7 +82,7 @@ from gossipdl.training import (
     save_atomic,
 )
 from gossipdl.transport.stats import TransportStats
-from gossipdl.transport.wire import message_size
+from gossipdl.transport.wire import all_finite, message_size
 
 log = logging.getLogger(__name__)
 BATCHED_ALGORITHMS = ("dense", "choco")
@@ -96,8 +106,9 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
         problems.append(f"codec {config.codec!r} (batched dense gossip sends models uncompressed)")
     if parse_trigger(config.trigger).dynamic:
         problems.append(f"trigger {config.trigger!r} (batched runs always and periodic:H)")
-    if config.defence != "none":
-        problems.append(f"defence {config.defence!r} (batched mixes by plain averaging)")
+    robust = config.defence != "none" or any(d.byzantine for d in devices_of(config))
+    if robust and config.algorithm != "dense":
+        problems.append("a defence or Byzantine peers (batched runs them with algorithm dense)")
     if config.optimizer != "sgd":
         problems.append(f"optimizer {config.optimizer!r} (batched steps sgd)")
     for name in ("drift", "faults"):
@@ -105,10 +116,7 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
             problems.append(f"{name} (batched peers learn one task and nothing fails)")
     if config.loss:
         problems.append("loss (batched loses no message)")
-    devices = devices_of(config)
-    if any(device.byzantine for device in devices):
-        problems.append("byzantine peers (batched peers are honest)")
-    links = [device.link for device in devices]
+    links = [device.link for device in devices_of(config)]
     if any(link.jitter_s or link.loss or link.offline for link in links):
         problems.append("a link with jitter, loss or offline windows")
     if topology is None:
@@ -140,6 +148,39 @@ def _batchable(codec: Codec) -> bool:
             return isinstance(codec.values, (Identity, *ROW_CODECS))
         return isinstance(codec.sparsifier, Threshold) and isinstance(codec.values, Identity)
     return isinstance(codec, ROW_CODECS)
+
+
+def _diverged(peer: int, index: int) -> SimulationError:
+    return SimulationError(
+        f"peer {peer}'s message of round {index} holds NaN or Inf (the swarm diverged): "
+        "the per-peer simulator models its neighbours dropping it (non_finite). Set "
+        "batched = false, or lower lr"
+    )
+
+
+def _check_finite(values: torch.Tensor, index: int, rows: SparseRows | None = None) -> None:
+    """SimulationError naming the first peer whose message (``values``: a row per peer, or
+    the entries of sparse ``rows``) is not finite: a receiver would drop it, which the
+    batched engine does not model."""
+    bad = ~torch.isfinite(values)
+    if not bool(bad.any()):
+        return
+    if rows is not None:
+        raise _diverged(int(rows.peer[bad.nonzero()[0, 0]]), index)
+    raise _diverged(int(bad.any(dim=1).nonzero()[0, 0]), index)
+
+
+def _payloads(sent: Payload | Mapping[int, Payload]) -> list[Payload]:
+    return list(sent.values()) if isinstance(sent, Mapping) else [sent]
+
+
+def _dense_rule(config: Config, peer: int) -> DenseGossip:
+    """Peer ``peer``'s dense averaging rule with the config's defence, or its attack: the
+    per-peer engine's (:func:`~gossipdl.averaging.build_averager`)."""
+    rule = build_averager("dense", config.codec, config.seed, None, config.defence,
+                          byzantine_of(config, peer))  # fmt: skip
+    assert isinstance(rule, DenseGossip)
+    return rule
 
 
 ROW_CODECS = (Sign, QSGD)
@@ -195,6 +236,14 @@ class StackedGossip:
             )
         self.gamma = None
         self.digest = ""
+        self.rules: list[DenseGossip] = []
+        if config.defence != "none" or any(byzantine_of(config, i) for i in range(count)):
+            self.rules = [_dense_rule(config, i) for i in range(count)]
+            self.neighbourhoods = [
+                Round(0, {int(j): float(mixing[i, j]) for j in np.flatnonzero(mixing[i]) if j != i},
+                      float(mixing[i, i]))
+                for i in range(count)
+            ]  # fmt: skip
         if self.algorithm == "choco":
             check_choco_codec(self.codec)
             self_weight = np.diag(mixing)
@@ -209,7 +258,10 @@ class StackedGossip:
         """Round ``index`` on the stacked models ``x`` (in place); what every peer sent (for
         its bytes)."""
         count, numel = x.shape
+        if self.rules:
+            return self._round_each(x, index)
         if self.algorithm == "dense":
+            _check_finite(x, index)
             x.copy_(torch.sparse.mm(self.w, x))
             return Messages("params", [Layout((("float32", numel),), {})] * count)
         if index == 0:  # everybody vouches for the same start: nothing to mix yet
@@ -219,6 +271,10 @@ class StackedGossip:
         assert self.gamma is not None
         q = self._compress(x - self.x_hat)
         if isinstance(q, SparseRows):
+            _check_finite(q.value, index, q)
+        else:
+            _check_finite(q, index)
+        if isinstance(q, SparseRows):
             self._mix_sparse(q, numel)
         else:
             self.x_hat.add_(q, alpha=self.scale)
@@ -226,6 +282,35 @@ class StackedGossip:
         step = self.gamma * min(1.0, (index + 1) / WARMUP_ROUNDS)
         x += step * (self.s - self.x_hat)
         return Messages("params", self._layouts(q, count, numel))
+
+    def metrics(self, peer: int) -> dict[str, Any]:
+        """Peer ``peer``'s averaging rule's part of its metrics line (a defence's per-neighbour
+        statistics), as the per-peer engine's core adds it."""
+        return self.rules[peer].metrics() if self.rules else {}
+
+    def _round_each(self, x: torch.Tensor, index: int) -> Messages:
+        """Dense gossip with a defence or Byzantine peers: every peer's own averaging rule
+        (the per-peer engine's objects) sends its message and judges its neighbours', one
+        peer after another; the stacked models are written once all have read them."""
+        numel = x.shape[1]
+        rounds = [replace(rnd, index=index) for rnd in self.neighbourhoods]
+        sent = [rule.outgoing(x[i], rounds[i]) for i, rule in enumerate(self.rules)]
+        for i, payload in enumerate(sent):
+            if not all(all_finite(a) for p in _payloads(payload) for a in p.arrays):
+                raise _diverged(i, index)
+        new = torch.empty_like(x)
+        for i, (rule, rnd) in enumerate(zip(self.rules, rounds, strict=True)):
+            arrived = {
+                j: Arrival(w, rule.decode(addressed(sent[j], i), False, numel, x.device), index)
+                for j, w in rnd.weights.items()
+            }
+            new[i] = rule.incoming(x[i], rnd, arrived, [])
+        x.copy_(new)
+        # dissensus sends each neighbour its own model, all of one layout
+        layouts = [
+            addressed(sent[i], next(iter(rnd.weights))).layout() for i, rnd in enumerate(rounds)
+        ]
+        return Messages("params", layouts)
 
     def _compress(self, d: torch.Tensor) -> torch.Tensor | SparseRows:
         """What every row of ``d`` sends: its kept entries, or its dense estimate."""
@@ -301,6 +386,9 @@ class BatchedSimulation:
             IndexStream(len(p), config.batch_size, sampler_seed(config, i))
             for i, p in enumerate(parts)
         ]
+        attacks = [byzantine_of(config, i) for i in range(count)]
+        flipped = [a is not None and a.name == "label-flip" for a in attacks]  # trains on lies
+        self.flipped = torch.tensor(flipped, device=device).unsqueeze(1) if any(flipped) else None
         self.gossip = StackedGossip(config, topology.mixing_matrix(), self.models.flat[0].clone())
         self.trigger = parse_trigger(config.trigger)
         devices = devices_of(config)
@@ -348,7 +436,10 @@ class BatchedSimulation:
             [shard[s.next()] for shard, s in zip(self.shards, self.streams, strict=True)]
         )
         rows = rows.to(self.device, non_blocking=True)
-        losses, grads = self.models.gradients(self.x_train[rows], self.y_train[rows])
+        labels = self.y_train[rows]
+        if self.flipped is not None:  # ``peer_sampler``'s flip: class c becomes C − 1 − c
+            labels = torch.where(self.flipped, self.dataset.num_classes - 1 - labels, labels)
+        losses, grads = self.models.gradients(self.x_train[rows], labels)
         self.optimizer.step(self.models.flat, grads, lr_at(self.config, self.steps))
         self.losses.append(losses.detach())
         self.steps += 1
@@ -432,6 +523,7 @@ class BatchedSimulation:
                 "rejoins": 0,
                 "online": True,
                 "sockets": self.config.peers - 1,
+                **self.gossip.metrics(i),
             }
             if evaluate:
                 extra = {
