@@ -301,3 +301,38 @@ def test_a_live_run_with_torn_lines_reports_what_is_complete(tmp_path: Path) -> 
     (row,) = table_rows(run.root / "report" / "report.md", "live")
     assert row[2] == "2/2"
     assert panels(run.root / "report" / "accuracy.png")[0]["lines"] == 1
+
+
+def test_the_report_names_the_neighbour_the_defences_found_wrong(tmp_path: Path) -> None:
+    """A simulated swarm with one dissenting liar (peer 3) and a trimmed mean: the report's
+    neighbour table and summary.json single out peer 3, and nobody else."""
+    from gossipdl.experiments.simulated import simulate
+
+    config = Config(
+        peers=8, steps=60, model="mlp", hidden=[16], dataset="mnist1d", topology="exponential",
+        algorithm="dense", defence="trimmed", batched=True, threads=1, eval_every=0,
+        profiles={"liar": {"peers": "3", "byzantine": "dissensus"}}, out=str(tmp_path / "run"),
+    )  # fmt: skip
+    summary = simulate(config, step_time=0.01)
+    assert summary["suspect_neighbours"] == [3]
+    write_report([tmp_path / "run"], tmp_path / "report")
+    rows = re.findall(
+        r"^\| (\d+) \|.*\|(.*)\|$", (tmp_path / "report" / "report.md").read_text(), re.M
+    )
+    flagged = [int(peer) for peer, verdict in rows if "looks wrong" in verdict]
+    assert flagged == [3] and len(rows) == 8
+
+
+def test_neighbour_statistics_are_weighted_by_rounds_and_malformed_ones_skipped() -> None:
+    """Two peers judged neighbour 5 over 10 and 30 rounds: its distance and share are the
+    round-weighted means; an entry that is not a number is left out, not an error."""
+    from gossipdl.experiments.summary import judged_neighbours
+
+    lines = {
+        0: [{"neighbours": {"5": {"rounds": 10, "distance": 1.0, "filtered": 0.0}}}],
+        1: [{"neighbours": {"5": {"rounds": 30, "distance": 2.0, "filtered": 0.4},
+                            "6": {"rounds": "x", "distance": 1.0, "filtered": 0.0}}}],
+    }  # fmt: skip
+    (row,) = judged_neighbours(lines)
+    assert (row["id"], row["judged"], row["rounds"]) == (5, 2, 40)
+    assert row["distance"] == pytest.approx(1.75) and row["filtered"] == pytest.approx(0.3)

@@ -38,8 +38,11 @@ from gossipdl.experiments.plots import (
     plot_timeline,
 )
 from gossipdl.experiments.summary import (
+    SUSPECT_DISTANCE,
+    SUSPECT_SHARE,
     Run,
     accuracy_curve,
+    judged_neighbours,
     mean_curve,
     peer_lines,
     startup_time,
@@ -226,6 +229,25 @@ def _default_out(directories: Sequence[Path]) -> Path:
     return Path(os.path.commonpath(roots)) / f"report-{names}"
 
 
+def _judged(rows: Sequence[dict[str, Any]]) -> str:
+    """The per-neighbour table: the suspects first, marked."""
+    table = markdown_table(
+        ["neighbour", "judged by", "rounds", "mean distance", "set aside", ""],
+        [
+            [r["id"], r["judged"], r["rounds"], f"{r['distance']:.4g}",
+             f"{r['filtered']:.1%}", "**looks wrong**" if r["suspect"] else ""]
+            for r in rows
+        ],
+    )  # fmt: skip
+    return (
+        "Each peer with a defence records, per neighbour, its distance to the peer's model "
+        "and the share of rounds the defence set it aside; summed over the peers that "
+        f"judged it. A neighbour looks wrong when set aside in at least {SUSPECT_SHARE:.0%} "
+        f"of its rounds and twice as often as the median, or at {SUSPECT_DISTANCE:g}x the "
+        "median distance.\n\n" + table
+    )
+
+
 def write_report(directories: Sequence[Path], out: Path | None = None) -> list[Path]:
     """Draw the plots and write ``report.md`` comparing the runs in ``directories`` (run or
     sweep directories) into ``out``; returns the files written."""
@@ -290,6 +312,10 @@ def write_report(directories: Sequence[Path], out: Path | None = None) -> list[P
         )
     sections.append("![accuracy](accuracy.png)\n")
     sections.append("## Runs\n\n" + markdown_table(["run", "seed", *STAT_HEADERS, ""], run_rows))
+    for run, name in zip(runs, names, strict=True):
+        judged = judged_neighbours(peer_lines(run))
+        if judged:
+            sections.append(f"## Neighbours as {name}'s defences saw them\n\n" + _judged(judged))
     report = out / "report.md"
     report.write_text("\n".join(sections))
     return [*files, report]

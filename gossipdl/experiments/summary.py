@@ -154,6 +154,52 @@ def _last(records: list[dict[str, Any]], key: str) -> Any:
     return next((r[key] for r in reversed(records) if r.get(key) is not None), None)
 
 
+SUSPECT_SHARE, SUSPECT_DISTANCE = 0.25, 3.0
+"""A neighbour looks wrong when the defences set it aside in at least ``SUSPECT_SHARE`` of
+its rounds and twice as often as the median neighbour, or when its mean distance to the
+models of the peers that judged it is ``SUSPECT_DISTANCE`` times the median one."""
+
+
+def judged_neighbours(lines: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """What the peers' defences saw of each neighbour over the run (each peer's latest
+    ``neighbours`` record): per neighbour ``id``, the peers that ``judged`` it, its
+    ``rounds``, its mean ``distance`` to their models and the share ``filtered`` (set
+    aside), both weighted by rounds, and ``suspect`` (see :data:`SUSPECT_SHARE`). Most
+    suspect first; empty when no peer ran a defence. Entries that are not numbers are
+    skipped: a reader of a live run directory takes what it can."""
+    sums: dict[int, list[float]] = {}  # id -> [judges, rounds, Σ rounds·distance, Σ rounds·share]
+    for records in lines.values():
+        latest: dict[str, Any] = next(
+            (r["neighbours"] for r in reversed(records) if isinstance(r.get("neighbours"), dict)),
+            {},
+        )
+        for key, seen in latest.items():
+            try:
+                j, n = int(key), float(seen["rounds"])
+                distance, share = float(seen["distance"]), float(seen["filtered"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if n > 0:
+                total = sums.setdefault(j, [0, 0.0, 0.0, 0.0])
+                total[0] += 1
+                total[1] += n
+                total[2] += n * distance
+                total[3] += n * share
+    rows = [
+        {"id": j, "judged": int(k), "rounds": int(n), "distance": d / n, "filtered": f / n}
+        for j, (k, n, d, f) in sums.items()
+    ]
+    if rows:
+        share = statistics.median(r["filtered"] for r in rows)
+        distance = statistics.median(r["distance"] for r in rows)
+        for r in rows:
+            r["suspect"] = (
+                r["filtered"] >= max(SUSPECT_SHARE, 2 * share)
+                or r["distance"] >= SUSPECT_DISTANCE * distance > 0
+            )
+    return sorted(rows, key=lambda r: (not r["suspect"], -r["filtered"], -r["distance"], r["id"]))
+
+
 def summary_of(run: Run | RunDir, wall_time_s: float | None = None) -> dict[str, Any]:
     """Totals and per-peer results of ``run``, from whatever its peers wrote (nothing written).
 
@@ -213,6 +259,8 @@ def summary_of(run: Run | RunDir, wall_time_s: float | None = None) -> dict[str,
         "startup_s": startup_s,
         "training_s": wall_time_s - startup_s,
         "peers_finished": sum(p["finished"] for p in peers),
+        # ids the defences' per-neighbour statistics single out (judged_neighbours)
+        "suspect_neighbours": [r["id"] for r in judged_neighbours(lines) if r["suspect"]],
         "peers": peers,
         "servers": servers,
     }
