@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -98,11 +99,13 @@ def test_a_dead_bootstrap_is_one_error_within_seconds(tmp_path: Path) -> None:
     config = small_config(tmp_path, peers=2, startup_timeout=LONG)
     config = write_config(tmp_path / "exp.toml", config)
     dead = f"tcp://127.0.0.1:{_free_port()}"
-    for command in (
+    commands = (
         ("peer", "--config", str(config), "--bootstrap", dead, "--out", str(tmp_path / "p")),
         ("join", dead, "--timeout", "3", "--out", str(tmp_path / "j")),
-    ):
-        done = _run(*command)
+    )
+    with ThreadPoolExecutor(len(commands)) as pool:  # both at once: each is a fresh interpreter
+        results = list(pool.map(lambda command: _run(*command), commands))
+    for command, done in zip(commands, results, strict=True):
         assert done.returncode == 2, (command, done.stderr)
         errors = [ln for ln in done.stderr.splitlines() if "error" in ln]
         assert len(errors) == 1 and "connection refused" in done.stderr, done.stderr
