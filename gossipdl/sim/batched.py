@@ -151,6 +151,7 @@ def _batchable(codec: Codec) -> bool:
 
 
 def _diverged(peer: int, index: int) -> SimulationError:
+    """The error that stops a batched run whose peer ``peer`` sent a non-finite message."""
     return SimulationError(
         f"peer {peer}'s message of round {index} holds NaN or Inf (the swarm diverged): "
         "the per-peer simulator models its neighbours dropping it (non_finite). Set "
@@ -171,6 +172,7 @@ def _check_finite(values: torch.Tensor, index: int, rows: SparseRows | None = No
 
 
 def _payloads(sent: Payload | Mapping[int, Payload]) -> list[Payload]:
+    """Every payload of one ``outgoing``: the one for all, or each neighbour's own."""
     return list(sent.values()) if isinstance(sent, Mapping) else [sent]
 
 
