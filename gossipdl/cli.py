@@ -100,6 +100,8 @@ topology_app = _Typer(help="Inspect communication topologies.")
 app.add_typer(topology_app, name="topology")
 keys_app = _Typer(help="CurveZMQ key pairs for --secure swarms.")
 app.add_typer(keys_app, name="keys")
+data_app = _Typer(help="Published data sets: fetch them once, then train on them.")
+app.add_typer(data_app, name="data")
 
 SWARM, DATA, OPTIMISATION = "Swarm", "Data and model", "Optimisation"
 COMMUNICATION, FAULTS, OUTPUT = "Communication", "Faults and links", "Output"
@@ -107,7 +109,7 @@ _PANELS = {
     SWARM: ("mode", "peers", "topology", "ps", "ps_shards", "host", "advertise", "device",
             "threads", "batched", "startup_timeout", "heartbeat", "dead_after", "max_members",
             "forget_after"),
-    DATA: ("dataset", "samples_per_peer", "model", "hidden", "partition", "seed"),
+    DATA: ("dataset", "data_dir", "samples_per_peer", "model", "hidden", "partition", "seed"),
     OPTIMISATION: ("steps", "batch_size", "optimizer", "lr", "lr_schedule", "momentum",
                    "weight_decay", "staleness", "local_epochs", "fraction"),
     COMMUNICATION: ("algorithm", "trigger", "codec", "gamma", "defence", "round_timeout",
@@ -786,6 +788,31 @@ def keys_generate(
         _fail(str(exc))
     print(f"{load_curve_public(public)}  # {name}, public key (add this line to --allow files)")
     print(f"secret key: {secret} (keep it private)", file=sys.stderr)
+
+
+@data_app.command("fetch")
+def data_fetch(
+    name: str = typer.Argument(..., help="cifar10 | cifar100 | femnist | shakespeare"),
+    data_dir: Path | None = typer.Option(
+        None, help="Where to keep it [default: $GOSSIPDL_DATA or ~/.cache/gossipdl/data]."
+    ),
+    url: str | None = typer.Option(
+        None, help="A mirror of the archive; its published MD5 and size are still checked."
+    ),
+) -> None:
+    """Download a data set, check its published checksum and keep its files."""
+    from dataclasses import replace
+
+    from gossipdl.data.fetch import SOURCES, FetchError, fetch
+    from gossipdl.data.published import default_data_dir
+
+    where = data_dir or default_data_dir()
+    source = replace(SOURCES[name], url=url) if url and name in SOURCES else None
+    try:
+        kept = fetch(name, where, source, progress=console.is_terminal)
+    except FetchError as exc:
+        _fail(str(exc))
+    console.print(f"[bold]{name}[/]: " + ", ".join(escape(str(p)) for p in kept))
 
 
 def _rejoin_addresses(run: RunDir, rank: int | None) -> str:

@@ -106,7 +106,17 @@ class Config:
     )
     dataset: str = field(
         default="mnist1d",
-        metadata={"help": "mnist1d[:N] | digits | synthetic[:N] | module:function (N: samples)"},
+        metadata={
+            "help": "mnist1d[:N] | digits | synthetic[:N] | cifar10 | cifar100 | femnist | "
+            "shakespeare | synthetic-fedprox:ALPHA:BETA | module:function (N: samples)"
+        },
+    )
+    data_dir: str = field(
+        default="",
+        metadata={
+            "help": "where cifar10, cifar100, femnist and shakespeare are read from "
+            "(gossipdl data fetch NAME puts them there; empty: ~/.cache/gossipdl/data)"
+        },
     )
     samples_per_peer: int = field(
         default=0,
@@ -116,14 +126,19 @@ class Config:
         },
     )
     model: str = field(
-        default="cnn1d", metadata={"help": "logistic | mlp | cnn1d | cnn2d | module:function"}
+        default="cnn1d",
+        metadata={
+            "help": "logistic | mlp | cnn1d | cnn2d | resnet20 | vgg11 | lenet5 | leaf-cnn | "
+            "leaf-lstm | module:function"
+        },
     )
     hidden: tuple[int, ...] = field(
         default=(),
         metadata={"help": "layer widths / channels, e.g. 1024,512 (empty: model default)"},
     )
     partition: str = field(
-        default="iid", metadata={"help": "iid | dirichlet:ALPHA | shards:K | powerlaw:A"}
+        default="iid",
+        metadata={"help": "iid | dirichlet:ALPHA | shards:K | powerlaw:A | natural (by owner)"},
     )
     steps: int = field(default=1500, metadata={"help": "local training steps per peer"})
     batch_size: int = field(
@@ -558,8 +573,9 @@ def _validate(c: Config) -> None:
         f"model = {c.model!r}; choose one of {', '.join(available_models())} or module:function",
     )
     _check(
-        re.fullmatch(r"iid|(dirichlet|powerlaw):[0-9.eE+-]+|shards:\d+", c.partition) is not None,
-        f"partition = {c.partition!r}; use iid, dirichlet:ALPHA, shards:K or powerlaw:A",
+        re.fullmatch(r"iid|natural|(dirichlet|powerlaw):[0-9.eE+-]+|shards:\d+", c.partition)
+        is not None,
+        f"partition = {c.partition!r}; use iid, dirichlet:ALPHA, shards:K, powerlaw:A or natural",
     )
     _check(c.optimizer in OPTIMIZERS, f"optimizer = {c.optimizer!r}; choose sgd or adam")
     _check(

@@ -28,10 +28,11 @@ AWAY_POLL_S = 0.25  # how often a device inside an offline window looks again (a
 
 def dataset_of(config: Config) -> Dataset:
     """The config's data set: ``dataset``, generated with ``samples_per_peer`` training
-    samples per peer when that is set (the same data on every peer, from one recipe)."""
+    samples per peer when that is set (the same data on every peer, from one recipe); a
+    published one read from ``data_dir``."""
     if config.samples_per_peer:
         return load_dataset(f"{config.dataset}:{config.samples_per_peer * config.peers}")
-    return load_dataset(config.dataset)
+    return load_dataset(config.dataset, config.data_dir or None)
 
 
 def initial_model(config: Config, dataset: Dataset) -> torch.nn.Module:
@@ -59,7 +60,7 @@ def peer_sampler(
     attack = byzantine_of(config, peer_id) if config.mode == "gossip" else None
     if attack is not None and attack.name == "label-flip":  # trains honestly on lies
         labels = dataset.num_classes - 1 - labels
-    return BatchSampler(dataset.x_train[shard], labels, batch, seed, device)
+    return BatchSampler(dataset.x_train[shard], labels, batch, seed, device, dataset.augment)
 
 
 def sampler_seed(config: Config, peer_id: int, step: int = 0) -> int:
@@ -88,11 +89,27 @@ def local_gradients(
     return loss
 
 
-def evaluation(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+def evaluation(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, own: torch.Tensor | None = None
+) -> dict[str, float]:
     """``accuracy`` and ``test_loss`` over the held-out set, rounded as a metrics line holds
-    them."""
+    them; with ``own`` (the indices of the peer's own owners' test samples, a natural
+    split's), also ``own_accuracy`` on those alone: the device's accuracy on its data."""
     accuracy, test_loss = evaluate(model, x, y)
-    return {"accuracy": round(accuracy, 6), "test_loss": round(test_loss, 6)}
+    out = {"accuracy": round(accuracy, 6), "test_loss": round(test_loss, 6)}
+    if own is not None and len(own):
+        out["own_accuracy"] = round(evaluate(model, x[own], y[own])[0], 6)
+    return out
+
+
+def own_test(config: Config, dataset: Dataset, peer_id: int) -> np.ndarray | None:
+    """The test samples of the owners whose training samples peer ``peer_id`` holds, in a
+    natural split (None in any other: its test set is everybody's)."""
+    if config.partition != "natural" or config.mode == "single" or dataset.owners_test is None:
+        return None
+    assert dataset.owners_train is not None
+    mine = np.unique(dataset.owners_train[shard_for(config, dataset, peer_id)])
+    return np.flatnonzero(np.isin(dataset.owners_test, mine))
 
 
 @torch.no_grad()
@@ -137,9 +154,7 @@ def shard_server(config: Config, dataset: Dataset, shard: int) -> ShardServer:
     model, the run's rule, and FedAvg's rounds sized by the workers' shards of the data."""
     flat = torch.nn.utils.parameters_to_vector(initial_model(config, dataset).parameters())
     a, b = chunk_bounds(flat.numel(), config.ps_shards)[shard]
-    sizes = [
-        len(p) for p in partition(dataset.y_train, config.peers, config.partition, config.seed)
-    ]
+    sizes = [len(p) for p in parts_of(config, dataset)]
     return ShardServer(
         flat.detach()[a:b],
         rule=config.ps,
@@ -205,12 +220,19 @@ def drifted(
     return perm[y_test]
 
 
+def parts_of(config: Config, dataset: Dataset) -> list[np.ndarray]:
+    """Every peer's training indices: the config's partition of the data set (``natural``
+    by its samples' owners)."""
+    return partition(
+        dataset.y_train, config.peers, config.partition, config.seed, owners=dataset.owners_train
+    )
+
+
 def shard_for(config: Config, dataset: Dataset, peer_id: int) -> np.ndarray:
     """Training indices of ``peer_id``: its partition (ids beyond ``peers`` wrap around)."""
     if config.mode == "single":
         return np.arange(len(dataset.y_train))
-    parts = partition(dataset.y_train, config.peers, config.partition, config.seed)
-    return parts[peer_id % config.peers]
+    return parts_of(config, dataset)[peer_id % config.peers]
 
 
 def metrics_line(

@@ -24,7 +24,17 @@ CASES = [
 
 
 def test_available_models() -> None:
-    assert available_models() == ["cnn1d", "cnn2d", "logistic", "mlp"]
+    assert available_models() == [
+        "cnn1d",
+        "cnn2d",
+        "leaf-cnn",
+        "leaf-lstm",
+        "lenet5",
+        "logistic",
+        "mlp",
+        "resnet20",
+        "vgg11",
+    ]
 
 
 @pytest.mark.parametrize(("name", "shape"), CASES)

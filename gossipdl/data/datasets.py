@@ -59,6 +59,9 @@ class Dataset:
     y_test: np.ndarray
     num_classes: int
     input_shape: tuple[int, ...]
+    augment: str = ""  # "crop-flip": CIFAR's random 4-pixel-padded crops and mirror images
+    owners_train: np.ndarray | None = None  # each sample's natural owner (a LEAF user), 0..U-1
+    owners_test: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         # Normalise the shape to a tuple of ints so equality checks work for lists.
@@ -98,6 +101,19 @@ class Dataset:
                 )
             if not np.isfinite(x).all():
                 raise DataError(f"dataset {self.name!r}: x_{split} contains NaN or inf")
+            owners = getattr(self, f"owners_{split}")
+            if owners is not None and (
+                not isinstance(owners, np.ndarray) or owners.dtype != np.int64
+                or owners.shape != y.shape or owners.min() < 0
+            ):  # fmt: skip
+                raise DataError(
+                    f"dataset {self.name!r}: owners_{split} must be a non-negative int64 array "
+                    f"with one owner per sample ({len(y)}), got {_describe(owners)}"
+                )
+        if self.augment not in ("", "crop-flip"):
+            raise DataError(
+                f"dataset {self.name!r}: augment = {self.augment!r}; use '' or 'crop-flip'"
+            )
 
     @property
     def num_train(self) -> int:
@@ -281,7 +297,9 @@ def _load_mnist1d(train: int | None = None) -> Dataset:
         arrays = _generate_mnist1d(train)
         _write_cache(path, arrays)
     name = "mnist1d" if train is None else f"mnist1d:{train}"
-    return Dataset(name, num_classes=10, input_shape=(40,), **arrays)
+    return Dataset(
+        name, arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], 10, (40,)
+    )
 
 
 # --------------------------------------------------------------------------- digits
@@ -387,13 +405,16 @@ def sized_dataset(name: str) -> tuple[str, int] | None:
 
 
 def builtin_dataset(name: str) -> bool:
-    """Whether ``name`` is built into gossipdl (``mnist1d:N`` too), not a plug-in to import.
+    """Whether ``name`` is built into gossipdl (``mnist1d:N``, the published data sets and
+    ``synthetic-fedprox:A:B`` too), not a plug-in to import.
 
     Example:
         >>> builtin_dataset("mnist1d:64000"), builtin_dataset("mymod:load")
         (True, False)
     """
-    if name in _BUILTIN:
+    from gossipdl.data.published import FEDPROX, PUBLISHED
+
+    if name in _BUILTIN or name in PUBLISHED or name.partition(":")[0] == FEDPROX:
         return True
     try:
         return sized_dataset(name) is not None
@@ -402,16 +423,20 @@ def builtin_dataset(name: str) -> bool:
 
 
 def available_datasets() -> list[str]:
-    """Names of the built-in datasets; ``"module.path:function"`` loads any other.
+    """Names of the built-in datasets, generated or read from files (``--data-dir``);
+    ``synthetic-fedprox:ALPHA:BETA`` is generated too, ``"module.path:function"`` loads
+    any other.
 
     Example:
         >>> available_datasets()
-        ['digits', 'mnist1d', 'synthetic']
+        ['cifar10', 'cifar100', 'digits', 'femnist', 'mnist1d', 'shakespeare', 'synthetic']
     """
-    return sorted(_BUILTIN)
+    from gossipdl.data.published import PUBLISHED
+
+    return sorted([*_BUILTIN, *PUBLISHED])
 
 
-def load_dataset(name: str) -> Dataset:
+def load_dataset(name: str, data_dir: Path | str | None = None) -> Dataset:
     """Load a dataset by name.
 
     ``name`` is a built-in name (see :func:`available_datasets`); ``mnist1d:N``,
@@ -421,17 +446,30 @@ def load_dataset(name: str) -> Dataset:
     ``"module.path:function"``, in which case ``function()`` is imported and
     called with no arguments and must return a :class:`Dataset`.
 
+    The published data sets (``cifar10``, ``cifar100``, ``femnist``, ``shakespeare``) are
+    read from ``data_dir`` (default :func:`~gossipdl.data.published.default_data_dir`),
+    ``synthetic-fedprox:ALPHA:BETA[:USERS]`` is generated
+    (:mod:`gossipdl.data.published`).
+
     Raises:
         DataError: unknown name, unimportable module or missing function, or a
-            function that does not return a Dataset.
+            function that does not return a Dataset; a published data set's missing
+            or corrupt file (named, with the command that fetches it).
 
     Example:
         >>> ds = load_dataset("digits")
         >>> ds.input_shape, ds.num_classes
         ((8, 8), 10)
     """
+    from gossipdl.data import published
+
     if name in _BUILTIN:
         return _BUILTIN[name]()
+    if name in published.PUBLISHED:
+        return published.load_published(name, Path(data_dir) if data_dir else None)
+    fedprox = published.parse_fedprox(name)
+    if fedprox is not None:
+        return published.load_fedprox(*fedprox)
     sized = sized_dataset(name)
     if sized is not None:
         base, train = sized

@@ -87,8 +87,33 @@ class IndexStream:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
+def crop_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
+    """CIFAR's augmentation, as the ResNet and VGG papers train: each image of ``x``
+    (``[B, C, H, W]``) cropped back to its size at a random offset from a copy padded
+    with ``pad`` zero pixels on every side, and mirrored left to right with probability
+    1/2; the draws come from ``generator`` (on ``x``'s device).
+
+    Example:
+        >>> import torch
+        >>> out = crop_flip(torch.ones(2, 3, 8, 8), torch.Generator().manual_seed(0))
+        >>> tuple(out.shape), float(out.max())
+        ((2, 3, 8, 8), 1.0)
+    """
+    b, _, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+    offsets = torch.randint(0, 2 * pad + 1, (2, b), generator=generator, device=x.device)
+    rows = (offsets[0, :, None] + torch.arange(h, device=x.device))[:, None, :, None]
+    cols = (offsets[1, :, None] + torch.arange(w, device=x.device))[:, None, None, :]
+    mirrored = torch.rand(b, generator=generator, device=x.device) < 0.5
+    cols = torch.where(mirrored[:, None, None, None], cols.flip(-1), cols)
+    batch = torch.arange(b, device=x.device)[:, None, None, None]
+    channel = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
+    return padded[batch, channel, rows, cols]
+
+
 class BatchSampler:
-    """Endless mini-batches of ``(x, y)`` from an :class:`IndexStream` over them.
+    """Endless mini-batches of ``(x, y)`` from an :class:`IndexStream` over them, augmented
+    as the data set asks (``augment``: ``crop-flip`` for CIFAR).
 
     Example:
         >>> import numpy as np
@@ -105,11 +130,16 @@ class BatchSampler:
         batch_size: int,
         seed: int,
         device: torch.device | str = "cpu",
+        augment: str = "",
     ) -> None:
         self.x, self.y = to_tensors(x, y, device)
         self.device = self.x.device
         self.stream = IndexStream(len(self.y), batch_size, seed, self.device)
         self.batch_size = self.stream.batch_size
+        if augment not in ("", "crop-flip"):
+            raise DataError(f"augment = {augment!r}; use '' or 'crop-flip'")
+        self.augment = augment  # "crop-flip": :func:`crop_flip` on every batch
+        self._draws = torch.Generator(device=self.device).manual_seed(seed + 7)
 
     @property
     def epoch(self) -> int:
@@ -132,7 +162,10 @@ class BatchSampler:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``(x, y)``, shaped ``(batch_size, *input_shape)`` and ``(batch_size,)``."""
         idx = self.stream.next()
-        return self.x.index_select(0, idx), self.y.index_select(0, idx)
+        x = self.x.index_select(0, idx)
+        if self.augment:
+            x = crop_flip(x, self._draws)
+        return x, self.y.index_select(0, idx)
 
     def __iter__(self) -> BatchSampler:
         return self

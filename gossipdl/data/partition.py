@@ -17,6 +17,9 @@ A spec string names the scheme:
   Efficient Learning of Deep Networks from Decentralized Data": sort the samples
   by label, cut them into ``n·K`` equal shards and deal ``K`` random shards to
   each peer, so a peer sees about ``K`` (at most ``2K``) classes.
+- ``natural`` — by the samples' natural owners (LEAF's writers and speakers,
+  Synthetic(α, β)'s devices): each part holds whole owners, with the sample counts
+  they have.
 - ``powerlaw:A`` — iid labels but skewed sizes, as real fleets' devices hold (LEAF;
   Li et al. 2020, FedProx): each part's share of the samples above ``min_size`` is
   drawn from a Pareto distribution of shape ``A`` (smaller: more skewed; 1.5 makes
@@ -35,12 +38,21 @@ import numpy as np
 
 from gossipdl.data.datasets import DataError
 
-_FORMS = "'iid', 'dirichlet:ALPHA' (ALPHA > 0), 'shards:K' (integer K >= 1) or 'powerlaw:A' (A > 0)"
+_FORMS = (
+    "'iid', 'dirichlet:ALPHA' (ALPHA > 0), 'shards:K' (integer K >= 1), 'powerlaw:A' (A > 0) "
+    "or 'natural' (by the samples' owners)"
+)
 _DIRICHLET_DRAWS = 10
 
 
 def partition(
-    labels: np.ndarray, n: int, spec: str, seed: int, *, min_size: int = 10
+    labels: np.ndarray,
+    n: int,
+    spec: str,
+    seed: int,
+    *,
+    min_size: int = 10,
+    owners: np.ndarray | None = None,
 ) -> list[np.ndarray]:
     """Split the indices of ``labels`` into ``n`` disjoint parts according to ``spec``.
 
@@ -51,6 +63,9 @@ def partition(
             module doc).
         seed: non-negative seed; the same arguments always give the same parts.
         min_size: for ``dirichlet`` and ``powerlaw``, the fewest samples any part holds.
+        owners: for ``natural``, each sample's owner (a LEAF writer or speaker): every
+            part gets whole owners, dealt in a seeded order (one each when ``n`` is
+            their number).
 
     Returns:
         ``n`` sorted ``int64`` index arrays, disjoint, covering ``range(len(labels))``.
@@ -95,6 +110,8 @@ def partition(
                 f"but there are only {num} samples"
             )
         parts = _shards(labels, n, k, rng)
+    elif spec == "natural":
+        parts = _natural(owners, n, rng)
     elif name == "powerlaw":
         shape = _parse_alpha(spec, arg)
         _check_room(spec, n, min_size, num)
@@ -102,6 +119,27 @@ def partition(
     else:
         raise DataError(f"unknown partition spec {spec!r}; expected {_FORMS}")
     return [np.sort(p).astype(np.int64) for p in parts]
+
+
+def _natural(owners: np.ndarray | None, n: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Each part a set of whole owners: the owners shuffled, then dealt round robin."""
+    if owners is None:
+        raise DataError(
+            "partition 'natural' splits by the samples' owners (writers, speakers), which "
+            "only femnist, shakespeare and synthetic-fedprox have; use iid, dirichlet:ALPHA, "
+            "shards:K or powerlaw:A"
+        )
+    users = np.unique(owners)
+    if n > len(users):
+        raise DataError(
+            f"partition 'natural': {len(users)} owners cannot fill {n} parts; use at most "
+            f"{len(users)} peers, or another partition"
+        )
+    dealt = rng.permutation(users)
+    part_of = np.empty(int(users.max()) + 1, dtype=np.int64)
+    part_of[dealt] = np.arange(len(dealt)) % n
+    which = part_of[owners]
+    return [np.flatnonzero(which == i) for i in range(n)]
 
 
 def _parse_alpha(spec: str, arg: str) -> float:

@@ -27,7 +27,7 @@ from typing import IO, Any
 from rich.console import Console
 
 from gossipdl.config import ADVERTISE_ENV, Config, ConfigError, resolved, to_toml
-from gossipdl.data import DataError, partition
+from gossipdl.data import DataError
 from gossipdl.experiments import forking
 from gossipdl.experiments.display import LiveProgress
 from gossipdl.experiments.forking import ForkedCommand
@@ -35,7 +35,7 @@ from gossipdl.experiments.summary import summarize
 from gossipdl.models import build_model
 from gossipdl.rundir import RUN_START_ENV, RunDir, default_run_dir
 from gossipdl.sim.faults import refuse_outside_simulation
-from gossipdl.training import dataset_of
+from gossipdl.training import dataset_of, parts_of
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def preflight(config: Config) -> int:
         raise ConfigError(f"dataset = {config.dataset!r}: {exc}") from None
     if config.mode != "single":
         try:
-            partition(dataset.y_train, config.peers, config.partition, config.seed)
+            parts_of(config, dataset)
         except DataError as exc:
             raise ConfigError(f"partition = {config.partition!r}: {exc}") from None
     model = build_model(

@@ -215,6 +215,7 @@ def summary_of(run: Run | RunDir, wall_time_s: float | None = None) -> dict[str,
             {
                 "id": peer_id,
                 "accuracy": _last(records, "accuracy"),
+                "own_accuracy": _last(records, "own_accuracy"),  # natural splits only
                 "bytes_sent": last.get("bytes_sent", 0),
                 "header_bytes_sent": last.get("header_bytes_sent", 0),
                 "bytes_received": last.get("bytes_received", 0),

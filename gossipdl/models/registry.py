@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from gossipdl.models.benchmark_models import VGG11, LeafCNN, LeafLSTM, LeNet5, ResNet20
 from gossipdl.models.cnn import CNN1d, CNN2d
 from gossipdl.models.mlp import MLP
 from gossipdl.plugins import load_callable
@@ -51,11 +52,46 @@ def _cnn2d(input_shape: tuple[int, ...], num_classes: int, hidden: list[int] | N
     return CNN2d(input_shape, num_classes, [32, 64] if hidden is None else hidden)
 
 
+def _fixed(
+    name: str,
+    model: Callable[[tuple[int, ...], int], nn.Module],
+    fits: Callable[[tuple[int, ...]], bool],
+    needs: str,
+) -> Builder:
+    """A builder for one of the papers' models: their widths, for inputs that ``fit``."""
+
+    def build(
+        input_shape: tuple[int, ...], num_classes: int, hidden: list[int] | None
+    ) -> nn.Module:
+        if hidden:
+            raise ModelError(f"model {name!r} has its paper's widths; leave hidden empty")
+        if not fits(input_shape):
+            raise ModelError(f"model {name!r} needs input_shape {needs}, got {input_shape}")
+        return model(input_shape, num_classes)
+
+    return build
+
+
+def _rgb32(shape: tuple[int, ...]) -> bool:
+    return len(shape) == 3 and shape[1] >= 32 and shape[2] >= 32
+
+
+def _image(shape: tuple[int, ...]) -> bool:
+    return len(shape) in (2, 3) and min(shape[-2:]) >= 12
+
+
 _BUILTIN: dict[str, Builder] = {
     "logistic": _logistic,
     "mlp": _mlp,
     "cnn1d": _cnn1d,
     "cnn2d": _cnn2d,
+    "resnet20": _fixed("resnet20", ResNet20, _rgb32, "(C, H, W), H and W >= 32 (CIFAR)"),
+    "vgg11": _fixed("vgg11", VGG11, _rgb32, "(C, H, W), H and W >= 32 (CIFAR)"),
+    "lenet5": _fixed("lenet5", LeNet5, _image, "(H, W) or (C, H, W), at least 12x12"),
+    "leaf-cnn": _fixed("leaf-cnn", LeafCNN, _image, "(H, W) or (C, H, W), at least 12x12"),
+    "leaf-lstm": _fixed(
+        "leaf-lstm", LeafLSTM, lambda shape: len(shape) == 1, "(L,): character indices"
+    ),
 }
 
 
@@ -63,8 +99,8 @@ def available_models() -> list[str]:
     """Names of the built-in models; ``"module.path:function"`` builds any other.
 
     Example:
-        >>> available_models()
-        ['cnn1d', 'cnn2d', 'logistic', 'mlp']
+        >>> " ".join(available_models())
+        'cnn1d cnn2d leaf-cnn leaf-lstm lenet5 logistic mlp resnet20 vgg11'
     """
     return sorted(_BUILTIN)
 
@@ -85,6 +121,9 @@ def build_model(
       (default ``[32, 32, 32]``, ~8k parameters on MNIST-1D).
     - ``cnn2d``: for ``(H, W)`` or ``(C, H, W)`` inputs; ``hidden`` are conv channel
       counts (default ``[32, 64]``).
+    - ``resnet20``, ``vgg11`` (CIFAR, GroupNorm), ``lenet5``, ``leaf-cnn`` (FEMNIST) and
+      ``leaf-lstm`` (Shakespeare): the papers' models with their widths
+      (:mod:`gossipdl.models.benchmark_models`).
 
     ``"module.path:function"`` calls ``function(input_shape=..., num_classes=...,
     hidden=...)``, which must return an ``nn.Module``; its output shape is checked

@@ -42,6 +42,7 @@ from gossipdl.training import (
     local_gradients,
     make_optimizer,
     metrics_line,
+    own_test,
     peer_sampler,
     ps_worker_settings,
     save_atomic,
@@ -288,6 +289,8 @@ def _loop(
     sampler = peer_sampler(config, dataset, peer.id, peer.steps, device)
     x_test = torch.as_tensor(dataset.x_test, device=device)
     y_test = torch.as_tensor(dataset.y_test, device=device)
+    own_indices = own_test(config, dataset, peer.id)
+    own = None if own_indices is None else torch.as_tensor(own_indices, device=device)
     emulated = _device(config, peer.id)
     drift = drift_of(config, peer.id)
     previous = _last_life(run, peer.id) if resumed else None
@@ -325,7 +328,7 @@ def _loop(
         if previous is not None:  # the gap while this peer was down shows in its time
             down = time.time() - start - previous.get("time", 0.0)
             first.update(resumed=True, down_s=round(max(0.0, down), 3))
-        record(**evaluation(model, x_test, y_test), **first)
+        record(**evaluation(model, x_test, y_test, own), **first)
         while not _finished(config, peer) and not stop.is_set():
             if not peer.transport.online:  # the device is away (churn): no steps, no traffic
                 stop.wait(AWAY_POLL_S)
@@ -344,10 +347,10 @@ def _loop(
                 save_checkpoint(run.checkpoint(peer.id), model, optimizer, peer.steps)
             due = config.eval_every and peer.steps % config.eval_every == 0
             if due and peer.steps < config.steps:
-                record(**evaluation(model, x_test, y_test))
+                record(**evaluation(model, x_test, y_test, own))
             elif peer.steps % config.log_every == 0:
                 record()
-        evaluated = evaluation(model, x_test, y_test)
+        evaluated = evaluation(model, x_test, y_test, own)
         save_atomic(model.state_dict(), run.model(peer.id))
         peer.transport.flush()  # the final line counts the last messages sent, too
         final = record(

@@ -62,7 +62,7 @@ from gossipdl.compression.quantization import QSGD, Sign
 from gossipdl.compression.sparse import SparseCodec, Threshold, TopK
 from gossipdl.conditions import DeviceProfile, device_of
 from gossipdl.config import Config
-from gossipdl.data import IndexStream, partition
+from gossipdl.data import IndexStream
 from gossipdl.peers.device import pick_device
 from gossipdl.protocol.core import addressed
 from gossipdl.protocol.kinds import COMPRESSED_KINDS, TABLE, TABLE_KINDS
@@ -78,6 +78,7 @@ from gossipdl.training import (
     json_line,
     lr_at,
     metrics_line,
+    parts_of,
     sampler_seed,
     save_atomic,
 )
@@ -382,7 +383,7 @@ class BatchedSimulation:
         template = initial_model(config, self.dataset)
         self.models = StackedModels(template, count).to(device)
         self.optimizer = StackedSGD(config.momentum, config.weight_decay)
-        parts = partition(self.dataset.y_train, count, config.partition, config.seed)
+        parts = parts_of(config, self.dataset)
         self.shards = [torch.from_numpy(np.asarray(p, dtype=np.int64)) for p in parts]
         self.streams = [  # the per-peer engine's seeds (``peer_sampler``)
             IndexStream(len(p), config.batch_size, sampler_seed(config, i))

@@ -65,6 +65,7 @@ from gossipdl.training import (
     local_gradients,
     make_optimizer,
     metrics_line,
+    own_test,
     peer_sampler,
     save_atomic,
 )
@@ -127,6 +128,7 @@ class VirtualPeer:
     saved: tuple[int, dict[str, Any], dict[str, Any]] | None = None  # checkpoint: step, states
     drift: Drift | None = None  # the label drift still to come (``drift``)
     y_test: torch.Tensor | None = None  # its test labels once they drifted
+    own: torch.Tensor | None = None  # its owners' test samples (a natural split)
     rate: float = 1.0  # how fast its clock runs against true time (a ``clock`` fault)
     clock_mark: tuple[float, float] = (0.0, 0.0)  # (true, local) time when the rate last changed
     leaving: bool = False  # it leaves at its next round, once its messages are out (``leave``)
@@ -145,6 +147,12 @@ class VirtualPeer:
     def flat(self) -> torch.Tensor:
         """The parameters as one new vector (``parameters_to_vector``, without its checks)."""
         return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+
+def _own(config: Config, dataset: Dataset, peer_id: int) -> torch.Tensor | None:
+    """Peer ``peer_id``'s owners' test samples (:func:`~gossipdl.training.own_test`)."""
+    own = own_test(config, dataset, peer_id)
+    return None if own is None else torch.from_numpy(own)
 
 
 class Simulation:
@@ -223,6 +231,7 @@ class Simulation:
                 self._step_time(device),
                 metrics=None,
                 drift=drift_of(config, i),
+                own=_own(config, self.dataset, i),
             )
             self.peers.append(peer)
             self.network.attach(i, self._handler(peer), device.link)
@@ -496,7 +505,7 @@ class Simulation:
     def _evaluation(self, peer: VirtualPeer) -> dict[str, float]:
         """The peer's model on the held-out set (``accuracy``, ``test_loss``)."""
         y_test = self.y_test if peer.y_test is None else peer.y_test
-        return evaluation(peer.model, self.x_test, y_test)
+        return evaluation(peer.model, self.x_test, y_test, peer.own)
 
     def _record(self, peer: VirtualPeer, **extra: Any) -> None:
         """One metrics line, with the real runner's keys."""

@@ -1,0 +1,162 @@
+"""``gossipdl data fetch NAME``: download a published data set, check it, keep its files.
+
+The download is the user's explicit step (runs never download). CIFAR-10 and CIFAR-100
+come from their authors' binary archives, checked against the published MD5 and size
+as they stream in (a download longer than the published size stops there), and only the
+files the readers need are kept, written to paths of our own (never to a name from the
+archive). LEAF publishes scripts, not files: for FEMNIST and Shakespeare the command says
+how LEAF's scripts make the JSON files and where to put them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from gossipdl.data.datasets import DataError
+
+CHUNK = 1 << 20
+
+
+class FetchError(DataError):
+    """A download that failed, was cut short or did not match its published checksum."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a data set's archive is published: its ``url``, MD5 and size in bytes, and the
+    ``members`` the readers need, each with its size (``(path in the archive, bytes)``;
+    the same path is where it is kept, under the data directory)."""
+
+    url: str
+    md5: str
+    size: int
+    members: tuple[tuple[str, int], ...]
+
+
+_CIFAR10_RECORD, _CIFAR100_RECORD = 1 + 3072, 2 + 3072
+SOURCES = {
+    "cifar10": Source(
+        "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz",
+        "c32a1d4ab5d03f1284b67883e8d87530",
+        170_052_171,
+        tuple(
+            (f"cifar-10-batches-bin/{f}", 10_000 * _CIFAR10_RECORD)
+            for f in [*(f"data_batch_{i}.bin" for i in range(1, 6)), "test_batch.bin"]
+        ),
+    ),
+    "cifar100": Source(
+        "https://www.cs.toronto.edu/~kriz/cifar-100-binary.tar.gz",
+        "03b5dce01913d631647c71ecec9e9cb8",
+        168_513_733,
+        (
+            ("cifar-100-binary/train.bin", 50_000 * _CIFAR100_RECORD),
+            ("cifar-100-binary/test.bin", 10_000 * _CIFAR100_RECORD),
+        ),
+    ),
+}
+
+LEAF_FLAGS = {  # LEAF's README settings for the usual "niid, sampled" version
+    "femnist": "-s niid --sf 0.05 -k 0 -t sample",
+    "shakespeare": "-s niid --sf 0.2 -k 0 -t sample -tf 0.8",
+}
+
+
+def leaf_howto(name: str, data_dir: Path) -> str:
+    """How to make LEAF's ``name`` files and where gossipdl reads them."""
+    return (
+        f"LEAF publishes scripts, not files, so gossipdl cannot check a download of {name}. "
+        f"Make it with LEAF's own scripts: git clone https://github.com/TalwalkarLab/leaf && "
+        f"cd leaf/data/{name} && ./preprocess.sh {LEAF_FLAGS[name]}; then copy its "
+        f"data/train and data/test folders (the *.json files) to {data_dir / name}/train and "
+        f"{data_dir / name}/test"
+    )
+
+
+def fetch(
+    name: str, data_dir: Path, source: Source | None = None, *, progress: bool = True
+) -> list[Path]:
+    """Download data set ``name`` into ``data_dir`` from ``source`` (default: its published
+    one, :data:`SOURCES`), check its size and MD5, keep the files the readers need;
+    returns their paths. FetchError names what went wrong; nothing half-written is left."""
+    if name in LEAF_FLAGS:
+        raise FetchError(leaf_howto(name, data_dir))
+    if source is None:
+        if name not in SOURCES:
+            known = ", ".join([*SOURCES, *LEAF_FLAGS])
+            raise FetchError(f"no data set {name!r} to fetch; known: {known}")
+        source = SOURCES[name]
+    data_dir.mkdir(parents=True, exist_ok=True)
+    archive = data_dir / f".{name}.download"
+    try:
+        _download(name, source, archive, progress)
+        return _extract(name, source, archive, data_dir)
+    finally:
+        archive.unlink(missing_ok=True)
+
+
+def _chunks(url: str) -> Iterator[bytes]:
+    """The bytes at ``url``, a chunk at a time."""
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            while chunk := response.read(CHUNK):
+                yield chunk
+    except OSError as exc:
+        raise FetchError(f"download of {url} failed: {exc}") from None
+
+
+def _download(name: str, source: Source, archive: Path, progress: bool) -> None:
+    """Stream ``source`` into ``archive``, checking size and MD5 on the way."""
+    if not source.url.startswith(("https://", "http://")):
+        raise FetchError(f"{name}: {source.url!r} is not an http(s) URL")
+    digest, got = hashlib.md5(usedforsecurity=False), 0
+    columns = (TextColumn(f"{name}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, disable=not progress) as bar, archive.open("wb") as out:
+        task = bar.add_task(name, total=source.size)
+        for chunk in _chunks(source.url):
+            got += len(chunk)
+            if got > source.size:
+                raise FetchError(
+                    f"{name}: {source.url} sent more than the published {source.size:,} bytes; "
+                    "stopped (a wrong or changed file)"
+                )
+            digest.update(chunk)
+            out.write(chunk)
+            bar.update(task, advance=len(chunk))
+    if got != source.size or digest.hexdigest() != source.md5:
+        raise FetchError(
+            f"{name}: {source.url} gave {got:,} bytes with MD5 {digest.hexdigest()}, not the "
+            f"published {source.size:,} bytes with MD5 {source.md5}; nothing was kept (try "
+            "again; a proxy or mirror may have changed it)"
+        )
+
+
+def _extract(name: str, source: Source, archive: Path, data_dir: Path) -> list[Path]:
+    """Copy the archive's needed regular files, each of its expected size, to our paths."""
+    kept = []
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            for member_name, size in source.members:
+                member = tar.getmember(member_name)
+                if not member.isfile() or member.size != size:
+                    raise FetchError(f"{name}: {member_name} in the archive is not {size:,} bytes")
+                target = data_dir / member_name  # our constant path, not the archive's word
+                target.parent.mkdir(parents=True, exist_ok=True)
+                partial = target.with_name(target.name + ".part")
+                reader = tar.extractfile(member)
+                assert reader is not None
+                with reader, partial.open("wb") as out:
+                    while block := reader.read(CHUNK):
+                        out.write(block)
+                os.replace(partial, target)
+                kept.append(target)
+    except (tarfile.TarError, KeyError, EOFError) as exc:
+        raise FetchError(f"{name}: the archive is not what was published ({exc})") from None
+    return kept

@@ -1,0 +1,305 @@
+"""The data sets the field benchmarks on, read from their published on-disk formats.
+
+- ``cifar10`` and ``cifar100``: the binary versions (``cifar-10-batches-bin/data_batch_1.bin``
+  … ``data_batch_5.bin`` and ``test_batch.bin``, each record one label byte and 3072 pixel
+  bytes, channel by channel; ``cifar-100-binary/train.bin`` and ``test.bin``, a coarse and
+  a fine label byte first: the fine one is the class). No pickle is ever loaded.
+- ``femnist`` and ``shakespeare``: LEAF's JSON (``femnist/train/*.json`` and
+  ``femnist/test/*.json``, each ``{"users", "num_samples", "user_data": {user: {"x", "y"}}}``,
+  as LEAF's own ``preprocess.sh`` writes them). Every sample keeps its owner (writer,
+  speaker): ``partition = "natural"`` gives each peer whole owners.
+- ``synthetic-fedprox:ALPHA:BETA[:USERS]``: Synthetic(α, β) of the FedProx paper (Li et al.
+  2020), generated here: per device k, ``u_k ~ N(0, α)``, ``B_k ~ N(0, β)``, a softmax
+  model ``W_k, b_k ~ N(u_k, 1)`` and inputs ``x ~ N(v_k, Σ)`` with ``v_k ~ N(B_k, 1)``,
+  ``Σ_jj = j^−1.2``, labels ``argmax(W_k x + b_k)``; sample counts lognormal(4, 2) + 50 per
+  device (30 devices unless USERS is given), 90% of each device's samples to train.
+
+Files live under a data directory (``--data-dir``; default :func:`default_data_dir`).
+Nothing here downloads: ``gossipdl data fetch NAME`` does, as the user's explicit step
+(:mod:`gossipdl.data.fetch`). A missing or corrupt file is a :class:`DataError` that
+names the file and that command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gossipdl.data.datasets import DataError, Dataset, cache_dir
+
+PUBLISHED = ("cifar10", "cifar100", "femnist", "shakespeare")
+"""The data sets read from files (``synthetic-fedprox`` is generated)."""
+
+FEDPROX = "synthetic-fedprox"
+_CIFAR = {  # name: (folder, train files, test file, label bytes, classes, mean, std)
+    "cifar10": (
+        "cifar-10-batches-bin",
+        tuple(f"data_batch_{i}.bin" for i in range(1, 6)),
+        "test_batch.bin",
+        1,
+        10,
+        (0.4914, 0.4822, 0.4465),
+        (0.2470, 0.2435, 0.2616),
+    ),
+    "cifar100": (
+        "cifar-100-binary",
+        ("train.bin",),
+        "test.bin",
+        2,
+        100,
+        (0.5071, 0.4865, 0.4409),
+        (0.2673, 0.2564, 0.2762),
+    ),
+}
+_PIXELS = 3 * 32 * 32
+
+SHAKESPEARE_LETTERS = (
+    "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
+)
+"""LEAF's Shakespeare vocabulary (its ``ALL_LETTERS``): a character's class is its index."""
+_LETTER = {c: i for i, c in enumerate(SHAKESPEARE_LETTERS)}
+SHAKESPEARE_SEQUENCE = 80  # LEAF's: 80 characters in, the next one out
+FEMNIST_CLASSES, FEMNIST_SIDE = 62, 28
+
+
+def default_data_dir() -> Path:
+    """Where published data sets are read from by default: ``$GOSSIPDL_DATA``, else
+    ``data/`` in :func:`~gossipdl.data.datasets.cache_dir`."""
+    explicit = os.environ.get("GOSSIPDL_DATA")
+    return Path(explicit).expanduser() if explicit else cache_dir() / "data"
+
+
+def fetch_hint(name: str, data_dir: Path) -> str:
+    """How to get data set ``name`` into ``data_dir``: the command to run."""
+    where = "" if data_dir == default_data_dir() else f" --data-dir {data_dir}"
+    return f"run `gossipdl data fetch {name}{where}`"
+
+
+def load_published(name: str, data_dir: Path | None = None) -> Dataset:
+    """Data set ``name`` (one of :data:`PUBLISHED`) from ``data_dir``; DataError naming the
+    missing or corrupt file and the command that fetches it."""
+    root = Path(data_dir) if data_dir is not None else default_data_dir()
+    if name in _CIFAR:
+        return _load_cifar(name, root)
+    if name in ("femnist", "shakespeare"):
+        return _load_leaf(name, root)
+    raise DataError(f"unknown published data set {name!r}; known: {', '.join(PUBLISHED)}")
+
+
+# --------------------------------------------------------------------------- CIFAR
+
+
+def _cifar_records(name: str, path: Path, root: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The uint8 images (``[N, 3, 32, 32]``) and int64 classes of one binary CIFAR file."""
+    _, _, _, label_bytes, classes, _, _ = _CIFAR[name]
+    if not path.is_file():
+        raise DataError(f"{name}: {path} is missing; {fetch_hint(name, root)}")
+    raw = np.fromfile(path, dtype=np.uint8)
+    record = label_bytes + _PIXELS
+    if raw.size == 0 or raw.size % record:
+        raise DataError(
+            f"{name}: {path} holds {raw.size} bytes, not whole {record}-byte records: it is "
+            f"truncated or not the binary version; delete it and {fetch_hint(name, root)}"
+        )
+    rows = raw.reshape(-1, record)
+    labels = rows[:, label_bytes - 1].astype(np.int64)  # CIFAR-100: the fine label
+    if labels.max() >= classes:
+        raise DataError(
+            f"{name}: {path} has a label {labels.max()} (classes 0..{classes - 1}): the file "
+            f"is corrupt or another data set's; delete it and {fetch_hint(name, root)}"
+        )
+    return rows[:, label_bytes:].reshape(-1, 3, 32, 32), labels
+
+
+def _load_cifar(name: str, root: Path) -> Dataset:
+    """CIFAR-10/100 from its binary files, scaled to [0, 1] and standardised per channel
+    with the published training-set statistics."""
+    folder, train_files, test_file, _, classes, mean, std = _CIFAR[name]
+    base = root / folder
+    parts = [_cifar_records(name, base / f, root) for f in train_files]
+    x_test, y_test = _cifar_records(name, base / test_file, root)
+    shift = np.asarray(mean, np.float32).reshape(1, 3, 1, 1)
+    scale = np.asarray(std, np.float32).reshape(1, 3, 1, 1)
+
+    def standard(images: np.ndarray) -> np.ndarray:
+        return ((images.astype(np.float32) / 255.0 - shift) / scale).astype(np.float32)
+
+    return Dataset(
+        name,
+        standard(np.concatenate([x for x, _ in parts])),
+        np.concatenate([y for _, y in parts]),
+        standard(x_test),
+        y_test,
+        num_classes=classes,
+        input_shape=(3, 32, 32),
+        augment="crop-flip",
+    )
+
+
+# --------------------------------------------------------------------------- LEAF
+
+
+def _leaf_files(name: str, root: Path, split: str) -> list[Path]:
+    folder = root / name / split
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    if not files:
+        raise DataError(
+            f"{name}: no {split} files ({folder}/*.json); {fetch_hint(name, root)} "
+            "(it says how LEAF's scripts make them)"
+        )
+    return files
+
+
+def _leaf_samples(name: str, path: Path, root: Path) -> list[tuple[str, list[Any], list[Any]]]:
+    """``(user, xs, ys)`` of every user in one LEAF JSON file, checked."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            doc = json.load(f)
+        users, data = doc["users"], doc["user_data"]
+        out = [(str(u), data[u]["x"], data[u]["y"]) for u in users]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(
+            f"{name}: {path} is not LEAF's JSON ({type(exc).__name__}: {exc}); delete it and "
+            f"{fetch_hint(name, root)}"
+        ) from None
+    for user, xs, ys in out:
+        if not isinstance(xs, list) or not isinstance(ys, list) or len(xs) != len(ys):
+            raise DataError(f"{name}: {path}: user {user!r} has x and y of different lengths")
+    return out
+
+
+def _femnist_arrays(
+    path: Path, samples: list[tuple[str, list[Any], list[Any]]]
+) -> tuple[np.ndarray, np.ndarray]:
+    xs = [x for _, user_x, _ in samples for x in user_x]
+    ys = [y for _, _, user_y in samples for y in user_y]
+    try:
+        x = np.asarray(xs, dtype=np.float32).reshape(-1, 1, FEMNIST_SIDE, FEMNIST_SIDE)
+        y = np.asarray(ys, dtype=np.int64)
+    except (ValueError, TypeError):
+        raise DataError(
+            f"femnist: {path}: a sample is not {FEMNIST_SIDE * FEMNIST_SIDE} numbers"
+        ) from None
+    if len(y) and (y.min() < 0 or y.max() >= FEMNIST_CLASSES):
+        raise DataError(f"femnist: {path}: labels outside 0..{FEMNIST_CLASSES - 1}")
+    return x, y
+
+
+def _shakespeare_arrays(
+    path: Path, samples: list[tuple[str, list[Any], list[Any]]]
+) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        x = np.array(
+            [[_LETTER[c] for c in text] for _, user_x, _ in samples for text in user_x],
+            dtype=np.float32,
+        ).reshape(-1, SHAKESPEARE_SEQUENCE)
+        y = np.array([_LETTER[c] for _, _, user_y in samples for c in user_y], dtype=np.int64)
+    except (KeyError, ValueError, TypeError):
+        raise DataError(
+            f"shakespeare: {path}: a sample is not {SHAKESPEARE_SEQUENCE} characters of LEAF's "
+            "vocabulary, or a label not one of them"
+        ) from None
+    return x, y
+
+
+def _load_leaf(name: str, root: Path) -> Dataset:
+    """A LEAF data set: every user's train and test samples, each kept with its owner's
+    number (users numbered in sorted order)."""
+    arrays = _femnist_arrays if name == "femnist" else _shakespeare_arrays
+    splits: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
+    for split in ("train", "test"):
+        xs, ys, owners = [], [], []
+        for path in _leaf_files(name, root, split):
+            samples = _leaf_samples(name, path, root)
+            x, y = arrays(path, samples)
+            xs.append(x)
+            ys.append(y)
+            owners += [user for user, _, user_y in samples for _ in user_y]
+        splits[split] = (np.concatenate(xs), np.concatenate(ys), owners)
+    users = sorted(set(splits["train"][2]))
+    number = {u: i for i, u in enumerate(users)}
+    unknown = set(splits["test"][2]) - set(number)
+    if unknown:
+        raise DataError(f"{name}: test users without training samples: {sorted(unknown)[:5]}")
+    (x_train, y_train, own_train), (x_test, y_test, own_test) = splits["train"], splits["test"]
+    femnist = name == "femnist"
+    return Dataset(
+        name,
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        num_classes=FEMNIST_CLASSES if femnist else len(SHAKESPEARE_LETTERS),
+        input_shape=(1, FEMNIST_SIDE, FEMNIST_SIDE) if femnist else (SHAKESPEARE_SEQUENCE,),
+        owners_train=np.array([number[u] for u in own_train], dtype=np.int64),
+        owners_test=np.array([number[u] for u in own_test], dtype=np.int64),
+    )
+
+
+# --------------------------------------------------------------------------- Synthetic(α, β)
+
+FEDPROX_DIM, FEDPROX_CLASSES, FEDPROX_USERS = 60, 10, 30
+
+
+def parse_fedprox(name: str) -> tuple[float, float, int] | None:
+    """``(α, β, users)`` of ``synthetic-fedprox:ALPHA:BETA[:USERS]``, None for another name;
+    DataError for a malformed one.
+
+    Example:
+        >>> parse_fedprox("synthetic-fedprox:1:1"), parse_fedprox("mnist1d")
+        ((1.0, 1.0, 30), None)
+    """
+    base, _, rest = name.partition(":")
+    if base != FEDPROX:
+        return None
+    parts = rest.split(":")
+    usage = f"dataset {name!r}: use {FEDPROX}:ALPHA:BETA[:USERS], e.g. {FEDPROX}:1:1"
+    if len(parts) not in (2, 3):
+        raise DataError(usage)
+    try:
+        alpha, beta = float(parts[0]), float(parts[1])
+        users = int(parts[2]) if len(parts) == 3 else FEDPROX_USERS
+    except ValueError:
+        raise DataError(usage) from None
+    if not (0 <= alpha < 1e3 and 0 <= beta < 1e3 and 1 <= users <= 10_000):
+        raise DataError(f"{usage} (α, β in [0, 1000), 1 <= USERS <= 10,000)")
+    return alpha, beta, users
+
+
+def load_fedprox(alpha: float, beta: float, users: int, seed: int = 0) -> Dataset:
+    """Synthetic(α, β) as the FedProx paper generates it (module docstring), standardised
+    with the training samples' statistics; each sample's device is its owner."""
+    rng = np.random.default_rng(seed)
+    counts = (rng.lognormal(4, 2, users).astype(np.int64) + 50).clip(max=20_000)
+    sigma = np.arange(1, FEDPROX_DIM + 1, dtype=np.float64) ** -1.2
+    x_parts, y_parts, train_mask = [], [], []
+    for k in range(users):
+        u, b = rng.normal(0, np.sqrt(alpha)), rng.normal(0, np.sqrt(beta), FEDPROX_DIM)
+        w = rng.normal(u, 1, (FEDPROX_CLASSES, FEDPROX_DIM))
+        bias = rng.normal(u, 1, FEDPROX_CLASSES)
+        v = rng.normal(b, 1)
+        x = v + rng.standard_normal((counts[k], FEDPROX_DIM)) * np.sqrt(sigma)
+        x_parts.append(x)
+        y_parts.append(np.argmax(x @ w.T + bias, axis=1))
+        train = int(0.9 * counts[k])
+        train_mask.append(np.arange(counts[k]) < train)
+    x, y = np.concatenate(x_parts), np.concatenate(y_parts).astype(np.int64)
+    owners = np.repeat(np.arange(users, dtype=np.int64), counts)
+    kept = np.concatenate(train_mask)
+    mean, std = x[kept].mean(0), x[kept].std(0) + 1e-8
+    x = ((x - mean) / std).astype(np.float32)
+    return Dataset(
+        f"{FEDPROX}:{alpha:g}:{beta:g}" + (f":{users}" if users != FEDPROX_USERS else ""),
+        x[kept],
+        y[kept],
+        x[~kept],
+        y[~kept],
+        num_classes=FEDPROX_CLASSES,
+        input_shape=(FEDPROX_DIM,),
+        owners_train=owners[kept],
+        owners_test=owners[~kept],
+    )

@@ -1,0 +1,313 @@
+"""Published data sets and the papers' models: tiny files written here in each published
+format (CIFAR's binary records, LEAF's JSON) are read, split by owner and trained on; a
+missing or corrupt file fails naming the file and the fetch command; ``gossipdl data
+fetch`` checks what it downloads (from an HTTP server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import json
+import tarfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import gossipdl_cmd
+
+from gossipdl.config import load_config
+from gossipdl.data import DataError, load_dataset, partition
+from gossipdl.data.fetch import FetchError, Source, fetch
+from gossipdl.data.loader import BatchSampler, crop_flip
+from gossipdl.data.published import SHAKESPEARE_LETTERS
+from gossipdl.experiments.simulated import simulate
+from gossipdl.models import ModelError, build_model
+from gossipdl.training import dataset_of, own_test
+
+RNG = np.random.default_rng(0)
+
+
+def cifar_file(path: Path, count: int, label_bytes: int = 1, classes: int = 10) -> np.ndarray:
+    """``count`` records of random pixels in CIFAR's binary format; their class labels."""
+    labels = RNG.integers(0, classes, count)
+    rows = np.empty((count, label_bytes + 3072), np.uint8)
+    rows[:, :label_bytes] = labels[:, None] // 5 if label_bytes == 2 else labels[:, None]
+    rows[:, label_bytes - 1] = labels
+    rows[:, label_bytes:] = RNG.integers(0, 256, (count, 3072))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows.tofile(path)
+    return labels
+
+
+def cifar10(root: Path, per_file: int = 12) -> list[np.ndarray]:
+    folder = root / "cifar-10-batches-bin"
+    train = [cifar_file(folder / f"data_batch_{i}.bin", per_file) for i in range(1, 6)]
+    return [*train, cifar_file(folder / "test_batch.bin", per_file)]
+
+
+def leaf(root: Path, name: str, users: int = 4, per_user: int = 10) -> None:
+    """LEAF JSON for ``users`` writers/speakers, split over two files per split."""
+    for split, count in (("train", per_user), ("test", 3)):
+        folder = root / name / split
+        folder.mkdir(parents=True, exist_ok=True)
+        for part in range(2):
+            names = [f"u{part}{i}" for i in range(users // 2)]
+            data = {}
+            for u in names:
+                if name == "femnist":
+                    x = RNG.random((count, 784)).round(3).tolist()
+                    y = RNG.integers(0, 62, count).tolist()
+                else:
+                    chars = RNG.choice(list(SHAKESPEARE_LETTERS), (count, 81))
+                    x, y = ["".join(c[:80]) for c in chars], [str(c[80]) for c in chars]
+                data[u] = {"x": x, "y": y}
+            doc = {"users": names, "num_samples": [count] * len(names), "user_data": data}
+            (folder / f"all_data_{part}.json").write_text(json.dumps(doc))
+
+
+def one_step(model_name: str, dataset_name: str, data_dir: Path) -> float:
+    """One SGD step of ``model_name`` on a batch of the data set; the loss, which fell."""
+    data = load_dataset(dataset_name, data_dir)
+    torch.manual_seed(0)
+    model = build_model(model_name, data.input_shape, data.num_classes)
+    sampler = BatchSampler(data.x_train, data.y_train, 8, seed=0, augment=data.augment)
+    x, y = sampler.next()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    losses = []
+    for _ in range(3):  # the same batch: its loss must fall
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], (model_name, losses)
+    return losses[0]
+
+
+def test_cifar10_binary_files_load_standardised_and_train_resnet20_and_vgg11(
+    tmp_path: Path,
+) -> None:
+    labels = cifar10(tmp_path)
+    data = load_dataset("cifar10", tmp_path)
+    assert data.x_train.shape == (60, 3, 32, 32) and data.x_test.shape == (12, 3, 32, 32)
+    assert np.array_equal(data.y_train, np.concatenate(labels[:5]))
+    assert np.array_equal(data.y_test, labels[5])
+    assert data.augment == "crop-flip" and abs(float(data.x_train.mean())) < 1.0
+    raw = np.fromfile(tmp_path / "cifar-10-batches-bin" / "data_batch_1.bin", np.uint8)
+    red = raw[1 : 1 + 1024].astype(np.float32) / 255  # the first image's red channel
+    np.testing.assert_allclose(data.x_train[0, 0].reshape(-1), (red - 0.4914) / 0.2470, rtol=1e-5)
+    for model in ("resnet20", "vgg11"):
+        one_step(model, "cifar10", tmp_path)
+
+
+def test_cifar100_takes_the_fine_label(tmp_path: Path) -> None:
+    folder = tmp_path / "cifar-100-binary"
+    train = cifar_file(folder / "train.bin", 20, label_bytes=2, classes=100)
+    cifar_file(folder / "test.bin", 5, label_bytes=2, classes=100)
+    data = load_dataset("cifar100", tmp_path)
+    assert data.num_classes == 100 and np.array_equal(data.y_train, train)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "label"])
+def test_a_missing_or_corrupt_cifar_file_names_itself_and_the_fetch_command(
+    tmp_path: Path, damage: str
+) -> None:
+    cifar10(tmp_path, per_file=2)
+    path = tmp_path / "cifar-10-batches-bin" / "data_batch_3.bin"
+    if damage == "missing":
+        path.unlink()
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-100])
+    else:
+        raw = bytearray(path.read_bytes())
+        raw[0] = 200  # a class CIFAR-10 does not have
+        path.write_bytes(bytes(raw))
+    with pytest.raises(DataError) as info:
+        load_dataset("cifar10", tmp_path)
+    text = str(info.value)
+    assert str(path) in text and f"gossipdl data fetch cifar10 --data-dir {tmp_path}" in text
+
+
+def test_a_run_without_the_data_fails_before_any_peer_starts(tmp_path: Path) -> None:
+    import subprocess
+
+    done = subprocess.run(
+        gossipdl_cmd("run", "--dataset", "cifar10", "--model", "resnet20", "--data-dir",
+                     str(tmp_path / "none"), "--out", str(tmp_path / "run"), "--no-progress"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    text = " ".join(done.stderr.split())
+    assert "data_batch_1.bin is missing" in text and "gossipdl data fetch cifar10" in text
+    assert not list((tmp_path / "run").rglob("*.jsonl"))  # no peer wrote a line
+
+
+def test_leaf_json_splits_naturally_by_writer_and_trains_the_leaf_models(tmp_path: Path) -> None:
+    leaf(tmp_path, "femnist")
+    data = load_dataset("femnist", tmp_path)
+    assert data.input_shape == (1, 28, 28) and data.num_classes == 62
+    assert data.owners_train is not None and len(np.unique(data.owners_train)) == 4
+    parts = partition(data.y_train, 4, "natural", seed=1, owners=data.owners_train)
+    assert sorted(len(np.unique(data.owners_train[p])) for p in parts) == [1, 1, 1, 1]
+    assert sorted(len(p) for p in parts) == [10] * 4
+    two = partition(data.y_train, 2, "natural", seed=1, owners=data.owners_train)
+    assert [len(np.unique(data.owners_train[p])) for p in two] == [2, 2]
+    with pytest.raises(DataError, match="4 owners cannot fill 5 parts"):
+        partition(data.y_train, 5, "natural", seed=1, owners=data.owners_train)
+    for model in ("leaf-cnn", "lenet5"):
+        one_step(model, "femnist", tmp_path)
+    leaf(tmp_path, "shakespeare")
+    text = load_dataset("shakespeare", tmp_path)
+    assert text.input_shape == (80,) and text.num_classes == len(SHAKESPEARE_LETTERS)
+    one_step("leaf-lstm", "shakespeare", tmp_path)
+
+
+def test_a_natural_swarm_reports_each_devices_accuracy_on_its_own_data(tmp_path: Path) -> None:
+    """Four simulated peers, a writer each: every peer's metrics carry ``own_accuracy``, on
+    its writer's test samples alone."""
+    leaf(tmp_path / "data", "femnist")
+    config = load_config(
+        None, peers=4, steps=6, dataset="femnist", data_dir=str(tmp_path / "data"),
+        model="lenet5", partition="natural", eval_every=0, threads=1, out=str(tmp_path / "run"),
+    )  # fmt: skip
+    summary = simulate(config, step_time=0.01)
+    data = dataset_of(config)
+    for peer in summary["peers"]:
+        own = own_test(config, data, peer["id"])
+        assert own is not None and len(own) == 3  # one writer's 3 test samples
+        assert 0.0 <= peer["own_accuracy"] <= 1.0
+    with pytest.raises(DataError, match=r"natural.*owners"):
+        partition(np.zeros(10, np.int64), 2, "natural", seed=0)
+
+
+def test_corrupt_leaf_files_name_themselves(tmp_path: Path) -> None:
+    leaf(tmp_path, "femnist")
+    bad = tmp_path / "femnist" / "test" / "all_data_1.json"
+    bad.write_text('{"users": ["a"]')
+    with pytest.raises(DataError, match=rf"{bad}.*not LEAF's JSON.*gossipdl data fetch femnist"):
+        load_dataset("femnist", tmp_path)
+    with pytest.raises(DataError, match=r"no train files.*gossipdl data fetch shakespeare"):
+        load_dataset("shakespeare", tmp_path)
+
+
+def test_fedprox_synthetic_is_generated_by_device() -> None:
+    data = load_dataset("synthetic-fedprox:0.5:0.5:12")
+    again = load_dataset("synthetic-fedprox:0.5:0.5:12")
+    assert np.array_equal(data.x_train, again.x_train) and data.input_shape == (60,)
+    assert data.owners_train is not None and set(np.unique(data.owners_train)) == set(range(12))
+    counts = np.bincount(data.owners_train)
+    assert counts.min() >= 45 and counts.max() > 2 * counts.min()  # lognormal sizes
+    with pytest.raises(DataError, match="synthetic-fedprox:ALPHA:BETA"):
+        load_dataset("synthetic-fedprox:1")
+
+
+def test_crop_flip_shifts_and_mirrors_each_image_by_its_own_draw() -> None:
+    """Every output image is a window of the zero-padded image, maybe mirrored; the draws
+    differ between images and repeat with the seed."""
+    x = torch.arange(2 * 1 * 6 * 6, dtype=torch.float32).reshape(2, 1, 6, 6) + 1
+    padded = F.pad(x, (2, 2, 2, 2))
+    windows = [
+        w.flip(-1) if mirror else w
+        for dy in range(5) for dx in range(5) for mirror in (False, True)
+        for w in [padded[:, :, dy : dy + 6, dx : dx + 6]]
+    ]  # fmt: skip
+    seen = set()
+    for seed in range(30):
+        out = crop_flip(x, torch.Generator().manual_seed(seed), pad=2)
+        assert torch.equal(out, crop_flip(x, torch.Generator().manual_seed(seed), pad=2))
+        for image in range(2):
+            found = [k for k, w in enumerate(windows) if torch.equal(out[image], w[image])]
+            assert found, (seed, image)
+            seen.add(found[0])
+    assert len(seen) > 20 and any(k % 2 for k in seen)  # many offsets, mirrored ones too
+
+
+def test_the_papers_models_refuse_shapes_and_widths_they_do_not_take() -> None:
+    with pytest.raises(ModelError, match=r"resnet20.*32"):
+        build_model("resnet20", (1, 28, 28), 10)
+    with pytest.raises(ModelError, match="paper's widths"):
+        build_model("vgg11", (3, 32, 32), 10, hidden=[64])
+    with pytest.raises(ModelError, match="leaf-lstm"):
+        build_model("leaf-lstm", (1, 28, 28), 62)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """An HTTP server on 127.0.0.1 serving ``tmp_path/www``."""
+    root = tmp_path / "www"
+    root.mkdir()
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", root
+    finally:
+        httpd.shutdown()
+
+
+def tiny_archive(path: Path, members: dict[str, bytes]) -> Source:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    blob = path.read_bytes()
+    needed = tuple((n, len(d)) for n, d in members.items() if not n.startswith(".."))
+    return Source("", hashlib.md5(blob).hexdigest(), len(blob), needed)
+
+
+def test_fetch_checks_the_download_and_keeps_only_the_files_it_needs(
+    server: tuple[str, Path], tmp_path: Path
+) -> None:
+    url, www = server
+    members = {"cifar-10-batches-bin/test_batch.bin": bytes(3073 * 2), "../evil": b"x",
+               "cifar-10-batches-bin/readme.html": b"<p>"}  # fmt: skip
+    source = tiny_archive(www / "c.tar.gz", members)
+    data_dir = tmp_path / "data"
+    kept = fetch("cifar10", data_dir, Source(f"{url}/c.tar.gz", source.md5, source.size,
+                                             source.members[:1]), progress=False)  # fmt: skip
+    assert kept == [data_dir / "cifar-10-batches-bin" / "test_batch.bin"]
+    assert sorted(p.name for p in data_dir.rglob("*")) == ["cifar-10-batches-bin", "test_batch.bin"]
+    assert not (tmp_path / "evil").exists()
+    wrong = Source(f"{url}/c.tar.gz", "0" * 32, source.size, source.members[:1])
+    with pytest.raises(FetchError, match=r"not the published .* MD5 0{32}; nothing was kept"):
+        fetch("cifar10", tmp_path / "other", wrong, progress=False)
+    assert list((tmp_path / "other").iterdir()) == []
+    short = Source(f"{url}/c.tar.gz", source.md5, source.size - 10, source.members[:1])
+    with pytest.raises(FetchError, match="more than the published"):
+        fetch("cifar10", tmp_path / "short", short, progress=False)
+    with pytest.raises(FetchError, match=r"download of .* failed"):
+        fetch("cifar10", tmp_path / "gone", Source(f"{url}/nope", "", 1, ()), progress=False)
+
+
+def test_the_fetch_command_refuses_a_mirror_that_changed_the_file(
+    server: tuple[str, Path], tmp_path: Path
+) -> None:
+    import subprocess
+
+    url, www = server
+    (www / "cifar.tar.gz").write_bytes(b"not the archive")
+    done = subprocess.run(
+        gossipdl_cmd("data", "fetch", "cifar10", "--data-dir", str(tmp_path / "d"),
+                     "--url", f"{url}/cifar.tar.gz"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    text = " ".join(done.stderr.split())
+    assert done.returncode == 2 and "c32a1d4ab5d03f1284b67883e8d87530" in text
+    assert list((tmp_path / "d").iterdir()) == []
+    leafed = subprocess.run(gossipdl_cmd("data", "fetch", "femnist"), capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert leafed.returncode == 2 and "preprocess.sh" in leafed.stderr
