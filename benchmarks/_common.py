@@ -26,6 +26,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,8 +39,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gossipdl.config import Config
 from gossipdl.experiments import forking
 from gossipdl.experiments.launcher import Interrupted
+from gossipdl.rundir import RunDir
+from gossipdl.training import dataset_of, initial_model
 
 T = TypeVar("T")
 
@@ -228,6 +232,30 @@ def fresh_run_dir(run_dir: Path) -> None:
         if not (run_dir / "config.toml").is_file():
             raise SystemExit(f"{run_dir} exists and is not a gossipdl run directory; pick --out")
         shutil.rmtree(run_dir)
+
+
+def step_time(run: RunDir, peers: int, warm_up: int) -> float:
+    """Seconds per step, averaged over the peers, between each one's first metrics line
+    after ``warm_up`` steps and its last line before the final one."""
+    times = []
+    for i in range(peers):
+        lines = [
+            r
+            for r in run.records(i)
+            if r["step"] >= warm_up and not r.get("final") and not r.get("start")
+        ]
+        if len(lines) < 2 or lines[-1]["step"] == lines[0]["step"]:
+            raise SystemExit(f"peer {i} of {run.root} wrote too few lines; raise --steps")
+        times.append(
+            (lines[-1]["time"] - lines[0]["time"]) / (lines[-1]["step"] - lines[0]["step"])
+        )
+    return statistics.mean(times)
+
+
+def parameters(config: Config) -> int:
+    """The model's parameter count."""
+    model = initial_model(config, dataset_of(config))
+    return sum(p.numel() for p in model.parameters())
 
 
 def environment() -> dict[str, Any]:

@@ -42,15 +42,16 @@ from _common import (
     benchmark_parser,
     fresh_run_dir,
     mark,
+    parameters,
     report,
     run_script,
+    step_time,
 )
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
 from gossipdl.experiments.launcher import launch
 from gossipdl.rundir import RunDir
-from gossipdl.training import dataset_of, initial_model
 
 TARGET = 0.05
 SETTINGS = {  # name: (algorithm, codec, trigger); "alone" is the baseline
@@ -61,30 +62,6 @@ SETTINGS = {  # name: (algorithm, codec, trigger); "alone" is the baseline
 }
 HIDDEN, QUICK_HIDDEN = "2300,2300,2300", "256,256"
 STEPS, QUICK_STEPS = 60, 20
-
-
-def step_time(run: RunDir, peers: int, warm_up: int) -> float:
-    """Seconds per step, averaged over the peers, between each one's first metrics line
-    after ``warm_up`` steps and its last line before the final one."""
-    times = []
-    for i in range(peers):
-        lines = [
-            r
-            for r in run.records(i)
-            if r["step"] >= warm_up and not r.get("final") and not r.get("start")
-        ]
-        if len(lines) < 2 or lines[-1]["step"] == lines[0]["step"]:
-            raise SystemExit(f"peer {i} of {run.root} wrote too few lines; raise --steps")
-        times.append(
-            (lines[-1]["time"] - lines[0]["time"]) / (lines[-1]["step"] - lines[0]["step"])
-        )
-    return statistics.mean(times)
-
-
-def parameters(config: Config) -> int:
-    """The model's parameter count."""
-    model = initial_model(config, dataset_of(config))
-    return sum(p.numel() for p in model.parameters())
 
 
 def config_for(args: Any, name: str) -> Config:

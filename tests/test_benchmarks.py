@@ -382,3 +382,19 @@ def test_gpu_syncs_benchmark_runs_every_setting_through_real_rounds(tmp_path: Pa
     assert all(row["per_step"] == 0.0 and row["site"] == "-" for row in result["rows"])
     placement = result["meta"]["placement"]
     assert placement["choco-topk"]["averager.x_hat"] == placement["dense"]["model"] == "cpu"
+
+
+def test_workloads_benchmark_measures_what_it_has_and_names_what_it_lacks(tmp_path: Path) -> None:
+    result = run_benchmark(
+        "workloads", tmp_path, "--quick", "--engine", "sim", "--peers", "4",
+        "--only", "cifar10-resnet20,fedprox-logistic", "--data-dir", str(tmp_path / "none"),
+        "--out", str(tmp_path / "w"),
+    )  # fmt: skip
+    rows = {(r["workload"], r["setting"]): r for r in result["rows"]}
+    assert len(rows) == 4
+    for setting in ("dense", "choco-topk"):
+        lacking, made = rows[("cifar10-resnet20", setting)], rows[("fedprox-logistic", setting)]
+        assert lacking["s_per_step"] is None and "gossipdl data fetch cifar10" in lacking["skipped"]
+        assert made["skipped"] is None and made["s_per_step"] > 0 and made["parameters"] == 610
+    dense, choco = rows[("fedprox-logistic", "dense")], rows[("fedprox-logistic", "choco-topk")]
+    assert choco["bytes_per_round"] < dense["bytes_per_round"] / 5
