@@ -23,8 +23,8 @@ Run
 
 JSON (``--json FILE``): ``{"benchmark": "gpu_syncs", "rows": [...], "meta": {...}}``; one
 row per setting and call site: ``setting``, ``site`` (file:line and function, or
-``-`` for a setting with none), ``per_step`` (syncs per step) and ``what`` (the
-warning's text); ``meta`` holds each setting's ``placement`` (tensor name: device).
+``-`` for a setting with none), ``per_step`` (syncs per step) and ``what`` (that
+line's source); ``meta`` holds each setting's ``placement`` (tensor name: device).
 """
 
 from __future__ import annotations
@@ -57,13 +57,14 @@ SETTINGS = {  # name: (algorithm, codec, trigger)
 PACKAGE = str(Path(__file__).resolve().parents[1] / "gossipdl")
 
 
-def _site(stack: list[traceback.FrameSummary]) -> str:
-    """The innermost gossipdl frame of ``stack``: the line of ours that asked for the sync."""
-    for frame in reversed(stack):
-        if frame.filename.startswith(PACKAGE):
-            where = Path(frame.filename).relative_to(Path(PACKAGE).parent)
-            return f"{where}:{frame.lineno} {frame.name}"
-    return f"{stack[-1].filename}:{stack[-1].lineno} {stack[-1].name}"
+def _site(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
+    """The innermost gossipdl frame of ``stack`` (the line of ours that asked for the sync):
+    where it is, and its source."""
+    frame = next((f for f in reversed(stack) if f.filename.startswith(PACKAGE)), stack[-1])
+    where = Path(frame.filename)
+    if frame.filename.startswith(PACKAGE):
+        where = where.relative_to(Path(PACKAGE).parent)
+    return f"{where}:{frame.lineno} {frame.name}", (frame.line or "").strip()
 
 
 class _Peer:
@@ -148,9 +149,9 @@ def audit(
     def show(message: Any, category: Any, filename: str, lineno: int, *_: Any) -> None:
         if "synchroniz" not in str(message):  # another warning: not ours to count
             return
-        site = _site(traceback.extract_stack()[:-1])
+        site, source = _site(traceback.extract_stack()[:-1])
         sites[site] += 1
-        texts.setdefault(site, str(message).splitlines()[0][:80])
+        texts.setdefault(site, source[:80])
 
     for step in range(1, warmup + steps + 1):
         counting = step > warmup
@@ -220,7 +221,7 @@ def main() -> None:
         Column("setting", "setting"),
         Column("site", "gossipdl line that synced"),
         Column("per_step", "syncs/step", "{:.2f}"),
-        Column("what", "what"),
+        Column("what", "the line"),
     ]
     report(
         "gpu_syncs",
