@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import gossipdl_cmd
+from typer.testing import CliRunner
 
+from gossipdl import cli
 from gossipdl.config import load_config
 from gossipdl.data import DataError, load_dataset, partition
 from gossipdl.data.fetch import FetchError, Source, fetch
@@ -134,14 +135,13 @@ def test_a_missing_or_corrupt_cifar_file_names_itself_and_the_fetch_command(
 
 
 def test_a_run_without_the_data_fails_before_any_peer_starts(tmp_path: Path) -> None:
-    import subprocess
-
-    done = subprocess.run(
-        gossipdl_cmd("run", "--dataset", "cifar10", "--model", "resnet20", "--data-dir",
-                     str(tmp_path / "none"), "--out", str(tmp_path / "run"), "--no-progress"),
-        capture_output=True, text=True, timeout=120,
+    done = CliRunner().invoke(
+        cli.app,
+        ["run", "--dataset", "cifar10", "--model", "resnet20", "--data-dir",
+         str(tmp_path / "none"), "--out", str(tmp_path / "run"), "--no-progress"],
+        env={"COLUMNS": "200"},
     )  # fmt: skip
-    assert done.returncode == 2
+    assert done.exit_code == 2
     text = " ".join(done.stderr.split())
     assert "data_batch_1.bin is missing" in text and "gossipdl data fetch cifar10" in text
     assert not list((tmp_path / "run").rglob("*.jsonl"))  # no peer wrote a line
@@ -296,18 +296,17 @@ def test_fetch_checks_the_download_and_keeps_only_the_files_it_needs(
 def test_the_fetch_command_refuses_a_mirror_that_changed_the_file(
     server: tuple[str, Path], tmp_path: Path
 ) -> None:
-    import subprocess
-
     url, www = server
     (www / "cifar.tar.gz").write_bytes(b"not the archive")
-    done = subprocess.run(
-        gossipdl_cmd("data", "fetch", "cifar10", "--data-dir", str(tmp_path / "d"),
-                     "--url", f"{url}/cifar.tar.gz"),
-        capture_output=True, text=True, timeout=120,
+    runner = CliRunner()
+    done = runner.invoke(
+        cli.app,
+        ["data", "fetch", "cifar10", "--data-dir", str(tmp_path / "d"), "--url",
+         f"{url}/cifar.tar.gz"],
+        env={"COLUMNS": "200"},
     )  # fmt: skip
     text = " ".join(done.stderr.split())
-    assert done.returncode == 2 and "c32a1d4ab5d03f1284b67883e8d87530" in text
+    assert done.exit_code == 2 and "c32a1d4ab5d03f1284b67883e8d87530" in text
     assert list((tmp_path / "d").iterdir()) == []
-    leafed = subprocess.run(gossipdl_cmd("data", "fetch", "femnist"), capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
-    assert leafed.returncode == 2 and "preprocess.sh" in leafed.stderr
+    leafed = runner.invoke(cli.app, ["data", "fetch", "femnist"], env={"COLUMNS": "200"})
+    assert leafed.exit_code == 2 and "preprocess.sh" in leafed.stderr
