@@ -103,7 +103,8 @@ def test_a_stacked_step_equals_the_per_peer_loop(
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             torch.testing.assert_close(stacked.flat[i], flat, atol=1e-6, rtol=1e-5)
     x_test, y_test = torch.randn(300, *shape), torch.randint(0, 10, (300,))
-    accuracy, loss = stacked.evaluate(x_test, y_test)
+    accuracy, loss, none = stacked.evaluate(x_test, y_test)
+    assert none is None  # no own samples asked for
     for i, model in enumerate(models):
         with torch.no_grad():
             logits = model(x_test)

@@ -185,6 +185,22 @@ def test_a_natural_swarm_reports_each_devices_accuracy_on_its_own_data(tmp_path:
         partition(np.zeros(10, np.int64), 2, "natural", seed=0)
 
 
+def test_batched_and_per_peer_engines_agree_on_each_devices_own_accuracy(tmp_path: Path) -> None:
+    """Synthetic(α, β) by device on both simulators: the same own_accuracy per peer."""
+    finals = {}
+    for batched in (False, True):
+        config = load_config(
+            None, peers=6, steps=20, dataset="synthetic-fedprox:1:1:6", model="logistic",
+            partition="natural", eval_every=0, threads=1, batched=batched,
+            out=str(tmp_path / str(batched)),
+        )  # fmt: skip
+        finals[batched] = {
+            p["id"]: p["own_accuracy"] for p in simulate(config, step_time=0.01)["peers"]
+        }
+    assert finals[True] == pytest.approx(finals[False], abs=1e-6)
+    assert len(set(finals[True].values())) > 1  # each device its own
+
+
 def test_corrupt_leaf_files_name_themselves(tmp_path: Path) -> None:
     leaf(tmp_path, "femnist")
     bad = tmp_path / "femnist" / "test" / "all_data_1.json"

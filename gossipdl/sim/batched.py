@@ -78,6 +78,7 @@ from gossipdl.training import (
     json_line,
     lr_at,
     metrics_line,
+    own_test,
     parts_of,
     sampler_seed,
     save_atomic,
@@ -389,6 +390,13 @@ class BatchedSimulation:
             IndexStream(len(p), config.batch_size, sampler_seed(config, i))
             for i, p in enumerate(parts)
         ]
+        owned = [own_test(config, self.dataset, i) for i in range(count)]
+        self.own = None  # each peer's own owners' test samples, as a mask (natural splits)
+        if all(o is not None for o in owned):
+            self.own = torch.zeros(count, len(self.dataset.y_test), dtype=torch.bool)
+            for i, o in enumerate(owned):
+                self.own[i, o] = True
+            self.own = self.own.to(device)
         attacks = [byzantine_of(config, i) for i in range(count)]
         flipped = [a is not None and a.name == "label-flip" for a in attacks]  # trains on lies
         self.flipped = torch.tensor(flipped, device=device).unsqueeze(1) if any(flipped) else None
@@ -503,7 +511,9 @@ class BatchedSimulation:
     def _record(self, files: list[Any], evaluate: bool, **extra: Any) -> None:
         """One metrics line per peer, with the per-peer engine's keys."""
         if evaluate:
-            accuracy, test_loss = self.models.evaluate(self.x_test, self.y_test)
+            accuracy, test_loss, own_accuracy = self.models.evaluate(
+                self.x_test, self.y_test, self.own
+            )
         losses = torch.stack(self.losses).mean(0).tolist() if self.losses else None
         for i, file in enumerate(files):
             transport = TransportStats(
@@ -534,6 +544,8 @@ class BatchedSimulation:
                     "accuracy": round(float(accuracy[i]), 6),
                     "test_loss": round(float(test_loss[i]), 6),
                 }
+                if own_accuracy is not None and self.own is not None and bool(self.own[i].any()):
+                    extra["own_accuracy"] = round(float(own_accuracy[i]), 6)
             own = [losses[i]] if losses is not None else []
             now = float(self.clock[i])
             line = metrics_line(i, self.steps, now, self.swarm_start + now, own, stats, extra)

@@ -121,20 +121,29 @@ class StackedModels:
         return losses, grads
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every copy's accuracy and mean cross-entropy on the held-out set ``(x, y)``."""
+    def evaluate(
+        self, x: torch.Tensor, y: torch.Tensor, own: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Every copy's accuracy and mean cross-entropy on the held-out set ``(x, y)``, and
+        with ``own`` (``[count, len(y)]``, each copy's own samples: a natural split's) its
+        accuracy on those alone (NaN for a copy with none)."""
         correct = torch.zeros(self.count, device=self.flat.device)
         loss = torch.zeros(self.count, dtype=torch.float64, device=self.flat.device)
+        mine = torch.zeros(self.count, device=self.flat.device)
         for a, n, params in self._chunks():
             step = max(1, EVAL_SAMPLES // n)
             for b in range(0, len(y), step):
                 xs, labels = x[b : b + step], y[b : b + step]
                 logits = self._forward(params, xs.expand(n, *xs.shape))  # [n, chunk, classes]
-                correct[a : a + n] += (logits.argmax(-1) == labels).sum(1)
+                right = logits.argmax(-1) == labels
+                correct[a : a + n] += right.sum(1)
+                if own is not None:
+                    mine[a : a + n] += (right & own[a : a + n, b : b + step]).sum(1)
                 loss[a : a + n] += F.cross_entropy(
                     logits.transpose(1, 2), labels.expand(n, -1), reduction="none"
                 ).sum(1, dtype=torch.float64)
-        return (correct / len(y)).cpu(), (loss / len(y)).float().cpu()
+        own_accuracy = None if own is None else (mine / own.sum(1)).cpu()
+        return (correct / len(y)).cpu(), (loss / len(y)).float().cpu(), own_accuracy
 
     def model(self, i: int) -> nn.Module:
         """A standalone copy of peer ``i``'s model (for checks and checkpoints)."""
