@@ -142,8 +142,9 @@ def test_dense_gossip_with_a_defence_keeps_a_bad_neighbours_model_out() -> None:
     assert float(torch.linalg.vector_norm(plain - honest_mean)) > 1e4
     for defence in ("clip", "trimmed", "median", "balance"):
         averager = build_averager("dense", defence=defence)
-        for _ in range(3):
-            out = averager.incoming(x, rnd, arrivals, [])
+        for r in range(3):  # every model moves a little each round, as a live one does
+            moved = {j: Arrival(0.2, a.value + 1e-4 * r, 0) for j, a in arrivals.items()}
+            out = averager.incoming(x, rnd, moved, [])
         assert float(torch.linalg.vector_norm(out - honest_mean)) < 1.0, defence
         # detection: the bad one stands out in the peer's metrics
         judged = averager.metrics()["neighbours"]
@@ -155,6 +156,31 @@ def test_dense_gossip_with_a_defence_keeps_a_bad_neighbours_model_out() -> None:
     # neighbours missing: a trimmed mean trims what it can, the round goes on
     one = build_averager("dense", defence="trimmed:2").incoming(x, rnd, {1: arrivals[1]}, [2, 3])
     torch.testing.assert_close(one, (x + honest[0]) / 2)
+
+
+def test_a_defended_peer_sets_aside_a_neighbour_whose_model_stopped_moving() -> None:
+    """A crashed neighbour replays its model: from its second message on, every defence
+    leaves it out (its weight stays with the peer) and counts it as set aside."""
+    from gossipdl.averaging import Arrival, Round, build_averager
+
+    x, honest = _swarm(8)
+    frozen = x + 5.0  # far enough to pull, close enough for clipping to let it in
+    rnd = Round(0, {1: 0.25, 2: 0.25, 3: 0.25}, 0.25)
+    for defence in ("clip", "trimmed", "median", "balance"):
+        averager = build_averager("dense", defence=defence)
+        for r in range(4):
+            arrivals = {
+                1: Arrival(0.25, honest[0] + 1e-3 * r, r),
+                2: Arrival(0.25, honest[1] - 1e-3 * r, r),
+                3: Arrival(0.25, frozen, r),
+            }
+            out = averager.incoming(x, rnd, arrivals, [])
+        without = build_averager("dense", defence=defence).incoming(
+            x, Round(0, {1: 0.25, 2: 0.25}, 0.5), {j: arrivals[j] for j in (1, 2)}, [3]
+        )  # fmt: skip
+        torch.testing.assert_close(out, without)  # the stale one counts for nothing
+        judged = averager.metrics()["neighbours"]
+        assert judged["3"]["filtered"] >= 0.75 and judged["3"]["rounds"] == 4, defence
 
 
 def test_a_defence_is_named_and_checked_in_the_config() -> None:

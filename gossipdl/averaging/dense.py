@@ -9,12 +9,24 @@ from typing import Any
 import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round, mix
-from gossipdl.averaging.robust import Defence
+from gossipdl.averaging.robust import Defence, distances
 from gossipdl.compression import Payload
 
 LATE_ROUNDS = 4
 """Rounds a peer keeps its own model of, while a neighbour's model for it is missing, so a
 late one still pairs up exactly (one model-sized copy per such round)."""
+
+
+FINGERPRINT = 64
+"""Coordinates of a model a defended peer remembers per neighbour, evenly spaced: enough
+to tell a model that moved from one that did not (an honest model moves every round)."""
+
+
+def fingerprint(model: torch.Tensor) -> torch.Tensor:
+    """A few of ``model``'s coordinates, evenly spaced (a copy): equal for an unchanged model,
+    different, in practice, for one that took any step."""
+    step = max(1, model.numel() // FINGERPRINT)
+    return model[::step][:FINGERPRINT].clone()
 
 
 class DenseGossip(Averager):
@@ -33,7 +45,11 @@ class DenseGossip(Averager):
 
     With a ``defence`` (:mod:`gossipdl.averaging.robust`) the arrived models are combined
     by that rule instead of the weighted average, and a late model is not paired up:
-    a robust rule judges the models of one round together.
+    a robust rule judges the models of one round together. A neighbour whose model has
+    not changed since its last message is set aside first (:func:`fingerprint`): an honest
+    peer's model moves every round, a crashed or replaying one's does not, and a stale
+    model stays close enough to pass every distance test while it pulls its neighbours
+    back, round after round, to where it stopped.
     """
 
     name = "dense"
@@ -44,6 +60,7 @@ class DenseGossip(Averager):
         super().__init__(codec, seed)
         self.defence = defence
         self._judged: dict[int, list[float]] = {}  # sender -> [rounds, Σ distance, Σ set aside]
+        self._marks: dict[int, torch.Tensor] = {}  # sender -> fingerprint of its last model
         # round -> (own model of that round, neighbours whose model is still missing)
         self._held: OrderedDict[int, tuple[torch.Tensor, set[int]]] = OrderedDict()
 
@@ -63,6 +80,43 @@ class DenseGossip(Averager):
                 for j, (n, total, aside) in sorted(self._judged.items())
             }
         }
+
+    def _judge(self, x: torch.Tensor, rnd: Round, arrived: Mapping[int, Arrival]) -> torch.Tensor:
+        """The defence's new model from the fresh arrivals; every arrival's distance and
+        set-aside share recorded (a stale one: set aside whole, its weight left with x)."""
+        assert self.defence is not None
+        marks = {j: fingerprint(a.value) for j, a in arrived.items()}
+        stale = [
+            j for j, mark in marks.items() if j in self._marks and torch.equal(self._marks[j], mark)
+        ]
+        self._marks.update(marks)
+        fresh = {j: a for j, a in arrived.items() if j not in stale}
+        shares: dict[int, float] = dict.fromkeys(stale, 1.0)
+        gaps: dict[int, float] = {}
+        if not fresh:  # nothing new arrived: the peer keeps its own model
+            model = x.clone()
+        else:
+            got = list(fresh.values())
+            weights = torch.tensor([a.weight for a in got], dtype=torch.float64)
+            kept = rnd.self_weight + sum(rnd.weights.values()) - float(weights.sum())
+            neighbours = torch.stack([a.value for a in got])
+            model, fresh_gaps, aside = self.defence.judge(x, neighbours, weights, kept)
+            gaps.update(zip(fresh, fresh_gaps.tolist(), strict=True))
+            shares.update(zip(fresh, aside.tolist(), strict=True))
+        if stale:
+            gaps.update(
+                zip(
+                    stale,
+                    distances(x, torch.stack([arrived[j].value for j in stale])).tolist(),
+                    strict=True,
+                )
+            )
+        for j in arrived:
+            judged = self._judged.setdefault(j, [0.0, 0.0, 0.0])
+            judged[0] += 1
+            judged[1] += gaps[j]
+            judged[2] += shares[j]
+        return model
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload | Mapping[int, Payload]:
         """The whole parameter vector, encoded (:meth:`encoded`)."""
@@ -87,17 +141,7 @@ class DenseGossip(Averager):
         """Weighted average of ``x`` and the arrived vectors, plus the late ones' edges (or
         the defence's combination of the arrived ones)."""
         if self.defence is not None and arrived:
-            got = list(arrived.values())
-            weights = torch.tensor([a.weight for a in got], dtype=torch.float64)
-            kept = rnd.self_weight + sum(rnd.weights.values()) - float(weights.sum())
-            neighbours = torch.stack([a.value for a in got])
-            model, gaps, aside = self.defence.judge(x, neighbours, weights, kept)
-            for j, gap, share in zip(arrived, gaps.tolist(), aside.tolist(), strict=True):
-                judged = self._judged.setdefault(j, [0.0, 0.0, 0.0])
-                judged[0] += 1
-                judged[1] += gap
-                judged[2] += share
-            return model
+            return self._judge(x, rnd, arrived)
         out = mix(x, rnd, list(arrived.values()))
         for j, arrival in late:
             held = self._held.get(arrival.round)
