@@ -144,7 +144,16 @@ def test_a_run_without_the_data_fails_before_any_peer_starts(tmp_path: Path) -> 
     assert done.exit_code == 2
     text = " ".join(done.stderr.split())
     assert "data_batch_1.bin is missing" in text and "gossipdl data fetch cifar10" in text
-    assert not list((tmp_path / "run").rglob("*.jsonl"))  # no peer wrote a line
+    assert not (tmp_path / "run").exists()  # checked before anything was made
+    simulated = CliRunner().invoke(
+        cli.app,
+        ["simulate", "--dataset", "femnist", "--model", "leaf-cnn", "--data-dir",
+         str(tmp_path / "none"), "--out", str(tmp_path / "sim")],
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert simulated.exit_code == 2, simulated.output
+    assert "gossipdl data fetch femnist" in " ".join(simulated.stderr.split())
+    assert not (tmp_path / "sim").exists()
 
 
 def test_leaf_json_splits_naturally_by_writer_and_trains_the_leaf_models(tmp_path: Path) -> None:

@@ -367,8 +367,8 @@ def launch(
             "per machine (here, `host` sets the address peers listen on)"
         )
     forking.warm_up()  # its imports overlap the checks below
+    preflight(config)  # first: a run that cannot start leaves no run directory behind
     run, config = fresh_run(config)
-    preflight(config)
     swarm = Swarm(config, run)
     started = time.monotonic()
     ended_early = False

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from gossipdl.config import Config, to_dict
-from gossipdl.experiments.launcher import Interrupted, StopOnSignal, fresh_run
+from gossipdl.experiments.launcher import Interrupted, StopOnSignal, fresh_run, preflight
 from gossipdl.experiments.summary import summarize
 from gossipdl.rundir import RunDir, write_json_atomic
 from gossipdl.sim.batched import BatchedSimulation
@@ -74,6 +74,7 @@ def simulate(
     the run early when it returns True (a target accuracy reached, a budget spent, as
     ``launch``'s): the peers stop where they are, without final lines (batched: with final
     lines that say ``stopped_early``)."""
+    preflight(config)  # missing data or an impossible split: a clear error, no run directory
     run, config = fresh_run(config)
     started = time.perf_counter()
     torch_threads = torch.get_num_threads()
