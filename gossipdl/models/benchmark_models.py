@@ -11,12 +11,12 @@ itself, so all of the model's state is in its parameters and is averaged.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from gossipdl.models.cnn import ImageClassifier
 
 GROUPS = 2  # GroupNorm's groups in ResNet-20 and VGG-11
 
@@ -53,6 +53,7 @@ class ResNet20(nn.Module):
     linear head; about 0.27M parameters.
 
     Example:
+        >>> import torch
         >>> ResNet20((3, 32, 32), 10)(torch.zeros(2, 3, 32, 32)).shape
         torch.Size([2, 10])
     """
@@ -89,6 +90,7 @@ class VGG11(nn.Module):
     pools and a linear head; about 9.2M parameters.
 
     Example:
+        >>> import torch
         >>> VGG11((3, 32, 32), 10)(torch.zeros(2, 3, 32, 32)).shape
         torch.Size([2, 10])
     """
@@ -110,61 +112,52 @@ class VGG11(nn.Module):
         return self.head(self.features(x).flatten(1))
 
 
-def _image(input_shape: Sequence[int]) -> tuple[int, int, int]:
-    return (1, *map(int, input_shape)) if len(input_shape) == 2 else tuple(map(int, input_shape))  # type: ignore[return-value]
-
-
-class LeNet5(nn.Module):
+class LeNet5(ImageClassifier):
     """LeNet-5 (LeCun et al. 1998) with ReLU and max pooling: two 5×5 convolutions (6 and 16
     channels; the first padded to keep 28×28), then 120, 84 and the classes.
 
     Example:
+        >>> import torch
         >>> LeNet5((1, 28, 28), 62)(torch.zeros(2, 1, 28, 28)).shape
         torch.Size([2, 62])
     """
 
     def __init__(self, input_shape: Sequence[int], num_classes: int) -> None:
-        super().__init__()
-        self.sample_shape = _image(input_shape)
-        self.features = nn.Sequential(
-            nn.Conv2d(self.sample_shape[0], 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+        super().__init__(
+            input_shape,
+            lambda c_in: nn.Sequential(
+                nn.Conv2d(c_in, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+            ),
+            lambda size: nn.Sequential(
+                nn.Linear(size, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
+                nn.Linear(84, num_classes),
+            ),
         )  # fmt: skip
-        flat = _flat(self.features, self.sample_shape)
-        self.head = nn.Sequential(
-            nn.Linear(flat, 120),
-            nn.ReLU(),
-            nn.Linear(120, 84),
-            nn.ReLU(),
-            nn.Linear(84, num_classes),
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.features(x.reshape(x.shape[0], *self.sample_shape)).flatten(1))
 
 
-class LeafCNN(nn.Module):
+class LeafCNN(ImageClassifier):
     """LEAF's FEMNIST CNN (Caldas et al. 2018): two 5×5 convolutions (32 and 64 channels,
     same padding), each with a 2×2 max pool, a 2048-unit layer and the classes; about 6.6M
     parameters on 28×28 images.
 
     Example:
+        >>> import torch
         >>> LeafCNN((1, 28, 28), 62)(torch.zeros(2, 1, 28, 28)).shape
         torch.Size([2, 62])
     """
 
     def __init__(self, input_shape: Sequence[int], num_classes: int) -> None:
-        super().__init__()
-        self.sample_shape = _image(input_shape)
-        self.features = nn.Sequential(
-            nn.Conv2d(self.sample_shape[0], 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        super().__init__(
+            input_shape,
+            lambda c_in: nn.Sequential(
+                nn.Conv2d(c_in, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            ),
+            lambda size: nn.Sequential(
+                nn.Linear(size, 2048), nn.ReLU(), nn.Linear(2048, num_classes)
+            ),
         )  # fmt: skip
-        flat = _flat(self.features, self.sample_shape)
-        self.head = nn.Sequential(nn.Linear(flat, 2048), nn.ReLU(), nn.Linear(2048, num_classes))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.features(x.reshape(x.shape[0], *self.sample_shape)).flatten(1))
 
 
 class LeafLSTM(nn.Module):
@@ -173,6 +166,7 @@ class LeafLSTM(nn.Module):
     output; about 0.82M parameters for LEAF's 80 characters.
 
     Example:
+        >>> import torch
         >>> LeafLSTM((80,), 80)(torch.zeros(2, 80)).shape
         torch.Size([2, 80])
     """
@@ -188,8 +182,3 @@ class LeafLSTM(nn.Module):
         tokens = x.long().clamp(0, self.vocabulary - 1)
         out, _ = self.lstm(self.embed(tokens))
         return self.head(out[:, -1])
-
-
-def _flat(features: nn.Module, sample_shape: Sequence[int]) -> int:
-    with torch.no_grad():
-        return math.prod(features(torch.zeros(1, *sample_shape)).shape[1:])

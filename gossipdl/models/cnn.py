@@ -8,7 +8,7 @@ flattened feature map, keeping the position information MNIST-1D needs.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -54,7 +54,27 @@ class CNN1d(nn.Module):
         return self.head(self.features(x).flatten(1))
 
 
-class CNN2d(nn.Module):
+class ImageClassifier(nn.Module):
+    """``features(channels)`` over ``(B, H, W)`` images (one channel) or ``(B, C, H, W)``,
+    then ``head(size)`` on their flattened output: what the 2-D models share."""
+
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        features: Callable[[int], nn.Module],
+        head: Callable[[int], nn.Module],
+    ) -> None:
+        super().__init__()
+        self.sample_shape = (1, *input_shape) if len(input_shape) == 2 else tuple(input_shape)
+        self.features = features(self.sample_shape[0])
+        self.head = head(_flat_size(self.features, self.sample_shape))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.reshape(x.shape[0], *self.sample_shape)
+        return self.head(self.features(x).flatten(1))
+
+
+class CNN2d(ImageClassifier):
     """``Conv2d(stride 2) → ReLU`` per entry of ``channels`` (kernel 5, then 3), then a linear head.
 
     Takes ``(B, H, W)`` images (one channel) or ``(B, C, H, W)``.
@@ -68,11 +88,8 @@ class CNN2d(nn.Module):
     def __init__(
         self, input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = (32, 64)
     ) -> None:
-        super().__init__()
-        self.sample_shape = (1, *input_shape) if len(input_shape) == 2 else tuple(input_shape)
-        self.features = _conv_stack(nn.Conv2d, self.sample_shape[0], channels)
-        self.head = nn.Linear(_flat_size(self.features, self.sample_shape), num_classes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x.reshape(x.shape[0], *self.sample_shape)
-        return self.head(self.features(x).flatten(1))
+        super().__init__(
+            input_shape,
+            lambda c_in: _conv_stack(nn.Conv2d, c_in, channels),
+            lambda size: nn.Linear(size, num_classes),
+        )
