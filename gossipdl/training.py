@@ -13,8 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gossipdl.averaging import parse_trigger
-from gossipdl.averaging.attacks import Attack, alie_z, parse_attack
+from gossipdl.averaging import Averager, build_averager, parse_trigger
+from gossipdl.averaging.attacks import Attack, alie_z, flip_labels, parse_attack
 from gossipdl.conditions import Drift, parse_drift, parse_profiles
 from gossipdl.config import Config
 from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
@@ -59,7 +59,7 @@ def peer_sampler(
     labels = dataset.y_train[shard]
     attack = byzantine_of(config, peer_id) if config.mode == "gossip" else None
     if attack is not None and attack.name == "label-flip":  # trains honestly on lies
-        labels = dataset.num_classes - 1 - labels
+        labels = flip_labels(labels, dataset.num_classes)
     return BatchSampler(dataset.x_train[shard], labels, batch, seed, device, dataset.augment)
 
 
@@ -186,21 +186,34 @@ def ps_worker_settings(config: Config, dataset: Dataset, rank: int) -> WorkerSet
     )
 
 
-def byzantine_of(config: Config, peer_id: int | None) -> Attack | None:
-    """The attack peer ``peer_id`` runs (its profile's ``byzantine``), None for an honest
-    peer (or one without a rank yet). ALIE's z, unless given, comes from the swarm's size
-    and how many of its peers are Byzantine (:func:`~gossipdl.averaging.attacks.alie_z`)."""
-    if peer_id is None:
-        return None
+def attacks_of(config: Config) -> dict[int, Attack]:
+    """Every Byzantine peer's attack, by id (its profile's ``byzantine``; the profiles read
+    once). ALIE's z, unless given, comes from the swarm's size and how many of its peers
+    are Byzantine (:func:`~gossipdl.averaging.attacks.alie_z`)."""
     profiles = parse_profiles(config.profiles, config.peers)
-    profile = profiles.get(peer_id)
-    if profile is None or not profile.byzantine:
-        return None
-    attack = parse_attack(profile.byzantine)
-    if attack.name == "alie" and attack.param is None:
-        byzantine = sum(1 for p in profiles.values() if p.byzantine)
-        attack = Attack("alie", alie_z(config.peers, byzantine))
-    return attack
+    liars = {i: profile.byzantine for i, profile in profiles.items() if profile.byzantine}
+    attacks = {i: parse_attack(spec) for i, spec in liars.items()}
+    return {
+        i: Attack("alie", alie_z(config.peers, len(liars)))
+        if attack.name == "alie" and attack.param is None
+        else attack
+        for i, attack in attacks.items()
+    }
+
+
+def byzantine_of(config: Config, peer_id: int | None) -> Attack | None:
+    """The attack peer ``peer_id`` runs (:func:`attacks_of`), None for an honest peer (or one
+    without a rank yet)."""
+    return None if peer_id is None else attacks_of(config).get(peer_id)
+
+
+def averager_of(config: Config, attack: Attack | None = None) -> Averager:
+    """The averaging rule a peer of ``config`` runs (a new one each call): its algorithm,
+    codec, γ and defence, and with ``attack`` a Byzantine peer's. Both simulators build
+    their peers' rules with it."""
+    return build_averager(
+        config.algorithm, config.codec, config.seed, config.gamma or None, config.defence, attack
+    )
 
 
 def drift_of(config: Config, peer_id: int) -> Drift | None:

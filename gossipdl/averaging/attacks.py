@@ -22,8 +22,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
+from typing import TypeVar
 
+import numpy as np
 import torch
+
+Labels = TypeVar("Labels", torch.Tensor, np.ndarray)
 
 
 def sign_flip(own: torch.Tensor) -> torch.Tensor:
@@ -88,8 +92,9 @@ def dissensus(
     return victim - pull * (epsilon / byzantine_weight)
 
 
-def flip_labels(labels: torch.Tensor, classes: int) -> torch.Tensor:
-    """Label ``l`` becomes ``classes − 1 − l``: a peer that trains on poisoned data."""
+def flip_labels(labels: Labels, classes: int) -> Labels:
+    """Label ``l`` becomes ``classes − 1 − l`` (a tensor's or a numpy array's): a peer that
+    trains on poisoned data."""
     return classes - 1 - labels
 
 

@@ -51,10 +51,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gossipdl.averaging import auto_gamma, build_averager, parse_trigger
+from gossipdl.averaging import Averager, auto_gamma, parse_trigger
+from gossipdl.averaging.attacks import Attack, flip_labels
 from gossipdl.averaging.base import VOUCH, Arrival, Round, model_digest
 from gossipdl.averaging.choco import WARMUP_ROUNDS, check_choco_codec
-from gossipdl.averaging.dense import DenseGossip
 from gossipdl.compression import Codec, build_codec
 from gossipdl.compression.base import Layout, Payload
 from gossipdl.compression.floating import Identity
@@ -72,7 +72,8 @@ from gossipdl.sim.engine import SimulationError, measure_step_time, sim_address,
 from gossipdl.sim.stacked import StackedModels, StackedSGD
 from gossipdl.topologies import Topology, build_topology
 from gossipdl.training import (
-    byzantine_of,
+    attacks_of,
+    averager_of,
     dataset_of,
     initial_model,
     json_line,
@@ -108,7 +109,8 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
         problems.append(f"codec {config.codec!r} (batched dense gossip sends models uncompressed)")
     if parse_trigger(config.trigger).dynamic:
         problems.append(f"trigger {config.trigger!r} (batched runs always and periodic:H)")
-    robust = config.defence != "none" or any(d.byzantine for d in devices_of(config))
+    devices = devices_of(config)
+    robust = config.defence != "none" or any(device.byzantine for device in devices)
     if robust and config.algorithm != "dense":
         problems.append("a defence or Byzantine peers (batched runs them with algorithm dense)")
     if config.optimizer != "sgd":
@@ -118,7 +120,7 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
             problems.append(f"{name} (batched peers learn one task and nothing fails)")
     if config.loss:
         problems.append("loss (batched loses no message)")
-    links = [device.link for device in devices_of(config)]
+    links = [device.link for device in devices]
     if any(link.jitter_s or link.loss or link.offline for link in links):
         problems.append("a link with jitter, loss or offline windows")
     if topology is None:
@@ -178,15 +180,6 @@ def _payloads(sent: Payload | Mapping[int, Payload]) -> list[Payload]:
     return list(sent.values()) if isinstance(sent, Mapping) else [sent]
 
 
-def _dense_rule(config: Config, peer: int) -> DenseGossip:
-    """Peer ``peer``'s dense averaging rule with the config's defence, or its attack: the
-    per-peer engine's (:func:`~gossipdl.averaging.build_averager`)."""
-    rule = build_averager("dense", config.codec, config.seed, None, config.defence,
-                          byzantine_of(config, peer))  # fmt: skip
-    assert isinstance(rule, DenseGossip)
-    return rule
-
-
 ROW_CODECS = (Sign, QSGD)
 """Value codecs that quantize every peer's row at once (``estimate_rows``)."""
 
@@ -222,7 +215,13 @@ class StackedGossip:
     The peers' codecs are built from one seed (as the per-peer engine's are), so their
     random draws are alike in every round: one draw serves every row."""
 
-    def __init__(self, config: Config, mixing: np.ndarray, start: torch.Tensor) -> None:
+    def __init__(
+        self,
+        config: Config,
+        mixing: np.ndarray,
+        start: torch.Tensor,
+        attacks: Mapping[int, Attack] | None = None,
+    ) -> None:
         self.algorithm = config.algorithm
         self.codec = build_codec(config.codec, config.seed)
         count, numel = mixing.shape[0], start.numel()
@@ -240,9 +239,10 @@ class StackedGossip:
             )
         self.gamma = None
         self.digest = ""
-        self.rules: list[DenseGossip] = []
-        if config.defence != "none" or any(byzantine_of(config, i) for i in range(count)):
-            self.rules = [_dense_rule(config, i) for i in range(count)]
+        self.rules: list[Averager] = []  # each peer's own, with a defence or liars (attacks)
+        attacks = attacks or {}
+        if config.defence != "none" or attacks:
+            self.rules = [averager_of(config, attacks.get(i)) for i in range(count)]
             self.neighbourhoods = [
                 Round(0, {int(j): float(mixing[i, j]) for j in np.flatnonzero(mixing[i]) if j != i},
                       float(mixing[i, i]))
@@ -397,10 +397,12 @@ class BatchedSimulation:
             for i, o in enumerate(owned):
                 self.own[i, o] = True
             self.own = self.own.to(device)
-        attacks = [byzantine_of(config, i) for i in range(count)]
-        flipped = [a is not None and a.name == "label-flip" for a in attacks]  # trains on lies
+        attacks = attacks_of(config)
+        flipped = [i in attacks and attacks[i].name == "label-flip" for i in range(count)]
         self.flipped = torch.tensor(flipped, device=device).unsqueeze(1) if any(flipped) else None
-        self.gossip = StackedGossip(config, topology.mixing_matrix(), self.models.flat[0].clone())
+        self.gossip = StackedGossip(
+            config, topology.mixing_matrix(), self.models.flat[0].clone(), attacks
+        )
         self.trigger = parse_trigger(config.trigger)
         devices = devices_of(config)
         if step_time is None and not all(device.step_time for device in devices):
@@ -448,8 +450,10 @@ class BatchedSimulation:
         )
         rows = rows.to(self.device, non_blocking=True)
         labels = self.y_train[rows]
-        if self.flipped is not None:  # ``peer_sampler``'s flip: class c becomes C − 1 − c
-            labels = torch.where(self.flipped, self.dataset.num_classes - 1 - labels, labels)
+        if self.flipped is not None:  # label-flipping peers train on lies (``peer_sampler``)
+            labels = torch.where(
+                self.flipped, flip_labels(labels, self.dataset.num_classes), labels
+            )
         losses, grads = self.models.gradients(self.x_train[rows], labels)
         self.optimizer.step(self.models.flat, grads, lr_at(self.config, self.steps))
         self.losses.append(losses.detach())

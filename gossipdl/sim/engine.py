@@ -38,7 +38,6 @@ from torch.nn.utils import parameters_to_vector
 from gossipdl.averaging import (
     Averager,
     SharedDecodes,
-    build_averager,
     check_trigger,
     parse_trigger,
 )
@@ -55,6 +54,7 @@ from gossipdl.sim.joins import Join, answered, cancel_join, start_join
 from gossipdl.sim.network import SimNetwork
 from gossipdl.training import (
     AWAY_POLL_S,
+    averager_of,
     byzantine_of,
     dataset_of,
     drift_of,
@@ -250,15 +250,7 @@ class Simulation:
     def _averager(self, peer_id: int | None = None) -> Averager:
         """The averaging rule of one peer's protocol core (a new one per peer): a Byzantine
         peer's (``byzantine`` in its profile) sends attacked models."""
-        config = self.config
-        return build_averager(
-            config.algorithm,
-            config.codec,
-            config.seed,
-            config.gamma or None,
-            config.defence,
-            byzantine_of(config, peer_id),
-        )
+        return averager_of(self.config, byzantine_of(self.config, peer_id))
 
     def _averager_for(self, model: torch.nn.Module, peer_id: int | None = None) -> Averager:
         """:meth:`_averager`, told the shapes of ``model``'s parameters."""
