@@ -21,6 +21,7 @@ from pathlib import Path
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from gossipdl.data.datasets import DataError
+from gossipdl.data.published import cifar_files
 
 CHUNK = 1 << 20
 
@@ -41,25 +42,26 @@ class Source:
     members: tuple[tuple[str, int], ...]
 
 
-_CIFAR10_RECORD, _CIFAR100_RECORD = 1 + 3072, 2 + 3072
+def _cifar(name: str, url: str, md5: str, size: int, records: tuple[int, ...]) -> Source:
+    """A CIFAR archive: the files its reader reads (:func:`cifar_files`), ``records`` each."""
+    files, record = cifar_files(name)
+    return Source(url, md5, size, tuple(zip(files, (n * record for n in records), strict=True)))
+
+
 SOURCES = {
-    "cifar10": Source(
+    "cifar10": _cifar(
+        "cifar10",
         "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz",
         "c32a1d4ab5d03f1284b67883e8d87530",
         170_052_171,
-        tuple(
-            (f"cifar-10-batches-bin/{f}", 10_000 * _CIFAR10_RECORD)
-            for f in [*(f"data_batch_{i}.bin" for i in range(1, 6)), "test_batch.bin"]
-        ),
+        (10_000,) * 6,
     ),
-    "cifar100": Source(
+    "cifar100": _cifar(
+        "cifar100",
         "https://www.cs.toronto.edu/~kriz/cifar-100-binary.tar.gz",
         "03b5dce01913d631647c71ecec9e9cb8",
         168_513_733,
-        (
-            ("cifar-100-binary/train.bin", 50_000 * _CIFAR100_RECORD),
-            ("cifar-100-binary/test.bin", 10_000 * _CIFAR100_RECORD),
-        ),
+        (50_000, 10_000),
     ),
 }
 

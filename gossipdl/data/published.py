@@ -93,13 +93,21 @@ def load_published(name: str, data_dir: Path | None = None) -> Dataset:
 # --------------------------------------------------------------------------- CIFAR
 
 
+def cifar_files(name: str) -> tuple[list[str], int]:
+    """Data set ``name``'s files, relative to the data directory (training files first, the
+    test file last), and the bytes of one of its records: what the reader reads and what
+    ``gossipdl data fetch`` keeps."""
+    folder, train_files, test_file, label_bytes, *_ = _CIFAR[name]
+    return [f"{folder}/{f}" for f in (*train_files, test_file)], label_bytes + _PIXELS
+
+
 def _cifar_records(name: str, path: Path, root: Path) -> tuple[np.ndarray, np.ndarray]:
     """The uint8 images (``[N, 3, 32, 32]``) and int64 classes of one binary CIFAR file."""
     _, _, _, label_bytes, classes, _, _ = _CIFAR[name]
     if not path.is_file():
         raise DataError(f"{name}: {path} is missing; {fetch_hint(name, root)}")
     raw = np.fromfile(path, dtype=np.uint8)
-    record = label_bytes + _PIXELS
+    record = cifar_files(name)[1]
     if raw.size == 0 or raw.size % record:
         raise DataError(
             f"{name}: {path} holds {raw.size} bytes, not whole {record}-byte records: it is "
@@ -118,10 +126,8 @@ def _cifar_records(name: str, path: Path, root: Path) -> tuple[np.ndarray, np.nd
 def _load_cifar(name: str, root: Path) -> Dataset:
     """CIFAR-10/100 from its binary files, scaled to [0, 1] and standardised per channel
     with the published training-set statistics."""
-    folder, train_files, test_file, _, classes, mean, std = _CIFAR[name]
-    base = root / folder
-    parts = [_cifar_records(name, base / f, root) for f in train_files]
-    x_test, y_test = _cifar_records(name, base / test_file, root)
+    *_, classes, mean, std = _CIFAR[name]
+    *parts, (x_test, y_test) = [_cifar_records(name, root / f, root) for f in cifar_files(name)[0]]
     shift = np.asarray(mean, np.float32).reshape(1, 3, 1, 1)
     scale = np.asarray(std, np.float32).reshape(1, 3, 1, 1)
 
