@@ -43,6 +43,7 @@ from torch.nn.utils import parameters_to_vector
 
 from gossipdl.averaging import build_averager, parse_trigger
 from gossipdl.averaging.local_optimizer import current_lr, mask_momentum
+from gossipdl.models.parameters import set_params
 from gossipdl.peers.device import pick_device
 from gossipdl.protocol.core import GossipCore, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
@@ -95,13 +96,6 @@ class _Peer:
 
     def flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
-
-    @torch.no_grad()
-    def set_params(self, flat: torch.Tensor) -> None:
-        offset = 0
-        for p in self.params:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
 
 
 def _deliver(peers: list[_Peer], sender: int, sends: list[Send], now: float) -> None:
@@ -181,7 +175,7 @@ def audit(
                     assert progress.model is not None, (
                         f"{name}: peer {i}'s round {step} did not end"
                     )
-                    peers[i].set_params(progress.model)
+                    set_params(peers[i].params, progress.model)
             finally:
                 if device.type == "cuda":
                     torch.cuda.set_sync_debug_mode("default")

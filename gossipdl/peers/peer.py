@@ -33,6 +33,7 @@ from gossipdl.coordinator.ring import (
     check_ring_codec,
 )
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
+from gossipdl.models.parameters import set_params
 from gossipdl.peers.membership import MAX_MEMBERS, Member, Membership, parse_members
 from gossipdl.protocol.core import CORE_KINDS, GossipCore, Send, Settings
 from gossipdl.protocol.joining import (
@@ -382,7 +383,7 @@ class Peer:
         if not self.reduces_gradients:  # gradients were averaged before the local step
             x = self._flat()
             new = self._ring_round(x) if self.ring else self._core_round(x)
-            self._set_params(new)
+            set_params(self.params, new)
         if self.ring:
             with self._core:
                 self.core.advance(time.monotonic())
@@ -790,7 +791,7 @@ class Peer:
         """Start at round ``start`` of the running swarm, with ``model`` if we take one."""
         if model is not None:
             with torch.no_grad():
-                self._set_params(model)
+                set_params(self.params, model)
             self.steps = start * self.trigger.period
         with self._core:
             self.core.start_at(start, self._flat())
@@ -852,14 +853,6 @@ class Peer:
         with torch.no_grad():
             views = [p.reshape(-1) for p in self.params]
             return torch.cat(views, out=empty_on(self.device, self.numel))
-
-    def _set_params(self, flat: torch.Tensor) -> None:
-        """Copy ``flat`` into the parameters (which never become views of it, unlike with
-        ``vector_to_parameters``: ``flat`` may be published, and training must not write it)."""
-        offset = 0
-        for p in self.params:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
 
     def _send(
         self,

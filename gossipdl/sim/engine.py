@@ -45,6 +45,7 @@ from gossipdl.averaging.local_optimizer import current_lr, mask_momentum
 from gossipdl.conditions import DeviceProfile, Drift, device_of
 from gossipdl.config import Config, to_dict
 from gossipdl.data import BatchSampler, Dataset
+from gossipdl.models.parameters import set_params
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
@@ -328,7 +329,7 @@ class Simulation:
         """Carry out a poll's answer: send, and once the round is over take its model."""
         self._send(peer, progress.sends)
         if progress.model is not None:
-            _set_params(peer.params, progress.model)
+            set_params(peer.params, progress.model)
             self._after_round(peer)
         elif peer.core.deadline is not None and peer.core.deadline != peer.timer_at:
             deadline = peer.timer_at = peer.core.deadline  # one timer per wait, not per message
@@ -452,7 +453,7 @@ class Simulation:
         with ``model`` (its neighbour's), a peer back with its own."""
         period = peer.core.trigger.period
         if model is not None:
-            _set_params(peer.params, model)
+            set_params(peer.params, model)
             peer.steps = start * period
         peer.core.start_at(start, peer.flat())
         if model is not None:
@@ -669,16 +670,6 @@ def _states(peer: VirtualPeer) -> tuple[dict[str, Any], dict[str, Any]]:
     """Copies of the peer's model and optimizer states (an in-memory checkpoint)."""
     model = {k: v.detach().clone() for k, v in peer.model.state_dict().items()}
     return model, copy.deepcopy(peer.optimizer.state_dict())
-
-
-def _set_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    """Copy ``flat`` into the parameters."""
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
 
 
 def simulation_for(mode: str) -> type[Simulation]:

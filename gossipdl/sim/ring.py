@@ -27,11 +27,12 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from gossipdl.averaging import Averager, build_averager
 from gossipdl.config import Config
+from gossipdl.models.parameters import set_params
 from gossipdl.protocol.ring import RING_CHECKS_FINITE, RingCore, RingFailure
 from gossipdl.protocol.ring_powersgd import LowRankMean, LowRankRing
 from gossipdl.rundir import RunDir
 from gossipdl.sim.clock import Timer
-from gossipdl.sim.engine import Simulation, VirtualPeer, _set_params
+from gossipdl.sim.engine import Simulation, VirtualPeer
 from gossipdl.transport.wire import WireError, decode
 
 log = logging.getLogger(__name__)
@@ -149,9 +150,9 @@ class RingSimulation(Simulation):
         def averaged() -> None:
             if self.low_rank:
                 reference.add_(delta)
-                _set_params(peer.params, reference.clone())
+                set_params(peer.params, reference.clone())
             else:
-                _set_params(peer.params, delta)
+                set_params(peer.params, delta)
             self._next_round(peer)
 
         self._reduce(peer, delta, averaged)
