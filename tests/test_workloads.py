@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from rich.console import Console
 from typer.testing import CliRunner
 
 from gossipdl import cli
@@ -26,6 +27,7 @@ from gossipdl.data import DataError, load_dataset, partition
 from gossipdl.data.fetch import FetchError, Source, fetch
 from gossipdl.data.loader import BatchSampler, crop_flip
 from gossipdl.data.published import SHAKESPEARE_LETTERS
+from gossipdl.experiments.display import summary_table
 from gossipdl.experiments.simulated import simulate
 from gossipdl.models import ModelError, build_model
 from gossipdl.training import dataset_of, own_test
@@ -190,6 +192,13 @@ def test_a_natural_swarm_reports_each_devices_accuracy_on_its_own_data(tmp_path:
         own = own_test(config, data, peer["id"])
         assert own is not None and len(own) == 3  # one writer's 3 test samples
         assert 0.0 <= peer["own_accuracy"] <= 1.0
+    own = sorted(p["own_accuracy"] for p in summary["peers"])
+    assert (summary["min_own_accuracy"], summary["max_own_accuracy"]) == (own[0], own[-1])
+    assert summary["mean_own_accuracy"] == pytest.approx(sum(own) / len(own))
+    console = Console(width=200, record=True)
+    console.print(summary_table(summary))
+    shown = console.export_text()
+    assert "own-data acc" in shown and f"own-data accuracy {sum(own) / len(own):.4f}" in shown
     with pytest.raises(DataError, match=r"natural.*owners"):
         partition(np.zeros(10, np.int64), 2, "natural", seed=0)
 

@@ -90,15 +90,18 @@ class LiveProgress:
 
 
 def summary_table(summary: dict[str, Any], title: str = "gossipdl run") -> Table:
-    """Per-peer accuracy, bytes and messages, with the swarm totals in the caption."""
+    """Per-peer accuracy, bytes and messages, with the swarm totals in the caption; on a
+    natural split also each device's accuracy on its own data, and their spread."""
     table = Table(title=title)
-    for name in ("peer", "test acc", "steps", "sent", "received", "msgs sent", "dropped", "idle s"):
+    own = summary.get("mean_own_accuracy") is not None
+    columns = ("steps", "sent", "received", "msgs sent", "dropped", "idle s")
+    for name in ("peer", "test acc", *(["own-data acc"] if own else []), *columns):
         table.add_column(name, justify="right")
     for p in summary["peers"]:
-        acc = "-" if p["accuracy"] is None else f"{p['accuracy']:.4f}"
+        accuracies = [p["accuracy"], *([p.get("own_accuracy")] if own else [])]
         table.add_row(
             str(p["id"]),
-            acc,
+            *("-" if a is None else f"{a:.4f}" for a in accuracies),
             str(p["steps"]),
             human_bytes(p["bytes_sent"]),
             human_bytes(p["bytes_received"]),
@@ -108,13 +111,19 @@ def summary_table(summary: dict[str, Any], title: str = "gossipdl run") -> Table
         )
     mean = summary["mean_accuracy"]
     cd = summary["consensus_distance"]
-    table.caption = (
-        f"mean test accuracy {'-' if mean is None else f'{mean:.4f}'} · "
-        f"consensus distance {'-' if cd is None else f'{cd:.3g}'} · "
-        f"sent {human_bytes(summary['total_bytes_sent'])} · "
-        f"start-up {summary['startup_s']:.1f} s + training {summary['training_s']:.1f} s · "
-        f"{summary['peers_finished']}/{len(summary['peers'])} peers finished"
-    )
+    parts = [f"mean test accuracy {'-' if mean is None else f'{mean:.4f}'}"]
+    if own:
+        parts.append(
+            f"own-data accuracy {summary['mean_own_accuracy']:.4f} "
+            f"({summary['min_own_accuracy']:.4f} to {summary['max_own_accuracy']:.4f})"
+        )
+    parts += [
+        f"consensus distance {'-' if cd is None else f'{cd:.3g}'}",
+        f"sent {human_bytes(summary['total_bytes_sent'])}",
+        f"start-up {summary['startup_s']:.1f} s + training {summary['training_s']:.1f} s",
+        f"{summary['peers_finished']}/{len(summary['peers'])} peers finished",
+    ]
+    table.caption = " · ".join(parts)
     return table
 
 

@@ -236,6 +236,7 @@ def summary_of(run: Run | RunDir, wall_time_s: float | None = None) -> dict[str,
     servers = run.servers()
     server_bytes = sum(s.get("bytes_sent", 0) for s in servers)
     accuracies = [p["accuracy"] for p in peers if p["accuracy"] is not None]
+    own = [p["own_accuracy"] for p in peers if p["own_accuracy"] is not None]
     finished = [p["accuracy"] for p in peers if p["finished"] and p["accuracy"] is not None]
     if wall_time_s is None:
         wall_time_s = max((p["time_s"] for p in peers), default=0.0)
@@ -247,6 +248,10 @@ def summary_of(run: Run | RunDir, wall_time_s: float | None = None) -> dict[str,
         "mean_accuracy_finished": sum(finished) / len(finished) if finished else None,
         "min_accuracy": min(accuracies, default=None),
         "max_accuracy": max(accuracies, default=None),
+        # natural splits: each device's accuracy on its own data, across the devices
+        "mean_own_accuracy": sum(own) / len(own) if own else None,
+        "min_own_accuracy": min(own, default=None),
+        "max_own_accuracy": max(own, default=None),
         "consensus_distance": consensus_distance(run, [p["id"] for p in peers]),
         "total_bytes_sent": sum(p["bytes_sent"] for p in peers) + server_bytes,
         "total_header_bytes_sent": sum(p["header_bytes_sent"] for p in peers)
