@@ -111,30 +111,33 @@ def coordinate_median(x: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor
 def balance(
     x: torch.Tensor,
     neighbours: torch.Tensor,
+    weights: torch.Tensor,
     progress: float,
     gamma: float = 0.5,
     kappa: float = 1.0,
-    alpha: float = 0.5,
     gaps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """BALANCE (Fang, Zhang, Yuan, Li and Gong 2024): a neighbour's model is accepted when
-    ``‖x − x_j‖ ≤ γ · exp(−κ · progress) · ‖x‖`` (``progress`` runs from 0 at the start
-    of training to 1 at its end, so the filter tightens as the models settle); the new
-    model is ``α x + (1 − α) · mean(accepted)``, or ``x`` if none is. Returns it and the
-    accepted mask.
+    """BALANCE's distance filter (Fang, Zhang, Yuan, Li and Gong 2024): a neighbour's model
+    is accepted when ``‖x − x_j‖ ≤ γ · exp(−κ · progress) · ‖x‖`` (``progress`` runs from
+    0 at the start of training to 1 at its end, so the filter tightens as the models
+    settle). The accepted ones are mixed with their gossip ``weights``,
+    ``x + Σ_accepted W_ij (x_j − x)``, and a rejected one's weight stays with the peer, as
+    a missing neighbour's does. Returns the new model and the accepted mask.
+
+    The paper mixes ``α x + (1 − α) · mean(accepted)`` with α = 1/2 instead. Keeping the
+    row's weights makes the filter cost nothing when it accepts everyone (it is then plain
+    gossip), where α = 1/2 slowed consensus: 1.3 points below plain averaging on the
+    exponential graph of 16 with no attack.
 
     Assumes: honest neighbours stay within the threshold of the peer (IID-ish data, or a
     γ large enough for the heterogeneity); any number of bad neighbours is survived, since
     a rejected one has no influence at all, but an accepted bad one moves ``x`` by at most
-    ``(1 − α) γ ‖x‖ / (accepted count)``. Cost: the k distances (``gaps``, where the
-    caller has them) and one norm."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha = {alpha}; BALANCE keeps a share 0..1 of the own model")
+    ``W_ij γ ‖x‖``. Cost: the k distances (``gaps``, where the caller has them) and one
+    norm."""
     threshold = gamma * math.exp(-kappa * progress) * float(torch.linalg.vector_norm(x.double()))
     accepted = (distances(x, neighbours) if gaps is None else gaps) <= threshold
-    if not bool(accepted.any()):
-        return x.clone(), accepted
-    return x * alpha + neighbours[accepted].mean(0) * (1.0 - alpha), accepted
+    share = weights.to(x.dtype) * accepted.to(x.dtype)
+    return x + share @ (neighbours - x), accepted
 
 
 DEFENCES = "none, clip[:BAD], trimmed[:TRIM], median, balance[:GAMMA]"
@@ -159,8 +162,8 @@ class Defence:
         outside the values they kept), which a peer records so a report can show which
         neighbour looks wrong. The distances and the sort are done once for both.
 
-        Only clipping uses the weights; the coordinate-wise rules and BALANCE count every
-        model alike. BALANCE runs without its schedule (progress 0): a peer does not know
+        Clipping and BALANCE use the weights; the coordinate-wise rules count every model
+        alike. BALANCE runs without its schedule (progress 0): a peer does not know
         how long training lasts. When neighbours are missing, a trimmed mean trims what it
         can (:meth:`_trim`) rather than fail the round."""
         gaps = distances(x, neighbours)
@@ -169,7 +172,7 @@ class Defence:
             model = clipped_mix(x, neighbours, weights, kept, radius=radius, gaps=gaps)
             return model, gaps, (gaps > radius).double()
         if self.rule == "balance":
-            model, accepted = balance(x, neighbours, progress=0.0, gamma=self.param, gaps=gaps)
+            model, accepted = balance(x, neighbours, weights, 0.0, gamma=self.param, gaps=gaps)
             return model, gaps, (~accepted).double()
         count = neighbours.shape[0] + 1
         trim = self._trim(neighbours) if self.rule == "trimmed" else (count - 1) // 2
