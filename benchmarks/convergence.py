@@ -239,7 +239,8 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
     topk = [
         r["setting"] for r in iid if r["setting"] == "choco-topk" and r["gap_points"] <= TOPK_POINTS
     ]
-    healthy = [r["name"] for r in ring if r["accuracy"] >= DIVERGED]
+    ran = [r for r in rows if r["topology"] == "ring" and r["accuracy"] is not None]
+    healthy = [r for r in ran if r["accuracy"] >= DIVERGED]  # needs no dense row
     non_iid = [
         r["setting"]
         for r in ring
@@ -253,7 +254,7 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
         f">= {TARGET_FAR:g}x fewer bytes to dense - {TARGET_POINTS:g} point": far,
         f"CHOCO top-1% within {TOPK_POINTS:g} points": topk,
         f"no run below {DIVERGED:.0%} accuracy (diverged)": (
-            [f"all {len(ring)} ring runs"] if len(healthy) == len(ring) else []
+            [f"all {len(ran)} ring runs"] if ran and len(healthy) == len(ran) else []
         ),
         f"non-IID ({NON_IID}) within {NON_IID_POINTS:g} points of iid": non_iid,
     }

@@ -398,3 +398,22 @@ def test_workloads_benchmark_measures_what_it_has_and_names_what_it_lacks(tmp_pa
         assert made["skipped"] is None and made["s_per_step"] > 0 and made["parameters"] == 610
     dense, choco = rows[("fedprox-logistic", "dense")], rows[("fedprox-logistic", "choco-topk")]
     assert choco["bytes_per_round"] < dense["bytes_per_round"] / 5
+
+
+def test_convergence_divergence_verdict_needs_a_ring_run_not_dense(monkeypatch) -> None:
+    """Without dense (``--only``) the other targets cannot be judged, but whether a ring run
+    diverged can; with no ring run at all nothing is claimed met."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import convergence
+
+    def row(setting: str, accuracy: float, topology: str = "ring") -> dict:
+        return {"setting": setting, "name": setting, "topology": topology, "partition": "iid",
+                "accuracy": accuracy, "gap_points": None, "ratio_to_target": None}  # fmt: skip
+
+    key = next(k for k in convergence.verdicts([]) if "diverged" in k)
+    assert convergence.verdicts([])[key] == []
+    assert convergence.verdicts([row("exponential-only", 0.6, "exponential")])[key] == []
+    assert convergence.verdicts([row("choco-topk", 0.6), row("beer-topk", 0.6)])[key] == [
+        "all 2 ring runs"
+    ]
+    assert convergence.verdicts([row("choco-topk", 0.6), row("beer-topk", 0.05)])[key] == []
