@@ -71,14 +71,14 @@ def test_trimmed_mean_and_median_stay_between_honest_values(
 
 
 def test_balance_rejects_a_far_neighbour_and_averages_the_rest() -> None:
-    """The far one has no influence: its weight stays with the peer, the accepted ones mix
-    with theirs; accepting everyone is plain gossip."""
+    """The far one has no influence: the accepted ones mix with their weights, scaled up to
+    carry the rejected one's; accepting everyone is plain gossip."""
     x, honest = _swarm(3)
     neighbours = torch.cat([honest, (x + 1e3).unsqueeze(0)])
     weights = torch.full((5,), 0.15)
     out, accepted = robust.balance(x, neighbours, weights, progress=0.0, gamma=0.5)
     assert accepted.tolist() == [True, True, True, True, False]
-    torch.testing.assert_close(out, 0.4 * x + 0.15 * honest.sum(0))
+    torch.testing.assert_close(out, 0.25 * x + 0.1875 * honest.sum(0))  # 0.75 over four
     everyone, _ = robust.balance(x, honest, weights[:4], progress=0.0, gamma=0.5)
     torch.testing.assert_close(everyone, x + 0.15 * (honest - x).sum(0))  # plain gossip
     late, late_accepted = robust.balance(x, honest * 1.5, weights[:4], progress=1.0, gamma=0.5)
