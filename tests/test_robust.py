@@ -4,6 +4,7 @@ known bad vector, and each attack is what its paper describes."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -165,7 +166,7 @@ def test_dense_gossip_with_a_defence_keeps_a_bad_neighbours_model_out() -> None:
 
 def test_a_defended_peer_sets_aside_a_neighbour_whose_model_stopped_moving() -> None:
     """A crashed neighbour replays its model: from its second message on, every defence
-    leaves it out (its weight stays with the peer) and counts it as set aside."""
+    leaves it out (its weight shared among the fresh ones) and counts it as set aside."""
     from gossipdl.averaging import Arrival, Round, build_averager
 
     x, honest = _swarm(8)
@@ -181,7 +182,8 @@ def test_a_defended_peer_sets_aside_a_neighbour_whose_model_stopped_moving() -> 
             }
             out = averager.incoming(x, rnd, arrivals, [])
         without = build_averager("dense", defence=defence).incoming(
-            x, Round(0, {1: 0.25, 2: 0.25}, 0.5), {j: arrivals[j] for j in (1, 2)}, [3]
+            x, Round(0, {1: 0.375, 2: 0.375}, 0.25),
+            {j: replace(arrivals[j], weight=0.375) for j in (1, 2)}, [],
         )  # fmt: skip
         torch.testing.assert_close(out, without)  # the stale one counts for nothing
         judged = averager.metrics()["neighbours"]
