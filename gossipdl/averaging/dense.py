@@ -84,8 +84,8 @@ class DenseGossip(Averager):
     def _judge(self, x: torch.Tensor, rnd: Round, arrived: Mapping[int, Arrival]) -> torch.Tensor:
         """The defence's new model from the fresh arrivals; every arrival's distance and
         set-aside share recorded. A stale one is set aside whole and its weight shared
-        among the fresh ones, as BALANCE shares a rejected one's: left with x, a crashed
-        neighbour slows its neighbours' mixing for the rest of the run."""
+        among the fresh ones, as BALANCE shares a rejected one's (left with x, a crashed
+        neighbour slowed its neighbours' mixing for the rest of the run)."""
         assert self.defence is not None
         marks = {j: fingerprint(a.value) for j, a in arrived.items()}
         stale = [
@@ -100,9 +100,7 @@ class DenseGossip(Averager):
         else:
             got = list(fresh.values())
             weights = torch.tensor([a.weight for a in got], dtype=torch.float64)
-            weights *= (float(weights.sum()) + sum(arrived[j].weight for j in stale)) / float(
-                weights.sum()
-            )
+            weights *= 1.0 + sum(arrived[j].weight for j in stale) / float(weights.sum())
             kept = rnd.self_weight + sum(rnd.weights.values()) - float(weights.sum())
             neighbours = torch.stack([a.value for a in got])
             model, fresh_gaps, aside = self.defence.judge(x, neighbours, weights, kept)
