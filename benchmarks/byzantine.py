@@ -12,6 +12,12 @@ What it measures
     honest peers. The table shows one line per topology, partition, attack and number
     of liars, one column per defence.
 
+    With 2 liars in the grid, each topology and partition also gets a reference line,
+    attack ``absent``: the two peers are killed at the start, so they never send and
+    membership drops them (the per-peer engine: the batched one does not model fault
+    events). What the honest peers reach then, with the liars' data gone, is about the
+    best any defence can do; the targets compare with the attack-free run instead.
+
 Targets
     * With 2 of 16 Byzantine peers, the best defence keeps the honest peers within 2
       points of the attack-free run (plain averaging, no attack) for every attack;
@@ -24,9 +30,12 @@ Run
         --attacks scaled,dissensus --steps 600 --jobs 2
 
 JSON (``--json FILE``): ``{"benchmark": "byzantine", "rows": [...], "meta": {...}}``;
-each row has ``attack`` ("none" for the attack-free runs), ``defence``, ``byzantine``
+each row has ``attack`` ("none" for the attack-free runs, "absent" for the reference
+runs without the liars), ``defence``, ``byzantine``
 (how many lie), ``topology``, ``partition``, ``accuracy`` (the honest peers'),
-``engine`` and ``run_dir``; ``meta`` holds the settings and each target's verdict.
+``engine`` and ``run_dir``; ``meta`` holds the settings, each target's verdict and,
+under ``targets.absent``, each reference run's accuracy and its points below the
+attack-free run.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ from gossipdl.sim.engine import SimulationError
 
 ATTACKS = ("sign-flip", "scaled", "gaussian", "alie", "ipm", "dissensus", "stale", "label-flip")
 DEFENCES = ("none", "clip", "trimmed", "median", "balance")
+ABSENT = "absent"  # the reference: the liars killed at the start
 TOPOLOGIES = ("exponential", "random-regular:4")
 PARTITIONS = ("iid", "dirichlet:0.3")
 LIARS = {1: "3", 2: "3,11"}  # peer ids, spread over the graph
@@ -76,9 +86,10 @@ def _names(value: str) -> list[str]:
 
 def config_for(args: argparse.Namespace, run: Run) -> Config:
     """The swarm of ``run``: the grid's job, its liars and its defence."""
-    profiles = (
-        {"liars": {"peers": LIARS[run.byzantine], "byzantine": run.attack}} if run.byzantine else {}
-    )
+    liars = LIARS.get(run.byzantine, "")
+    absent = run.attack == ABSENT
+    profiles = {"liars": {"peers": liars, "byzantine": run.attack}} if liars and not absent else {}
+    faults = [{"at": 0, "kill": liars}] if absent else []
     name = f"{run.topology}-{run.partition}-{run.attack}-{run.byzantine}-{run.defence}"
     return load_config(
         args.config,
@@ -91,11 +102,12 @@ def config_for(args: argparse.Namespace, run: Run) -> Config:
         algorithm="dense",
         defence=run.defence,
         profiles=profiles,
+        faults=faults,
         eval_every=0,
         log_every=max(1, args.steps // 10),
         seed=args.seed,
         threads=1,
-        batched=args.engine == "batched",
+        batched=args.engine == "batched" and not absent,
         out=str(args.out / name.replace(":", "_")),
     )
 
@@ -134,6 +146,8 @@ def grid(args: argparse.Namespace) -> list[Run]:
     for topology in args.topologies:
         for partition in args.partitions:
             runs += [Run("none", d, 0, topology, partition) for d in args.defences]
+            if 2 in args.liars:
+                runs.append(Run(ABSENT, "none", 2, topology, partition))
             runs += [
                 Run(attack, defence, liars, topology, partition)
                 for attack in args.attacks
@@ -148,14 +162,20 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     two liars, and the dearest defence without an attack."""
     by_key = {(r["topology"], r["partition"], r["attack"], r["byzantine"], r["defence"]):
               r["accuracy"] for r in rows}  # fmt: skip
-    out: dict[str, Any] = {"best_within": {}, "defence_cost": {}}
+    out: dict[str, Any] = {"best_within": {}, "defence_cost": {}, "absent": {}}
     for topology, partition in {(r["topology"], r["partition"]) for r in rows}:
         clean = by_key.get((topology, partition, "none", 0, "none"))
         if clean is None:
             continue
         where = f"{topology}/{partition}"
         gaps = {}
-        for attack in {r["attack"] for r in rows if r["byzantine"] == 2}:
+        absent = by_key.get((topology, partition, ABSENT, 2, "none"))
+        if absent is not None:
+            out["absent"][where] = {
+                "accuracy": absent,
+                "below_clean_points": (clean - absent) * 100,
+            }
+        for attack in {r["attack"] for r in rows if r["byzantine"] == 2} - {ABSENT}:
             defended = [by_key.get((topology, partition, attack, 2, d)) for d in DEFENCES[1:]]
             best = max((a for a in defended if a is not None), default=None)
             if best is not None:
@@ -242,15 +262,23 @@ def main() -> None:
         Column("byzantine", "liars"),
         *(Column(d, f"{d} (honest acc)" if d == "none" else d, "{:.4f}") for d in args.defences),
     ]
-    notes = [
-        f"{where}: best defence within {BEST_WITHIN_POINTS:g} pts with 2 liars — "
-        f"{mark(v['met'])} (worst gap {max(v['gaps_points'].values()):.1f} pts)"
-        for where, v in sorted(judged["best_within"].items())
-    ] + [
-        f"{where}: no defence costs over {DEFENCE_COST_POINTS:g} pt without an attack — "
-        f"{mark(v['met'])} (dearest {max(v['cost_points'].values()):.1f} pts)"
-        for where, v in sorted(judged["defence_cost"].items())
-    ]
+    notes = (
+        [
+            f"{where}: best defence within {BEST_WITHIN_POINTS:g} pts with 2 liars — "
+            f"{mark(v['met'])} (worst gap {max(v['gaps_points'].values()):.1f} pts)"
+            for where, v in sorted(judged["best_within"].items())
+        ]
+        + [
+            f"{where}: with the 2 liars absent from the start the honest peers reach "
+            f"{v['accuracy']:.4f}, {v['below_clean_points']:.1f} pts below the attack-free run"
+            for where, v in sorted(judged["absent"].items())
+        ]
+        + [
+            f"{where}: no defence costs over {DEFENCE_COST_POINTS:g} pt without an attack — "
+            f"{mark(v['met'])} (dearest {max(v['cost_points'].values()):.1f} pts)"
+            for where, v in sorted(judged["defence_cost"].items())
+        ]
+    )
     meta = {
         "peers": args.peers,
         "steps": args.steps,

@@ -417,3 +417,37 @@ def test_convergence_divergence_verdict_needs_a_ring_run_not_dense(monkeypatch) 
         "all 2 ring runs"
     ]
     assert convergence.verdicts([row("choco-topk", 0.6), row("beer-topk", 0.05)])[key] == []
+
+
+def test_byzantine_reference_runs_the_liars_killed_at_the_start(monkeypatch) -> None:
+    """The ``absent`` line kills the two liars at time 0 on the per-peer engine; it is
+    reported beside the targets, never judged as an attack."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import argparse
+
+    import byzantine
+
+    args = argparse.Namespace(
+        config=None, peers=16, dataset="synthetic", model="logistic", steps=10, seed=0,
+        engine="batched", out=Path("/nonexistent"), defences=["none"], liars=[1, 2],
+        attacks=["alie"], topologies=["ring"], partitions=["iid"],
+    )  # fmt: skip
+    runs = byzantine.grid(args)
+    absent = [r for r in runs if r.attack == byzantine.ABSENT]
+    assert [(r.defence, r.byzantine) for r in absent] == [("none", 2)]
+    config = byzantine.config_for(args, absent[0])
+    assert not config.batched and not config.profiles
+    assert config.faults == [{"at": 0, "kill": "3,11"}]
+
+    def row(attack: str, liars: int, defence: str, accuracy: float) -> dict:
+        return {"topology": "ring", "partition": "iid", "attack": attack, "byzantine": liars,
+                "defence": defence, "accuracy": accuracy}  # fmt: skip
+
+    judged = byzantine.verdicts(
+        [row("none", 0, "none", 0.9), row("none", 0, "clip", 0.9), row("absent", 2, "none", 0.85),
+         row("alie", 2, "none", 0.8), row("alie", 2, "clip", 0.89)]
+    )  # fmt: skip
+    assert judged["best_within"]["ring/iid"]["gaps_points"] == pytest.approx({"alie": 1.0})
+    assert judged["absent"]["ring/iid"] == pytest.approx(
+        {"accuracy": 0.85, "below_clean_points": 5.0}
+    )
