@@ -5,8 +5,11 @@ config.toml, and Ctrl-C ending with exit code 130."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -381,3 +384,40 @@ def test_report_takes_several_directories_and_an_out(
     assert asked == [([Path("a"), Path("b"), Path("c")], Path("cmp"))]
     invoke("report", "a")
     assert asked[1] == ([Path("a")], None)
+
+
+HUGE_PAGE_PROBE = """
+import os, re, sys
+import gossipdl.cli  # sets the default before torch comes in
+import torch
+t = torch.ones(20 * 2**20)  # 80 MB, touched
+smaps = open("/proc/self/smaps").read()
+huge = sum(int(k) for k in re.findall(r"AnonHugePages:\\s+(\\d+) kB", smaps))
+print(os.environ.get("THP_MEM_ALLOC_ENABLE"), huge)
+"""
+
+
+@pytest.mark.parametrize("given", [None, "0"])
+def test_commands_turn_on_torchs_huge_pages_unless_told_not_to(given: str | None) -> None:
+    """gossipdl's commands export THP_MEM_ALLOC_ENABLE=1 before torch allocates, unless the
+    user set it; where the kernel offers huge pages on request, a large tensor then sits in
+    them (and with 0, in none)."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if given is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = given
+    done = subprocess.run(
+        [sys.executable, "-c", HUGE_PAGE_PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    value, huge_kb = done.stdout.split()
+    assert value == (given or "1")
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    offered = mode.is_file() and "[never]" not in mode.read_text()
+    if given == "0" and "[always]" not in (mode.read_text() if mode.is_file() else ""):
+        assert int(huge_kb) == 0
+    if given is None and offered:
+        assert int(huge_kb) >= 40 * 1024  # most of the 80 MB tensor is in 2 MB pages
