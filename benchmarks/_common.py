@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gossipdl.cli import HUGE_PAGES_ENV
+from gossipdl.cli import use_huge_pages
 from gossipdl.config import Config
 from gossipdl.experiments import forking
 from gossipdl.experiments.launcher import Interrupted
@@ -48,7 +48,7 @@ from gossipdl.training import dataset_of, initial_model
 
 T = TypeVar("T")
 
-os.environ.setdefault(HUGE_PAGES_ENV, "1")  # as gossipdl's commands run (before a large tensor)
+use_huge_pages()  # as gossipdl's commands run (before a large tensor)
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
