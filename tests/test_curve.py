@@ -148,6 +148,9 @@ def test_a_secure_parameter_server_serves_listed_workers_and_refuses_a_stranger(
     try:
         address = server.stdout.readline().split()[-1]
         stranger = worker(1, dir_x, _allow(tmp_path / "x.txt", key_s, key_x), tmp_path / "x")
+        # The workers start once the stranger was refused: a stranger slowed by a loaded
+        # machine could otherwise knock after they finished and the server was gone.
+        wait_for(lambda: _counters(out).get("handshakes_refused"), 90, "the stranger's refusal")
         workers += [worker(rank, dir_w, allow) for rank in (0, 1)]  # beside the stranger
         _, stderr = stranger.communicate(timeout=60)
         assert stranger.returncode == 2
@@ -163,9 +166,15 @@ def test_a_secure_parameter_server_serves_listed_workers_and_refuses_a_stranger(
     for rank in (0, 1):
         final = last_record(out / "peers" / f"{rank}.jsonl") or {}
         assert final["final"] and final["step"] == 20 and final["accuracy"] > 0.5
-    shard = json.loads((out / "servers" / "0.json").read_text())
+    shard = _counters(out)
     assert shard["handshakes_refused"] >= 1  # the stranger, refused before any message was read
     assert shard["messages_dropped"] == {}
+
+
+def _counters(run: Path) -> dict[str, object]:
+    """Parameter-server shard 0's counters (``{}`` before it first wrote them)."""
+    path = run / "servers" / "0.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def test_allow_lists_and_key_directories_are_checked(tmp_path: Path) -> None:
