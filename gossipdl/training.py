@@ -60,7 +60,9 @@ def peer_sampler(
     attack = byzantine_of(config, peer_id) if config.mode == "gossip" else None
     if attack is not None and attack.name == "label-flip":  # trains honestly on lies
         labels = flip_labels(labels, dataset.num_classes)
-    return BatchSampler(dataset.x_train[shard], labels, batch, seed, device, dataset.augment)
+    return BatchSampler(
+        dataset.x_train[shard], labels, batch, seed, device, dataset.augment, dataset.pixels
+    )
 
 
 def sampler_seed(config: Config, peer_id: int, step: int = 0) -> int:

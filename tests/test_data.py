@@ -16,6 +16,7 @@ from gossipdl.data import (
     BatchSampler,
     DataError,
     Dataset,
+    Pixels,
     available_datasets,
     cache_dir,
     load_dataset,
@@ -233,6 +234,22 @@ def test_custom_dataset_loads() -> None:
 def test_custom_dataset_errors(spec: str, message: str) -> None:
     with pytest.raises(DataError, match=re.escape(message)):
         load_dataset(spec)
+
+
+def test_pixels_need_uint8_images_and_a_positive_std_per_channel() -> None:
+    y = np.array([0, 1], np.int64)
+    images = np.zeros((2, 3, 4, 4), np.uint8)
+    good = Pixels((0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
+    assert Dataset("img", images, y, images, y, 2, (3, 4, 4), pixels=good).pixels == good
+    cases = [
+        (images.astype(np.float32), good, "x_train must be a uint8 numpy array (pixels)"),
+        (images, Pixels((0.5,), (0.2,)), "one mean and one positive std per channel"),
+        (images, Pixels((0.5,) * 3, (0.2, 0.0, 0.2)), "one mean and one positive std"),
+        (images[:, 0, 0], good, "needs images [C, H, W]"),
+    ]
+    for x, pixels, message in cases:
+        with pytest.raises(DataError, match=re.escape(message)):
+            Dataset("img", x, y, x, y, 2, x.shape[1:], pixels=pixels)
 
 
 def test_unknown_dataset_names_value_and_choices() -> None:

@@ -25,7 +25,7 @@ from gossipdl import cli
 from gossipdl.config import load_config
 from gossipdl.data import DataError, load_dataset, partition
 from gossipdl.data.fetch import FetchError, Source, fetch
-from gossipdl.data.loader import BatchSampler, crop_flip
+from gossipdl.data.loader import BatchSampler, crop_flip, evaluation_inputs, standardise
 from gossipdl.data.published import SHAKESPEARE_LETTERS
 from gossipdl.experiments.display import summary_table
 from gossipdl.experiments.simulated import simulate
@@ -78,7 +78,9 @@ def one_step(model_name: str, dataset_name: str, data_dir: Path) -> float:
     data = load_dataset(dataset_name, data_dir)
     torch.manual_seed(0)
     model = build_model(model_name, data.input_shape, data.num_classes)
-    sampler = BatchSampler(data.x_train, data.y_train, 8, seed=0, augment=data.augment)
+    sampler = BatchSampler(
+        data.x_train, data.y_train, 8, seed=0, augment=data.augment, pixels=data.pixels
+    )
     x, y = sampler.next()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
     losses = []
@@ -100,10 +102,22 @@ def test_cifar10_binary_files_load_standardised_and_train_resnet20_and_vgg11(
     assert data.x_train.shape == (60, 3, 32, 32) and data.x_test.shape == (12, 3, 32, 32)
     assert np.array_equal(data.y_train, np.concatenate(labels[:5]))
     assert np.array_equal(data.y_test, labels[5])
-    assert data.augment == "crop-flip" and abs(float(data.x_train.mean())) < 1.0
+    assert data.augment == "crop-flip"
+    # Kept as the file's bytes (a quarter of float32's memory), standardised where used.
     raw = np.fromfile(tmp_path / "cifar-10-batches-bin" / "data_batch_1.bin", np.uint8)
-    red = raw[1 : 1 + 1024].astype(np.float32) / 255  # the first image's red channel
-    np.testing.assert_allclose(data.x_train[0, 0].reshape(-1), (red - 0.4914) / 0.2470, rtol=1e-5)
+    red = raw[1 : 1 + 1024]  # the first image's red channel
+    assert data.x_train.dtype == np.uint8 and np.array_equal(data.x_train[0, 0].ravel(), red)
+    first = standardise(torch.from_numpy(data.x_train[:1]), data.pixels)[0, 0].reshape(-1)
+    np.testing.assert_allclose(first.numpy(), (red / 255 - 0.4914) / 0.2470, rtol=1e-5)
+    inputs = evaluation_inputs(data)
+    assert inputs.dtype == torch.float32 and abs(float(inputs.mean())) < 1.0
+    # The sampler crops, then standardises: the padding is black pixels, as the papers'
+    # RandomCrop + Normalize have it (white images: any other value is padding).
+    white = np.full((64, 3, 32, 32), 255, np.uint8)
+    x, _ = BatchSampler(white, np.zeros(64, np.int64), 64, 0, augment="crop-flip",
+                        pixels=data.pixels).next()  # fmt: skip
+    values = set(x[:, 0].unique().double().numpy().round(4).tolist())
+    assert values == {round((1 - 0.4914) / 0.2470, 4), round((0 - 0.4914) / 0.2470, 4)}
     for model in ("resnet20", "vgg11"):
         one_step(model, "cifar10", tmp_path)
 

@@ -13,13 +13,20 @@ Example:
 from gossipdl.data.datasets import (
     DataError,
     Dataset,
+    Pixels,
     available_datasets,
     builtin_dataset,
     cache_dir,
     load_dataset,
     sized_dataset,
 )
-from gossipdl.data.loader import BatchSampler, IndexStream, to_tensors
+from gossipdl.data.loader import (
+    BatchSampler,
+    IndexStream,
+    evaluation_inputs,
+    standardise,
+    to_tensors,
+)
 from gossipdl.data.partition import partition
 
 __all__ = [
@@ -27,11 +34,14 @@ __all__ = [
     "DataError",
     "Dataset",
     "IndexStream",
+    "Pixels",
     "available_datasets",
     "builtin_dataset",
     "cache_dir",
+    "evaluation_inputs",
     "load_dataset",
     "partition",
     "sized_dataset",
+    "standardise",
     "to_tensors",
 ]

@@ -36,6 +36,16 @@ class DataError(ValueError):
     """A dataset name, dataset content or partition spec is invalid."""
 
 
+@dataclass(frozen=True)
+class Pixels:
+    """Images kept as their uint8 pixels and standardised per channel where a batch or an
+    evaluation uses them: ``(x / 255 − mean) / std``. A quarter of float32's memory: in
+    every peer, CIFAR-10's training set takes 154 MB instead of 614 MB."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
 @dataclass(frozen=True, eq=False)
 class Dataset:
     """A labelled classification dataset with a fixed train/test split.
@@ -62,6 +72,7 @@ class Dataset:
     augment: str = ""  # "crop-flip": CIFAR's random 4-pixel-padded crops and mirror images
     owners_train: np.ndarray | None = None  # each sample's natural owner (a LEAF user), 0..U-1
     owners_test: np.ndarray | None = None
+    pixels: Pixels | None = None  # x holds uint8 images, standardised when used
 
     def __post_init__(self) -> None:
         # Normalise the shape to a tuple of ints so equality checks work for lists.
@@ -72,10 +83,12 @@ class Dataset:
             )
         for split in ("train", "test"):
             x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
-            if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+            dtype = np.float32 if self.pixels is None else np.uint8
+            if not isinstance(x, np.ndarray) or x.dtype != dtype:
                 raise DataError(
-                    f"dataset {self.name!r}: x_{split} must be a float32 numpy "
-                    f"array, got {_describe(x)} (use .astype(np.float32))"
+                    f"dataset {self.name!r}: x_{split} must be a {dtype.__name__} numpy "
+                    f"array{'' if self.pixels is None else ' (pixels)'}, got {_describe(x)} "
+                    f"(use .astype(np.{dtype.__name__}))"
                 )
             if not isinstance(y, np.ndarray) or y.dtype != np.int64 or y.ndim != 1:
                 raise DataError(
@@ -99,7 +112,7 @@ class Dataset:
                     f"dataset {self.name!r}: y_{split} has labels in "
                     f"[{y.min()}, {y.max()}], expected [0, {self.num_classes})"
                 )
-            if not np.isfinite(x).all():
+            if self.pixels is None and not np.isfinite(x).all():
                 raise DataError(f"dataset {self.name!r}: x_{split} contains NaN or inf")
             owners = getattr(self, f"owners_{split}")
             if owners is not None and (
@@ -109,6 +122,14 @@ class Dataset:
                 raise DataError(
                     f"dataset {self.name!r}: owners_{split} must be a non-negative int64 array "
                     f"with one owner per sample ({len(y)}), got {_describe(owners)}"
+                )
+        if self.pixels is not None:
+            channels = self.input_shape[0] if len(self.input_shape) == 3 else 0
+            pixels = self.pixels
+            if not (len(pixels.mean) == len(pixels.std) == channels) or min(pixels.std) <= 0:
+                raise DataError(
+                    f"dataset {self.name!r}: pixels needs images [C, H, W] and one mean and "
+                    f"one positive std per channel; got input_shape {self.input_shape}, {pixels}"
                 )
         if self.augment not in ("", "crop-flip"):
             raise DataError(

@@ -10,13 +10,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gossipdl.data.datasets import DataError
+from gossipdl.data.datasets import DataError, Dataset, Pixels
 
 
 def to_tensors(
-    x: np.ndarray, y: np.ndarray, device: torch.device | str = "cpu"
+    x: np.ndarray, y: np.ndarray, device: torch.device | str = "cpu", pixels: Pixels | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` as a float32 tensor and ``y`` as an int64 tensor on ``device``.
+    """``x`` as a float32 tensor (uint8 with ``pixels``: still pixels, see
+    :func:`standardise`) and ``y`` as an int64 tensor on ``device``.
 
     Example:
         >>> import numpy as np
@@ -26,9 +27,36 @@ def to_tensors(
     """
     if len(x) != len(y):
         raise DataError(f"x has {len(x)} samples but y has {len(y)}")
-    xt = torch.as_tensor(np.asarray(x), dtype=torch.float32).to(device)
+    dtype = torch.float32 if pixels is None else torch.uint8
+    xt = torch.as_tensor(np.asarray(x), dtype=dtype).to(device)
     yt = torch.as_tensor(np.asarray(y), dtype=torch.int64).to(device)
     return xt, yt
+
+
+def standardise(x: torch.Tensor, pixels: Pixels | None) -> torch.Tensor:
+    """A model's input from stored samples ``x`` (``[N, C, H, W]`` uint8 with ``pixels``):
+    ``(x / 255 − mean) / std`` per channel in float32; without ``pixels``, ``x`` itself.
+
+    Example:
+        >>> import torch
+        >>> from gossipdl.data.datasets import Pixels
+        >>> x = torch.full((1, 2, 1, 1), 255, dtype=torch.uint8)
+        >>> standardise(x, Pixels((0.5, 0.0), (0.5, 2.0))).flatten().tolist()
+        [1.0, 0.5]
+    """
+    if pixels is None:
+        return x
+    shape = (1, -1, 1, 1)
+    std = torch.tensor(pixels.std, dtype=torch.float32, device=x.device).view(shape)
+    mean = torch.tensor(pixels.mean, dtype=torch.float32, device=x.device).view(shape)
+    return (x.float() / 255.0 - mean) / std
+
+
+def evaluation_inputs(dataset: Dataset, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The test split's inputs as the model takes them (float32, standardised pixels), on
+    ``device``: what every evaluation reads."""
+    x, _ = to_tensors(dataset.x_test, dataset.y_test, device, dataset.pixels)
+    return standardise(x, dataset.pixels)
 
 
 class IndexStream:
@@ -113,7 +141,8 @@ def crop_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torc
 
 class BatchSampler:
     """Endless mini-batches of ``(x, y)`` from an :class:`IndexStream` over them, augmented
-    as the data set asks (``augment``: ``crop-flip`` for CIFAR).
+    as the data set asks (``augment``: ``crop-flip`` for CIFAR), then standardised where
+    ``x`` holds pixels (``pixels``), so a crop's padding is black, as in the papers.
 
     Example:
         >>> import numpy as np
@@ -131,8 +160,10 @@ class BatchSampler:
         seed: int,
         device: torch.device | str = "cpu",
         augment: str = "",
+        pixels: Pixels | None = None,
     ) -> None:
-        self.x, self.y = to_tensors(x, y, device)
+        self.x, self.y = to_tensors(x, y, device, pixels)
+        self.pixels = pixels  # uint8 images, standardised batch by batch (after augmenting)
         self.device = self.x.device
         self.stream = IndexStream(len(self.y), batch_size, seed, self.device)
         self.batch_size = self.stream.batch_size
@@ -165,7 +196,7 @@ class BatchSampler:
         x = self.x.index_select(0, idx)
         if self.augment:
             x = crop_flip(x, self._draws)
-        return x, self.y.index_select(0, idx)
+        return standardise(x, self.pixels), self.y.index_select(0, idx)
 
     def __iter__(self) -> BatchSampler:
         return self

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from gossipdl.data.datasets import DataError, Dataset, cache_dir
+from gossipdl.data.datasets import DataError, Dataset, Pixels, cache_dir
 
 PUBLISHED = ("cifar10", "cifar100", "femnist", "shakespeare")
 """The data sets read from files (``synthetic-fedprox`` is generated)."""
@@ -124,25 +124,20 @@ def _cifar_records(name: str, path: Path, root: Path) -> tuple[np.ndarray, np.nd
 
 
 def _load_cifar(name: str, root: Path) -> Dataset:
-    """CIFAR-10/100 from its binary files, scaled to [0, 1] and standardised per channel
-    with the published training-set statistics."""
+    """CIFAR-10/100 from its binary files: the images kept as uint8 pixels, scaled to [0, 1]
+    and standardised per channel with the published training-set statistics when used."""
     *_, classes, mean, std = _CIFAR[name]
     *parts, (x_test, y_test) = [_cifar_records(name, root / f, root) for f in cifar_files(name)[0]]
-    shift = np.asarray(mean, np.float32).reshape(1, 3, 1, 1)
-    scale = np.asarray(std, np.float32).reshape(1, 3, 1, 1)
-
-    def standard(images: np.ndarray) -> np.ndarray:
-        return ((images.astype(np.float32) / 255.0 - shift) / scale).astype(np.float32)
-
     return Dataset(
         name,
-        standard(np.concatenate([x for x, _ in parts])),
+        np.concatenate([x for x, _ in parts]),
         np.concatenate([y for _, y in parts]),
-        standard(x_test),
+        np.ascontiguousarray(x_test),
         y_test,
         num_classes=classes,
         input_shape=(3, 32, 32),
         augment="crop-flip",
+        pixels=Pixels(tuple(mean), tuple(std)),
     )
 
 

@@ -23,7 +23,7 @@ from gossipdl.conditions import DeviceProfile, device_of
 from gossipdl.config import Config, to_dict
 from gossipdl.coordinator.server import serve
 from gossipdl.coordinator.worker import ServerWorker
-from gossipdl.data import Dataset
+from gossipdl.data import Dataset, evaluation_inputs
 from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
@@ -287,7 +287,7 @@ def _loop(
     assert peer.optimizer is not None
     optimizer = peer.optimizer
     sampler = peer_sampler(config, dataset, peer.id, peer.steps, device)
-    x_test = torch.as_tensor(dataset.x_test, device=device)
+    x_test = evaluation_inputs(dataset, device)
     y_test = torch.as_tensor(dataset.y_test, device=device)
     own_indices = own_test(config, dataset, peer.id)
     own = None if own_indices is None else torch.as_tensor(own_indices, device=device)

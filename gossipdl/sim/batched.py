@@ -62,7 +62,7 @@ from gossipdl.compression.quantization import QSGD, Sign
 from gossipdl.compression.sparse import SparseCodec, Threshold, TopK
 from gossipdl.conditions import DeviceProfile, device_of
 from gossipdl.config import Config
-from gossipdl.data import IndexStream
+from gossipdl.data import IndexStream, evaluation_inputs, standardise, to_tensors
 from gossipdl.peers.device import pick_device
 from gossipdl.protocol.core import addressed
 from gossipdl.protocol.kinds import COMPRESSED_KINDS, TABLE, TABLE_KINDS
@@ -376,9 +376,11 @@ class BatchedSimulation:
         self.dataset = dataset_of(config)
         self.device = pick_device(config.device)  # auto: the GPU where there is one
         device = self.device
-        self.x_train = torch.as_tensor(self.dataset.x_train, dtype=torch.float32).to(device)
-        self.y_train = torch.as_tensor(self.dataset.y_train, dtype=torch.int64).to(device)
-        self.x_test = torch.as_tensor(self.dataset.x_test, dtype=torch.float32).to(device)
+        self.pixels = self.dataset.pixels  # images stay uint8; batches are standardised
+        self.x_train, self.y_train = to_tensors(
+            self.dataset.x_train, self.dataset.y_train, device, self.pixels
+        )
+        self.x_test = evaluation_inputs(self.dataset, device)
         self.y_test = torch.as_tensor(self.dataset.y_test, dtype=torch.int64).to(device)
         count = config.peers
         template = initial_model(config, self.dataset)
@@ -454,7 +456,8 @@ class BatchedSimulation:
             labels = torch.where(
                 self.flipped, flip_labels(labels, self.dataset.num_classes), labels
             )
-        losses, grads = self.models.gradients(self.x_train[rows], labels)
+        x = standardise(self.x_train[rows], self.pixels)
+        losses, grads = self.models.gradients(x, labels)
         self.optimizer.step(self.models.flat, grads, lr_at(self.config, self.steps))
         self.losses.append(losses.detach())
         self.steps += 1

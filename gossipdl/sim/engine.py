@@ -44,7 +44,7 @@ from gossipdl.averaging import (
 from gossipdl.averaging.local_optimizer import current_lr, mask_momentum
 from gossipdl.conditions import DeviceProfile, Drift, device_of
 from gossipdl.config import Config, to_dict
-from gossipdl.data import BatchSampler, Dataset
+from gossipdl.data import BatchSampler, Dataset, evaluation_inputs
 from gossipdl.models.parameters import set_params
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
@@ -91,7 +91,9 @@ def measure_step_time(config: Config, dataset: Dataset) -> float:
     (the fastest of a few, after a warm-up): the step time of a profile without one."""
     model = initial_model(config, dataset)
     optimizer = make_optimizer(config, model)
-    sampler = BatchSampler(dataset.x_train, dataset.y_train, config.batch_size, config.seed)
+    sampler = BatchSampler(
+        dataset.x_train, dataset.y_train, config.batch_size, config.seed, pixels=dataset.pixels
+    )
     best = float("inf")
     for _ in range(MEASURED_STEPS + 1):
         x, y = sampler.next()
@@ -187,7 +189,7 @@ class Simulation:
         self.network = SimNetwork(self.clock, seed=config.seed)
         self.decodes = SharedDecodes()  # a broadcast is decoded once for all its receivers
         self.dataset = dataset_of(config)
-        self.x_test = torch.as_tensor(self.dataset.x_test)
+        self.x_test = evaluation_inputs(self.dataset)
         self.y_test = torch.as_tensor(self.dataset.y_test)
         self.measured = step_time if step_time is not None else None
         self.swarm_start = round(time.time(), 3)  # wall clock: names when the run began
