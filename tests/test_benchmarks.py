@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,10 +20,8 @@ def run_benchmark(name: str, tmp_path: Path, *args: str) -> dict:
     """Run ``benchmarks/NAME.py ARGS --json FILE``: it must print its table (a row per JSON
     row) and say where it wrote the JSON, which is returned."""
     out = tmp_path / f"{name}.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args, "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+    script = ROOT / "benchmarks" / f"{name}.py"
+    done = run_script(script, *args, "--json", str(out), cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert result["benchmark"] == name and {"rows", "meta"} <= result.keys()
