@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -100,6 +101,25 @@ def start_peer(*args: str, log: Path) -> tuple[ForkedCommand, str]:
         proc.kill()
         pytest.fail(f"peer did not start: {line!r}\n{log.read_text()}")
     return proc, line.split()[-1]
+
+
+def run_forked(*args: str, log: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``gossipdl ARGS`` forked as :func:`start_peer` forks a peer, run to its end: like
+    ``subprocess.run`` with captured output (stderr is also kept in ``log``), without a
+    fresh interpreter importing torch. For commands that start no local peers: a forked
+    command is daemonic, so a launch from it would start its peers as subprocesses."""
+    proc = ForkedCommand(list(args), {**os.environ, "OMP_NUM_THREADS": "1"}, log)
+    assert proc.stdout is not None
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()  # a full pipe must not block it while we wait
+    try:
+        code = proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    return subprocess.CompletedProcess(list(args), code, "".join(chunks), log.read_text())
 
 
 def run_script(

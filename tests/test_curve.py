@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 import subprocess
 import threading
@@ -11,9 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 import zmq.auth
-from conftest import gossipdl_cmd, last_record, small_config, start_peer, wait_for, write_config
+from conftest import (
+    gossipdl_cmd,
+    last_record,
+    run_forked,
+    small_config,
+    start_peer,
+    wait_for,
+    write_config,
+)
 
 from gossipdl import Peer
+from gossipdl.experiments.forking import ForkedCommand
 from gossipdl.peers.peer import PeerError
 from gossipdl.rundir import RunDir
 from gossipdl.transport.curve import (
@@ -94,18 +104,18 @@ def test_join_from_the_cli_with_secure_gets_in_and_a_stranger_does_not(
         "--secure", "--keys", str(dir_a), "--allow", str(allow), log=tmp_path / "founder.log",
     )  # fmt: skip
     try:
-        stranger = subprocess.run(
-            gossipdl_cmd("join", address, "--timeout", "2", "--out", str(tmp_path / "s"),
-                         "--secure", "--keys", str(dir_s),
-                         "--allow", str(_allow(tmp_path / "s.txt", key_a, key_s))),
-            capture_output=True, text=True, timeout=60,
+        stranger = run_forked(
+            "join", address, "--timeout", "2", "--out", str(tmp_path / "s"),
+            "--secure", "--keys", str(dir_s),
+            "--allow", str(_allow(tmp_path / "s.txt", key_a, key_s)),
+            log=tmp_path / "stranger.log", timeout=60,
         )  # fmt: skip
         assert stranger.returncode == 2
         assert "is our public key on its allow-list?" in " ".join(stranger.stderr.split())
-        joined = subprocess.run(
-            gossipdl_cmd("join", address, "--out", str(tmp_path / "b"), "--threads", "1",
-                         "--secure", "--keys", str(dir_b), "--allow", str(allow)),
-            capture_output=True, text=True, timeout=180,
+        joined = run_forked(
+            "join", address, "--out", str(tmp_path / "b"), "--threads", "1",
+            "--secure", "--keys", str(dir_b), "--allow", str(allow),
+            log=tmp_path / "joiner.log", timeout=180,
         )  # fmt: skip
         assert joined.returncode == 0, joined.stderr
         assert founder.wait(60) == 0
@@ -128,36 +138,38 @@ def test_a_secure_parameter_server_serves_listed_workers_and_refuses_a_stranger(
     config = small_config(tmp_path, mode="ps", peers=2, steps=20, round_timeout=4.0)
     path = write_config(tmp_path / "ps.toml", config)
     out = tmp_path / "run"
-    server = subprocess.Popen(
-        gossipdl_cmd("server", "--config", str(path), "--out", str(out),
-                     "--secure", "--keys", str(dir_s), "--allow", str(allow)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = ForkedCommand(
+        ["server", "--config", str(path), "--out", str(out),
+         "--secure", "--keys", str(dir_s), "--allow", str(allow)],
+        env, tmp_path / "server.log",
     )  # fmt: skip
     assert server.stdout is not None
 
-    def worker(rank: int, keys: Path, allowed: Path, out: Path = out) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            gossipdl_cmd("peer", "--config", str(path), "--servers", address, "--rank", str(rank),
-                         "--out", str(out), "--secure", "--keys", str(keys),
-                         "--allow", str(allowed)),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    def worker(rank: int, keys: Path, allowed: Path, name: str) -> ForkedCommand:
+        """Worker ``rank`` writing to ``out`` (the stranger to a run of its own), its stderr
+        to ``NAME.log``."""
+        return ForkedCommand(
+            ["peer", "--config", str(path), "--servers", address, "--rank", str(rank),
+             "--out", str(out if name.startswith("w") else tmp_path / name),
+             "--secure", "--keys", str(keys), "--allow", str(allowed)],
+            env, tmp_path / f"{name}.log",
         )  # fmt: skip
 
-    workers: list[subprocess.Popen[str]] = []
+    workers: list[ForkedCommand] = []
     stranger = None
     try:
         address = server.stdout.readline().split()[-1]
-        stranger = worker(1, dir_x, _allow(tmp_path / "x.txt", key_s, key_x), tmp_path / "x")
+        stranger = worker(1, dir_x, _allow(tmp_path / "x.txt", key_s, key_x), "x")
         # The workers start once the stranger was refused: a stranger slowed by a loaded
         # machine could otherwise knock after they finished and the server was gone.
         wait_for(lambda: _counters(out).get("handshakes_refused"), 90, "the stranger's refusal")
-        workers += [worker(rank, dir_w, allow) for rank in (0, 1)]  # beside the stranger
-        _, stderr = stranger.communicate(timeout=60)
-        assert stranger.returncode == 2
+        workers += [worker(rank, dir_w, allow, f"w{rank}") for rank in (0, 1)]  # beside it
+        assert stranger.wait(60) == 2
+        stderr = (tmp_path / "x.log").read_text()
         assert "did not answer within 4s with any key of the allow-list" in " ".join(stderr.split())
-        for proc in workers:
-            _, stderr = proc.communicate(timeout=120)
-            assert proc.returncode == 0, stderr
+        for rank, proc in enumerate(workers):
+            assert proc.wait(120) == 0, (tmp_path / f"w{rank}.log").read_text()
         assert server.wait(30) == 0
     finally:
         for proc in [server, *workers, *([stranger] if stranger else [])]:
