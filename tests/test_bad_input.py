@@ -15,6 +15,7 @@ import zmq
 from conftest import (
     gossipdl_cmd,
     last_record,
+    run_forked,
     small_config,
     start_peer,
     wait_for,
@@ -127,10 +128,9 @@ def test_a_peer_that_cannot_bind_says_which_port_and_why(tmp_path: Path) -> None
     port = holder.getsockname()[1]
     cfg = write_config(tmp_path / "exp.toml", small_config(tmp_path))
     try:
-        done = subprocess.run(
-            gossipdl_cmd("peer", "--config", str(cfg), "--listen", f"tcp://127.0.0.1:{port}",
-                         "--out", str(tmp_path / "x")),
-            capture_output=True, text=True, timeout=60,
+        done = run_forked(
+            "peer", "--config", str(cfg), "--listen", f"tcp://127.0.0.1:{port}",
+            "--out", str(tmp_path / "x"), log=tmp_path / "x.log", timeout=60,
         )  # fmt: skip
     finally:
         holder.close()
@@ -156,9 +156,9 @@ def test_join_from_the_cli_takes_a_neighbours_model_and_trains(tmp_path: Path) -
         wait_for(lambda: (last_record(out / "peers" / "0.jsonl") or {}).get("step", 0) >= 100,
                  180, "the swarm to train")  # fmt: skip
         address = json.loads((out / "peers.json").read_text())[1]["address"]
-        done = subprocess.run(
-            gossipdl_cmd("join", address, "--out", str(joined), "--threads", "1"),
-            capture_output=True, text=True, timeout=180,
+        done = run_forked(
+            "join", address, "--out", str(joined), "--threads", "1",
+            log=tmp_path / "join.log", timeout=180,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert swarm.wait(120) == 0
@@ -181,9 +181,9 @@ def test_join_from_the_cli_takes_a_neighbours_model_and_trains(tmp_path: Path) -
 
 @pytest.mark.parametrize("bad", ["tcp://127.0.0.1:9"])
 def test_join_with_nobody_there_fails_clearly(tmp_path: Path, bad: str) -> None:
-    done = subprocess.run(
-        gossipdl_cmd("join", bad, "--timeout", "2", "--out", str(tmp_path / "j")),
-        capture_output=True, text=True, timeout=60,
+    done = run_forked(
+        "join", bad, "--timeout", "2", "--out", str(tmp_path / "j"),
+        log=tmp_path / "join.log", timeout=60,
     )  # fmt: skip
     assert done.returncode == 2
     assert "tcp://127.0.0.1:9: connection refused" in " ".join(done.stderr.split())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
 import threading
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 import zmq.auth
 from conftest import (
-    gossipdl_cmd,
     last_record,
     run_forked,
     small_config,
@@ -247,15 +245,14 @@ def test_key_files_written_before_labels_still_load(tmp_path: Path) -> None:
 def test_keys_generate_prints_the_public_key_and_peer_refuses_half_a_setup(
     tmp_path: Path,
 ) -> None:
-    done = subprocess.run(gossipdl_cmd("keys", "generate", str(tmp_path / "k")),
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = run_forked("keys", "generate", str(tmp_path / "k"), log=tmp_path / "k.log", timeout=60)
     assert done.returncode == 0, done.stderr
     key = done.stdout.split()[0]
     assert key == load_curve_public(tmp_path / "k" / "peer.key")
     assert done.stdout.startswith(f"{key}  # peer")  # the line to paste, labelled with the name
     assert read_allow_list(_allow(tmp_path / "allow.txt", done.stdout.strip())) == {key}
-    done = subprocess.run(gossipdl_cmd("peer", "--secure", "--keys", str(tmp_path / "k")),
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = run_forked("peer", "--secure", "--keys", str(tmp_path / "k"),
+                      log=tmp_path / "peer.log", timeout=60)  # fmt: skip
     assert done.returncode == 2 and "--allow FILE" in done.stderr
 
 

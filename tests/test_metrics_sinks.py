@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import gossipdl_cmd, small_config, write_config
+from conftest import run_forked, small_config, write_config
 
 from gossipdl.config import Config, ConfigError
 from gossipdl.experiments.launcher import launch
@@ -117,9 +116,9 @@ def test_a_resumed_csv_keeps_the_first_life_and_widens_its_header(tmp_path: Path
 
 def test_a_sink_that_cannot_work_stops_the_peer_before_it_listens(tmp_path: Path) -> None:
     config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2))
-    done = subprocess.run(
-        gossipdl_cmd("peer", "--config", str(config), "--metrics-hook", "nosuchmodule:sink"),
-        capture_output=True, text=True, timeout=60,
+    done = run_forked(
+        "peer", "--config", str(config), "--metrics-hook", "nosuchmodule:sink",
+        log=tmp_path / "peer.log", timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and "listening on" not in done.stdout
     assert "metrics_hook = 'nosuchmodule:sink': cannot load it" in " ".join(done.stderr.split())
