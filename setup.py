@@ -8,7 +8,10 @@ from setuptools import Extension, setup
 native = Extension(
     "gossipdl.compression._native",
     ["gossipdl/compression/_native.c"],
-    extra_compile_args=["-O3"],
+    # No FMA contraction: every instruction set rounds as torch does (a*b, then + c). No
+    # trapping math: loops with floorf and float selects vectorize (values are unchanged).
+    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-trapping-math"],
+    libraries=["m"],
     optional=True,  # a failed compile is a warning: the package still installs
 )
 

@@ -154,15 +154,19 @@ def test_other_kernels_round_trip(spec: str, other: str, x: torch.Tensor) -> Non
         payload_t, sent_t = build_codec(spec, seed=1).encode(x)
     assert_bitwise(build_codec(spec).decode(wire_copy(payload_t), x.numel(), "cpu"), sent_t)
     # Deterministic given the seed: same payload from both kernels, but for the scales of
-    # sign (float sums in different orders) and what auto thresholds sample.
+    # sign and the norms of qsgd (float sums in different orders), what auto thresholds
+    # sample, and the codes of ternary and qsgd (the C kernels round with their own
+    # random stream: test_c_ternary_matches_its_reference and the qsgd one check them).
+    rounded = any(stage.split(":")[0] in ("ternary", "qsgd") for stage in spec.split("+"))
     assert len(payload.arrays) == len(payload_t.arrays)
     assert payload.meta == payload_t.meta or spec.startswith("threshold:auto")
     for a, b in zip(payload.arrays, payload_t.arrays, strict=True):
         if spec.startswith("threshold:auto"):
             continue
-        if spec.startswith("sign") and a.dtype == np.float32:  # the scales
-            np.testing.assert_allclose(a, b, rtol=1e-5)
-        else:
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if (spec.startswith("sign") or rounded) and a.dtype == np.float32:  # the scales
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-38)  # torch's norm underflows
+        elif not rounded:
             np.testing.assert_array_equal(a, b)
 
 
@@ -271,6 +275,211 @@ def test_c_sign_kernels_name_a_size_mismatch() -> None:
         native.sign_encode(np.zeros(8, np.float32), np.frombuffer(b"x", np.uint8))
     with pytest.raises(ValueError, match="sse9 is unknown or not on this CPU"):
         native.use_isa("sse9")
+
+
+# --- the C quantizers: ternary, qsgd, uniform ----------------------------------------------------
+
+
+def xoshiro_uniform24(seed: int, count: int) -> np.ndarray:
+    """The C kernels' random numbers for one encode: 16 xoshiro128+ generators seeded by
+    splitmix64 from ``seed``; value i takes step i // 16 of generator i % 16, top 24 bits."""
+    mask, state, words = 2**64 - 1, seed, []
+    for _ in range(32):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        words += [z & 0xFFFFFFFF, z >> 32]
+    s0, s1, s2, s3 = np.array(words, np.uint32).reshape(4, 16)
+    steps = np.empty((-(-count // 16), 16), np.uint32)
+    for k in range(len(steps)):
+        steps[k] = s0 + s3
+        t = s1 << np.uint32(9)
+        s2 ^= s0
+        s3 ^= s1
+        s1 ^= s2
+        s0 ^= s3
+        s2 ^= t
+        s3 = (s3 << np.uint32(11)) | (s3 >> np.uint32(21))
+    return (steps.reshape(-1)[:count] >> np.uint32(8)).astype(np.float32)
+
+
+def per_value(scales: np.ndarray, block: int, count: int) -> np.ndarray:
+    return np.repeat(scales, block or count)[:count] if count else np.zeros(0, np.float32)
+
+
+def ternary_reference(x: np.ndarray, block: int, seed: int) -> tuple[np.ndarray, ...]:
+    """TernGrad as documented for the C kernels: keep with u < |x|·(2^24/s)."""
+    count = x.size
+    size = block or max(count, 1)
+    scales = np.array(
+        [np.abs(x[i : i + size]).max() for i in range(0, count, size)] or [0.0], np.float32
+    )[: -(-count // block) if block else 1]
+    s = per_value(scales, block, count)
+    inv24 = np.divide(np.float32(2**24), s, out=np.zeros_like(s), where=s > 0)
+    keep = xoshiro_uniform24(seed, count) < np.abs(x) * inv24
+    digits = np.where(keep, np.where(x < 0, 0, 2), 1).astype(np.uint8)
+    estimate = (digits.astype(np.float32) - 1) * s
+    padded = np.ones(-(-count // 5) * 5, np.uint8)
+    padded[:count] = digits
+    packed = (padded.reshape(-1, 5).astype(np.int32) * 3 ** np.arange(5)).sum(1)
+    return packed.astype(np.uint8), scales, estimate
+
+
+def qsgd_reference(
+    x: np.ndarray, levels: int, bucket: int, norms: np.ndarray, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """QSGD as documented for the C kernels, given their norms: the packed codes and the
+    estimate."""
+    count, s = x.size, np.float32(levels)
+    norm = per_value(norms, bucket, count)
+    scale = np.divide(s, norm, out=np.zeros_like(norm), where=norm > 0)
+    r = np.abs(x) * scale
+    low = np.floor(r)
+    level = low + (xoshiro_uniform24(seed, count) < (r - low) * np.float32(2**24))
+    level = np.minimum(np.where(level > 0, level, 0), s).astype(np.float32)
+    code = np.where(x < 0, s - level, s + level).astype(np.float32)
+    estimate = (code - s) * (norm / s)
+    bits = (2 * levels).bit_length()
+    return kernels.pack_bits(torch.from_numpy(code.astype(np.uint8)), bits), estimate
+
+
+def seeded_encode(codec: Codec, x: torch.Tensor) -> tuple[Payload, torch.Tensor, int]:
+    """Encode with the seed the codec draws for this call, and that seed."""
+    state = codec._rng.numpy.bit_generator.state  # type: ignore[attr-defined]
+    seed = codec._rng.message_seed()  # type: ignore[attr-defined]
+    codec._rng.numpy.bit_generator.state = state  # type: ignore[attr-defined]
+    payload, estimate = codec.encode(x)
+    return payload, estimate, seed
+
+
+QUANTIZER_COUNTS = [0, 1, 15, 17, 79, 80, 81, 4079, 4081, 8161, 20_001]
+
+
+@pytest.mark.parametrize("block", [0, 6, 16, 100, 4096])
+def test_c_ternary_matches_its_reference(native_isa: Any, block: int) -> None:
+    """Every instruction set's kernels give the documented bytes, scales and estimate (the
+    same random numbers, so the same rounding), and decode what they encode."""
+    for count in QUANTIZER_COUNTS:
+        x = np.random.default_rng(count).standard_normal(count).astype(np.float32)
+        x[: min(count, 4)] = [0.0, -0.0, 1e-40, -3.0][: min(count, 4)]
+        codec = build_codec("ternary" if block == 0 else f"ternary:{block}", seed=count)
+        payload, estimate, seed = seeded_encode(codec, torch.from_numpy(x))
+        packed, scales, want = ternary_reference(x, block, seed)
+        np.testing.assert_array_equal(payload.arrays[0], packed, err_msg=str(count))
+        np.testing.assert_array_equal(payload.arrays[1].view(np.int32), scales.view(np.int32))
+        assert_bitwise(estimate, torch.from_numpy(want))
+        assert_bitwise(codec.decode(wire_copy(payload), count), estimate)
+
+
+@pytest.mark.parametrize(("levels", "bucket"), [(16, 512), (4, 0), (1, 8), (127, 100), (5, 3)])
+def test_c_qsgd_matches_its_reference(native_isa: Any, levels: int, bucket: int) -> None:
+    for count in QUANTIZER_COUNTS:
+        x = np.random.default_rng(count).standard_normal(count).astype(np.float32)
+        x[: min(count, 3)] = [0.0, -0.0, -3.0][: min(count, 3)]
+        codec = QSGD(levels, bucket, seed=count)
+        payload, estimate, seed = seeded_encode(codec, torch.from_numpy(x))
+        packed, norms = payload.arrays
+        size = bucket or max(count, 1)
+        want_norms = [
+            np.linalg.norm(x[i : i + size].astype(np.float64)) for i in range(0, count, size)
+        ]
+        np.testing.assert_allclose(norms, want_norms or [0.0][: 1 if bucket == 0 else 0], rtol=1e-6)
+        want_packed, want = qsgd_reference(x, levels, bucket, norms, seed)
+        np.testing.assert_array_equal(packed, want_packed, err_msg=str(count))
+        assert_bitwise(estimate, torch.from_numpy(want))
+        assert_bitwise(codec.decode(wire_copy(payload), count), estimate)
+
+
+@pytest.mark.parametrize("spec", ["uniform:4", "uniform:8:1024", "uniform:3:7", "uniform:1:16"])
+def test_c_uniform_matches_the_torch_kernels(native_isa: Any, spec: str) -> None:
+    """Rounding to nearest is deterministic: the bytes and values of the torch code."""
+    codec = build_codec(spec)
+    for count in QUANTIZER_COUNTS:
+        x = torch.from_numpy(np.random.default_rng(count).standard_normal(count).astype(np.float32))
+        payload, estimate = codec.encode(x)
+        with kernels.torch_kernels():
+            payload_t, estimate_t = codec.encode(x)
+        for a, b in zip(payload.arrays, payload_t.arrays, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert_bitwise(estimate, estimate_t)
+        assert_bitwise(codec.decode(wire_copy(payload), count), estimate)
+
+
+@pytest.mark.parametrize("spec", ["ternary", "ternary:4096", "qsgd:16", "qsgd:6:0", "uniform:4"])
+def test_c_quantizers_stream_large_outputs_alike_on_every_isa(native_isa: Any, spec: str) -> None:
+    """16 MB and more: the estimate and the decoded tensor are written with non-temporal
+    stores; the bytes and values are those of the generic kernels, and the torch kernels
+    decode them."""
+    count = (16 << 20) // 4 + 37
+    x = torch.randn(count, generator=torch.Generator().manual_seed(5))
+    payload, estimate = build_codec(spec, seed=3).encode(x)
+    before = native_isa.use_isa("generic")
+    try:
+        payload_g, estimate_g = build_codec(spec, seed=3).encode(x)
+    finally:
+        native_isa.use_isa(before)
+    for a, b in zip(payload.arrays, payload_g.arrays, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert_bitwise(estimate, estimate_g)
+    assert_bitwise(build_codec(spec).decode(payload, count), estimate)
+    with kernels.torch_kernels():
+        assert_bitwise(build_codec(spec).decode(payload, count), estimate)
+
+
+@pytest.mark.parametrize("spec", ["ternary", "ternary:6", "qsgd:16", "qsgd:3:7", "uniform:5:9"])
+def test_c_and_torch_quantizers_decode_each_others_payloads(spec: str) -> None:
+    """Long enough for every vector path: each kernel decodes what the other encodes into
+    the other's estimate, bit for bit."""
+    x = torch.randn(20_001, generator=torch.Generator().manual_seed(1))
+    payload, estimate = build_codec(spec, seed=1).encode(x)
+    with kernels.torch_kernels():
+        assert_bitwise(build_codec(spec).decode(wire_copy(payload), x.numel()), estimate)
+        payload_t, estimate_t = build_codec(spec, seed=1).encode(x)
+    assert_bitwise(build_codec(spec).decode(wire_copy(payload_t), x.numel()), estimate_t)
+
+
+def test_c_rounding_resolves_small_probabilities() -> None:
+    """24 random bits per value: a value kept with probability 1e-5 (under 2^-16) is kept
+    about that often, not never; and a seed gives the same draw, a second call another."""
+    count = 2_000_001
+    x = torch.full((count,), 1e-5)
+    x[0] = 1.0  # s = 1: each other value is kept with probability 1e-5
+    codec = build_codec("ternary", seed=4)
+    kept = [int((codec.encode(x)[1][1:] != 0).sum()) for _ in range(5)]
+    expected = 1e-5 * (count - 1)  # 20 per call
+    assert abs(sum(kept) - 5 * expected) < 5 * math.sqrt(5 * expected), kept
+    assert len(set(kept)) > 1
+    first = build_codec("ternary", seed=4).encode(x)[0].arrays[0]
+    again = build_codec("ternary", seed=4).encode(x)[0].arrays[0]
+    np.testing.assert_array_equal(first, again)
+
+
+def test_c_quantizers_name_a_size_mismatch() -> None:
+    native = kernels.native_kernels(torch.device("cpu"))
+    if native is None:
+        pytest.skip("the C kernels are not built")
+    x, one = np.zeros(10, np.float32), np.zeros(1, np.float32)
+    with pytest.raises(ValueError, match="10 values need 2 bytes of packed codes, got 3"):
+        native.ternary_encode(x, np.zeros(3, np.uint8), one, np.zeros(10, np.float32), 1)
+    with pytest.raises(ValueError, match="out has 36 bytes, x 40"):
+        native.ternary_encode(x, np.zeros(2, np.uint8), one, np.zeros(9, np.float32), 1)
+    with pytest.raises(ValueError, match="2 blocks need 8 bytes of scales, got 4"):
+        native.ternary_decode(np.zeros(2, np.uint8), one, np.zeros(10, np.float32), 5)
+    with pytest.raises(ValueError, match="10 values need 8 bytes of packed codes, got 7"):
+        native.qsgd_decode(np.zeros(7, np.uint8), one, np.zeros(10, np.float32), 16, 0)
+    with pytest.raises(ValueError, match=r"levels 128 must be 1\.\.127"):
+        native.qsgd_encode(x, np.zeros(10, np.uint8), one, np.zeros(10, np.float32), 128, 1)
+    with pytest.raises(ValueError, match=r"bits 9 must be 1\.\.8"):
+        native.uniform_decode(np.zeros(10, np.uint8), one, one, np.zeros(10, np.float32), 9)
+    with pytest.raises(ValueError, match="block -1 must be 0"):
+        native.uniform_decode(np.zeros(5, np.uint8), one, one, np.zeros(10, np.float32), 4, -1)
+    with pytest.raises(ValueError, match="6 bytes is not whole values"):
+        native.ternary_decode(np.zeros(2, np.uint8), one, np.zeros(6, np.uint8))
+    with pytest.raises(TypeError, match="read-write"):
+        native.qsgd_encode(
+            x, np.zeros(8, np.uint8), one, np.frombuffer(bytes(40), np.float32), 16, 1
+        )
 
 
 def test_recycled_host_memory_comes_back_only_when_no_view_is_left() -> None:

@@ -1,9 +1,13 @@
-/* Fused CPU kernels for the sign codec (gossipdl.compression._native).
+/* Fused CPU kernels for the sign, ternary, qsgd and uniform codecs
+ * (gossipdl.compression._native).
  *
  * numpy needs four passes over a 40 MB tensor for a sign encode (signbit,
  * packbits, a ±1 table lookup, a dot product for the L1 norm) and torch more;
  * these do it in one read pass (bits and L1 together) plus one write pass
- * (±scale), with AVX-512 or AVX2 where the CPU has them.
+ * (±scale), with AVX-512 or AVX2 where the CPU has them. The quantizers
+ * (torch: 10-20 full-size temporaries per round trip) read x once for the
+ * scales and once more to write the packed codes and the sender's estimate
+ * (once in all when a block fits in cache), and decode in one write pass.
  *
  *   sign_encode(x, bits, block=0, sums=None) -> float
  *       bits[i // 8] bit (i % 8) = sign bit of x[i] (-0.0 counts as negative),
@@ -16,17 +20,39 @@
  *   sign_expand(bits, scales, out, block=0) -> None
  *       out[i] = -s if bit i is set else s, s = scales[i // block] (float32;
  *       block 0: scales[0] for all).
+ *   ternary_encode(x, packed, scales, out, seed, block=0) -> None
+ *       TernGrad: scales[b] = max |x| of block b; t_i = sign(x_i) if
+ *       u_i < |x_i|·(2^24/s) else 0; packed: t + 1 in base 3, five values a
+ *       byte (ceil(n / 5) bytes, the last padded with t = 0); out = t·s.
+ *   ternary_decode(packed, scales, out, block=0) -> None
+ *       out = t·s (a byte over 242 gives some t in -1..1: the caller rejects it).
+ *   qsgd_encode(x, packed, norms, out, levels, seed, block=0) -> None
+ *       QSGD: norms[b] = ‖x‖₂ of block b (summed in double); level
+ *       floor(r) + [u_i < r − floor(r)], r = |x_i|·(s/‖x‖), in [0, s]; code
+ *       s ± level in ceil(log2(2s + 1)) bits, packed as pack_bits does;
+ *       out = (code − s)·(‖x‖/s).
+ *   qsgd_decode(packed, norms, out, levels, block=0) -> int
+ *       out = (code − s)·(‖x‖/s); returns the largest code (the caller rejects
+ *       one over 2s).
+ *   uniform_encode(x, packed, lo, step, out, bits, block=0) -> None
+ *       lo, hi = min, max of block b, step = (hi − lo)/(2^bits − 1); code =
+ *       floor((x − lo)·(1/step) + 0.5) in [0, 2^bits − 1]; out = code·step + lo.
+ *   uniform_decode(packed, lo, step, out, bits, block=0) -> None
+ *       out = code·step + lo.
  *   use_isa([name]) -> str
  *       Run the "avx512f", "avx2" or "generic" kernels from now on (the best
  *       the CPU has is picked at import; tests compare them) and return the
  *       previous choice; without a name, return the current one.
  *
- * A block must be a multiple of 8 values, so that each starts on a byte of
- * bits (the codec runs numpy for other blocks).
+ * A sign block must be a multiple of 8 values, so that each starts on a byte
+ * of bits (the codec runs numpy for other blocks); the quantizers take any
+ * block (0: the whole tensor; the last block shorter). u_i is 24 random bits
+ * (see "Random numbers" below), drawn from `seed`.
  *
  * Arguments are contiguous buffers (numpy arrays): x and out float32, bits
- * uint8 of ceil(n / 8) bytes; sizes are checked and a mismatch raises
- * ValueError. The GIL is released while a kernel runs.
+ * and packed uint8, scales float32; sizes are checked and a mismatch raises
+ * ValueError (no kernel reads or writes outside its buffers, whatever the
+ * bytes). The GIL is released while a kernel runs.
  *
  * One thread: on the 2-core machine these were measured on, a 40 MB pass is
  * bound by memory bandwidth, and a second thread made it slower, not faster.
@@ -37,6 +63,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -180,6 +207,916 @@ __attribute__((target("avx2"))) static void expand_avx2(const uint8_t *bits, flo
 }
 #endif
 
+/* --- the quantizers: ternary, qsgd, uniform ---
+ *
+ * Encode walks the tensor in chunks of CHUNK values (a multiple of 5, 8 and 16, so every
+ * chunk starts on a byte of the packed stream) and each chunk in runs that share one block's
+ * scale. A block's scale (max |x|, ‖x‖₂, or min and max) is computed when its first run
+ * starts, over the whole block: for blocks that fit in cache the quantizing runs then read
+ * them from cache, so x crosses memory once (twice for block 0, the whole tensor). A run
+ * writes the sender's estimate to `out` and its codes to a chunk buffer in L1, packed into
+ * the payload when the chunk is done. Decode reads the packed bytes and writes `out`, run by
+ * run.
+ *
+ * The elementwise bodies are plain loops, written once and inlined into one function per
+ * instruction set (the target attribute lets the compiler vectorize each for it); the
+ * AVX-512 ones are written out with intrinsics (the compiler picks 256-bit vectors for
+ * loops that store bytes) and stream large outputs past the cache. Every float operation is
+ * IEEE elementwise, in the order the torch code does it, so all instruction sets give the
+ * same bytes and values (setup.py turns off FMA contraction).
+ */
+
+#define CHUNK 4080 /* values per chunk: 5 * 816 = 16 * 255; 16 KB of float32, in L1 */
+#define SLACK 64   /* bytes after a chunk buffer that an 8- or 32-byte copy may touch */
+#define INLINE static inline __attribute__((always_inline))
+#define TWO24 16777216.0f
+
+/* Random numbers: 24 bits per value (as torch.rand's float32 has), the top bits of xoshiro128+
+   (Blackman and Vigna 2018; their pick for float32) in 16 interleaved generators: value i of
+   a call gets step i / 16 of generator i % 16, so every instruction set draws the same
+   number for it. The 16 states come from the call's 64-bit seed by splitmix64. No multiply
+   per value: a third of the cost of a counter hash here. The AVX-512 kernels draw each step
+   in registers as they go (the drawing hides under the memory traffic); the others draw a
+   chunk's numbers into an L1 buffer first. */
+typedef struct {
+    uint32_t s[4][16];
+    float pending[16]; /* the last step drawn, for a run that starts inside it */
+} xoshiro_t;
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static void seed_lanes(xoshiro_t *g, uint64_t seed) {
+    for (int w = 0; w < 4; w++)
+        for (int l = 0; l < 16; l += 2) {
+            uint64_t z = splitmix64(&seed);
+            g->s[w][l] = (uint32_t)z, g->s[w][l + 1] = (uint32_t)(z >> 32);
+        }
+}
+
+/* `steps` steps of the 16 generators: u[16 k + l] = step k of generator l, an integer in
+   [0, 2^24) as a float (exact). */
+INLINE void random_body(xoshiro_t *restrict g, int steps, float *restrict u) {
+    uint32_t s0[16], s1[16], s2[16], s3[16];
+    memcpy(s0, g->s[0], 64), memcpy(s1, g->s[1], 64), memcpy(s2, g->s[2], 64);
+    memcpy(s3, g->s[3], 64);
+    for (int k = 0; k < steps; k++)
+        for (int l = 0; l < 16; l++) {
+            uint32_t result = s0[l] + s3[l], t = s1[l] << 9;
+            s2[l] ^= s0[l];
+            s3[l] ^= s1[l];
+            s1[l] ^= s2[l];
+            s0[l] ^= s3[l];
+            s2[l] ^= t;
+            s3[l] = (s3[l] << 11) | (s3[l] >> 21);
+            u[16 * k + l] = (float)(int32_t)(result >> 8);
+        }
+    memcpy(g->s[0], s0, 64), memcpy(g->s[1], s1, 64), memcpy(g->s[2], s2, 64);
+    memcpy(g->s[3], s3, 64);
+}
+
+/* max |x| as an integer compare of the magnitudes' bits (ordered like the floats; a NaN's
+   bits are the largest, so a NaN scale results, as torch's amax gives). */
+INLINE float max_abs_body(const float *restrict x, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t u;
+        memcpy(&u, x + j, 4);
+        u &= 0x7fffffffu;
+        m = u > m ? u : m;
+    }
+    float s;
+    memcpy(&s, &m, 4);
+    return s;
+}
+
+/* Σ x² in double (no overflow for any float32), in 16 lanes summed at the end. */
+INLINE double sum_squares_body(const float *restrict x, int64_t n) {
+    double acc[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++)
+            acc[l] += (double)x[j + l] * (double)x[j + l];
+    for (; j < n; j++)
+        acc[0] += (double)x[j] * (double)x[j];
+    double total = 0.0;
+    for (int l = 0; l < 16; l++)
+        total += acc[l];
+    return total;
+}
+
+/* An int32 ordered as the floats are (negative floats' other bits flipped), and back. */
+INLINE int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
+
+INLINE void min_max_body(const float *restrict x, int64_t n, float *lo, float *hi) {
+    int32_t mn = INT32_MAX, mx = INT32_MIN;
+    for (int64_t j = 0; j < n; j++) {
+        int32_t b;
+        memcpy(&b, x + j, 4);
+        int32_t key = order_key(b);
+        mn = key < mn ? key : mn;
+        mx = key > mx ? key : mx;
+    }
+    mn = order_key(mn), mx = order_key(mx);
+    memcpy(lo, &mn, 4);
+    memcpy(hi, &mx, 4);
+}
+
+/* ternary: keep value j with probability |x|/s (u < |x|·(2^24/s)); digit t + 1 in {0, 1, 2};
+   estimate t·s. */
+INLINE void ternary_body(const float *restrict x, const float *restrict u, int m, float s,
+                         float inv24, uint8_t *restrict digits, float *restrict out) {
+    for (int j = 0; j < m; j++) {
+        float v = x[j];
+        int keep = u[j] < fabsf(v) * inv24;
+        int digit = keep ? (v < 0.0f ? 0 : 2) : 1;
+        digits[j] = (uint8_t)digit;
+        out[j] = (float)(digit - 1) * s;
+    }
+}
+
+/* qsgd: r = |x|·(s/‖x‖), level floor(r) + [u < r − floor(r)] in [0, s] (NaN: 0), code
+   s ± level; estimate (code − s)·(‖x‖/s). */
+INLINE void qsgd_body(const float *restrict x, const float *restrict u, int m, float scale,
+                      float unit, float levels, uint8_t *restrict codes, float *restrict out) {
+    for (int j = 0; j < m; j++) {
+        float v = x[j];
+        float r = fabsf(v) * scale;
+        float low = floorf(r);
+        float level = low + (u[j] < (r - low) * TWO24);
+        level = level > 0.0f ? level : 0.0f;
+        level = level < levels ? level : levels;
+        float code = v < 0.0f ? levels - level : levels + level;
+        codes[j] = (uint8_t)(int32_t)code;
+        out[j] = (code - levels) * unit;
+    }
+}
+
+/* uniform: code round((x − lo)·(1/step)) in [0, top] (NaN: 0); estimate code·step + lo. */
+INLINE void uniform_body(const float *restrict x, int m, float lo, float step, float inverse,
+                         float top, uint8_t *restrict codes, float *restrict out) {
+    for (int j = 0; j < m; j++) {
+        float code = floorf((x[j] - lo) * inverse + 0.5f);
+        code = code > 0.0f ? code : 0.0f;
+        code = code < top ? code : top;
+        codes[j] = (uint8_t)(int32_t)code;
+        out[j] = code * step + lo;
+    }
+}
+
+/* decode bodies: trits (floats -1, 0, 1) times s; codes to (code − s)·unit or code·step + lo. */
+INLINE void scale_body(const float *restrict t, int m, float s, float *restrict out) {
+    for (int j = 0; j < m; j++)
+        out[j] = t[j] * s;
+}
+
+INLINE void levels_body(const uint8_t *restrict codes, int m, float levels, float unit,
+                        float *restrict out) {
+    for (int j = 0; j < m; j++)
+        out[j] = ((float)codes[j] - levels) * unit;
+}
+
+INLINE void grid_body(const uint8_t *restrict codes, int m, float lo, float step,
+                      float *restrict out) {
+    for (int j = 0; j < m; j++)
+        out[j] = (float)codes[j] * step + lo;
+}
+
+INLINE uint8_t max_code_body(const uint8_t *restrict codes, int m) {
+    uint8_t mx = 0;
+    for (int j = 0; j < m; j++)
+        mx = codes[j] > mx ? codes[j] : mx;
+    return mx;
+}
+
+/* --- packing (portable: shifts and masks on 8 codes at a time, little-endian) --- */
+
+/* codes[0, m) (each < 2^bits, zero from m on for 64 bytes) into the bit stream at dst, LSB
+   first: the bytes of pack_bits. Eight groups of 8 codes at a time (one vector), each group
+   then stored as 8 bytes at its place: the next overwrites the zeros past it. dst needs 8
+   bytes of slack. */
+INLINE void pack_codes_body(const uint8_t *restrict codes, int m, int bits,
+                            uint8_t *restrict dst) {
+    int groups = (m + 7) / 8;
+    for (int g0 = 0; g0 < groups; g0 += 8) {
+        uint64_t x[8];
+        for (int k = 0; k < 8; k++) {
+            uint64_t w;
+            memcpy(&w, codes + 8 * (g0 + k), 8);
+            w = (w & 0x00ff00ff00ff00ffull) | ((w & 0xff00ff00ff00ff00ull) >> (8 - bits));
+            w = (w & 0x0000ffff0000ffffull) | ((w & 0xffff0000ffff0000ull) >> (16 - 2 * bits));
+            x[k] = (w & 0x00000000ffffffffull) |
+                   ((w & 0xffffffff00000000ull) >> (32 - 4 * bits));
+        }
+        for (int k = 0; k < 8 && g0 + k < groups; k++)
+            memcpy(dst + (int64_t)(g0 + k) * bits, &x[k], 8);
+    }
+}
+
+/* The inverse: 8 codes per `bits` bytes of src (which needs 8 bytes of slack), split in
+   halves, quarters and eighths of the 64-bit word. */
+INLINE void unpack_codes(const uint8_t *src, int m, int bits, uint8_t *codes) {
+    const uint64_t half = (1ull << (4 * bits)) - 1; /* bits 8: 2^32 - 1 */
+    const uint64_t quarter = 0x0000000100000001ull * ((1ull << (2 * bits)) - 1);
+    const uint64_t eighth = 0x0001000100010001ull * ((1ull << bits) - 1);
+    for (int g = 0; 8 * g < m; g++) {
+        uint64_t x;
+        memcpy(&x, src + (int64_t)g * bits, 8);
+        x = (x & half) | (((x >> (4 * bits)) & half) << 32);
+        x = (x & quarter) | (((x >> (2 * bits)) & quarter) << 16);
+        x = (x & eighth) | (((x >> bits) & eighth) << 8);
+        memcpy(codes + 8 * g, &x, 8);
+    }
+}
+
+/* Base-3 digits (0..2) five to a byte, d0 + 3 d1 + 9 d2 + 27 d3 + 81 d4: byte 4 of the
+   product of the eight digit bytes with 81, 27, 9, 3, 1 (no byte below it carries). */
+static void pack_trits(const uint8_t *digits, int m, uint8_t *dst) {
+    for (int g = 0; 5 * g < m; g++) {
+        uint64_t x;
+        memcpy(&x, digits + 5 * g, 8);
+        dst[g] = (uint8_t)((x * 0x0103091b51ull) >> 32);
+    }
+}
+
+static float trit_table[256][8]; /* row b: the 5 digits of b (b < 243) as -1, 0, 1; rest 0 */
+
+static void fill_trit_table(void) {
+    for (int b = 0; b < 243; b++)
+        for (int k = 0, rest = b; k < 5; k++, rest /= 3)
+            trit_table[b][k] = (float)(rest % 3 - 1);
+}
+
+/* bytes[0, g) to 5 g trit values (as floats) at t, which needs 3 floats of slack. */
+INLINE void unpack_trits(const uint8_t *bytes, int64_t g, float *t) {
+    for (int64_t j = 0; j < g; j++)
+        memcpy(t + 5 * j, trit_table[bytes[j]], 32);
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Decode by chunks: a chunk's bytes unpacked into L1, then each block's run scaled into out. */
+INLINE void ternary_decode_chunks(const uint8_t *packed, const float *scales, int64_t n,
+                                  int64_t block, float *out) {
+    float t[CHUNK + SLACK / 4];
+    int64_t size = block ? block : n;
+    for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        int64_t c1 = min64(c0 + CHUNK, n);
+        unpack_trits(packed + c0 / 5, (c1 - c0 + 4) / 5, t);
+        for (int64_t i = c0; i < c1;) {
+            int64_t b = i / size, end = min64(c1, (b + 1) * size);
+            scale_body(t + (i - c0), (int)(end - i), scales[b], out + i);
+            i = end;
+        }
+    }
+}
+
+/* qsgd (grid 0: (code − a)·(b / a), a = levels, b = the norm; returns the largest code) or
+   uniform (grid 1: code·b + a, a = lo, b = step). */
+INLINE int codes_decode_chunks(const uint8_t *packed, const float *a, const float *b_,
+                               float levels, int64_t n, int64_t block, int bits, int grid,
+                               float *out) {
+    uint8_t codes[CHUNK + SLACK], bytes[CHUNK + SLACK];
+    int64_t size = block ? block : n;
+    int top = 0;
+    for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        int64_t c1 = min64(c0 + CHUNK, n);
+        int m = (int)(c1 - c0);
+        size_t have = (size_t)((int64_t)m * bits + 7) / 8;
+        memcpy(bytes, packed + c0 / 8 * bits, have);
+        memset(bytes + have, 0, 16);
+        unpack_codes(bytes, m, bits, codes);
+        if (!grid) {
+            int mx = max_code_body(codes, m);
+            top = mx > top ? mx : top;
+        }
+        for (int64_t i = c0; i < c1;) {
+            int64_t b = i / size, end = min64(c1, (b + 1) * size);
+            if (grid)
+                grid_body(codes + (i - c0), (int)(end - i), a[b], b_[b], out + i);
+            else
+                levels_body(codes + (i - c0), (int)(end - i), levels, b_[b] / levels, out + i);
+            i = end;
+        }
+    }
+    return top;
+}
+
+typedef struct {
+    float (*max_abs)(const float *, int64_t);
+    double (*sum_squares)(const float *, int64_t);
+    void (*min_max)(const float *, int64_t, float *, float *);
+    void (*random)(xoshiro_t *, int, float *);
+    void (*pack)(const uint8_t *, int, int, uint8_t *);
+    void (*pack_trits)(const uint8_t *, int, uint8_t *);
+    /* x, u (or, fused, the generators and x[0]'s index), values, scales, codes, out, stream */
+    void (*ternary)(const float *, const float *, xoshiro_t *, int64_t, int, float, float,
+                    uint8_t *, float *, int);
+    void (*qsgd)(const float *, const float *, xoshiro_t *, int64_t, int, float, float, float,
+                 uint8_t *, float *, int);
+    void (*uniform)(const float *, int, float, float, float, float, uint8_t *, float *, int);
+    void (*ternary_decode)(const uint8_t *, const float *, int64_t, int64_t, float *);
+    int (*qsgd_decode)(const uint8_t *, const float *, int64_t, int64_t, int, float *);
+    void (*uniform_decode)(const uint8_t *, const float *, const float *, int64_t, int64_t, int,
+                           float *);
+    int fused; /* the encode kernels draw their own random numbers */
+} quantizers_t;
+
+static inline int qsgd_bits(long levels) { return 32 - __builtin_clz((unsigned)(2 * levels)); }
+
+/* One set of functions per instruction set, each the bodies above compiled for it (`stream`,
+   non-temporal stores, only the AVX-512 ones use). */
+#define QUANTIZERS(SUFFIX, TARGET)                                                             \
+    TARGET static float max_abs_##SUFFIX(const float *x, int64_t n) {                          \
+        return max_abs_body(x, n);                                                             \
+    }                                                                                          \
+    TARGET static double sum_squares_##SUFFIX(const float *x, int64_t n) {                     \
+        return sum_squares_body(x, n);                                                         \
+    }                                                                                          \
+    TARGET static void min_max_##SUFFIX(const float *x, int64_t n, float *lo, float *hi) {     \
+        min_max_body(x, n, lo, hi);                                                            \
+    }                                                                                          \
+    TARGET static void random_##SUFFIX(xoshiro_t *g, int steps, float *u) {                    \
+        random_body(g, steps, u);                                                              \
+    }                                                                                          \
+    TARGET static void pack_##SUFFIX(const uint8_t *codes, int m, int bits, uint8_t *dst) {    \
+        pack_codes_body(codes, m, bits, dst);                                                  \
+    }                                                                                          \
+    TARGET static void ternary_##SUFFIX(const float *x, const float *u, xoshiro_t *lanes,      \
+                                        int64_t i0, int m, float s, float inv24,               \
+                                        uint8_t *digits, float *out, int stream) {             \
+        (void)lanes, (void)i0, (void)stream;                                                   \
+        ternary_body(x, u, m, s, inv24, digits, out);                                          \
+    }                                                                                          \
+    TARGET static void qsgd_##SUFFIX(const float *x, const float *u, xoshiro_t *lanes,         \
+                                     int64_t i0, int m, float scale, float unit, float levels, \
+                                     uint8_t *codes, float *out, int stream) {                 \
+        (void)lanes, (void)i0, (void)stream;                                                   \
+        qsgd_body(x, u, m, scale, unit, levels, codes, out);                                   \
+    }                                                                                          \
+    TARGET static void uniform_##SUFFIX(const float *x, int m, float lo, float step,           \
+                                        float inverse, float top, uint8_t *codes, float *out,  \
+                                        int stream) {                                          \
+        (void)stream;                                                                          \
+        uniform_body(x, m, lo, step, inverse, top, codes, out);                                \
+    }                                                                                          \
+    TARGET static void ternary_decode_##SUFFIX(const uint8_t *packed, const float *scales,     \
+                                               int64_t n, int64_t block, float *out) {         \
+        ternary_decode_chunks(packed, scales, n, block, out);                                  \
+    }                                                                                          \
+    TARGET static int qsgd_decode_##SUFFIX(const uint8_t *packed, const float *norms,          \
+                                           int64_t n, int64_t block, int levels, float *out) { \
+        return codes_decode_chunks(packed, NULL, norms, (float)levels, n, block,               \
+                                   qsgd_bits(levels), 0, out);                                 \
+    }                                                                                          \
+    TARGET static void uniform_decode_##SUFFIX(const uint8_t *packed, const float *lo,         \
+                                               const float *step, int64_t n, int64_t block,    \
+                                               int bits, float *out) {                         \
+        codes_decode_chunks(packed, lo, step, 0.0f, n, block, bits, 1, out);                   \
+    }
+
+QUANTIZERS(generic, )
+static const quantizers_t quantizers_generic = {
+    max_abs_generic, sum_squares_generic, min_max_generic, random_generic, pack_generic, pack_trits,
+    ternary_generic, qsgd_generic, uniform_generic,
+    ternary_decode_generic, qsgd_decode_generic, uniform_decode_generic, 0,
+};
+
+#ifdef GOSSIPDL_X86
+QUANTIZERS(avx2, __attribute__((target("avx2"))))
+static const quantizers_t quantizers_avx2 = {
+    max_abs_avx2, sum_squares_avx2, min_max_avx2, random_avx2, pack_avx2, pack_trits,
+    ternary_avx2, qsgd_avx2, uniform_avx2,
+    ternary_decode_avx2, qsgd_decode_avx2, uniform_decode_avx2, 0,
+};
+
+/* --- AVX-512: 16 values per step; the scalar bodies before the first aligned step and after
+   the last (they compute the same values) --- */
+
+#define AVX512 __attribute__((target("avx512f")))
+#define LANES _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+
+/* The 16 generators in registers: one step's 16 numbers as floats. */
+typedef struct {
+    __m512i s0, s1, s2, s3;
+} lanes512_t;
+
+AVX512 static inline lanes512_t load_lanes(const xoshiro_t *g) {
+    lanes512_t r = {_mm512_loadu_si512(g->s[0]), _mm512_loadu_si512(g->s[1]),
+                    _mm512_loadu_si512(g->s[2]), _mm512_loadu_si512(g->s[3])};
+    return r;
+}
+
+AVX512 static inline void store_lanes(xoshiro_t *g, const lanes512_t *r) {
+    _mm512_storeu_si512(g->s[0], r->s0), _mm512_storeu_si512(g->s[1], r->s1);
+    _mm512_storeu_si512(g->s[2], r->s2), _mm512_storeu_si512(g->s[3], r->s3);
+}
+
+AVX512 static inline __m512 step_lanes(lanes512_t *r) {
+    __m512i result = _mm512_add_epi32(r->s0, r->s3), t = _mm512_slli_epi32(r->s1, 9);
+    r->s2 = _mm512_xor_si512(r->s2, r->s0);
+    r->s3 = _mm512_xor_si512(r->s3, r->s1);
+    r->s1 = _mm512_xor_si512(r->s1, r->s2);
+    r->s0 = _mm512_xor_si512(r->s0, r->s3);
+    r->s2 = _mm512_xor_si512(r->s2, t);
+    r->s3 = _mm512_rol_epi32(r->s3, 11);
+    return _mm512_cvtepi32_ps(_mm512_srli_epi32(result, 8));
+}
+
+AVX512 static void random_avx512(xoshiro_t *g, int steps, float *u) {
+    lanes512_t r = load_lanes(g);
+    for (int k = 0; k < steps; k++)
+        _mm512_storeu_ps(u + 16 * k, step_lanes(&r));
+    store_lanes(g, &r);
+}
+
+/* As pack_codes_body: 8 groups of 8 codes (one vector) at a time. */
+AVX512 static void pack_avx512(const uint8_t *codes, int m, int bits, uint8_t *dst) {
+    const __m512i even8 = _mm512_set1_epi64(0x00ff00ff00ff00ffll);
+    const __m512i even16 = _mm512_set1_epi64(0x0000ffff0000ffffll);
+    const __m512i even32 = _mm512_set1_epi64(0x00000000ffffffffll);
+    int groups = (m + 7) / 8;
+    for (int g0 = 0; g0 < groups; g0 += 8) {
+        uint64_t x[8];
+        __m512i w = _mm512_loadu_si512(codes + 8 * g0);
+        w = _mm512_or_si512(_mm512_and_si512(w, even8),
+                            _mm512_srli_epi64(_mm512_andnot_si512(even8, w), 8 - bits));
+        w = _mm512_or_si512(_mm512_and_si512(w, even16),
+                            _mm512_srli_epi64(_mm512_andnot_si512(even16, w), 16 - 2 * bits));
+        w = _mm512_or_si512(_mm512_and_si512(w, even32),
+                            _mm512_srli_epi64(_mm512_andnot_si512(even32, w), 32 - 4 * bits));
+        _mm512_storeu_si512(x, w);
+        for (int k = 0; k < 8 && g0 + k < groups; k++)
+            memcpy(dst + (int64_t)(g0 + k) * bits, &x[k], 8);
+    }
+}
+
+/* As pack_trits, 80 digits (16 bytes) at a time: the five vectors of 16 digits rearranged by
+   permutes into digit k of bytes 0..15, k = 0..4, then summed in base 3. */
+static int32_t trit_pick[3][5][16]; /* for digit k: from vectors 0-1, 2-3, 4 */
+static uint16_t trit_from23[5], trit_from4[5];
+
+AVX512 static void pack_trits_avx512(const uint8_t *digits, int m, uint8_t *dst) {
+    int tiles = m / 80;
+    for (int t = 0; t < tiles; t++) {
+        const uint8_t *d = digits + 80 * t;
+        __m512i v[5];
+        for (int q = 0; q < 5; q++)
+            v[q] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(d + 16 * q)));
+        __m512i sum = _mm512_setzero_si512();
+        for (int k = 4; k >= 0; k--) {
+            __m512i low =
+                _mm512_permutex2var_epi32(v[0], _mm512_loadu_si512(trit_pick[0][k]), v[1]);
+            __m512i mid =
+                _mm512_permutex2var_epi32(v[2], _mm512_loadu_si512(trit_pick[1][k]), v[3]);
+            __m512i digit = _mm512_mask_blend_epi32(trit_from23[k], low, mid);
+            digit = _mm512_mask_permutexvar_epi32(digit, trit_from4[k],
+                                                  _mm512_loadu_si512(trit_pick[2][k]), v[4]);
+            sum = _mm512_add_epi32(_mm512_add_epi32(sum, _mm512_slli_epi32(sum, 1)), digit);
+        }
+        _mm_storeu_si128((__m128i *)(dst + 16 * t), _mm512_cvtepi32_epi8(sum));
+    }
+    pack_trits(digits + 80 * tiles, m - 80 * tiles, dst + 16 * tiles);
+}
+
+AVX512 static inline void store16(float *p, __m512 v, int stream) {
+    if (stream)
+        _mm512_stream_ps(p, v);
+    else
+        _mm512_storeu_ps(p, v);
+}
+
+/* Values before out's next 64-byte boundary (all m without streaming: unaligned stores). */
+static inline int head_of(const float *out, int m, int stream) {
+    if (!stream)
+        return 0;
+    int head = (int)(((64 - ((uintptr_t)out & 63)) & 63) / 4);
+    return head < m ? head : m;
+}
+
+AVX512 static float max_abs_avx512(const float *x, int64_t n) {
+    __m512i m[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                    _mm512_setzero_si512()};
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+    int64_t j = 0;
+    for (; j + 64 <= n; j += 64) {
+        _mm_prefetch((const char *)(x + j + PREFETCH), _MM_HINT_T0);
+        for (int k = 0; k < 4; k++)
+            m[k] = _mm512_max_epu32(
+                m[k], _mm512_and_si512(_mm512_loadu_si512(x + j + 16 * k), magnitude));
+    }
+    uint32_t top = _mm512_reduce_max_epu32(
+        _mm512_max_epu32(_mm512_max_epu32(m[0], m[1]), _mm512_max_epu32(m[2], m[3])));
+    float rest = max_abs_body(x + j, n - j), s;
+    uint32_t bits;
+    memcpy(&bits, &rest, 4);
+    top = bits > top ? bits : top;
+    memcpy(&s, &top, 4);
+    return s;
+}
+
+AVX512 static double sum_squares_avx512(const float *x, int64_t n) {
+    __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
+                      _mm512_setzero_pd()};
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        _mm_prefetch((const char *)(x + j + PREFETCH), _MM_HINT_T0);
+        for (int k = 0; k < 4; k++) {
+            __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x + j + 8 * k));
+            acc[k] = _mm512_add_pd(acc[k], _mm512_mul_pd(v, v));
+        }
+    }
+    __m512d total = _mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3]));
+    return _mm512_reduce_add_pd(total) + sum_squares_body(x + j, n - j);
+}
+
+AVX512 static inline __m512i order_key_avx512(__m512i b) {
+    return _mm512_xor_si512(b, _mm512_and_si512(_mm512_srai_epi32(b, 31),
+                                                _mm512_set1_epi32(0x7fffffff)));
+}
+
+AVX512 static void min_max_avx512(const float *x, int64_t n, float *lo, float *hi) {
+    __m512i mn[2] = {_mm512_set1_epi32(INT32_MAX), _mm512_set1_epi32(INT32_MAX)};
+    __m512i mx[2] = {_mm512_set1_epi32(INT32_MIN), _mm512_set1_epi32(INT32_MIN)};
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        _mm_prefetch((const char *)(x + j + PREFETCH), _MM_HINT_T0);
+        for (int k = 0; k < 2; k++) {
+            __m512i key = order_key_avx512(_mm512_loadu_si512(x + j + 16 * k));
+            mn[k] = _mm512_min_epi32(mn[k], key);
+            mx[k] = _mm512_max_epi32(mx[k], key);
+        }
+    }
+    int32_t low = _mm512_reduce_min_epi32(_mm512_min_epi32(mn[0], mn[1]));
+    int32_t high = _mm512_reduce_max_epi32(_mm512_max_epi32(mx[0], mx[1]));
+    float rest_lo, rest_hi;
+    min_max_body(x + j, n - j, &rest_lo, &rest_hi);
+    int32_t bits;
+    memcpy(&bits, &rest_lo, 4);
+    low = order_key(bits) < low ? order_key(bits) : low;
+    memcpy(&bits, &rest_hi, 4);
+    high = order_key(bits) > high ? order_key(bits) : high;
+    low = order_key(low), high = order_key(high);
+    memcpy(lo, &low, 4);
+    memcpy(hi, &high, 4);
+}
+
+/* A run from value i0: its first values up to a multiple of 16 take the rest of the step
+   drawn last (the previous run ended inside it), its whole vectors draw a step each in
+   registers, its last values a step drawn into `pending` for the next run. Vectors start at
+   multiples of 16, so out + i0 + j is 64-byte aligned (for streaming) when out is. */
+#define FUSED_RUN(BODY, VECTOR, ...)                                                           \
+    int j = (int)((16 - i0 % 16) % 16);                                                        \
+    j = j < m ? j : m;                                                                         \
+    BODY(x, lanes->pending + i0 % 16, j, __VA_ARGS__, codes, out);                             \
+    lanes512_t r = load_lanes(lanes);                                                          \
+    for (; j + 16 <= m; j += 16) {                                                             \
+        __m512 u = step_lanes(&r);                                                             \
+        VECTOR                                                                                 \
+    }                                                                                          \
+    if (j < m) {                                                                               \
+        _mm512_storeu_ps(lanes->pending, step_lanes(&r));                                      \
+        BODY(x + j, lanes->pending, m - j, __VA_ARGS__, codes + j, out + j);                   \
+    }                                                                                          \
+    store_lanes(lanes, &r);
+
+AVX512 static void ternary_avx512(const float *x, const float *u_, xoshiro_t *lanes, int64_t i0,
+                                  int m, float s, float inv24, uint8_t *codes, float *out,
+                                  int stream) {
+    const __m512 vs = _mm512_set1_ps(s), vinv = _mm512_set1_ps(inv24);
+    const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2);
+    const __m512 one_f = _mm512_set1_ps(1.0f);
+    (void)u_;
+    FUSED_RUN(ternary_body, {
+        _mm_prefetch((const char *)(x + j + PREFETCH), _MM_HINT_T0);
+        __m512 v = _mm512_loadu_ps(x + j);
+        __mmask16 keep =
+            _mm512_cmp_ps_mask(u, _mm512_mul_ps(_mm512_abs_ps(v), vinv), _CMP_LT_OQ);
+        __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+        __m512i digit = _mm512_mask_blend_epi32(keep, one, _mm512_maskz_mov_epi32(~neg, two));
+        _mm_storeu_si128((__m128i *)(codes + j), _mm512_cvtepi32_epi8(digit));
+        __m512 t = _mm512_mask_blend_ps(neg, one_f, _mm512_set1_ps(-1.0f));
+        store16(out + j, _mm512_mul_ps(_mm512_maskz_mov_ps(keep, t), vs), stream);
+    }, s, inv24)
+}
+
+AVX512 static void qsgd_avx512(const float *x, const float *u_, xoshiro_t *lanes, int64_t i0,
+                               int m, float scale, float unit, float levels, uint8_t *codes,
+                               float *out, int stream) {
+    const __m512 vscale = _mm512_set1_ps(scale), vunit = _mm512_set1_ps(unit);
+    const __m512 vlevels = _mm512_set1_ps(levels), zero = _mm512_setzero_ps();
+    (void)u_;
+    FUSED_RUN(qsgd_body, {
+        _mm_prefetch((const char *)(x + j + PREFETCH), _MM_HINT_T0);
+        __m512 v = _mm512_loadu_ps(x + j);
+        __m512 r = _mm512_mul_ps(_mm512_abs_ps(v), vscale);
+        __m512 low = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        __m512 frac = _mm512_mul_ps(_mm512_sub_ps(r, low), _mm512_set1_ps(TWO24));
+        __mmask16 up = _mm512_cmp_ps_mask(u, frac, _CMP_LT_OQ);
+        __m512 level = _mm512_add_ps(low, _mm512_maskz_mov_ps(up, _mm512_set1_ps(1.0f)));
+        level = _mm512_min_ps(_mm512_max_ps(level, zero), vlevels); /* NaN: 0, as the body */
+        __mmask16 neg = _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ);
+        __m512 code = _mm512_mask_blend_ps(neg, _mm512_add_ps(vlevels, level),
+                                           _mm512_sub_ps(vlevels, level));
+        _mm_storeu_si128((__m128i *)(codes + j),
+                         _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(code)));
+        store16(out + j, _mm512_mul_ps(_mm512_sub_ps(code, vlevels), vunit), stream);
+    }, scale, unit, levels)
+}
+
+AVX512 static void uniform_avx512(const float *x, int m, float lo, float step, float inverse,
+                                  float top, uint8_t *codes, float *out, int stream) {
+    const __m512 vlo = _mm512_set1_ps(lo), vstep = _mm512_set1_ps(step);
+    const __m512 vinv = _mm512_set1_ps(inverse), vtop = _mm512_set1_ps(top);
+    int j = head_of(out, m, stream);
+    uniform_body(x, j, lo, step, inverse, top, codes, out);
+    for (; j + 16 <= m; j += 16) {
+        _mm_prefetch((const char *)(x + j + PREFETCH), _MM_HINT_T0);
+        __m512 q = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vlo), vinv);
+        __m512 code = _mm512_roundscale_ps(_mm512_add_ps(q, _mm512_set1_ps(0.5f)),
+                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        code = _mm512_min_ps(_mm512_max_ps(code, _mm512_setzero_ps()), vtop);
+        _mm_storeu_si128((__m128i *)(codes + j),
+                         _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(code)));
+        store16(out + j, _mm512_add_ps(_mm512_mul_ps(code, vstep), vlo), stream);
+    }
+    uniform_body(x + j, m - j, lo, step, inverse, top, codes + j, out + j);
+}
+
+/* Decode straight from the packed bytes, 16 values per step from value p on, p a multiple
+   of 16 (so out + p is 64-byte aligned when out is). Per phase p % 5 of the first value: each
+   lane's byte (of 4 read at p / 5) and the multiplier that divides it by 3^digit. */
+static int32_t trit_shift[5][16], trit_magic[5][16];
+/* Per bits: each lane's byte (of a 16-bit window) and shift within it. */
+static int32_t code_byte[9][16], code_shift[9][16];
+
+static void fill_decode_tables(void) {
+    static const int32_t power[5] = {1, 3, 9, 27, 81};
+    for (int phase = 0; phase < 5; phase++)
+        for (int l = 0; l < 16; l++) {
+            trit_shift[phase][l] = 8 * ((phase + l) / 5);
+            trit_magic[phase][l] = (65536 + power[(phase + l) % 5] - 1) / power[(phase + l) % 5];
+        }
+    for (int bits = 1; bits <= 8; bits++)
+        for (int l = 0; l < 16; l++)
+            code_byte[bits][l] = l * bits / 8, code_shift[bits][l] = l * bits % 8;
+    for (int k = 0; k < 5; k++)
+        for (int g = 0; g < 16; g++) {
+            int e = 5 * g + k; /* digit k of byte g: value e of the 80 */
+            trit_pick[0][k][g] = e < 32 ? e : 0;
+            trit_pick[1][k][g] = e >= 32 && e < 64 ? e - 32 : 0;
+            trit_pick[2][k][g] = e >= 64 ? e - 64 : 0;
+            trit_from23[k] |= (uint16_t)((e >= 32 && e < 64) << g);
+            trit_from4[k] |= (uint16_t)((e >= 64) << g);
+        }
+}
+
+/* Value i's trit (a byte >= 243 gives 0) and code, read byte by byte (never past nbytes). */
+static inline float trit_at(const uint8_t *packed, int64_t i) {
+    return trit_table[packed[i / 5]][i % 5];
+}
+
+static inline int code_at(const uint8_t *packed, int64_t nbytes, int bits, int64_t i) {
+    int64_t bit = i * bits, k = bit >> 3;
+    unsigned w = packed[k] | (k + 1 < nbytes ? (unsigned)packed[k + 1] << 8 : 0u);
+    return (int)((w >> (bit & 7)) & ((1u << bits) - 1));
+}
+
+/* Values [i, end) of one block: the first scalar up to a multiple of 16, then 16 at a time
+   while the bytes read stay inside the payload, the rest scalar. */
+AVX512 static void trits_run_avx512(const uint8_t *packed, int64_t nbytes, int64_t i,
+                                    int64_t end, float s, float *out, int stream) {
+    const __m512 vs = _mm512_set1_ps(s);
+    for (; i < end && i % 16; i++)
+        out[i] = trit_at(packed, i) * s;
+    for (; i + 16 <= end && i / 5 + 4 <= nbytes; i += 16) {
+        int phase = (int)(i % 5);
+        uint32_t word;
+        memcpy(&word, packed + i / 5, 4);
+        __m512i b = _mm512_and_si512(
+            _mm512_srlv_epi32(_mm512_set1_epi32((int)word),
+                              _mm512_loadu_si512(trit_shift[phase])),
+            _mm512_set1_epi32(0xff));
+        __m512i q = _mm512_srli_epi32(
+            _mm512_mullo_epi32(b, _mm512_loadu_si512(trit_magic[phase])), 16);
+        __m512i third = _mm512_srli_epi32(_mm512_mullo_epi32(q, _mm512_set1_epi32(21846)), 16);
+        __m512i digit = _mm512_sub_epi32(q, _mm512_mullo_epi32(third, _mm512_set1_epi32(3)));
+        __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(digit, _mm512_set1_epi32(1)));
+        store16(out + i, _mm512_mul_ps(t, vs), stream);
+    }
+    for (; i < end; i++)
+        out[i] = trit_at(packed, i) * s;
+}
+
+/* As trits_run_avx512 for codes of `bits` bits: (code − a)·b (grid 0) or code·b + a (grid 1);
+   returns the largest code. */
+AVX512 static int codes_run_avx512(const uint8_t *packed, int64_t nbytes, int bits, int64_t i,
+                                   int64_t end, float a, float b, int grid, float *out,
+                                   int stream) {
+    const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+    const __m512i index = _mm512_loadu_si512(code_byte[bits]);
+    const __m512i shift = _mm512_loadu_si512(code_shift[bits]);
+    const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+    __m512i top = _mm512_setzero_si512();
+    int mx = 0;
+    for (; i < end && i % 16; i++) {
+        int code = code_at(packed, nbytes, bits, i);
+        mx = code > mx ? code : mx;
+        out[i] = grid ? (float)code * b + a : ((float)code - a) * b;
+    }
+    for (; i + 16 <= end && i / 8 * bits + 17 <= nbytes; i += 16) {
+        const uint8_t *window = packed + i / 8 * bits;
+        __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)window));
+        __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(window + 1)));
+        __m512i pairs = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 8));
+        __m512i code = _mm512_and_si512(
+            _mm512_srlv_epi32(_mm512_permutexvar_epi32(index, pairs), shift), mask);
+        top = _mm512_max_epi32(top, code);
+        __m512 c = _mm512_cvtepi32_ps(code);
+        store16(out + i,
+                grid ? _mm512_add_ps(_mm512_mul_ps(c, vb), va)
+                     : _mm512_mul_ps(_mm512_sub_ps(c, va), vb),
+                stream);
+    }
+    for (; i < end; i++) {
+        int code = code_at(packed, nbytes, bits, i);
+        mx = code > mx ? code : mx;
+        out[i] = grid ? (float)code * b + a : ((float)code - a) * b;
+    }
+    int vmx = _mm512_reduce_max_epi32(top);
+    return vmx > mx ? vmx : mx;
+}
+
+static inline int stream_out(const float *out, int64_t n) {
+    return (int64_t)n * 4 >= STREAM_BYTES && (uintptr_t)out % 64 == 0;
+}
+
+AVX512 static void ternary_decode_avx512(const uint8_t *packed, const float *scales, int64_t n,
+                                         int64_t block, float *out) {
+    int64_t size = block ? block : n, nbytes = (n + 4) / 5;
+    int stream = stream_out(out, n);
+    for (int64_t i = 0, b = 0; i < n; i += size, b++)
+        trits_run_avx512(packed, nbytes, i, min64(i + size, n), scales[b], out, stream);
+    _mm_sfence();
+}
+
+AVX512 static int qsgd_decode_avx512(const uint8_t *packed, const float *norms, int64_t n,
+                                     int64_t block, int levels, float *out) {
+    int64_t size = block ? block : n, bits = qsgd_bits(levels), nbytes = (n * bits + 7) / 8;
+    int stream = stream_out(out, n), top = 0;
+    for (int64_t i = 0, b = 0; i < n; i += size, b++) {
+        int mx = codes_run_avx512(packed, nbytes, (int)bits, i, min64(i + size, n),
+                                  (float)levels, norms[b] / (float)levels, 0, out, stream);
+        top = mx > top ? mx : top;
+    }
+    _mm_sfence();
+    return top;
+}
+
+AVX512 static void uniform_decode_avx512(const uint8_t *packed, const float *lo,
+                                         const float *step, int64_t n, int64_t block, int bits,
+                                         float *out) {
+    int64_t size = block ? block : n, nbytes = (n * bits + 7) / 8;
+    int stream = stream_out(out, n);
+    for (int64_t i = 0, b = 0; i < n; i += size, b++)
+        codes_run_avx512(packed, nbytes, bits, i, min64(i + size, n), lo[b], step[b], 1, out,
+                         stream);
+    _mm_sfence();
+}
+
+static const quantizers_t quantizers_avx512 = {
+    max_abs_avx512, sum_squares_avx512, min_max_avx512, random_avx512, pack_avx512,
+    pack_trits_avx512,
+    ternary_avx512, qsgd_avx512, uniform_avx512,
+    ternary_decode_avx512, qsgd_decode_avx512, uniform_decode_avx512, 1,
+};
+#endif
+
+static const quantizers_t *quantizers = &quantizers_generic;
+
+/* --- encode drivers: chunks, block runs, scales --- */
+
+/* Non-temporal stores for an output that cannot stay in cache, then a fence after them. */
+static inline int stream_estimate(const float *out, int64_t n) {
+    return (int64_t)n * 4 >= STREAM_BYTES && (uintptr_t)out % 64 == 0;
+}
+
+static inline void fence(void) {
+#ifdef GOSSIPDL_X86
+    _mm_sfence();
+#endif
+}
+
+static void ternary_encode_all(const float *x, int64_t n, int64_t block, uint64_t seed,
+                               uint8_t *packed, float *scales, float *out) {
+    uint8_t digits[CHUNK + SLACK];
+    float u[CHUNK];
+    xoshiro_t lanes;
+    int64_t size = block ? block : n, block_end = 0, b = -1;
+    int stream = stream_estimate(out, n);
+    float s = 0.0f, inv24 = 0.0f;
+    seed_lanes(&lanes, seed);
+    if (n == 0 && block == 0)
+        scales[0] = 0.0f;
+    for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        int64_t c1 = min64(c0 + CHUNK, n);
+        if (!quantizers->fused)
+            quantizers->random(&lanes, (int)(c1 - c0 + 15) / 16, u);
+        for (int64_t i = c0; i < c1;) {
+            if (i == block_end) {
+                int64_t length = min64(size, n - i);
+                s = scales[++b] = quantizers->max_abs(x + i, length);
+                inv24 = s > 0.0f ? TWO24 / s : 0.0f;
+                block_end = i + length;
+            }
+            int64_t end = min64(c1, block_end);
+            quantizers->ternary(x + i, u + (i - c0), &lanes, i, (int)(end - i), s, inv24,
+                                digits + (i - c0), out + i, stream);
+            i = end;
+        }
+        int m = (int)(c1 - c0);
+        memset(digits + m, 1, 8); /* the last byte's unused digits: t = 0 */
+        quantizers->pack_trits(digits, m, packed + c0 / 5);
+    }
+    fence();
+}
+
+static void qsgd_encode_all(const float *x, int64_t n, int64_t block, int levels, uint64_t seed,
+                            uint8_t *packed, float *norms, float *out) {
+    uint8_t codes[CHUNK + SLACK], bytes[CHUNK + SLACK];
+    float u[CHUNK];
+    xoshiro_t lanes;
+    const int bits = qsgd_bits(levels);
+    const float s = (float)levels;
+    int64_t size = block ? block : n, block_end = 0, b = -1;
+    int stream = stream_estimate(out, n);
+    float scale = 0.0f, unit = 0.0f;
+    seed_lanes(&lanes, seed);
+    if (n == 0 && block == 0)
+        norms[0] = 0.0f;
+    for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        int64_t c1 = min64(c0 + CHUNK, n);
+        if (!quantizers->fused)
+            quantizers->random(&lanes, (int)(c1 - c0 + 15) / 16, u);
+        for (int64_t i = c0; i < c1;) {
+            if (i == block_end) {
+                int64_t length = min64(size, n - i);
+                float norm = norms[++b] = (float)sqrt(quantizers->sum_squares(x + i, length));
+                scale = norm > 0.0f ? s / norm : 0.0f;
+                unit = norm / s;
+                block_end = i + length;
+            }
+            int64_t end = min64(c1, block_end);
+            quantizers->qsgd(x + i, u + (i - c0), &lanes, i, (int)(end - i), scale, unit, s,
+                             codes + (i - c0), out + i, stream);
+            i = end;
+        }
+        int m = (int)(c1 - c0);
+        memset(codes + m, 0, 64);
+        quantizers->pack(codes, m, bits, bytes);
+        memcpy(packed + c0 / 8 * bits, bytes, (size_t)((int64_t)m * bits + 7) / 8);
+    }
+    fence();
+}
+
+static void uniform_encode_all(const float *x, int64_t n, int64_t block, int bits,
+                               uint8_t *packed, float *los, float *steps, float *out) {
+    uint8_t codes[CHUNK + SLACK], bytes[CHUNK + SLACK];
+    const float top = (float)((1 << bits) - 1);
+    int64_t size = block ? block : n, block_end = 0, b = -1;
+    int stream = stream_estimate(out, n);
+    float lo = 0.0f, step = 0.0f, inverse = 0.0f;
+    if (n == 0 && block == 0)
+        los[0] = steps[0] = 0.0f;
+    for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        int64_t c1 = min64(c0 + CHUNK, n);
+        for (int64_t i = c0; i < c1;) {
+            if (i == block_end) {
+                int64_t length = min64(size, n - i);
+                float hi;
+                quantizers->min_max(x + i, length, &lo, &hi);
+                step = (hi - lo) / top;
+                inverse = step > 0.0f ? 1.0f / step : 0.0f;
+                los[++b] = lo, steps[b] = step;
+                block_end = i + length;
+            }
+            int64_t end = min64(c1, block_end);
+            quantizers->uniform(x + i, (int)(end - i), lo, step, inverse, top, codes + (i - c0),
+                                out + i, stream);
+            i = end;
+        }
+        int m = (int)(c1 - c0);
+        memset(codes + m, 0, 64);
+        quantizers->pack(codes, m, bits, bytes);
+        memcpy(packed + c0 / 8 * bits, bytes, (size_t)((int64_t)m * bits + 7) / 8);
+    }
+    fence();
+}
+
 static encode_t encode_kernel = encode_generic;
 static expand_t expand_kernel = expand_generic;
 static const char *isa = "generic";
@@ -192,15 +1129,18 @@ static int pick_kernels(const char *name) {
     __builtin_cpu_init();
     if ((any || !strcmp(name, "avx512f")) && __builtin_cpu_supports("avx512f")) {
         encode_kernel = encode_avx512, expand_kernel = expand_avx512, isa = "avx512f";
+        quantizers = &quantizers_avx512;
         return 0;
     }
     if ((any || !strcmp(name, "avx2")) && __builtin_cpu_supports("avx2")) {
         encode_kernel = encode_avx2, expand_kernel = expand_avx2, isa = "avx2";
+        quantizers = &quantizers_avx2;
         return 0;
     }
 #endif
     if (any || !strcmp(name, "generic")) {
         encode_kernel = encode_generic, expand_kernel = expand_generic, isa = "generic";
+        quantizers = &quantizers_generic;
         return 0;
     }
     return -1;
@@ -318,6 +1258,235 @@ static PyObject *sign_expand(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* --- Python entry points of the quantizers --- */
+
+#define MAX_BUFFERS 5
+
+typedef struct {
+    Py_buffer b[MAX_BUFFERS];
+    int count;
+} buffers_t;
+
+static void release(buffers_t *held) {
+    for (int i = 0; i < held->count; i++)
+        PyBuffer_Release(&held->b[i]);
+}
+
+/* The float32 values in a buffer, or -1 (ValueError set) when its bytes are not whole values. */
+static Py_ssize_t values_in(const Py_buffer *b, const char *what) {
+    if (b->len % 4 != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: a float32 buffer of %zd bytes is not whole values",
+                     what, b->len);
+        return -1;
+    }
+    return b->len / 4;
+}
+
+/* Blocks for n values: 1 for block 0 (the whole tensor, even empty), else ceil(n / block). */
+static Py_ssize_t any_blocks(Py_ssize_t n, Py_ssize_t block, const char *what) {
+    if (block < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: block %zd must be 0 (whole tensor) or positive",
+                     what, block);
+        return -1;
+    }
+    return block == 0 ? 1 : (n + block - 1) / block;
+}
+
+static int want_bytes(const Py_buffer *b, Py_ssize_t want, Py_ssize_t n, const char *what,
+                      const char *name) {
+    if (b->len != want) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd values need %zd bytes of %s, got %zd", what, n,
+                     want, name, b->len);
+        return -1;
+    }
+    return 0;
+}
+
+/* Checks shared by every quantizer: values (x or out) of n float32, packed bytes for
+   `bits_per_value` bits each (0: base 3, 5 per byte), `per_block` arrays of one float32 per
+   block. */
+static int check_quantizer(const char *what, const Py_buffer *values, const Py_buffer *packed,
+                           int bits_per_value, const Py_buffer *const *per_block, int arrays,
+                           Py_ssize_t block, Py_ssize_t *n) {
+    *n = values_in(values, what);
+    if (*n < 0)
+        return -1;
+    Py_ssize_t bytes = bits_per_value ? (Py_ssize_t)(((int64_t)*n * bits_per_value + 7) / 8)
+                                      : (*n + 4) / 5;
+    if (want_bytes(packed, bytes, *n, what, "packed codes") < 0)
+        return -1;
+    Py_ssize_t blocks = any_blocks(*n, block, what);
+    if (blocks < 0)
+        return -1;
+    for (int i = 0; i < arrays; i++)
+        if (check_entries(per_block[i]->len, 4, blocks, what, "scales") < 0)
+            return -1;
+    return 0;
+}
+
+static int check_same_size(const Py_buffer *x, const Py_buffer *out, const char *what) {
+    if (x->len != out->len) {
+        PyErr_Format(PyExc_ValueError, "%s: out has %zd bytes, x %zd", what, out->len, x->len);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_levels(long levels, const char *what) {
+    if (levels < 1 || levels > 127) {
+        PyErr_Format(PyExc_ValueError, "%s: levels %ld must be 1..127", what, levels);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_bits(int bits, const char *what) {
+    if (bits < 1 || bits > 8) {
+        PyErr_Format(PyExc_ValueError, "%s: bits %d must be 1..8", what, bits);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *ternary_encode(PyObject *self, PyObject *args) {
+    buffers_t held = {.count = 4};
+    Py_buffer *x = &held.b[0], *packed = &held.b[1], *scales = &held.b[2], *out = &held.b[3];
+    unsigned long long seed;
+    Py_ssize_t block = 0, n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*w*w*K|n:ternary_encode", x, packed, scales, out, &seed,
+                          &block))
+        return NULL;
+    const Py_buffer *per_block[] = {scales};
+    int ok = check_quantizer("ternary_encode", x, packed, 0, per_block, 1, block, &n) == 0 &&
+             check_same_size(x, out, "ternary_encode") == 0;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS ternary_encode_all(x->buf, n, block, seed, packed->buf,
+                                                  scales->buf, out->buf);
+        Py_END_ALLOW_THREADS
+    }
+    release(&held);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ternary_decode(PyObject *self, PyObject *args) {
+    buffers_t held = {.count = 3};
+    Py_buffer *packed = &held.b[0], *scales = &held.b[1], *out = &held.b[2];
+    Py_ssize_t block = 0, n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*|n:ternary_decode", packed, scales, out, &block))
+        return NULL;
+    const Py_buffer *per_block[] = {scales};
+    int ok = check_quantizer("ternary_decode", out, packed, 0, per_block, 1, block, &n) == 0;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS quantizers->ternary_decode(packed->buf, scales->buf, n, block,
+                                                          out->buf);
+        Py_END_ALLOW_THREADS
+    }
+    release(&held);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *qsgd_encode(PyObject *self, PyObject *args) {
+    buffers_t held = {.count = 4};
+    Py_buffer *x = &held.b[0], *packed = &held.b[1], *norms = &held.b[2], *out = &held.b[3];
+    unsigned long long seed;
+    long levels;
+    Py_ssize_t block = 0, n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*w*w*lK|n:qsgd_encode", x, packed, norms, out, &levels,
+                          &seed, &block))
+        return NULL;
+    const Py_buffer *per_block[] = {norms};
+    int ok = check_levels(levels, "qsgd_encode") == 0 &&
+             check_quantizer("qsgd_encode", x, packed, qsgd_bits(levels), per_block, 1, block,
+                             &n) == 0 &&
+             check_same_size(x, out, "qsgd_encode") == 0;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS qsgd_encode_all(x->buf, n, block, (int)levels, seed, packed->buf,
+                                               norms->buf, out->buf);
+        Py_END_ALLOW_THREADS
+    }
+    release(&held);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *qsgd_decode(PyObject *self, PyObject *args) {
+    buffers_t held = {.count = 3};
+    Py_buffer *packed = &held.b[0], *norms = &held.b[1], *out = &held.b[2];
+    long levels;
+    Py_ssize_t block = 0, n;
+    int top = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*l|n:qsgd_decode", packed, norms, out, &levels, &block))
+        return NULL;
+    const Py_buffer *per_block[] = {norms};
+    int ok = check_levels(levels, "qsgd_decode") == 0 &&
+             check_quantizer("qsgd_decode", out, packed, qsgd_bits(levels), per_block, 1, block,
+                             &n) == 0;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS top = quantizers->qsgd_decode(packed->buf, norms->buf, n,
+                                                            block, (int)levels, out->buf);
+        Py_END_ALLOW_THREADS
+    }
+    release(&held);
+    return ok ? PyLong_FromLong(top) : NULL;
+}
+
+static PyObject *uniform_encode(PyObject *self, PyObject *args) {
+    buffers_t held = {.count = 5};
+    Py_buffer *x = &held.b[0], *packed = &held.b[1], *lo = &held.b[2], *step = &held.b[3],
+              *out = &held.b[4];
+    int bits;
+    Py_ssize_t block = 0, n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*w*w*w*i|n:uniform_encode", x, packed, lo, step, out, &bits,
+                          &block))
+        return NULL;
+    const Py_buffer *per_block[] = {lo, step};
+    int ok = check_bits(bits, "uniform_encode") == 0 &&
+             check_quantizer("uniform_encode", x, packed, bits, per_block, 2, block, &n) == 0 &&
+             check_same_size(x, out, "uniform_encode") == 0;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS uniform_encode_all(x->buf, n, block, bits, packed->buf, lo->buf,
+                                                  step->buf, out->buf);
+        Py_END_ALLOW_THREADS
+    }
+    release(&held);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *uniform_decode(PyObject *self, PyObject *args) {
+    buffers_t held = {.count = 4};
+    Py_buffer *packed = &held.b[0], *lo = &held.b[1], *step = &held.b[2], *out = &held.b[3];
+    int bits;
+    Py_ssize_t block = 0, n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*i|n:uniform_decode", packed, lo, step, out, &bits,
+                          &block))
+        return NULL;
+    const Py_buffer *per_block[] = {lo, step};
+    int ok = check_bits(bits, "uniform_decode") == 0 &&
+             check_quantizer("uniform_decode", out, packed, bits, per_block, 2, block, &n) == 0;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS quantizers->uniform_decode(packed->buf, lo->buf, step->buf, n,
+                                                          block, bits, out->buf);
+        Py_END_ALLOW_THREADS
+    }
+    release(&held);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *use_isa(PyObject *self, PyObject *args) {
     const char *name = NULL;
     (void)self;
@@ -341,6 +1510,23 @@ static PyMethodDef methods[] = {
     {"sign_expand", sign_expand, METH_VARARGS,
      "sign_expand(bits, scales, out, block=0): out[i] = -s if sign bit i is set, else s, "
      "with s = scales[i // block] (float32; block 0: scales[0])."},
+    {"ternary_encode", ternary_encode, METH_VARARGS,
+     "ternary_encode(x, packed, scales, out, seed, block=0): TernGrad of float32 x: max |x| "
+     "per block into scales, base-3 digits 5 per byte into packed, s*t into out."},
+    {"ternary_decode", ternary_decode, METH_VARARGS,
+     "ternary_decode(packed, scales, out, block=0): out[i] = t_i * scales[i // block] "
+     "(bytes >= 243 decode as 0: the caller rejects them)."},
+    {"qsgd_encode", qsgd_encode, METH_VARARGS,
+     "qsgd_encode(x, packed, norms, out, levels, seed, block=0): QSGD of float32 x: the "
+     "2-norm per block into norms, codes level + s packed LSB first, the estimate into out."},
+    {"qsgd_decode", qsgd_decode, METH_VARARGS,
+     "qsgd_decode(packed, norms, out, levels, block=0) -> int: out[i] = (code - s) * norm / s; "
+     "returns the largest code (the caller rejects one over 2 * levels)."},
+    {"uniform_encode", uniform_encode, METH_VARARGS,
+     "uniform_encode(x, packed, lo, step, out, bits, block=0): min/max rounding of float32 x "
+     "to bits-bit codes; lo and step per block; code * step + lo into out."},
+    {"uniform_decode", uniform_decode, METH_VARARGS,
+     "uniform_decode(packed, lo, step, out, bits, block=0): out[i] = code * step + lo."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa([name]) -> str: run the avx512f, avx2 or generic kernels from now on (tests "
      "compare them); returns the previous choice (without a name: the current one). "
@@ -351,7 +1537,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     "_native",
-    "Fused CPU kernels for the sign codec; see gossipdl.compression._kernels.",
+    "Fused CPU kernels for the sign, ternary, qsgd and uniform codecs; see "
+    "gossipdl.compression._kernels.",
     -1,
     methods,
     NULL,
@@ -361,6 +1548,10 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
+    fill_trit_table();
+#ifdef GOSSIPDL_X86
+    fill_decode_tables();
+#endif
     pick_kernels(NULL);
     return PyModule_Create(&module);
 }

@@ -8,4 +8,44 @@ def sign_encode(
 def sign_expand(
     bits: np.ndarray, scales: np.ndarray, out: np.ndarray, block: int = ...
 ) -> None: ...
+def ternary_encode(
+    x: np.ndarray,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    out: np.ndarray,
+    seed: int,
+    block: int = ...,
+) -> None: ...
+def ternary_decode(
+    packed: np.ndarray, scales: np.ndarray, out: np.ndarray, block: int = ...
+) -> None: ...
+def qsgd_encode(
+    x: np.ndarray,
+    packed: np.ndarray,
+    norms: np.ndarray,
+    out: np.ndarray,
+    levels: int,
+    seed: int,
+    block: int = ...,
+) -> None: ...
+def qsgd_decode(
+    packed: np.ndarray, norms: np.ndarray, out: np.ndarray, levels: int, block: int = ...
+) -> int: ...
+def uniform_encode(
+    x: np.ndarray,
+    packed: np.ndarray,
+    lo: np.ndarray,
+    step: np.ndarray,
+    out: np.ndarray,
+    bits: int,
+    block: int = ...,
+) -> None: ...
+def uniform_decode(
+    packed: np.ndarray,
+    lo: np.ndarray,
+    step: np.ndarray,
+    out: np.ndarray,
+    bits: int,
+    block: int = ...,
+) -> None: ...
 def use_isa(name: str = ...) -> str: ...
