@@ -260,23 +260,32 @@ static void seed_lanes(xoshiro_t *g, uint64_t seed) {
 
 /* `steps` steps of the 16 generators: u[16 k + l] = step k of generator l, an integer in
    [0, 2^24) as a float (exact). */
+/* GCC vector types of 8 lanes, two per step: the compiler maps them onto the registers each
+   instruction set has (it would not vectorize a plain loop over the lanes; 16-lane types it
+   spills to the stack under AVX2). */
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+
 INLINE void random_body(xoshiro_t *restrict g, int steps, float *restrict u) {
-    uint32_t s0[16], s1[16], s2[16], s3[16];
-    memcpy(s0, g->s[0], 64), memcpy(s1, g->s[1], 64), memcpy(s2, g->s[2], 64);
-    memcpy(s3, g->s[3], 64);
-    for (int k = 0; k < steps; k++)
-        for (int l = 0; l < 16; l++) {
-            uint32_t result = s0[l] + s3[l], t = s1[l] << 9;
-            s2[l] ^= s0[l];
-            s3[l] ^= s1[l];
-            s1[l] ^= s2[l];
-            s0[l] ^= s3[l];
-            s2[l] ^= t;
-            s3[l] = (s3[l] << 11) | (s3[l] >> 21);
-            u[16 * k + l] = (float)(int32_t)(result >> 8);
+    for (int half = 0; half < 2; half++) {
+        u32x8 s0, s1, s2, s3;
+        memcpy(&s0, g->s[0] + 8 * half, 32), memcpy(&s1, g->s[1] + 8 * half, 32);
+        memcpy(&s2, g->s[2] + 8 * half, 32), memcpy(&s3, g->s[3] + 8 * half, 32);
+        for (int k = 0; k < steps; k++) {
+            u32x8 result = s0 + s3, t = s1 << 9;
+            s2 ^= s0;
+            s3 ^= s1;
+            s1 ^= s2;
+            s0 ^= s3;
+            s2 ^= t;
+            s3 = (s3 << 11) | (s3 >> 21);
+            f32x8 f = __builtin_convertvector((i32x8)(result >> 8), f32x8);
+            memcpy(u + 16 * k + 8 * half, &f, 32);
         }
-    memcpy(g->s[0], s0, 64), memcpy(g->s[1], s1, 64), memcpy(g->s[2], s2, 64);
-    memcpy(g->s[3], s3, 64);
+        memcpy(g->s[0] + 8 * half, &s0, 32), memcpy(g->s[1] + 8 * half, &s1, 32);
+        memcpy(g->s[2] + 8 * half, &s2, 32), memcpy(g->s[3] + 8 * half, &s3, 32);
+    }
 }
 
 /* max |x| as an integer compare of the magnitudes' bits (ordered like the floats; a NaN's
@@ -516,6 +525,8 @@ typedef struct {
     /* x, u (or, fused, the generators and x[0]'s index), values, scales, codes, out, stream */
     void (*ternary)(const float *, const float *, xoshiro_t *, int64_t, int, float, float,
                     uint8_t *, float *, int);
+    /* a whole chunk in one block, packed as it goes (NULL: none) */
+    void (*ternary_chunk)(const float *, xoshiro_t *, float, float, uint8_t *, float *, int);
     void (*qsgd)(const float *, const float *, xoshiro_t *, int64_t, int, float, float, float,
                  uint8_t *, float *, int);
     void (*uniform)(const float *, int, float, float, float, float, uint8_t *, float *, int);
@@ -582,7 +593,7 @@ static inline int qsgd_bits(long levels) { return 32 - __builtin_clz((unsigned)(
 QUANTIZERS(generic, )
 static const quantizers_t quantizers_generic = {
     max_abs_generic, sum_squares_generic, min_max_generic, random_generic, pack_generic, pack_trits,
-    ternary_generic, qsgd_generic, uniform_generic,
+    ternary_generic, NULL, qsgd_generic, uniform_generic,
     ternary_decode_generic, qsgd_decode_generic, uniform_decode_generic, 0,
 };
 
@@ -590,7 +601,7 @@ static const quantizers_t quantizers_generic = {
 QUANTIZERS(avx2, __attribute__((target("avx2"))))
 static const quantizers_t quantizers_avx2 = {
     max_abs_avx2, sum_squares_avx2, min_max_avx2, random_avx2, pack_avx2, pack_trits,
-    ternary_avx2, qsgd_avx2, uniform_avx2,
+    ternary_avx2, NULL, qsgd_avx2, uniform_avx2,
     ternary_decode_avx2, qsgd_decode_avx2, uniform_decode_avx2, 0,
 };
 
@@ -660,25 +671,28 @@ AVX512 static void pack_avx512(const uint8_t *codes, int m, int bits, uint8_t *d
 static int32_t trit_pick[3][5][16]; /* for digit k: from vectors 0-1, 2-3, 4 */
 static uint16_t trit_from23[5], trit_from4[5];
 
+/* The 16 bytes of 80 digits (5 vectors of 16, in order). */
+AVX512 static inline __m128i pack80(const __m512i v[5]) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int k = 4; k >= 0; k--) {
+        __m512i low = _mm512_permutex2var_epi32(v[0], _mm512_loadu_si512(trit_pick[0][k]), v[1]);
+        __m512i mid = _mm512_permutex2var_epi32(v[2], _mm512_loadu_si512(trit_pick[1][k]), v[3]);
+        __m512i digit = _mm512_mask_blend_epi32(trit_from23[k], low, mid);
+        digit = _mm512_mask_permutexvar_epi32(digit, trit_from4[k],
+                                              _mm512_loadu_si512(trit_pick[2][k]), v[4]);
+        sum = _mm512_add_epi32(_mm512_add_epi32(sum, _mm512_slli_epi32(sum, 1)), digit);
+    }
+    return _mm512_cvtepi32_epi8(sum);
+}
+
 AVX512 static void pack_trits_avx512(const uint8_t *digits, int m, uint8_t *dst) {
     int tiles = m / 80;
     for (int t = 0; t < tiles; t++) {
-        const uint8_t *d = digits + 80 * t;
         __m512i v[5];
         for (int q = 0; q < 5; q++)
-            v[q] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(d + 16 * q)));
-        __m512i sum = _mm512_setzero_si512();
-        for (int k = 4; k >= 0; k--) {
-            __m512i low =
-                _mm512_permutex2var_epi32(v[0], _mm512_loadu_si512(trit_pick[0][k]), v[1]);
-            __m512i mid =
-                _mm512_permutex2var_epi32(v[2], _mm512_loadu_si512(trit_pick[1][k]), v[3]);
-            __m512i digit = _mm512_mask_blend_epi32(trit_from23[k], low, mid);
-            digit = _mm512_mask_permutexvar_epi32(digit, trit_from4[k],
-                                                  _mm512_loadu_si512(trit_pick[2][k]), v[4]);
-            sum = _mm512_add_epi32(_mm512_add_epi32(sum, _mm512_slli_epi32(sum, 1)), digit);
-        }
-        _mm_storeu_si128((__m128i *)(dst + 16 * t), _mm512_cvtepi32_epi8(sum));
+            v[q] = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(digits + 80 * t + 16 * q)));
+        _mm_storeu_si128((__m128i *)(dst + 16 * t), pack80(v));
     }
     pack_trits(digits + 80 * tiles, m - 80 * tiles, dst + 16 * tiles);
 }
@@ -784,24 +798,45 @@ AVX512 static void min_max_avx512(const float *x, int64_t n, float *lo, float *h
     }                                                                                          \
     store_lanes(lanes, &r);
 
+/* 16 values of ternary_body: the digits (0..2, as int32), the estimate stored. */
+AVX512 static inline __m512i ternary16(const float *x, __m512 u, __m512 vs, __m512 vinv,
+                                       float *out, int stream) {
+    _mm_prefetch((const char *)(x + PREFETCH), _MM_HINT_T0);
+    __m512 v = _mm512_loadu_ps(x);
+    __mmask16 keep = _mm512_cmp_ps_mask(u, _mm512_mul_ps(_mm512_abs_ps(v), vinv), _CMP_LT_OQ);
+    __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 t = _mm512_mask_blend_ps(neg, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
+    store16(out, _mm512_mul_ps(_mm512_maskz_mov_ps(keep, t), vs), stream);
+    return _mm512_mask_blend_epi32(keep, _mm512_set1_epi32(1),
+                                   _mm512_maskz_mov_epi32(~neg, _mm512_set1_epi32(2)));
+}
+
 AVX512 static void ternary_avx512(const float *x, const float *u_, xoshiro_t *lanes, int64_t i0,
                                   int m, float s, float inv24, uint8_t *codes, float *out,
                                   int stream) {
     const __m512 vs = _mm512_set1_ps(s), vinv = _mm512_set1_ps(inv24);
-    const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2);
-    const __m512 one_f = _mm512_set1_ps(1.0f);
     (void)u_;
     FUSED_RUN(ternary_body, {
-        _mm_prefetch((const char *)(x + j + PREFETCH), _MM_HINT_T0);
-        __m512 v = _mm512_loadu_ps(x + j);
-        __mmask16 keep =
-            _mm512_cmp_ps_mask(u, _mm512_mul_ps(_mm512_abs_ps(v), vinv), _CMP_LT_OQ);
-        __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
-        __m512i digit = _mm512_mask_blend_epi32(keep, one, _mm512_maskz_mov_epi32(~neg, two));
+        __m512i digit = ternary16(x + j, u, vs, vinv, out + j, stream);
         _mm_storeu_si128((__m128i *)(codes + j), _mm512_cvtepi32_epi8(digit));
-        __m512 t = _mm512_mask_blend_ps(neg, one_f, _mm512_set1_ps(-1.0f));
-        store16(out + j, _mm512_mul_ps(_mm512_maskz_mov_ps(keep, t), vs), stream);
     }, s, inv24)
+}
+
+/* A whole chunk in one block (value 0 of it a multiple of CHUNK): 80 values at a time, their
+   16 bytes packed in registers (the separate packing pass costs as much as the max pass). */
+AVX512 static void ternary_chunk_avx512(const float *x, xoshiro_t *lanes, float s, float inv24,
+                                        uint8_t *packed, float *out, int stream) {
+    const __m512 vs = _mm512_set1_ps(s), vinv = _mm512_set1_ps(inv24);
+    lanes512_t r = load_lanes(lanes);
+    for (int t = 0; t < CHUNK / 80; t++) {
+        __m512i digits[5];
+        for (int q = 0; q < 5; q++) {
+            int j = 80 * t + 16 * q;
+            digits[q] = ternary16(x + j, step_lanes(&r), vs, vinv, out + j, stream);
+        }
+        _mm_storeu_si128((__m128i *)(packed + 16 * t), pack80(digits));
+    }
+    store_lanes(lanes, &r);
 }
 
 AVX512 static void qsgd_avx512(const float *x, const float *u_, xoshiro_t *lanes, int64_t i0,
@@ -991,7 +1026,7 @@ AVX512 static void uniform_decode_avx512(const uint8_t *packed, const float *lo,
 static const quantizers_t quantizers_avx512 = {
     max_abs_avx512, sum_squares_avx512, min_max_avx512, random_avx512, pack_avx512,
     pack_trits_avx512,
-    ternary_avx512, qsgd_avx512, uniform_avx512,
+    ternary_avx512, ternary_chunk_avx512, qsgd_avx512, uniform_avx512,
     ternary_decode_avx512, qsgd_decode_avx512, uniform_decode_avx512, 1,
 };
 #endif
@@ -1026,6 +1061,7 @@ static void ternary_encode_all(const float *x, int64_t n, int64_t block, uint64_
         int64_t c1 = min64(c0 + CHUNK, n);
         if (!quantizers->fused)
             quantizers->random(&lanes, (int)(c1 - c0 + 15) / 16, u);
+        int packed_already = 0;
         for (int64_t i = c0; i < c1;) {
             if (i == block_end) {
                 int64_t length = min64(size, n - i);
@@ -1033,11 +1069,19 @@ static void ternary_encode_all(const float *x, int64_t n, int64_t block, uint64_
                 inv24 = s > 0.0f ? TWO24 / s : 0.0f;
                 block_end = i + length;
             }
+            if (i == c0 && c1 - c0 == CHUNK && block_end >= c1 && quantizers->ternary_chunk) {
+                quantizers->ternary_chunk(x + i, &lanes, s, inv24, packed + c0 / 5, out + i,
+                                          stream);
+                packed_already = 1;
+                break;
+            }
             int64_t end = min64(c1, block_end);
             quantizers->ternary(x + i, u + (i - c0), &lanes, i, (int)(end - i), s, inv24,
                                 digits + (i - c0), out + i, stream);
             i = end;
         }
+        if (packed_already)
+            continue;
         int m = (int)(c1 - c0);
         memset(digits + m, 1, 8); /* the last byte's unused digits: t = 0 */
         quantizers->pack_trits(digits, m, packed + c0 / 5);
