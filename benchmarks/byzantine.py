@@ -65,7 +65,16 @@ DEFENCES = ("none", "clip", "trimmed", "median", "balance")
 ABSENT = "absent"  # the reference: the liars killed at the start
 TOPOLOGIES = ("exponential", "random-regular:4")
 PARTITIONS = ("iid", "dirichlet:0.3")
-LIARS = {1: "3", 2: "3,11"}  # peer ids, spread over the graph
+LIAR_COUNTS = (1, 2)
+
+
+def liar_ids(count: int, peers: int) -> str:
+    """The ids of ``count`` liars among ``peers``, spread over the graph: peer 3 (the last
+    peer in a smaller swarm) and the one half the swarm further (3 and 11 of 16)."""
+    first = min(3, peers - 1)
+    return ",".join(str((first + k * (peers // 2)) % peers) for k in range(count))
+
+
 BEST_WITHIN_POINTS, DEFENCE_COST_POINTS = 2.0, 1.0
 
 
@@ -86,7 +95,7 @@ def _names(value: str) -> list[str]:
 
 def config_for(args: argparse.Namespace, run: Run) -> Config:
     """The swarm of ``run``: the grid's job, its liars and its defence."""
-    liars = LIARS.get(run.byzantine, "")
+    liars = liar_ids(run.byzantine, args.peers)
     absent = run.attack == ABSENT
     profiles = {"liars": {"peers": liars, "byzantine": run.attack}} if liars and not absent else {}
     faults = [{"at": 0, "kill": liars}] if absent else []
@@ -126,7 +135,7 @@ def run_one(task: tuple[Run, Config]) -> dict[str, Any]:
         config = replace(config, batched=False)
         fresh_run_dir(Path(config.out))
         summary = simulate(config)
-    liars = {int(i) for i in LIARS.get(run.byzantine, "").split(",") if i}
+    liars = {int(i) for i in liar_ids(run.byzantine, config.peers).split(",") if i}
     honest = [p["accuracy"] for p in summary["peers"] if p["id"] not in liars]
     return {
         "attack": run.attack,
@@ -232,8 +241,10 @@ def main() -> None:
         unknown = sorted(set(chosen) - set(known))
         if unknown:
             parser.error(f"--{name}: unknown {unknown}; known: {', '.join(known)}")
-    if not set(args.liars) <= set(LIARS) or args.jobs < 1:
-        parser.error(f"--liars: each of {sorted(LIARS)}; --jobs N needs N >= 1")
+    if args.peers < 4:
+        parser.error(f"--peers {args.peers}: the grid needs at least 4 (2 liars, 2 honest)")
+    if not set(args.liars) <= set(LIAR_COUNTS) or args.jobs < 1:
+        parser.error(f"--liars: each of {list(LIAR_COUNTS)}; --jobs N needs N >= 1")
 
     runs = grid(args)
     tasks = [(run, config_for(args, run)) for run in runs]
@@ -284,7 +295,7 @@ def main() -> None:
         "steps": args.steps,
         "dataset": args.dataset,
         "model": args.model,
-        "liars": {str(k): LIARS[k] for k in args.liars},
+        "liars": {str(k): liar_ids(k, args.peers) for k in args.liars},
         "seed": args.seed,
         "targets": judged,
     }

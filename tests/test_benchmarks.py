@@ -437,6 +437,11 @@ def test_byzantine_reference_runs_the_liars_killed_at_the_start(monkeypatch) -> 
     config = byzantine.config_for(args, absent[0])
     assert not config.batched and not config.profiles
     assert config.faults == [{"at": 0, "kill": "3,11"}]
+    small = byzantine.config_for(argparse.Namespace(**{**vars(args), "peers": 8}), absent[0])
+    assert small.faults == [{"at": 0, "kill": "3,7"}]  # spread over any swarm, inside it
+    for peers in range(4, 17):
+        ids = [int(i) for i in byzantine.liar_ids(2, peers).split(",")]
+        assert len(set(ids)) == 2 and max(ids) < peers
 
     def row(attack: str, liars: int, defence: str, accuracy: float) -> dict:
         return {"topology": "ring", "partition": "iid", "attack": attack, "byzantine": liars,
