@@ -215,15 +215,18 @@ __attribute__((target("avx2"))) static void expand_avx2(const uint8_t *bits, flo
  * starts, over the whole block: for blocks that fit in cache the quantizing runs then read
  * them from cache, so x crosses memory once (twice for block 0, the whole tensor). A run
  * writes the sender's estimate to `out` and its codes to a chunk buffer in L1, packed into
- * the payload when the chunk is done. Decode reads the packed bytes and writes `out`, run by
- * run.
+ * the payload when the chunk is done (AVX-512 ternary packs a whole chunk of one block in
+ * registers as it goes). Decode writes `out` block by block from the packed bytes (AVX-512),
+ * or unpacks a chunk into L1 first (the others).
  *
  * The elementwise bodies are plain loops, written once and inlined into one function per
  * instruction set (the target attribute lets the compiler vectorize each for it); the
  * AVX-512 ones are written out with intrinsics (the compiler picks 256-bit vectors for
  * loops that store bytes) and stream large outputs past the cache. Every float operation is
  * IEEE elementwise, in the order the torch code does it, so all instruction sets give the
- * same bytes and values (setup.py turns off FMA contraction).
+ * same bytes and values (setup.py turns off FMA contraction). The one sum, qsgd's Σ x², is
+ * taken in double in an order per instruction set: its float32 norm is the same unless the
+ * double sums straddle a float32 rounding boundary (about 1e-9 per block).
  */
 
 #define CHUNK 4080 /* values per chunk: 5 * 816 = 16 * 255; 16 KB of float32, in L1 */
