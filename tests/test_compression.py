@@ -658,6 +658,35 @@ def test_random_subset_is_deterministic_sorted_and_uniform() -> None:
     assert np.abs(counts - expected).max() < 5 * math.sqrt(expected)
 
 
+@pytest.mark.parametrize(
+    ("numel", "count"), [(1000, 100), (1000, 600), (17, 16), (9, 1), (64, 63), (100_003, 50_002)]
+)
+def test_random_subset_is_the_same_from_the_c_bitmap_and_from_numpy(numel: int, count: int) -> None:
+    """Sender and receiver may run different kernels (one built without a compiler): each
+    derives the same subset from the message's seed, the complement branch included."""
+    assert kernels.native_kernels(torch.device("cpu")) is not None
+    for seed in (0, 7, 2**63 - 2):
+        c = random_subset(seed, numel, count)
+        with kernels.numpy_kernels():
+            assert np.array_equal(c, random_subset(seed, numel, count))
+
+
+def test_the_subset_kernels_check_their_sizes() -> None:
+    native = kernels.native_kernels(torch.device("cpu"))
+    assert native is not None
+    draws, seen = np.arange(4, dtype=np.uint64), np.zeros(2, np.uint8)
+    with pytest.raises(ValueError, match="3 bitmap bytes"):
+        native.subset_mark(draws, 17, seen, 0, 2)  # 17 bits need 3 bytes
+    with pytest.raises(ValueError, match="want <= numel"):
+        native.subset_mark(draws, 9, np.zeros(2, np.uint8), 0, 10)
+    assert native.subset_mark(draws, 9, np.zeros(2, np.uint8), 0, 3) == 3
+    with pytest.raises(ValueError, match="2 positions have bit 1, but out holds 3"):
+        native.subset_positions(np.array([0b101], np.uint8), 8, 1, np.empty(3, np.int64))
+    out = np.empty(2, np.int64)
+    native.subset_positions(np.array([0b11111010, 0xFF], np.uint8), 9, 0, out)  # bit 8 is set
+    assert out.tolist() == [0, 2]
+
+
 # --- unbiasedness ---------------------------------------------------------------------------------
 
 UNBIASED = {"qsgd:4:8": 3000, "qsgd:16": 3000, "ternary": 3000, "randomk:0.25": 4000,

@@ -1,5 +1,5 @@
-/* Fused CPU kernels for the sign, ternary, qsgd and uniform codecs
- * (gossipdl.compression._native).
+/* Fused CPU kernels for the sign, ternary, qsgd and uniform codecs and random-k's
+ * subsets (gossipdl.compression._native).
  *
  * numpy needs four passes over a 40 MB tensor for a sign encode (signbit,
  * packbits, a ±1 table lookup, a dot product for the L1 norm) and torch more;
@@ -39,6 +39,14 @@
  *       floor((x − lo)·(1/step) + 0.5) in [0, 2^bits − 1]; out = code·step + lo.
  *   uniform_decode(packed, lo, step, out, bits, block=0) -> None
  *       out = code·step + lo.
+ *   subset_mark(draws, numel, bitmap, found, want) -> int
+ *       Random-k's subset: for each draw in order, v = draw % numel; a v whose
+ *       bit in bitmap (LSB first) is clear is set and counted, until `found`
+ *       reaches `want`; returns the new count (the caller draws more while it
+ *       is short). The bits set are the first `want` distinct values.
+ *   subset_positions(bitmap, numel, value, out) -> None
+ *       out (int64) = the positions below numel whose bit is `value` (1 or 0),
+ *       ascending; their number must be out's length.
  *   use_isa([name]) -> str
  *       Run the "avx512f", "avx2" or "generic" kernels from now on (the best
  *       the CPU has is picked at import; tests compare them) and return the
@@ -1534,6 +1542,90 @@ static PyObject *uniform_decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* --- random-k's subset: the first distinct values of a stream, as a bitmap --- */
+
+static PyObject *subset_mark(PyObject *self, PyObject *args) {
+    Py_buffer draws, bitmap;
+    Py_ssize_t numel, found, want;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nw*nn:subset_mark", &draws, &numel, &bitmap, &found, &want))
+        return NULL;
+    int ok = numel > 0 && 0 <= found && found <= want && want <= numel &&
+             draws.len % 8 == 0 && bitmap.len >= (numel + 7) / 8;
+    if (!ok)
+        PyErr_Format(PyExc_ValueError,
+                     "subset_mark: need numel > 0, 0 <= found <= want <= numel, whole uint64 "
+                     "draws and %zd bitmap bytes (numel %zd, found %zd, want %zd, %zd draw "
+                     "bytes, %zd bitmap bytes)",
+                     (numel + 7) / 8, numel, found, want, draws.len, bitmap.len);
+    if (ok) {
+        const uint64_t *d = draws.buf;
+        uint8_t *seen = bitmap.buf;
+        Py_ssize_t n = draws.len / 8;
+        Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < n && found < want; i++) {
+            uint64_t v = d[i] % (uint64_t)numel;
+            uint8_t bit = (uint8_t)(1u << (v & 7));
+            if (!(seen[v >> 3] & bit)) {
+                seen[v >> 3] |= bit;
+                found++;
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&draws);
+    PyBuffer_Release(&bitmap);
+    return ok ? PyLong_FromSsize_t(found) : NULL;
+}
+
+static PyObject *subset_positions(PyObject *self, PyObject *args) {
+    Py_buffer bitmap, out;
+    Py_ssize_t numel;
+    int value;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*npw*:subset_positions", &bitmap, &numel, &value, &out))
+        return NULL;
+    int ok = numel >= 0 && bitmap.len >= (numel + 7) / 8 && out.len % 8 == 0;
+    Py_ssize_t count = 0, want = out.len / 8;
+    if (ok) {
+        const uint8_t *bits = bitmap.buf;
+        int64_t *dst = out.buf;
+        uint64_t flip = value ? 0 : ~(uint64_t)0;
+        Py_ssize_t words = numel / 64;
+        Py_BEGIN_ALLOW_THREADS for (Py_ssize_t w = 0; w <= words; w++) {
+            uint64_t hits = 0;
+            if (w < words) {
+                memcpy(&hits, bits + w * 8, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+                hits = __builtin_bswap64(hits); /* byte 0 in the low bits: bit i is bit i */
+#endif
+                hits ^= flip;
+            } else { /* the last bytes; their bits past numel are not positions */
+                for (Py_ssize_t byte = w * 8; byte < (numel + 7) / 8; byte++)
+                    hits |= (uint64_t)(uint8_t)(bits[byte] ^ (uint8_t)flip) << (8 * (byte - w * 8));
+                if (numel % 64)
+                    hits &= ((uint64_t)1 << (numel % 64)) - 1;
+            }
+            for (; hits; hits &= hits - 1) {
+                if (count < want)
+                    dst[count] = w * 64 + __builtin_ctzll(hits);
+                count++;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        ok = count == want;
+    }
+    if (!ok)
+        PyErr_Format(PyExc_ValueError,
+                     "subset_positions: %zd positions have bit %d, but out holds %zd int64 "
+                     "(numel %zd, %zd bitmap bytes)",
+                     count, value, want, numel, bitmap.len);
+    PyBuffer_Release(&bitmap);
+    PyBuffer_Release(&out);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *use_isa(PyObject *self, PyObject *args) {
     const char *name = NULL;
     (void)self;
@@ -1574,6 +1666,12 @@ static PyMethodDef methods[] = {
      "to bits-bit codes; lo and step per block; code * step + lo into out."},
     {"uniform_decode", uniform_decode, METH_VARARGS,
      "uniform_decode(packed, lo, step, out, bits, block=0): out[i] = code * step + lo."},
+    {"subset_mark", subset_mark, METH_VARARGS,
+     "subset_mark(draws, numel, bitmap, found, want) -> int: set the bits of draw % numel "
+     "(uint64 draws, in order) until `want` distinct values are set; returns their count."},
+    {"subset_positions", subset_positions, METH_VARARGS,
+     "subset_positions(bitmap, numel, value, out): the positions below numel whose bit is "
+     "`value`, ascending, into int64 out (their number must be its length)."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa([name]) -> str: run the avx512f, avx2 or generic kernels from now on (tests "
      "compare them); returns the previous choice (without a name: the current one). "
@@ -1584,8 +1682,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     "_native",
-    "Fused CPU kernels for the sign, ternary, qsgd and uniform codecs; see "
-    "gossipdl.compression._kernels.",
+    "Fused CPU kernels for the sign, ternary, qsgd and uniform codecs and random-k's "
+    "subsets; see gossipdl.compression._kernels.",
     -1,
     methods,
     NULL,
