@@ -285,8 +285,8 @@ def random_subset(seed: int, numel: int, count: int) -> np.ndarray:
     the modulo bias is below ``numel / 2^64``). Past half of ``numel`` it draws
     the complement instead, so the expected number of draws stays below
     ``numel · ln 2``. The C kernels mark the draws in a bitmap of ``numel`` bits and
-    read the subset off it in order (5 ms for 1% of 10M values against numpy's 33 ms;
-    120 ms against 49 s for 60%); both give the same subset.
+    read the subset off it in order (4 ms for 1% of 10M values against numpy's 33 ms;
+    105 ms for 60%, against numpy's 1.7 s); both give the same subset.
     """
     if count <= 0 or numel == 0:
         return np.zeros(0, np.int64)
@@ -304,19 +304,17 @@ def random_subset(seed: int, numel: int, count: int) -> np.ndarray:
         subset = np.empty(count, np.int64)
         native.subset_positions(seen, numel, 0 if complement else 1, subset)
         return subset
-    stream = np.zeros(0, np.uint64)
-    while True:
-        draws = bits.random_raw(int((want - np.unique(stream).size) * 1.1) + 64)
-        stream = np.concatenate((stream, draws % np.uint64(numel)))
-        values, first = np.unique(stream, return_index=True)
-        if values.size >= want:
-            break
-    picked = np.sort(values[np.argsort(first, kind="stable")[:want]]).astype(np.int64)
-    if not complement:
-        return picked
-    mask = np.ones(numel, bool)
-    mask[picked] = False
-    return np.flatnonzero(mask)
+    seen, found = np.zeros(numel, bool), 0  # numpy: each batch of draws deduplicated once
+    while found < want:
+        draws = (bits.random_raw(int((want - found) * 1.1) + 64) % np.uint64(numel)).astype(
+            np.int64
+        )
+        fresh = draws[~seen[draws]]
+        values, first = np.unique(fresh, return_index=True)  # each value's first draw
+        values = values[np.argsort(first, kind="stable")][: want - found]  # in draw order
+        seen[values] = True
+        found += values.size
+    return np.flatnonzero(~seen if complement else seen)
 
 
 @dataclass(frozen=True)
