@@ -91,10 +91,16 @@ def gossipdl_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "gossipdl", *args]
 
 
+def fork_gossipdl(*args: str, log: Path) -> ForkedCommand:
+    """``gossipdl ARGS`` as the launcher starts a peer: forked from the preloaded server, a
+    process of its own with one torch thread, its stderr in ``log``."""
+    return ForkedCommand(list(args), {**os.environ, "OMP_NUM_THREADS": "1"}, log)
+
+
 def start_peer(*args: str, log: Path) -> tuple[ForkedCommand, str]:
-    """Start ``gossipdl peer ARGS`` as the launcher does (forked from the preloaded server,
-    a process of its own) and return it and its listening address."""
-    proc = ForkedCommand(["peer", *args], {**os.environ, "OMP_NUM_THREADS": "1"}, log)
+    """Start ``gossipdl peer ARGS`` as the launcher does (:func:`fork_gossipdl`) and return
+    it and its listening address."""
+    proc = fork_gossipdl("peer", *args, log=log)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("listening on "):
@@ -104,11 +110,11 @@ def start_peer(*args: str, log: Path) -> tuple[ForkedCommand, str]:
 
 
 def run_forked(*args: str, log: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    """``gossipdl ARGS`` forked as :func:`start_peer` forks a peer, run to its end: like
+    """``gossipdl ARGS`` forked (:func:`fork_gossipdl`) and run to its end: like
     ``subprocess.run`` with captured output (stderr is also kept in ``log``), without a
     fresh interpreter importing torch. For commands that start no local peers: a forked
     command is daemonic, so a launch from it would start its peers as subprocesses."""
-    proc = ForkedCommand(list(args), {**os.environ, "OMP_NUM_THREADS": "1"}, log)
+    proc = fork_gossipdl(*args, log=log)
     assert proc.stdout is not None
     chunks: list[str] = []
     reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import stat
 import threading
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 import torch
 import zmq.auth
 from conftest import (
+    fork_gossipdl,
     last_record,
     run_forked,
     small_config,
@@ -136,33 +136,29 @@ def test_a_secure_parameter_server_serves_listed_workers_and_refuses_a_stranger(
     config = small_config(tmp_path, mode="ps", peers=2, steps=20, round_timeout=4.0)
     path = write_config(tmp_path / "ps.toml", config)
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    server = ForkedCommand(
-        ["server", "--config", str(path), "--out", str(out),
-         "--secure", "--keys", str(dir_s), "--allow", str(allow)],
-        env, tmp_path / "server.log",
+    server = fork_gossipdl(
+        "server", "--config", str(path), "--out", str(out),
+        "--secure", "--keys", str(dir_s), "--allow", str(allow), log=tmp_path / "server.log",
     )  # fmt: skip
     assert server.stdout is not None
 
-    def worker(rank: int, keys: Path, allowed: Path, name: str) -> ForkedCommand:
-        """Worker ``rank`` writing to ``out`` (the stranger to a run of its own), its stderr
-        to ``NAME.log``."""
-        return ForkedCommand(
-            ["peer", "--config", str(path), "--servers", address, "--rank", str(rank),
-             "--out", str(out if name.startswith("w") else tmp_path / name),
-             "--secure", "--keys", str(keys), "--allow", str(allowed)],
-            env, tmp_path / f"{name}.log",
+    def worker(rank: int, keys: Path, allowed: Path, name: str, into: Path) -> ForkedCommand:
+        """Worker ``rank`` writing its run to ``into``, its stderr to ``NAME.log``."""
+        return fork_gossipdl(
+            "peer", "--config", str(path), "--servers", address, "--rank", str(rank),
+            "--out", str(into), "--secure", "--keys", str(keys), "--allow", str(allowed),
+            log=tmp_path / f"{name}.log",
         )  # fmt: skip
 
     workers: list[ForkedCommand] = []
     stranger = None
     try:
         address = server.stdout.readline().split()[-1]
-        stranger = worker(1, dir_x, _allow(tmp_path / "x.txt", key_s, key_x), "x")
+        stranger = worker(1, dir_x, _allow(tmp_path / "x.txt", key_s, key_x), "x", tmp_path / "x")
         # The workers start once the stranger was refused: a stranger slowed by a loaded
         # machine could otherwise knock after they finished and the server was gone.
         wait_for(lambda: _counters(out).get("handshakes_refused"), 90, "the stranger's refusal")
-        workers += [worker(rank, dir_w, allow, f"w{rank}") for rank in (0, 1)]  # beside it
+        workers += [worker(rank, dir_w, allow, f"w{rank}", out) for rank in (0, 1)]  # beside it
         assert stranger.wait(60) == 2
         stderr = (tmp_path / "x.log").read_text()
         assert "did not answer within 4s with any key of the allow-list" in " ".join(stderr.split())
