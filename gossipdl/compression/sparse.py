@@ -294,27 +294,28 @@ def random_subset(seed: int, numel: int, count: int) -> np.ndarray:
         return np.arange(numel, dtype=np.int64)
     complement = count > numel // 2
     want = numel - count if complement else count
-    bits = np.random.PCG64(seed)
     native = native_kernels(torch.device("cpu"))
-    if native is not None:
-        seen, found = np.zeros(-(-numel // 8), np.uint8), 0
-        while found < want:
-            draws = bits.random_raw(int((want - found) * 1.1) + 64)
-            found = native.subset_mark(draws, numel, seen, found, want)
-        subset = np.empty(count, np.int64)
-        native.subset_positions(seen, numel, 0 if complement else 1, subset)
-        return subset
-    seen, found = np.zeros(numel, bool), 0  # numpy: each batch of draws deduplicated once
+    # Which values were drawn: a bitmap for the C kernels, one bool per value for numpy.
+    seen = np.zeros(-(-numel // 8), np.uint8) if native is not None else np.zeros(numel, bool)
+    mark = native.subset_mark if native is not None else _subset_mark
+    bits, found = np.random.PCG64(seed), 0
     while found < want:
-        draws = (bits.random_raw(int((want - found) * 1.1) + 64) % np.uint64(numel)).astype(
-            np.int64
-        )
-        fresh = draws[~seen[draws]]
-        values, first = np.unique(fresh, return_index=True)  # each value's first draw
-        values = values[np.argsort(first, kind="stable")][: want - found]  # in draw order
-        seen[values] = True
-        found += values.size
-    return np.flatnonzero(~seen if complement else seen)
+        found = mark(bits.random_raw(int((want - found) * 1.1) + 64), numel, seen, found, want)
+    if native is None:
+        return np.flatnonzero(~seen if complement else seen)
+    subset = np.empty(count, np.int64)
+    native.subset_positions(seen, numel, 0 if complement else 1, subset)
+    return subset
+
+
+def _subset_mark(draws: np.ndarray, numel: int, seen: np.ndarray, found: int, want: int) -> int:
+    """numpy's ``subset_mark``: mark ``seen`` (a bool per value) at the first new values of
+    ``draws % numel``, in draw order, until ``want`` are marked; returns how many are."""
+    values = (draws % np.uint64(numel)).astype(np.int64)
+    fresh, first = np.unique(values[~seen[values]], return_index=True)  # each one's first draw
+    fresh = fresh[np.argsort(first, kind="stable")][: want - found]  # in draw order
+    seen[fresh] = True
+    return found + fresh.size
 
 
 @dataclass(frozen=True)
