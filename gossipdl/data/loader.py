@@ -7,6 +7,8 @@ processes, no per-step host-to-device copy of the data.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -46,10 +48,19 @@ def standardise(x: torch.Tensor, pixels: Pixels | None) -> torch.Tensor:
     """
     if pixels is None:
         return x
-    shape = (1, -1, 1, 1)
-    std = torch.tensor(pixels.std, dtype=torch.float32, device=x.device).view(shape)
-    mean = torch.tensor(pixels.mean, dtype=torch.float32, device=x.device).view(shape)
+    mean, std = _channel_stats(pixels, x.device)
     return (x.float() / 255.0 - mean) / std
+
+
+@functools.lru_cache(maxsize=8)
+def _channel_stats(pixels: Pixels, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pixels``' mean and std as ``[1, C, 1, 1]`` tensors on ``device``, made once: every
+    batch reads them, and on a GPU each new one would be a copy from the host."""
+    mean, std = (
+        torch.tensor(v, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        for v in (pixels.mean, pixels.std)
+    )
+    return mean, std
 
 
 def evaluation_inputs(dataset: Dataset, device: torch.device | str = "cpu") -> torch.Tensor:
