@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -685,6 +686,75 @@ def test_the_subset_kernels_check_their_sizes() -> None:
     out = np.empty(2, np.int64)
     native.subset_positions(np.array([0b11111010, 0xFF], np.uint8), 9, 0, out)  # bit 8 is set
     assert out.tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("count", [0, 1, 31, 32, 33, 1000, 100_003])
+def test_c_magnitude_at_least_matches_numpy(native_isa: Any, count: int) -> None:
+    """Positions and values of ``|x| >= tau`` on every instruction set: never NaN, always
+    ``±tau`` itself, and an output too short for them still counts them all."""
+    rng = np.random.default_rng(count)
+    x = rng.standard_normal(count).astype(np.float32)
+    x[::13] = np.nan
+    x[5::17] = -1.5
+    want = np.flatnonzero(np.abs(x) >= 1.5)
+    idx, val = np.full(count, -7, np.int64), np.full(count, np.nan, np.float32)
+    assert native_isa.magnitude_at_least(x, 1.5, idx, val) == want.size
+    np.testing.assert_array_equal(idx[: want.size], want)
+    np.testing.assert_array_equal(val[: want.size], x[want])
+    short = np.empty(2, np.int64), np.empty(2, np.float32)
+    assert native_isa.magnitude_at_least(x, 1.5, *short) == want.size
+    np.testing.assert_array_equal(short[0][: min(2, want.size)], want[:2])
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 17, 1000, 100_003, (16 << 20) // 4 + 21])
+def test_c_densify_matches_numpy_and_refuses_bad_positions(native_isa: Any, count: int) -> None:
+    """A dense vector from sorted pairs on every instruction set (the largest output takes
+    the non-temporal stores); positions that do not rise strictly inside it are refused."""
+    rng = np.random.default_rng(count)
+    pos = np.sort(rng.choice(count, count // 10, replace=False)).astype(np.int64)
+    val = rng.standard_normal(pos.size).astype(np.float32)
+    out = kernels.host_empty(count)
+    out[:] = np.nan
+    native_isa.densify(pos, val, out)
+    want = np.zeros(count, np.float32)
+    want[pos] = val
+    np.testing.assert_array_equal(out, want)
+    if pos.size < 2:
+        return
+    for bad in (pos[::-1], np.r_[pos[:-1], count], np.r_[-1, pos[1:]], np.r_[pos[:1], pos[:-1]]):
+        with pytest.raises(ValueError, match=rf"rise strictly and lie in \[0, {count}\)"):
+            native_isa.densify(np.ascontiguousarray(bad, np.int64), val, out)
+
+
+def test_the_sparse_kernels_check_their_sizes() -> None:
+    native = kernels.native_kernels(torch.device("cpu"))
+    assert native is not None
+    x = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="as many float32 val"):
+        native.magnitude_at_least(x, 1.0, np.empty(2, np.int64), np.empty(3, np.float32))
+    with pytest.raises(ValueError, match="as many float32 val"):
+        native.densify(np.arange(2, dtype=np.int64), np.ones(3, np.float32), x)
+    with pytest.raises(ValueError, match="whole float32 out"):
+        native.densify(np.arange(2, dtype=np.int64), np.ones(2, np.float32), np.zeros(5, np.uint8))
+
+
+def test_threshold_selects_alike_on_every_kernel() -> None:
+    """C, numpy and torch keep the same entries, compared in float32: a fixed tau that float32
+    cannot hold (0.1) and entries exactly at it, ``threshold:auto``, and top-k's refinement
+    among ties."""
+    x = torch.randn(600_000, generator=torch.Generator().manual_seed(4))
+    x[:50] = float(np.float32(0.1))
+    x[50:100] = -float(np.float32(0.1))
+    x[100:20_000] = 2.5  # ties at top-k's k-th largest magnitude
+    kept = {}
+    specs = ("threshold:0.1", "threshold:0.09999", "threshold:auto", "topk:0.02")
+    backends = {"c": contextlib.nullcontext, "numpy": kernels.numpy_kernels}
+    for name, backend in {**backends, "torch": kernels.torch_kernels}.items():
+        with backend():
+            kept[name] = [build_codec(spec).encode(x)[1] for spec in specs]
+    for spec, c, n, t in zip(specs, *kept.values(), strict=True):
+        assert torch.equal(c, n) and torch.equal(c, t), spec
+    assert int((kept["c"][1][:100] != 0).sum()) == 100 and int((kept["c"][0][:100] != 0).sum()) == 0
 
 
 # --- unbiasedness ---------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-/* Fused CPU kernels for the sign, ternary, qsgd and uniform codecs and random-k's
- * subsets (gossipdl.compression._native).
+/* Fused CPU kernels for the sign, ternary, qsgd and uniform codecs, random-k's subsets and
+ * sparse vectors (gossipdl.compression._native).
  *
  * numpy needs four passes over a 40 MB tensor for a sign encode (signbit,
  * packbits, a ±1 table lookup, a dot product for the L1 norm) and torch more;
@@ -47,6 +47,13 @@
  *   subset_positions(bitmap, numel, value, out) -> None
  *       out (int64) = the positions below numel whose bit is `value` (1 or 0),
  *       ascending; their number must be out's length.
+ *   magnitude_at_least(x, tau, idx, val) -> int
+ *       The positions i (ascending) with |x_i| >= tau (float32 compare; NaN never) and
+ *       x_i there, into int64 idx and float32 val, at most len(idx) of them; returns
+ *       how many there are in all (the caller makes room and asks again if more).
+ *   densify(idx, val, out) -> None
+ *       out = 0 but at positions idx (int64, strictly rising, below len(out)), where
+ *       it is val; other positions raise ValueError.
  *   use_isa([name]) -> str
  *       Run the "avx512f", "avx2" or "generic" kernels from now on (the best
  *       the CPU has is picked at import; tests compare them) and return the
@@ -83,6 +90,11 @@
 #define BLOCK 4096                   /* values summed in float32 before the sum moves to double */
 #define PREFETCH 1024                /* values ahead of the one being read */
 #define STREAM_BYTES ((Py_ssize_t)16 << 20)
+
+/* Non-temporal stores for an output that cannot stay in cache (a fence after them). */
+static inline int stream_out(const float *out, int64_t n) {
+    return (int64_t)n * 4 >= STREAM_BYTES && (uintptr_t)out % 64 == 0;
+}
 
 typedef double (*encode_t)(const float *x, uint8_t *bits, int64_t n);
 typedef void (*expand_t)(const uint8_t *bits, float scale, float *out, int64_t n, int stream);
@@ -997,10 +1009,6 @@ AVX512 static int codes_run_avx512(const uint8_t *packed, int64_t nbytes, int bi
     return vmx > mx ? vmx : mx;
 }
 
-static inline int stream_out(const float *out, int64_t n) {
-    return (int64_t)n * 4 >= STREAM_BYTES && (uintptr_t)out % 64 == 0;
-}
-
 AVX512 static void ternary_decode_avx512(const uint8_t *packed, const float *scales, int64_t n,
                                          int64_t block, float *out) {
     int64_t size = block ? block : n, nbytes = (n + 4) / 5;
@@ -1046,11 +1054,6 @@ static const quantizers_t *quantizers = &quantizers_generic;
 
 /* --- encode drivers: chunks, block runs, scales --- */
 
-/* Non-temporal stores for an output that cannot stay in cache, then a fence after them. */
-static inline int stream_estimate(const float *out, int64_t n) {
-    return (int64_t)n * 4 >= STREAM_BYTES && (uintptr_t)out % 64 == 0;
-}
-
 static inline void fence(void) {
 #ifdef GOSSIPDL_X86
     _mm_sfence();
@@ -1063,7 +1066,7 @@ static void ternary_encode_all(const float *x, int64_t n, int64_t block, uint64_
     float u[CHUNK];
     xoshiro_t lanes;
     int64_t size = block ? block : n, block_end = 0, b = -1;
-    int stream = stream_estimate(out, n);
+    int stream = stream_out(out, n);
     float s = 0.0f, inv24 = 0.0f;
     seed_lanes(&lanes, seed);
     if (n == 0 && block == 0)
@@ -1108,7 +1111,7 @@ static void qsgd_encode_all(const float *x, int64_t n, int64_t block, int levels
     const int bits = qsgd_bits(levels);
     const float s = (float)levels;
     int64_t size = block ? block : n, block_end = 0, b = -1;
-    int stream = stream_estimate(out, n);
+    int stream = stream_out(out, n);
     float scale = 0.0f, unit = 0.0f;
     seed_lanes(&lanes, seed);
     if (n == 0 && block == 0)
@@ -1143,7 +1146,7 @@ static void uniform_encode_all(const float *x, int64_t n, int64_t block, int bit
     uint8_t codes[CHUNK + SLACK], bytes[CHUNK + SLACK];
     const float top = (float)((1 << bits) - 1);
     int64_t size = block ? block : n, block_end = 0, b = -1;
-    int stream = stream_estimate(out, n);
+    int stream = stream_out(out, n);
     float lo = 0.0f, step = 0.0f, inverse = 0.0f;
     if (n == 0 && block == 0)
         los[0] = steps[0] = 0.0f;
@@ -1172,8 +1175,148 @@ static void uniform_encode_all(const float *x, int64_t n, int64_t block, int bit
     fence();
 }
 
+/* --- sparse vectors: top-k's candidates, and a dense vector from sorted (index, value) pairs
+ *
+ * at_least reads x once and records every |x_i| >= tau: the vector kernels compare 16 (8)
+ * magnitudes at a time and visit only the lanes that pass (about 1 in 100 for a top-1%
+ * candidate threshold). densify writes a dense vector once: each 64-byte (32-byte) piece is
+ * built in a register, zeros with the values that fall in it, and stored once (past the
+ * cache when the output is large), instead of zeroing the whole vector and writing the
+ * values over it. A position that is not above the one before it, or not below n, makes
+ * densify return -1 (the caller raises; nothing is written outside out). */
+
+typedef int64_t (*at_least_t)(const float *x, int64_t n, float tau, int64_t *idx, float *val,
+                              int64_t cap);
+typedef int (*densify_t)(const int64_t *idx, const float *val, int64_t k, float *out, int64_t n,
+                         int stream);
+
+/* Records of the positions in `hits` (bits of x[base..base+32)), at most cap written. */
+static inline int64_t take_hits(uint32_t hits, int64_t base, const float *x, int64_t *idx,
+                                float *val, int64_t cap, int64_t count) {
+    for (; hits; hits &= hits - 1, count++)
+        if (count < cap) {
+            int64_t p = base + __builtin_ctz(hits);
+            idx[count] = p;
+            val[count] = x[p];
+        }
+    return count;
+}
+
+static int64_t at_least_from(const float *x, int64_t from, int64_t n, float tau, int64_t *idx,
+                             float *val, int64_t cap, int64_t count) {
+    for (int64_t i = from; i < n; i++)
+        count = take_hits(fabsf(x[i]) >= tau, i, x, idx, val, cap, count);
+    return count;
+}
+
+static int64_t at_least_generic(const float *x, int64_t n, float tau, int64_t *idx, float *val,
+                                int64_t cap) {
+    return at_least_from(x, 0, n, tau, idx, val, cap, 0);
+}
+
+/* Zeros in out[from..n), then each remaining pair in place (checked). */
+static int densify_from(const int64_t *idx, const float *val, int64_t k, float *out,
+                        int64_t from, int64_t n, int64_t prev) {
+    memset(out + from, 0, (size_t)(n - from) * 4);
+    for (int64_t j = 0; j < k; prev = idx[j], j++) {
+        if (idx[j] <= prev || idx[j] >= n)
+            return -1;
+        out[idx[j]] = val[j];
+    }
+    return 0;
+}
+
+static int densify_generic(const int64_t *idx, const float *val, int64_t k, float *out, int64_t n,
+                           int stream) {
+    (void)stream;
+    return densify_from(idx, val, k, out, 0, n, -1);
+}
+
+#ifdef GOSSIPDL_X86
+__attribute__((target("avx512f"))) static int64_t at_least_avx512(const float *x, int64_t n,
+                                                                  float tau, int64_t *idx,
+                                                                  float *val, int64_t cap) {
+    const __m512 t = _mm512_set1_ps(tau);
+    int64_t count = 0, i = 0;
+    for (; i + 32 <= n; i += 32) {
+        _mm_prefetch((const char *)(x + i + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(x + i + 16 + PREFETCH), _MM_HINT_T0);
+        uint32_t lo = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(x + i)), t, _CMP_GE_OQ);
+        uint32_t hi = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(x + i + 16)), t,
+                                         _CMP_GE_OQ);
+        count = take_hits(lo | hi << 16, i, x, idx, val, cap, count);
+    }
+    return at_least_from(x, i, n, tau, idx, val, cap, count);
+}
+
+__attribute__((target("avx2"))) static int64_t at_least_avx2(const float *x, int64_t n, float tau,
+                                                             int64_t *idx, float *val,
+                                                             int64_t cap) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 t = _mm256_set1_ps(tau);
+    int64_t count = 0, i = 0;
+    for (; i + 32 <= n; i += 32) {
+        _mm_prefetch((const char *)(x + i + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(x + i + 16 + PREFETCH), _MM_HINT_T0);
+        uint32_t hits = 0;
+        for (int q = 0; q < 4; q++) {
+            __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + i + 8 * q), magnitude);
+            hits |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GE_OQ)) << (8 * q);
+        }
+        count = take_hits(hits, i, x, idx, val, cap, count);
+    }
+    return at_least_from(x, i, n, tau, idx, val, cap, count);
+}
+
+__attribute__((target("avx512f"))) static int densify_avx512(const int64_t *idx, const float *val,
+                                                             int64_t k, float *out, int64_t n,
+                                                             int stream) {
+    int64_t j = 0, prev = -1, base = 0;
+    for (; base + 16 <= n; base += 16) {
+        __m512 v = _mm512_setzero_ps();
+        for (; j < k && idx[j] < base + 16; prev = idx[j], j++) {
+            if (idx[j] <= prev) /* the ones before are below base: this one is in [base, +16) */
+                return -1;
+            v = _mm512_mask_mov_ps(v, (__mmask16)(1u << (idx[j] - base)), _mm512_set1_ps(val[j]));
+        }
+        if (stream)
+            _mm512_stream_ps(out + base, v);
+        else
+            _mm512_storeu_ps(out + base, v);
+    }
+    if (stream)
+        _mm_sfence();
+    return densify_from(idx + j, val + j, k - j, out, base, n, prev);
+}
+
+__attribute__((target("avx2"))) static int densify_avx2(const int64_t *idx, const float *val,
+                                                        int64_t k, float *out, int64_t n,
+                                                        int stream) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t j = 0, prev = -1, base = 0;
+    for (; base + 8 <= n; base += 8) {
+        __m256 v = _mm256_setzero_ps();
+        for (; j < k && idx[j] < base + 8; prev = idx[j], j++) {
+            if (idx[j] <= prev)
+                return -1;
+            __m256i at = _mm256_cmpeq_epi32(lanes, _mm256_set1_epi32((int)(idx[j] - base)));
+            v = _mm256_blendv_ps(v, _mm256_set1_ps(val[j]), _mm256_castsi256_ps(at));
+        }
+        if (stream)
+            _mm256_stream_ps(out + base, v);
+        else
+            _mm256_storeu_ps(out + base, v);
+    }
+    if (stream)
+        _mm_sfence();
+    return densify_from(idx + j, val + j, k - j, out, base, n, prev);
+}
+#endif
+
 static encode_t encode_kernel = encode_generic;
 static expand_t expand_kernel = expand_generic;
+static at_least_t at_least_kernel = at_least_generic;
+static densify_t densify_kernel = densify_generic;
 static const char *isa = "generic";
 
 /* Use the kernels for `name` ("avx512f", "avx2" or "generic"), or the best the CPU has (NULL).
@@ -1184,17 +1327,20 @@ static int pick_kernels(const char *name) {
     __builtin_cpu_init();
     if ((any || !strcmp(name, "avx512f")) && __builtin_cpu_supports("avx512f")) {
         encode_kernel = encode_avx512, expand_kernel = expand_avx512, isa = "avx512f";
+        at_least_kernel = at_least_avx512, densify_kernel = densify_avx512;
         quantizers = &quantizers_avx512;
         return 0;
     }
     if ((any || !strcmp(name, "avx2")) && __builtin_cpu_supports("avx2")) {
         encode_kernel = encode_avx2, expand_kernel = expand_avx2, isa = "avx2";
+        at_least_kernel = at_least_avx2, densify_kernel = densify_avx2;
         quantizers = &quantizers_avx2;
         return 0;
     }
 #endif
     if (any || !strcmp(name, "generic")) {
         encode_kernel = encode_generic, expand_kernel = expand_generic, isa = "generic";
+        at_least_kernel = at_least_generic, densify_kernel = densify_generic;
         quantizers = &quantizers_generic;
         return 0;
     }
@@ -1639,6 +1785,62 @@ static PyObject *subset_positions(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* --- sparse vectors --- */
+
+static PyObject *magnitude_at_least(PyObject *self, PyObject *args) {
+    Py_buffer x, idx, val;
+    float tau;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*fw*w*:magnitude_at_least", &x, &tau, &idx, &val))
+        return NULL;
+    int64_t cap = idx.len / 8, count = 0;
+    int ok = x.len % 4 == 0 && idx.len % 8 == 0 && val.len == cap * 4;
+    if (!ok)
+        PyErr_Format(PyExc_ValueError,
+                     "magnitude_at_least: need whole float32 x, whole int64 idx and as many "
+                     "float32 val (%zd, %zd and %zd bytes)",
+                     x.len, idx.len, val.len);
+    else {
+        Py_BEGIN_ALLOW_THREADS count =
+            at_least_kernel(x.buf, x.len / 4, tau, idx.buf, val.buf, cap);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&idx);
+    PyBuffer_Release(&val);
+    return ok ? PyLong_FromLongLong(count) : NULL;
+}
+
+static PyObject *densify(PyObject *self, PyObject *args) {
+    Py_buffer idx, val, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*:densify", &idx, &val, &out))
+        return NULL;
+    int64_t k = idx.len / 8, n = out.len / 4;
+    int ok = idx.len % 8 == 0 && val.len == k * 4 && out.len % 4 == 0, placed = 0;
+    if (!ok)
+        PyErr_Format(PyExc_ValueError,
+                     "densify: need whole int64 idx, as many float32 val and a whole float32 "
+                     "out (%zd, %zd and %zd bytes)",
+                     idx.len, val.len, out.len);
+    else {
+        int stream = stream_out(out.buf, n);
+        Py_BEGIN_ALLOW_THREADS placed = densify_kernel(idx.buf, val.buf, k, out.buf, n, stream);
+        Py_END_ALLOW_THREADS
+        ok = placed == 0;
+        if (!ok)
+            PyErr_Format(PyExc_ValueError,
+                         "densify: positions must rise strictly and lie in [0, %lld)",
+                         (long long)n);
+    }
+    PyBuffer_Release(&idx);
+    PyBuffer_Release(&val);
+    PyBuffer_Release(&out);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *use_isa(PyObject *self, PyObject *args) {
     const char *name = NULL;
     (void)self;
@@ -1685,6 +1887,13 @@ static PyMethodDef methods[] = {
     {"subset_positions", subset_positions, METH_VARARGS,
      "subset_positions(bitmap, numel, value, out): the positions below numel whose bit is "
      "`value`, ascending, into int64 out (their number must be its length)."},
+    {"magnitude_at_least", magnitude_at_least, METH_VARARGS,
+     "magnitude_at_least(x, tau, idx, val) -> int: the positions (ascending) and values of "
+     "float32 x where |x| >= tau into int64 idx and float32 val, at most their length; "
+     "returns how many there are in all."},
+    {"densify", densify, METH_VARARGS,
+     "densify(idx, val, out): float32 out = 0 but at the int64 positions idx (strictly "
+     "rising, below len(out)), where it is val; ValueError for any other positions."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa([name]) -> str: run the avx512f, avx2 or generic kernels from now on (tests "
      "compare them); returns the previous choice (without a name: the current one). "
@@ -1695,8 +1904,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     "_native",
-    "Fused CPU kernels for the sign, ternary, qsgd and uniform codecs and random-k's "
-    "subsets; see gossipdl.compression._kernels.",
+    "Fused CPU kernels for the sign, ternary, qsgd and uniform codecs, random-k's subsets "
+    "and sparse vectors; see gossipdl.compression._kernels.",
     -1,
     methods,
     NULL,
