@@ -28,10 +28,11 @@ from gossipdl.compression import (
     register_codec,
 )
 from gossipdl.compression import _kernels as kernels
+from gossipdl.compression import powersgd as powersgd_module
 from gossipdl.compression import sparse as sparse_module
 from gossipdl.compression.base import ValueCodec
 from gossipdl.compression.floating import Float16
-from gossipdl.compression.powersgd import matrix_shape
+from gossipdl.compression.powersgd import matrix_shape, power_step, reconstruct, row_split
 from gossipdl.compression.quantization import QSGD, Sign
 from gossipdl.compression.sparse import random_subset
 
@@ -1259,6 +1260,48 @@ def test_powersgd_warm_start_lives_on_the_sender() -> None:
     assert not zeros.any()
     _, again = sender.encode(low_rank)
     assert float((again - low_rank).norm() / low_rank.norm()) < 0.5  # not stuck at zero
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_reconstruct_rounds_every_product_and_sum_on_its_own(
+    backend: str, rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reconstruct`` a block of rows at a time (3 here, the last block short) with numpy,
+    or in one pass with the torch kernels (a GPU's), gives the bits of the whole-matrix
+    formula ``((p₀q₀ + p₁q₁) + p₂q₂)``, each operation rounded: no fused multiply-add."""
+    monkeypatch.setattr(powersgd_module, "RECONSTRUCT_BLOCK_BYTES", 3 * 4 * 37)
+    generator = torch.Generator().manual_seed(rank)
+    p = torch.randn(20, rank, generator=generator) * 1e3
+    q = torch.randn(37, rank, generator=generator)
+    p[4], q[6] = 0.0, -0.0  # signed zeros
+    expected = p[:, 0:1] * q[:, 0]
+    for j in range(1, rank):
+        expected = expected + p[:, j : j + 1] * q[:, j]
+    out = torch.full((20 * 37,), math.nan)
+    assert reconstruct(p, q, out) is out
+    assert_bitwise(out, expected.reshape(-1))
+
+
+def test_powersgd_pads_a_vector_without_copying_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vector short of its near-square matrix is that matrix's full rows (a view) and a
+    zero-padded last row: the factors of the padded matrix, and the sender's estimate is
+    what every receiver decodes, bit for bit, numpy blocks or torch kernels."""
+    monkeypatch.setattr(powersgd_module, "RECONSTRUCT_BLOCK_BYTES", 5 * 4 * 32)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    rows, cols = matrix_shape(x.numel())  # 32 × 32: 24 zeros of padding
+    head, tail = row_split(x, rows, cols)
+    padded = torch.cat([x, x.new_zeros(rows * cols - x.numel())]).view(rows, cols)
+    assert tail is not None and head.data_ptr() == x.data_ptr()
+    assert torch.equal(torch.cat([head, tail]), padded)
+    assert row_split(x[:992], 31, 32)[1] is None
+    start = torch.randn(cols, 2, generator=torch.Generator().manual_seed(4))
+    p, q = power_step(head, tail, start)
+    p_padded = torch.linalg.qr(padded @ start, mode="reduced").Q
+    torch.testing.assert_close(p @ q.T, p_padded @ p_padded.T @ padded, atol=1e-4, rtol=1e-4)
+    payload, sent = build_codec("powersgd:2").encode(x)
+    assert_bitwise(build_codec("powersgd:2").decode(wire_copy(payload), x.numel()), sent)
+    with kernels.torch_kernels():
+        assert_bitwise(build_codec("powersgd:2").decode(wire_copy(payload), x.numel()), sent)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

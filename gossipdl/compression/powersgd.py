@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
-from gossipdl.compression._kernels import Rng, from_host, to_host
+from gossipdl.compression._kernels import Rng, empty_on, from_host, to_host, use_numpy
 from gossipdl.compression.base import (
     Codec,
     CodecError,
@@ -19,7 +21,21 @@ from gossipdl.compression.base import (
     check_vector,
 )
 
-__all__ = ["LowRankLayout", "PowerSGD", "as_matrix", "matrix_shape", "reconstruct", "split"]
+__all__ = [
+    "LowRankLayout",
+    "PowerSGD",
+    "matrix_shape",
+    "power_step",
+    "reconstruct",
+    "row_split",
+    "split",
+]
+
+RECONSTRUCT_BLOCK_BYTES = 256 << 10
+"""On a CPU :func:`reconstruct` builds this many bytes of rows at a time, so each rank's
+products stay in cache until they are summed: for 10M values at rank 2 on one thread a
+write of the output plus two passes in cache, 6-11 ms, where whole-matrix passes took
+41 ms (64 KiB to 1 MiB blocks were within 1.3x of 256 KiB)."""
 
 
 def matrix_shape(numel: int) -> tuple[int, int]:
@@ -30,31 +46,42 @@ def matrix_shape(numel: int) -> tuple[int, int]:
     return rows, -(-numel // rows)
 
 
-def reconstruct(p: torch.Tensor, q: torch.Tensor, numel: int) -> torch.Tensor:
-    """``Σ_j P̂[:, j] Q[:, j]ᵀ`` (rows × cols) flattened and cropped to ``numel``, in a fixed
-    order of elementwise operations, so every machine computes the same bits."""
-    rows, cols = p.shape[0], q.shape[0]
-    out = torch.empty(rows * cols, dtype=torch.float32, device=p.device)
-    if numel == 0:
-        return out
-    matrix = out.view(rows, cols)
-    if p.shape[1] == 0:
-        return out.zero_()[:numel]
-    torch.mul(p[:, 0:1], q[:, 0].view(1, cols), out=matrix)
-    for j in range(1, p.shape[1]):
-        matrix.add_(p[:, j : j + 1] * q[:, j].view(1, cols))
-    return out[:numel]
+def reconstruct(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``Σ_j P̂[:, j] Q[:, j]ᵀ`` (rows × cols) written row-major into ``out`` (a contiguous
+    vector of rows·cols) and returned: each value is ``((p₀q₀ + p₁q₁) + p₂q₂) + …``, every
+    product and sum rounded on its own (no fused multiply-add), so every machine and
+    kernel computes the same bits. On a CPU numpy runs it a block of rows at a time."""
+    rows, cols, rank = p.shape[0], q.shape[0], p.shape[1]
+    if out.numel() == 0 or rank == 0:
+        return out.zero_()
+    on_host = use_numpy(out)
+    step = max(1, RECONSTRUCT_BLOCK_BYTES // (4 * cols)) if on_host else rows
+    scratch = out.new_empty(min(step, rows) if rank > 1 else 0, cols)  # one p_j q_j block
+    tensors = (p, q.T.contiguous(), out.view(rows, cols), scratch)
+    operands: Sequence[Any] = [t.numpy() for t in tensors] if on_host else tensors
+    ps, qts, matrix, products = operands
+    xp: Any = np if on_host else torch
+    for start in range(0, rows, step):
+        block = matrix[start : start + step]
+        xp.multiply(ps[start : start + step, 0:1], qts[0], out=block)
+        for j in range(1, rank):
+            product = products[: len(block)]
+            xp.multiply(ps[start : start + step, j : j + 1], qts[j], out=product)
+            xp.add(block, product, out=block)
+    return out
 
 
-def as_matrix(v: torch.Tensor) -> torch.Tensor:
-    """``v`` laid out row-major as the near-square ``matrix_shape`` matrix (zero padded)."""
-    numel = v.numel()
-    rows, cols = matrix_shape(numel)
-    if rows * cols == numel:
-        return v.view(rows, cols)
-    m = torch.zeros(rows * cols, dtype=v.dtype, device=v.device)
-    m[:numel] = v
-    return m.view(rows, cols)
+def row_split(flat: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``rows × cols`` matrix whose row-major values are ``flat`` then zeros, in two
+    parts: the rows ``flat`` fills (a view) and the rest (a zero-padded copy of what is left,
+    None when nothing is), so a near-square layout costs no copy of the whole vector."""
+    full = flat.numel() // cols
+    head = flat[: full * cols].view(full, cols)
+    if full == rows:
+        return head, None
+    tail = flat.new_zeros(rows - full, cols)
+    tail.view(-1)[: flat.numel() - full * cols] = flat[full * cols :]
+    return head, tail
 
 
 @dataclass(frozen=True)
@@ -122,6 +149,25 @@ def split(buffer: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.T
         out.append(buffer[offset : offset + n].view(*shape))
         offset += n
     return out
+
+
+def power_step(
+    head: torch.Tensor, tail: torch.Tensor | None, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1–3 of PowerSGD on the matrix ``M = [head; tail]`` (as :func:`row_split` gives
+    it) from the warm start ``q``: ``P̂`` and the new ``Q``. The products run as
+    ``Pᵀ = Qᵀ Mᵀ`` and ``Qᵀ = P̂ᵀ M`` with ``Qᵀ`` and ``P̂ᵀ`` contiguous, the shape MKL
+    streams ``M`` through at memory speed: 2-4 ms each for 10M values at rank 2 on one
+    thread, against 4-16 ms for ``M Q``, ``Mᵀ P̂`` or a strided ``Qᵀ``."""
+    qt = q.T.contiguous()
+    pt = qt @ head.T  # 1. P ← M Q
+    if tail is not None:
+        pt = torch.cat([pt, qt @ tail.T], dim=1)
+    p = torch.linalg.qr(pt.T, mode="reduced").Q  # 2. P̂ ← ORTHOGONALIZE(P), column-major
+    qt = p[: len(head)].T @ head  # 3. Q ← Mᵀ P̂
+    if tail is not None:
+        qt += p[len(head) :].T @ tail
+    return p.contiguous(), qt.T.contiguous()
 
 
 def _concat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -214,16 +260,15 @@ class PowerSGD(Codec):
         v = check_vector(x)
         numel = v.numel()
         layout = self._layout(numel)
-        flat = v if layout.numel == numel else as_matrix(v).reshape(-1)
         ps, qs = [], []
-        for m, q in zip(layout.matrices(flat), self._start(layout, v.device), strict=True):
-            p = m @ q  # 1. P ← M Q
-            p = torch.linalg.qr(p, mode="reduced").Q.contiguous()  # 2. P̂ ← ORTHOGONALIZE(P)
+        for (o, rows, cols, _), q in zip(layout.layers, self._start(layout, v.device), strict=True):
+            p, q = power_step(*row_split(v[o : o + rows * cols], rows, cols), q)
             ps.append(p)
-            qs.append((m.T @ p).contiguous())  # 3. Q ← Mᵀ P̂
-        estimate = self._estimate(layout, ps, qs, layout.dense_parts(flat), v.device, numel)
-        first = _concat([p.reshape(-1) for p in ps] + layout.dense_parts(flat), flat)
-        second = _concat([q.reshape(-1) for q in qs], flat)
+            qs.append(q)
+        vectors = layout.dense_parts(v)
+        estimate = self._estimate(layout, ps, qs, vectors, v.device, numel)
+        first = _concat([p.reshape(-1) for p in ps] + vectors, v)
+        second = _concat([q.reshape(-1) for q in qs], v)
         payload = Payload((to_host(first).copy(), to_host(second).copy()), {})
         self._keep_warm(layout, v.device, qs)
         return payload, estimate
@@ -238,9 +283,9 @@ class PowerSGD(Codec):
         numel: int,
     ) -> torch.Tensor:
         """4. the receiver's value: ``P̂ Qᵀ`` per matrix, the vectors as sent."""
-        out = torch.empty(layout.numel, dtype=torch.float32, device=device)
+        out = empty_on(device, layout.numel)
         for (o, rows, cols, _), p, q in zip(layout.layers, ps, qs, strict=True):
-            out[o : o + rows * cols] = reconstruct(p, q, rows * cols)
+            reconstruct(p, q, out[o : o + rows * cols])
         for (o, n), part in zip(layout.vectors, vectors, strict=True):
             out[o : o + n] = part
         return out[:numel]

@@ -100,8 +100,8 @@ class LowRankMean:
         for (o, rows, cols, _), p, q, q_mine in zip(
             self.layers, self._ps, self.qs, self._mine, strict=True
         ):
-            estimate[o : o + rows * cols] = reconstruct(p, q, rows * cols)
-            sent[o : o + rows * cols] = reconstruct(p, q_mine, rows * cols)
+            reconstruct(p, q, estimate[o : o + rows * cols])
+            reconstruct(p, q_mine, sent[o : o + rows * cols])
         self.error = flat - sent
         x.copy_(estimate.view_as(x))
         return x
