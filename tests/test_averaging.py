@@ -145,6 +145,18 @@ def test_powergossip_keeps_the_average_and_brings_the_models_together() -> None:
     assert payload[1].nbytes < 4 * 320 / 3  # (10 + 20) + 20 biases floats against 320 dense
 
 
+@pytest.mark.parametrize("numel", [1, 7, 10, 325])
+def test_powergossip_without_a_bound_layout_takes_any_length(numel: int) -> None:
+    """A vector whose length is not rows × cols (the Python API without ``bind_layout``) is
+    its largest near-square matrix plus the rest sent as it is: rounds keep the average."""
+    gossips = [PowerGossip() for _ in range(4)]
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    mean = torch.stack(xs).double().mean(0)
+    ends = ring_rounds(gossips, xs, range(30))
+    assert float((torch.stack(ends).double().mean(0) - mean).norm()) < 1e-5
+    assert spread(ends) < 0.5 * spread(xs)
+
+
 def test_a_powergossip_edge_that_lost_a_message_restarts_in_step_within_two_rounds() -> None:
     """Peer 1 loses peer 0's round-5 message: 1 restarts the edge at epoch 1, 0 (which got
     1's and moved on) sees the mismatch next round, and both go on at epoch 2 from round 7."""

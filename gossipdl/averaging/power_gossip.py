@@ -30,6 +30,7 @@ projector and one sent vector per layer.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,7 @@ import torch
 from gossipdl.averaging.base import Arrival, Averager, Round
 from gossipdl.compression import CodecError, Payload
 from gossipdl.compression.base import check_arrays, meta_int
-from gossipdl.compression.powersgd import LowRankLayout, matrix_shape, split
+from gossipdl.compression.powersgd import LowRankLayout, split
 
 MAX_EPOCH = 2**31
 """An edge's epoch, restarted at most once a round; a larger one in a message is refused."""
@@ -123,9 +124,12 @@ class PowerGossip(Averager):
         self.layout = LowRankLayout.of(shapes, 1)
 
     def _layout(self, numel: int) -> LowRankLayout:
-        """The bound layout (one near-square matrix for an unbound vector)."""
+        """The bound layout; for an unbound vector, the largest near-square matrix that
+        fits in it and the rest (fewer values than a row) as a vector."""
         if self.layout is None or self.layout.numel != numel:
-            self.layout = LowRankLayout.of([matrix_shape(numel)] if numel else [], 1)
+            rows = math.isqrt(numel)
+            rest = [(numel % rows,)] if numel and numel % rows else []
+            self.layout = LowRankLayout.of([(rows, numel // rows), *rest] if numel else [], 1)
         return self.layout
 
     def _draw(
