@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgpack
@@ -173,6 +173,11 @@ def test_other_kernels_round_trip(spec: str, other: str, x: torch.Tensor) -> Non
 
 
 NATIVE_ISAS = ["avx512f", "avx2", "generic"]
+CPU_KERNELS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "c": contextlib.nullcontext,
+    "numpy": kernels.numpy_kernels,
+    "torch": kernels.torch_kernels,
+}  # what a CPU runs by default, without a C compiler, and what a GPU runs
 
 
 @pytest.fixture(params=NATIVE_ISAS)
@@ -749,8 +754,7 @@ def test_threshold_selects_alike_on_every_kernel() -> None:
     x[100:20_000] = 2.5  # ties at top-k's k-th largest magnitude
     kept = {}
     specs = ("threshold:0.1", "threshold:0.09999", "threshold:auto", "topk:0.02")
-    backends = {"c": contextlib.nullcontext, "numpy": kernels.numpy_kernels}
-    for name, backend in {**backends, "torch": kernels.torch_kernels}.items():
+    for name, backend in CPU_KERNELS.items():
         with backend():
             kept[name] = [build_codec(spec).encode(x)[1] for spec in specs]
     for spec, c, n, t in zip(specs, *kept.values(), strict=True):
@@ -1262,30 +1266,107 @@ def test_powersgd_warm_start_lives_on_the_sender() -> None:
     assert float((again - low_rank).norm() / low_rank.norm()) < 0.5  # not stuck at zero
 
 
-@pytest.mark.parametrize("rank", [1, 2, 3])
-def test_reconstruct_rounds_every_product_and_sum_on_its_own(
-    backend: str, rank: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``reconstruct`` a block of rows at a time (3 here, the last block short) with numpy,
-    or in one pass with the torch kernels (a GPU's), gives the bits of the whole-matrix
-    formula ``((p₀q₀ + p₁q₁) + p₂q₂)``, each operation rounded: no fused multiply-add."""
-    monkeypatch.setattr(powersgd_module, "RECONSTRUCT_BLOCK_BYTES", 3 * 4 * 37)
-    generator = torch.Generator().manual_seed(rank)
-    p = torch.randn(20, rank, generator=generator) * 1e3
-    q = torch.randn(37, rank, generator=generator)
-    p[4], q[6] = 0.0, -0.0  # signed zeros
+def whole_matrix_product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``((p₀q₀ + p₁q₁) + p₂q₂) + …`` over the whole matrix, each operation rounded, flat."""
     expected = p[:, 0:1] * q[:, 0]
-    for j in range(1, rank):
+    for j in range(1, p.shape[1]):
         expected = expected + p[:, j : j + 1] * q[:, j]
+    return expected.reshape(-1)
+
+
+def low_rank_factors(rows: int, cols: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded P̂ (rows × rank, large) and Q (cols × rank) with signed zeros among them."""
+    generator = torch.Generator().manual_seed(rows * 1009 + cols * 31 + rank)
+    p = torch.randn(rows, rank, generator=generator) * 1e3
+    q = torch.randn(cols, rank, generator=generator)
+    p[min(4, rows - 1)], q[min(6, cols - 1)] = 0.0, -0.0
+    return p, q
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("rank", [1, 2, 3, 4])
+def test_reconstruct_rounds_every_product_and_sum_on_its_own(
+    kernel: str, rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reconstruct`` in C, with numpy a block of rows at a time (3 here, the last block
+    short), or in one pass with the torch kernels (a GPU's) gives the bits of the
+    whole-matrix formula ``((p₀q₀ + p₁q₁) + p₂q₂)``, each operation rounded: no fused
+    multiply-add."""
+    monkeypatch.setattr(powersgd_module, "RECONSTRUCT_BLOCK_BYTES", 3 * 4 * 37)
+    p, q = low_rank_factors(20, 37, rank)
     out = torch.full((20 * 37,), math.nan)
-    assert reconstruct(p, q, out) is out
-    assert_bitwise(out, expected.reshape(-1))
+    with CPU_KERNELS[kernel]():
+        assert reconstruct(p, q, out) is out
+    assert_bitwise(out, whole_matrix_product(p, q))
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    ("rows", "cols", "count"),
+    [
+        (1, 1, 1),
+        (3, 5, 15),
+        (3, 5, 11),  # the last row cropped
+        (20, 37, 20 * 37 - 5),
+        (8, 16, 128),
+        (5, 33, 160),
+        (2049, 2049, 2049 * 2049 - 1000),  # 16 MB: streamed, rows on every alignment
+        (600_001, 7, 4_200_000),  # 16 MB of rows shorter than a vector
+    ],
+)
+def test_c_low_rank_product_matches_numpy_and_torch(
+    native_isa: Any, rank: int, rows: int, cols: int, count: int
+) -> None:
+    """The C product on every instruction set has the bits of numpy's blocks and torch's
+    pass, the last row cropped to ``count`` values and nothing written past them."""
+    p, q = low_rank_factors(rows, cols, rank)
+    expected = {}
+    for name in ("numpy", "torch"):
+        with CPU_KERNELS[name]():
+            expected[name] = reconstruct(p, q, torch.full((rows * cols,), math.nan))[:count]
+    buffer = kernels.host_empty(count + 16)
+    buffer[:] = np.nan
+    qt = q.T.contiguous().numpy()
+    native_isa.low_rank_product(p.numpy(), qt, buffer[:count], rows, cols)
+    assert_bitwise(torch.from_numpy(buffer[:count]), expected["numpy"])
+    assert_bitwise(expected["torch"], expected["numpy"])
+    assert np.isnan(buffer[count:]).all()
+
+
+def test_c_low_rank_product_checks_its_sizes() -> None:
+    native = kernels.native_kernels(torch.device("cpu"))
+    assert native is not None
+    p, qt = np.ones(6, np.float32), np.ones(10, np.float32)  # rank 2 of 3 × 5
+    bad_factors = [
+        (np.ones(7, np.float32), qt, 3, 5),  # p is not rows × rank
+        (p, np.ones(9, np.float32), 3, 5),  # qt is not rank × cols
+        (p, qt, 2, 5),  # p's rank 3, qt's 2
+        (p, qt, -3, 5),
+        (p, qt, 3, -5),
+        (p, qt, 3, 2**62),  # rank × cols would overflow
+        (np.ones(6, np.uint8), qt, 3, 5),  # not whole float32
+    ]
+    for p_, qt_, rows, cols in bad_factors:
+        with pytest.raises(ValueError, match="must be float32 rows x rank and rank x cols"):
+            native.low_rank_product(p_, qt_, np.zeros(15, np.float32), rows, cols)
+    empty = np.zeros(0, np.float32)
+    for out, rows, cols in [
+        (np.zeros(16, np.float32), 3, 5),  # longer than rows × cols
+        (np.zeros(61, np.uint8), 3, 5),  # not whole float32
+        (np.zeros(1, np.float32), 0, 0),
+    ]:
+        with pytest.raises(ValueError, match="at most rows x cols"):
+            native.low_rank_product(p if rows else empty, qt if rows else empty, out, rows, cols)
+    native.low_rank_product(empty, empty, empty, 0, 0)
+    zeros = np.full(15, np.nan, np.float32)
+    native.low_rank_product(empty, empty, zeros, 3, 5)  # rank 0
+    assert not zeros.any()
 
 
 def test_powersgd_pads_a_vector_without_copying_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A vector short of its near-square matrix is that matrix's full rows (a view) and a
     zero-padded last row: the factors of the padded matrix, and the sender's estimate is
-    what every receiver decodes, bit for bit, numpy blocks or torch kernels."""
+    what every receiver decodes, bit for bit, with the C, numpy or torch kernels."""
     monkeypatch.setattr(powersgd_module, "RECONSTRUCT_BLOCK_BYTES", 5 * 4 * 32)
     x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
     rows, cols = matrix_shape(x.numel())  # 32 × 32: 24 zeros of padding
@@ -1299,9 +1380,9 @@ def test_powersgd_pads_a_vector_without_copying_it(monkeypatch: pytest.MonkeyPat
     p_padded = torch.linalg.qr(padded @ start, mode="reduced").Q
     torch.testing.assert_close(p @ q.T, p_padded @ p_padded.T @ padded, atol=1e-4, rtol=1e-4)
     payload, sent = build_codec("powersgd:2").encode(x)
-    assert_bitwise(build_codec("powersgd:2").decode(wire_copy(payload), x.numel()), sent)
-    with kernels.torch_kernels():
-        assert_bitwise(build_codec("powersgd:2").decode(wire_copy(payload), x.numel()), sent)
+    for backend in CPU_KERNELS.values():
+        with backend():
+            assert_bitwise(build_codec("powersgd:2").decode(wire_copy(payload), x.numel()), sent)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

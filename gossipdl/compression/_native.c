@@ -1,5 +1,5 @@
-/* Fused CPU kernels for the sign, ternary, qsgd and uniform codecs, random-k's subsets and
- * sparse vectors (gossipdl.compression._native).
+/* Fused CPU kernels for the sign, ternary, qsgd and uniform codecs, random-k's subsets,
+ * sparse vectors and PowerSGD's low-rank product (gossipdl.compression._native).
  *
  * numpy needs four passes over a 40 MB tensor for a sign encode (signbit,
  * packbits, a ±1 table lookup, a dot product for the L1 norm) and torch more;
@@ -54,6 +54,11 @@
  *   densify(idx, val, out) -> None
  *       out = 0 but at positions idx (int64, strictly rising, below len(out)), where
  *       it is val; other positions raise ValueError.
+ *   low_rank_product(p, qt, out, rows, cols) -> None
+ *       PowerSGD's P̂ Qᵀ for float32 p (rows × rank) and qt (rank × cols), row-major:
+ *       out[r·cols + c] = (p[r][0]·qt[0][c] + p[r][1]·qt[1][c]) + p[r][2]·qt[2][c] + …,
+ *       each product and sum rounded on its own (rank 0: 0), for the first len(out) <=
+ *       rows·cols values (a cropped last row).
  *   use_isa([name]) -> str
  *       Run the "avx512f", "avx2" or "generic" kernels from now on (the best
  *       the CPU has is picked at import; tests compare them) and return the
@@ -289,6 +294,7 @@ static void seed_lanes(xoshiro_t *g, uint64_t seed) {
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
 
 INLINE void random_body(xoshiro_t *restrict g, int steps, float *restrict u) {
     for (int half = 0; half < 2; half++) {
@@ -1313,6 +1319,110 @@ __attribute__((target("avx2"))) static int densify_avx2(const int64_t *idx, cons
 }
 #endif
 
+/* --- PowerSGD's low-rank product: out = P̂ Qᵀ, a row at a time
+ *
+ * Value (r, c) is p[r][0]·qt[0][c] + p[r][1]·qt[1][c] + …, added in that order with every
+ * product and sum rounded on its own: the bits of reconstruct's numpy and torch passes. Each
+ * value is built in a register and stored once, where numpy built a block of rows in cache
+ * in two passes per rank and the output crossed memory as the cache let it go. Qᵀ (rank rows
+ * of cols floats: 25 KB for 10M values at rank 2) stays in cache; a row of P̂ is rank
+ * broadcasts. out is the first n values of the row-major product, n <= rows·cols (a cropped
+ * last row stops at n). AVX-512 streams the 64-byte pieces inside a row past the cache when
+ * the output is large and writes a row's ends (pieces it shares with its neighbours) with
+ * masked stores; the others run one portable body and write through the cache. */
+
+typedef void (*low_rank_row_t)(const float *p, const float *qt, int64_t rank, int64_t cols,
+                               int64_t m, float *out, int stream);
+
+#define LOW_RANK_VECS 2 /* vectors of 4 values summed side by side: two share each broadcast */
+
+/* Values [0, m) of one row from its rank values p: LOW_RANK_VECS GCC vectors of 4 at a time,
+   the rest one by one. 4 lanes, the width every target has: 8-lane vectors went through the
+   stack without AVX (the generic kernel was then no faster than numpy). */
+INLINE void low_rank_row_body(const float *p, const float *qt, int64_t rank, int64_t cols,
+                              int64_t m, float *out) {
+    int64_t c = 0;
+    for (; c + 4 * LOW_RANK_VECS <= m; c += 4 * LOW_RANK_VECS) {
+        f32x4 acc[LOW_RANK_VECS], q;
+        for (int k = 0; k < LOW_RANK_VECS; k++) {
+            memcpy(&q, qt + c + 4 * k, 16);
+            acc[k] = p[0] * q;
+        }
+        for (int64_t j = 1; j < rank; j++) {
+            const float pj = p[j];
+            for (int k = 0; k < LOW_RANK_VECS; k++) {
+                memcpy(&q, qt + j * cols + c + 4 * k, 16);
+                acc[k] = acc[k] + pj * q;
+            }
+        }
+        for (int k = 0; k < LOW_RANK_VECS; k++)
+            memcpy(out + c + 4 * k, &acc[k], 16);
+    }
+    for (; c < m; c++) {
+        float acc = p[0] * qt[c];
+        for (int64_t j = 1; j < rank; j++)
+            acc = acc + p[j] * qt[j * cols + c];
+        out[c] = acc;
+    }
+}
+
+static void low_rank_row_generic(const float *p, const float *qt, int64_t rank, int64_t cols,
+                                 int64_t m, float *out, int stream) {
+    (void)stream;
+    low_rank_row_body(p, qt, rank, cols, m, out);
+}
+
+#ifdef GOSSIPDL_X86
+__attribute__((target("avx2"))) static void low_rank_row_avx2(const float *p, const float *qt,
+                                                              int64_t rank, int64_t cols,
+                                                              int64_t m, float *out, int stream) {
+    (void)stream;
+    low_rank_row_body(p, qt, rank, cols, m, out);
+}
+
+/* The 16 values from column c in `lanes` (Qᵀ is not read in the others). */
+AVX512 static inline __m512 low_rank16(const float *p, const float *qt, int64_t rank,
+                                       int64_t cols, int64_t c, __mmask16 lanes) {
+    __m512 acc = _mm512_mul_ps(_mm512_set1_ps(p[0]), _mm512_maskz_loadu_ps(lanes, qt + c));
+    for (int64_t j = 1; j < rank; j++)
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(p[j]),
+                                               _mm512_maskz_loadu_ps(lanes, qt + j * cols + c)));
+    return acc;
+}
+
+/* Masked stores up to out's next 64-byte boundary (streaming only) and after the last whole
+   vector; whole vectors between, streamed or not. */
+AVX512 static void low_rank_row_avx512(const float *p, const float *qt, int64_t rank,
+                                       int64_t cols, int64_t m, float *out, int stream) {
+    int64_t c = head_of(out, (int)min64(m, 16), stream);
+    __mmask16 head = (__mmask16)((1u << c) - 1);
+    if (head)
+        _mm512_mask_storeu_ps(out, head, low_rank16(p, qt, rank, cols, 0, head));
+    for (; c + 16 <= m; c += 16)
+        store16(out + c, low_rank16(p, qt, rank, cols, c, 0xffff), stream);
+    __mmask16 rest = (__mmask16)((1u << (m - c)) - 1);
+    if (rest)
+        _mm512_mask_storeu_ps(out + c, rest, low_rank16(p, qt, rank, cols, c, rest));
+}
+#endif
+
+static low_rank_row_t low_rank_row_kernel = low_rank_row_generic;
+
+/* out[0, n) = the first n values of P̂ Qᵀ (p rows of rank, qt rank rows of cols; rank 0:
+   zeros); the caller has checked that n <= rows·cols. */
+static void low_rank_product_all(const float *p, const float *qt, int64_t rank, int64_t cols,
+                                 int64_t n, float *out) {
+    if (rank == 0) {
+        memset(out, 0, (size_t)n * 4);
+        return;
+    }
+    int stream = stream_out(out, n);
+    for (int64_t start = 0, r = 0; start < n; start += cols, r++)
+        low_rank_row_kernel(p + r * rank, qt, rank, cols, min64(cols, n - start), out + start,
+                            stream);
+    fence();
+}
+
 static encode_t encode_kernel = encode_generic;
 static expand_t expand_kernel = expand_generic;
 static at_least_t at_least_kernel = at_least_generic;
@@ -1328,20 +1438,20 @@ static int pick_kernels(const char *name) {
     if ((any || !strcmp(name, "avx512f")) && __builtin_cpu_supports("avx512f")) {
         encode_kernel = encode_avx512, expand_kernel = expand_avx512, isa = "avx512f";
         at_least_kernel = at_least_avx512, densify_kernel = densify_avx512;
-        quantizers = &quantizers_avx512;
+        quantizers = &quantizers_avx512, low_rank_row_kernel = low_rank_row_avx512;
         return 0;
     }
     if ((any || !strcmp(name, "avx2")) && __builtin_cpu_supports("avx2")) {
         encode_kernel = encode_avx2, expand_kernel = expand_avx2, isa = "avx2";
         at_least_kernel = at_least_avx2, densify_kernel = densify_avx2;
-        quantizers = &quantizers_avx2;
+        quantizers = &quantizers_avx2, low_rank_row_kernel = low_rank_row_avx2;
         return 0;
     }
 #endif
     if (any || !strcmp(name, "generic")) {
         encode_kernel = encode_generic, expand_kernel = expand_generic, isa = "generic";
         at_least_kernel = at_least_generic, densify_kernel = densify_generic;
-        quantizers = &quantizers_generic;
+        quantizers = &quantizers_generic, low_rank_row_kernel = low_rank_row_generic;
         return 0;
     }
     return -1;
@@ -1841,6 +1951,52 @@ static PyObject *densify(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* --- PowerSGD's low-rank product --- */
+
+/* The rank of float32 p (rows × rank) and qt (rank × cols), or -1 (ValueError set) when their
+   sizes do not share one, or out (float32) holds more than rows·cols values. */
+static Py_ssize_t low_rank_of(const Py_buffer *p, const Py_buffer *qt, const Py_buffer *out,
+                              Py_ssize_t rows, Py_ssize_t cols) {
+    Py_ssize_t np_ = p->len / 4, nq = qt->len / 4, n = out->len / 4;
+    Py_ssize_t rank = rows > 0 ? np_ / rows : cols > 0 ? nq / cols : 0;
+    if (p->len % 4 || qt->len % 4 || rows < 0 || cols < 0 || np_ != rank * rows ||
+        (cols ? nq % cols || nq / cols != rank : nq != 0)) {
+        PyErr_Format(PyExc_ValueError,
+                     "low_rank_product: p (%zd bytes) and qt (%zd bytes) must be float32 "
+                     "rows x rank and rank x cols for one rank (rows %zd, cols %zd)",
+                     p->len, qt->len, rows, cols);
+        return -1;
+    }
+    if (out->len % 4 || (cols ? n / cols + (n % cols != 0) > rows : n != 0)) {
+        PyErr_Format(PyExc_ValueError,
+                     "low_rank_product: out (%zd bytes) must be float32 values, at most rows x "
+                     "cols = %zd x %zd",
+                     out->len, rows, cols);
+        return -1;
+    }
+    return rank;
+}
+
+static PyObject *low_rank_product(PyObject *self, PyObject *args) {
+    Py_buffer p, qt, out;
+    Py_ssize_t rows, cols;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*nn:low_rank_product", &p, &qt, &out, &rows, &cols))
+        return NULL;
+    Py_ssize_t rank = low_rank_of(&p, &qt, &out, rows, cols);
+    if (rank >= 0) {
+        Py_BEGIN_ALLOW_THREADS low_rank_product_all(p.buf, qt.buf, rank, cols, out.len / 4,
+                                                    out.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&qt);
+    PyBuffer_Release(&out);
+    if (rank < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *use_isa(PyObject *self, PyObject *args) {
     const char *name = NULL;
     (void)self;
@@ -1894,6 +2050,10 @@ static PyMethodDef methods[] = {
     {"densify", densify, METH_VARARGS,
      "densify(idx, val, out): float32 out = 0 but at the int64 positions idx (strictly "
      "rising, below len(out)), where it is val; ValueError for any other positions."},
+    {"low_rank_product", low_rank_product, METH_VARARGS,
+     "low_rank_product(p, qt, out, rows, cols): float32 out = the first len(out) values "
+     "(at most rows * cols) of p @ qt, row-major, for p rows x rank and qt rank x cols: "
+     "((p0 q0 + p1 q1) + p2 q2) + ..., each product and sum rounded on its own."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa([name]) -> str: run the avx512f, avx2 or generic kernels from now on (tests "
      "compare them); returns the previous choice (without a name: the current one). "
@@ -1904,8 +2064,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     "_native",
-    "Fused CPU kernels for the sign, ternary, qsgd and uniform codecs, random-k's subsets "
-    "and sparse vectors; see gossipdl.compression._kernels.",
+    "Fused CPU kernels for the sign, ternary, qsgd and uniform codecs, random-k's subsets, "
+    "sparse vectors and PowerSGD's low-rank product; see gossipdl.compression._kernels.",
     -1,
     methods,
     NULL,
