@@ -630,7 +630,7 @@ class Peer:
         # swarm), and so did we with one that came before we knew its sender.
         while True:
             with self._changed:
-                absent = sorted(neighbours - self._ready_from)
+                absent = self._unready(neighbours)
             if not absent or self._lost_id():
                 break
             left = deadline - time.monotonic()
@@ -644,7 +644,7 @@ class Peer:
                 self._send(j, "ready", meta={"members": self.membership.wire()})
             with self._changed:
                 self._changed.wait_for(
-                    lambda: neighbours <= self._ready_from or self._failure is not None,
+                    lambda: not self._unready(neighbours) or self._failure is not None,
                     min(RETRY_S, left),
                 )
             self._check_failure()
@@ -653,6 +653,12 @@ class Peer:
         log.info(
             "peer %d: swarm of %d formed; neighbours %s", self.id, min_peers, sorted(neighbours)
         )
+
+    def _unready(self, neighbours: set[int]) -> list[int]:
+        """The neighbours that have not said they are ready and are still in: one that
+        already left (a short run done before our word reached it) never will, and nobody
+        waits for it (``_changed`` held)."""
+        return sorted(j for j in neighbours - self._ready_from if not self.membership.gone(j))
 
     def _adopt_swarm(self, welcome: Message) -> None:
         """Take the swarm's id and start time from a welcome (checked with it)."""
