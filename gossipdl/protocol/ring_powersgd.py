@@ -72,9 +72,9 @@ class LowRankMean:
         flat = x.reshape(-1).to(torch.float32) + self.error
         self._flat = flat
         self._ms = self.layout.matrices(flat)
-        return self._pack(
-            [m @ q for m, q in zip(self._ms, self.qs, strict=True)] + self.layout.dense_parts(flat)
-        )
+        # P = M Q as (Qᵀ Mᵀ)ᵀ: the shape MKL streams M through (see power_step)
+        products = [(q.T.contiguous() @ m.T).T for m, q in zip(self._ms, self.qs, strict=True)]
+        return self._pack(products + self.layout.dense_parts(flat))
 
     @torch.no_grad()
     def second(self, mean: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,9 @@ class LowRankMean:
         averages (Mᵀ P̂)."""
         ps = split(mean, [(rows, r) for _, rows, _, r in self.layers])
         self._ps = [torch.linalg.qr(p, mode="reduced").Q.contiguous() for p in ps]
-        self._mine = [(m.T @ p).contiguous() for m, p in zip(self._ms, self._ps, strict=True)]
+        self._mine = [  # Mᵀ P̂ as (P̂ᵀ M)ᵀ, as power_step
+            (p.T.contiguous() @ m).T.contiguous() for m, p in zip(self._ms, self._ps, strict=True)
+        ]
         self._first = mean
         return self._pack(self._mine)
 
