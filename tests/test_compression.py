@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from gossipdl.averaging.choco import choco_step
 from gossipdl.compression import (
     Codec,
     CodecError,
@@ -730,6 +731,24 @@ def test_c_densify_matches_numpy_and_refuses_bad_positions(native_isa: Any, coun
     for bad in (pos[::-1], np.r_[pos[:-1], count], np.r_[-1, pos[1:]], np.r_[pos[:1], pos[:-1]]):
         with pytest.raises(ValueError, match=rf"rise strictly and lie in \[0, {count}\)"):
             native_isa.densify(np.ascontiguousarray(bad, np.int64), val, out)
+
+
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 1000, (16 << 20) // 4 + 21])
+def test_c_choco_step_is_torch_bit_for_bit(native_isa: Any, count: int) -> None:
+    """CHOCO's step ``x + γ(s − x̂)`` in one C pass rounds as torch's three passes do, on
+    every instruction set, NaN and infinities included; the largest output streams."""
+    rng = np.random.default_rng(count)
+    x, s, x_hat = (torch.from_numpy(rng.standard_normal(count).astype(np.float32)) for _ in "abc")
+    s[::7], x_hat[3::11], x[5::13] = float("inf"), float("nan"), -float("inf")
+    gamma = 0.123456789  # not a float32: both round it to one
+    want = torch.sub(s, x_hat).mul_(gamma).add_(x)
+    got = choco_step(x, s, x_hat, gamma)
+    assert got.data_ptr() % 64 == 0 or count * 4 < (16 << 20)
+    np.testing.assert_array_equal(got.numpy().view(np.int32), want.numpy().view(np.int32))
+    with pytest.raises(ValueError, match="float32 vectors of one length"):
+        native_isa.choco_step(
+            x.numpy(), s.numpy(), x_hat.numpy(), 0.5, np.empty(count + 1, np.float32)
+        )
 
 
 def test_the_sparse_kernels_check_their_sizes() -> None:

@@ -30,7 +30,7 @@ import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round, after_rebuild, dense_payload
 from gossipdl.compression import Codec, Payload, stage_names
-from gossipdl.compression._kernels import empty_on
+from gossipdl.compression._kernels import empty_on, native_kernels
 from gossipdl.compression.sparse import RandomK, SparseCodec, SparseVector
 
 
@@ -104,6 +104,25 @@ def check_choco_codec(codec: Codec) -> None:
             f"{codec.spec.replace(sparsifier.spec, sparsifier.spec + ':noscale')!r}, "
             "the same rand-k scaled by 1/(1+ω)"
         )
+
+
+def choco_step(x: torch.Tensor, s: torch.Tensor, x_hat: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``x + γ(s − x̂)``, CHOCO's step, in recycled memory. On a CPU one C pass reads the three
+    vectors and writes the result once (10.7M values on one thread: 20 ms in torch's three
+    passes); elsewhere torch's passes. Every operation is rounded on its own, in that
+    order: the same bits either way.
+
+    Example:
+        >>> choco_step(torch.ones(3), torch.full((3,), 3.0), torch.ones(3), 0.5).tolist()
+        [2.0, 2.0, 2.0]
+    """
+    out = empty_on(x.device, x.numel())
+    native = native_kernels(x)
+    if native is not None and all(t.dtype == torch.float32 for t in (x, s, x_hat)):
+        parts = (t.detach().contiguous().numpy() for t in (x, s, x_hat))
+        native.choco_step(*parts, gamma, out.numpy())
+        return out
+    return torch.sub(s, x_hat, out=out).mul_(gamma).add_(x)
 
 
 class Choco(Averager):
@@ -201,8 +220,7 @@ class Choco(Averager):
                 self._add(j, arrival)
         if not rnd.mix or self.resynced is None:  # no s to mix with until one full rebuild
             return x
-        out = torch.sub(self.s, self.x_hat, out=empty_on(x.device, x.numel()))
-        return out.mul_(self.step_size(rnd)).add_(x)  # x + γ(s − x̂), in one recycled buffer
+        return choco_step(x, self.s, self.x_hat, self.step_size(rnd))
 
     def _add(self, sender: int, arrival: Arrival) -> None:
         """s_i += W_ij q_j / (1+ω), unless a later dense resync already includes q_j (or, from a

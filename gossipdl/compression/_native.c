@@ -1,5 +1,6 @@
 /* Fused CPU kernels for the sign, ternary, qsgd and uniform codecs, random-k's subsets,
- * sparse vectors and PowerSGD's low-rank product (gossipdl.compression._native).
+ * sparse vectors, PowerSGD's low-rank product and CHOCO's step
+ * (gossipdl.compression._native).
  *
  * numpy needs four passes over a 40 MB tensor for a sign encode (signbit,
  * packbits, a ±1 table lookup, a dot product for the L1 norm) and torch more;
@@ -59,6 +60,9 @@
  *       out[r·cols + c] = (p[r][0]·qt[0][c] + p[r][1]·qt[1][c]) + p[r][2]·qt[2][c] + …,
  *       each product and sum rounded on its own (rank 0: 0), for the first len(out) <=
  *       rows·cols values (a cropped last row).
+ *   choco_step(x, s, x_hat, gamma, out) -> None
+ *       out = x + gamma·(s − x_hat) (float32, gamma rounded to float32), each operation
+ *       rounded on its own in that order, as torch's three passes round them.
  *   use_isa([name]) -> str
  *       Run the "avx512f", "avx2" or "generic" kernels from now on (the best
  *       the CPU has is picked at import; tests compare them) and return the
@@ -1423,10 +1427,67 @@ static void low_rank_product_all(const float *p, const float *qt, int64_t rank, 
     fence();
 }
 
+/* --- CHOCO's step: out = x + g·(s − h), in one pass ---
+ *
+ * torch takes three passes (s − h into out, times g, plus x); this reads the three vectors
+ * once and writes out once, past the cache when it is large. Each operation is rounded on
+ * its own, in torch's order, so the bits are torch's. */
+
+typedef void (*step_t)(const float *x, const float *s, const float *h, float g, float *out,
+                       int64_t from, int64_t n, int stream);
+
+static void step_generic(const float *x, const float *s, const float *h, float g, float *out,
+                         int64_t from, int64_t n, int stream) {
+    (void)stream;
+    for (int64_t i = from; i < n; i++) {
+        float d = (s[i] - h[i]) * g;
+        out[i] = x[i] + d;
+    }
+}
+
+#ifdef GOSSIPDL_X86
+__attribute__((target("avx512f"))) static void step_avx512(const float *x, const float *s,
+                                                           const float *h, float g, float *out,
+                                                           int64_t from, int64_t n, int stream) {
+    const __m512 gv = _mm512_set1_ps(g);
+    int64_t i = from;
+    for (; i + 16 <= n; i += 16) {
+        __m512 d = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_loadu_ps(h + i)), gv);
+        __m512 v = _mm512_add_ps(_mm512_loadu_ps(x + i), d);
+        if (stream)
+            _mm512_stream_ps(out + i, v);
+        else
+            _mm512_storeu_ps(out + i, v);
+    }
+    if (stream)
+        _mm_sfence();
+    step_generic(x, s, h, g, out, i, n, 0);
+}
+
+__attribute__((target("avx2"))) static void step_avx2(const float *x, const float *s,
+                                                      const float *h, float g, float *out,
+                                                      int64_t from, int64_t n, int stream) {
+    const __m256 gv = _mm256_set1_ps(g);
+    int64_t i = from;
+    for (; i + 8 <= n; i += 8) {
+        __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(h + i)), gv);
+        __m256 v = _mm256_add_ps(_mm256_loadu_ps(x + i), d);
+        if (stream)
+            _mm256_stream_ps(out + i, v);
+        else
+            _mm256_storeu_ps(out + i, v);
+    }
+    if (stream)
+        _mm_sfence();
+    step_generic(x, s, h, g, out, i, n, 0);
+}
+#endif
+
 static encode_t encode_kernel = encode_generic;
 static expand_t expand_kernel = expand_generic;
 static at_least_t at_least_kernel = at_least_generic;
 static densify_t densify_kernel = densify_generic;
+static step_t step_kernel = step_generic;
 static const char *isa = "generic";
 
 /* Use the kernels for `name` ("avx512f", "avx2" or "generic"), or the best the CPU has (NULL).
@@ -1438,12 +1499,14 @@ static int pick_kernels(const char *name) {
     if ((any || !strcmp(name, "avx512f")) && __builtin_cpu_supports("avx512f")) {
         encode_kernel = encode_avx512, expand_kernel = expand_avx512, isa = "avx512f";
         at_least_kernel = at_least_avx512, densify_kernel = densify_avx512;
+        step_kernel = step_avx512;
         quantizers = &quantizers_avx512, low_rank_row_kernel = low_rank_row_avx512;
         return 0;
     }
     if ((any || !strcmp(name, "avx2")) && __builtin_cpu_supports("avx2")) {
         encode_kernel = encode_avx2, expand_kernel = expand_avx2, isa = "avx2";
         at_least_kernel = at_least_avx2, densify_kernel = densify_avx2;
+        step_kernel = step_avx2;
         quantizers = &quantizers_avx2, low_rank_row_kernel = low_rank_row_avx2;
         return 0;
     }
@@ -1451,6 +1514,7 @@ static int pick_kernels(const char *name) {
     if (any || !strcmp(name, "generic")) {
         encode_kernel = encode_generic, expand_kernel = expand_generic, isa = "generic";
         at_least_kernel = at_least_generic, densify_kernel = densify_generic;
+        step_kernel = step_generic;
         quantizers = &quantizers_generic, low_rank_row_kernel = low_rank_row_generic;
         return 0;
     }
@@ -1997,6 +2061,33 @@ static PyObject *low_rank_product(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *choco_step(PyObject *self, PyObject *args) {
+    Py_buffer x, s, h, out;
+    float g;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*fw*:choco_step", &x, &s, &h, &g, &out))
+        return NULL;
+    int ok = x.len % 4 == 0 && s.len == x.len && h.len == x.len && out.len == x.len;
+    if (!ok)
+        PyErr_Format(PyExc_ValueError,
+                     "choco_step: x, s, x_hat and out must be float32 vectors of one length "
+                     "(%zd, %zd, %zd and %zd bytes)",
+                     x.len, s.len, h.len, out.len);
+    else {
+        int64_t n = x.len / 4;
+        int stream = stream_out(out.buf, n);
+        Py_BEGIN_ALLOW_THREADS step_kernel(x.buf, s.buf, h.buf, g, out.buf, 0, n, stream);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&h);
+    PyBuffer_Release(&out);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *use_isa(PyObject *self, PyObject *args) {
     const char *name = NULL;
     (void)self;
@@ -2054,6 +2145,9 @@ static PyMethodDef methods[] = {
      "low_rank_product(p, qt, out, rows, cols): float32 out = the first len(out) values "
      "(at most rows * cols) of p @ qt, row-major, for p rows x rank and qt rank x cols: "
      "((p0 q0 + p1 q1) + p2 q2) + ..., each product and sum rounded on its own."},
+    {"choco_step", choco_step, METH_VARARGS,
+     "choco_step(x, s, x_hat, gamma, out): float32 out = x + gamma * (s - x_hat), each "
+     "operation rounded on its own in that order (torch's bits), in one pass."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa([name]) -> str: run the avx512f, avx2 or generic kernels from now on (tests "
      "compare them); returns the previous choice (without a name: the current one). "
@@ -2065,7 +2159,8 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     "_native",
     "Fused CPU kernels for the sign, ternary, qsgd and uniform codecs, random-k's subsets, "
-    "sparse vectors and PowerSGD's low-rank product; see gossipdl.compression._kernels.",
+    "sparse vectors, PowerSGD's low-rank product and CHOCO's step; see "
+    "gossipdl.compression._kernels.",
     -1,
     methods,
     NULL,
