@@ -33,6 +33,7 @@ from gossipdl.compression import powersgd as powersgd_module
 from gossipdl.compression import sparse as sparse_module
 from gossipdl.compression.base import ValueCodec
 from gossipdl.compression.floating import Float16
+from gossipdl.compression.indices import DeltaGolomb
 from gossipdl.compression.powersgd import matrix_shape, power_step, reconstruct, row_split
 from gossipdl.compression.quantization import QSGD, Sign
 from gossipdl.compression.sparse import random_subset
@@ -749,6 +750,58 @@ def test_c_choco_step_is_torch_bit_for_bit(native_isa: Any, count: int) -> None:
         native_isa.choco_step(
             x.numpy(), s.numpy(), x_hat.numpy(), 0.5, np.empty(count + 1, np.float32)
         )
+
+
+@pytest.mark.parametrize("density", [0.0, 0.0005, 0.01, 0.3, 1.0])
+def test_delta_golomb_streams_are_the_same_from_c_and_numpy(density: float) -> None:
+    """The C kernels write the bytes numpy writes and read them back alike, every Rice
+    parameter from 0 (dense supports) up; damaged streams (a flipped bit, a byte cut off or
+    added) are refused by both, or decode to the same indices."""
+    coder, rng = DeltaGolomb(), np.random.default_rng(int(density * 1e4))
+    for numel in (1, 9, 1000, 250_003):
+        count = round(density * numel)
+        indices = np.sort(rng.choice(numel, count, replace=False)).astype(np.int64)
+        arrays, meta = coder.encode(indices, numel)
+        with kernels.numpy_kernels():
+            expected, expected_meta = coder.encode(indices, numel)
+        assert meta == expected_meta
+        for got, want in zip(arrays, expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(coder.decode(arrays, meta, count, numel), indices)
+        for _ in range(20):
+            unary, rest = (a.copy() for a in arrays)
+            damage = rng.integers(4)
+            if damage == 0 and unary.size:
+                unary[rng.integers(unary.size)] ^= np.uint8(1 << rng.integers(8))
+            elif damage == 1 and rest.size:
+                rest[rng.integers(rest.size)] ^= np.uint8(1 << rng.integers(8))
+            elif damage == 2:
+                unary = unary[:-1]
+            else:
+                unary = np.concatenate((unary, rng.integers(256, size=1).astype(np.uint8)))
+            seen = []
+            for backend in (contextlib.nullcontext, kernels.numpy_kernels):
+                with backend():
+                    try:
+                        seen.append(coder.decode((unary, rest), meta, count, numel).tolist())
+                    except CodecError:
+                        seen.append("refused")
+            assert seen[0] == seen[1]
+
+
+def test_the_golomb_kernels_check_their_sizes() -> None:
+    native = kernels.native_kernels(torch.device("cpu"))
+    assert native is not None
+    gaps, one = np.array([3, 0, 5], np.int64), np.zeros(1, np.uint8)
+    with pytest.raises(ValueError, match="gaps >= 0"):
+        native.golomb_pack(np.array([-1], np.int64), 0, one, np.zeros(0, np.uint8))
+    with pytest.raises(ValueError, match="2 bytes of unary code"):
+        native.golomb_pack(gaps, 0, one, np.zeros(0, np.uint8))
+    with pytest.raises(ValueError, match="0 <= b <= 56"):
+        native.golomb_unpack(one, one, 57, 1, 10, np.empty(1, np.int64))
+    with pytest.raises(ValueError, match="int64 out of count"):
+        native.golomb_unpack(one, np.zeros(0, np.uint8), 0, 1, 10, np.empty(2, np.int64))
+    assert native.golomb_sums(gaps, 1) == (3, 1, 0)  # [1, 0, 2], [0, 0, 1], [0, 0, 0]
 
 
 def test_the_sparse_kernels_check_their_sizes() -> None:

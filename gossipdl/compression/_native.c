@@ -1,5 +1,5 @@
 /* Fused CPU kernels for the sign, ternary, qsgd and uniform codecs, random-k's subsets,
- * sparse vectors, PowerSGD's low-rank product and CHOCO's step
+ * sparse vectors, delta-golomb's bit streams, PowerSGD's low-rank product and CHOCO's step
  * (gossipdl.compression._native).
  *
  * numpy needs four passes over a 40 MB tensor for a sign encode (signbit,
@@ -63,6 +63,14 @@
  *   choco_step(x, s, x_hat, gamma, out) -> None
  *       out = x + gamma·(s − x_hat) (float32, gamma rounded to float32), each operation
  *       rounded on its own in that order, as torch's three passes round them.
+ *   golomb_sums(gaps, first) -> (int, int, int)
+ *       Σ gaps >> (first + i) for i = 0, 1, 2: the unary bits for three parameters.
+ *   golomb_pack(gaps, b, unary, rest) -> None
+ *       delta-golomb's two streams for int64 gaps >= 0 (b <= 56; sizes exact).
+ *   golomb_unpack(unary, rest, b, count, numel, out) -> int
+ *       The count indices the streams code into int64 out: 0, or 1 when unary does
+ *       not hold exactly count quotients ending in its last byte, 2 when an index
+ *       would reach numel (out is then partly written).
  *   use_isa([name]) -> str
  *       Run the "avx512f", "avx2" or "generic" kernels from now on (the best
  *       the CPU has is picked at import; tests compare them) and return the
@@ -2088,6 +2096,180 @@ static PyObject *choco_step(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* --- delta-golomb: Golomb–Rice bit streams of index gaps ---
+ *
+ * numpy needs a byte per bit and several passes (unpackbits, flatnonzero, packbits by
+ * rows); these walk the two bit streams once. Both streams are LSB first: the unary one
+ * holds q_j zeros then a one per gap, the other b-bit remainders back to back. Decode
+ * reads what arrived over the network: it never reads outside the two streams, bounds
+ * every quotient before shifting it, and checks each index against numel. */
+
+#define GOLOMB_MAX_B 56 /* a remainder plus its bit offset fits one 64-bit load */
+
+/* Up to 8 bytes of buf from byte `at` (little-endian), zeros past its end. */
+static inline uint64_t load_le(const uint8_t *buf, int64_t size, int64_t at) {
+    uint64_t word = 0;
+    int64_t n = size - at < 8 ? size - at : 8;
+    for (int64_t i = 0; i < n; i++)
+        word |= (uint64_t)buf[at + i] << (8 * i);
+    return word;
+}
+
+static inline uint64_t load_bits(const uint8_t *buf, int64_t size, int64_t bit, int b) {
+    uint64_t word;
+    if ((bit >> 3) + 8 <= size) {
+        memcpy(&word, buf + (bit >> 3), 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        word = __builtin_bswap64(word);
+#endif
+    } else
+        word = load_le(buf, size, bit >> 3);
+    return b ? (word >> (bit & 7)) & ((b == 64 ? 0 : (uint64_t)1 << b) - 1) : 0;
+}
+
+/* 0; 1 when the unary stream does not hold exactly `count` ones ending in its last byte;
+   2 when a gap runs past numel. */
+static int golomb_unpack_all(const uint8_t *unary, int64_t usize, const uint8_t *rest,
+                             int64_t rsize, int b, int64_t count, int64_t numel, int64_t *out) {
+    int64_t bit = 0, ubits = usize * 8, prev = -1, limit = numel >> b;
+    for (int64_t j = 0; j < count; j++) {
+        int64_t start = bit;
+        uint64_t word = 0;
+        for (;;) { /* the next one bit at or after `bit` */
+            if (bit >= ubits)
+                return 1;
+            word = load_bits(unary, usize, bit, 56);
+            if (word)
+                break;
+            bit += 56;
+        }
+        bit += __builtin_ctzll(word);
+        if (bit >= ubits)
+            return 1;
+        int64_t q = bit - start;
+        bit++;
+        if (q > limit)
+            return 2;
+        int64_t gap = (q << b) | (int64_t)load_bits(rest, rsize, j * (int64_t)b, b);
+        if (gap >= numel - prev - 1)
+            return 2;
+        prev += gap + 1;
+        out[j] = prev;
+    }
+    /* the last one sits in the last byte, and only zero padding follows it */
+    if (count ? (bit + 7) / 8 != usize || ((bit & 7) && unary[usize - 1] >> (bit & 7))
+              : usize != 0)
+        return 1;
+    return 0;
+}
+
+static void golomb_pack_all(const int64_t *gaps, int64_t count, int b, uint8_t *unary,
+                            int64_t usize, uint8_t *rest, int64_t rsize) {
+    memset(unary, 0, (size_t)usize);
+    memset(rest, 0, (size_t)rsize);
+    int64_t bit = 0;
+    for (int64_t j = 0; j < count; j++) {
+        bit += gaps[j] >> b;
+        unary[bit >> 3] |= (uint8_t)(1u << (bit & 7));
+        bit++;
+        uint64_t r = (uint64_t)gaps[j] & (((uint64_t)1 << b) - 1);
+        for (int64_t at = j * (int64_t)b, left = b; left > 0;) { /* LSB first, by bytes */
+            int shift = (int)(at & 7), take = 8 - shift < left ? 8 - shift : (int)left;
+            rest[at >> 3] |= (uint8_t)((r & ((1u << take) - 1)) << shift);
+            r >>= take, at += take, left -= take;
+        }
+    }
+}
+
+static PyObject *golomb_unpack(PyObject *self, PyObject *args) {
+    Py_buffer unary, rest, out;
+    int b;
+    Py_ssize_t count, numel;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*innw*:golomb_unpack", &unary, &rest, &b, &count, &numel,
+                          &out))
+        return NULL;
+    int ok = 0 <= b && b <= GOLOMB_MAX_B && count >= 0 && numel >= 0 && count <= numel &&
+             out.len == count * 8 && rest.len == (count * b + 7) / 8;
+    int status = 0;
+    if (!ok)
+        PyErr_Format(PyExc_ValueError,
+                     "golomb_unpack: need 0 <= b <= %d, 0 <= count <= numel, %zd bytes of "
+                     "remainders and int64 out of count (b %d, count %zd, numel %zd, %zd and "
+                     "%zd bytes)",
+                     GOLOMB_MAX_B, (count * b + 7) / 8, b, count, numel, rest.len, out.len);
+    else {
+        Py_BEGIN_ALLOW_THREADS status = golomb_unpack_all(unary.buf, unary.len, rest.buf,
+                                                          rest.len, b, count, numel, out.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&unary);
+    PyBuffer_Release(&rest);
+    PyBuffer_Release(&out);
+    return ok ? PyLong_FromLong(status) : NULL;
+}
+
+static PyObject *golomb_sums(PyObject *self, PyObject *args) {
+    Py_buffer gaps;
+    int first;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*i:golomb_sums", &gaps, &first))
+        return NULL;
+    int ok = gaps.len % 8 == 0 && 0 <= first && first <= 61;
+    int64_t sums[3] = {0, 0, 0};
+    if (!ok)
+        PyErr_Format(PyExc_ValueError,
+                     "golomb_sums: need int64 gaps and 0 <= first <= 61 (%zd bytes, first %d)",
+                     gaps.len, first);
+    else {
+        const int64_t *g = gaps.buf;
+        int64_t count = gaps.len / 8;
+        Py_BEGIN_ALLOW_THREADS for (int64_t j = 0; j < count; j++) {
+            sums[0] += g[j] >> first;
+            sums[1] += g[j] >> (first + 1);
+            sums[2] += g[j] >> (first + 2);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&gaps);
+    return ok ? Py_BuildValue("(LLL)", (long long)sums[0], (long long)sums[1],
+                              (long long)sums[2])
+              : NULL;
+}
+
+static PyObject *golomb_pack(PyObject *self, PyObject *args) {
+    Py_buffer gaps, unary, rest;
+    int b;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*iw*w*:golomb_pack", &gaps, &b, &unary, &rest))
+        return NULL;
+    int64_t count = gaps.len / 8, ones = 0;
+    const int64_t *g = gaps.buf;
+    int ok = gaps.len % 8 == 0 && 0 <= b && b <= GOLOMB_MAX_B;
+    for (int64_t j = 0; ok && j < count; j++) {
+        ok = g[j] >= 0;
+        ones += ok ? (g[j] >> b) + 1 : 0;
+    }
+    ok = ok && unary.len == (ones + 7) / 8 && rest.len == (count * b + 7) / 8;
+    if (!ok)
+        PyErr_Format(PyExc_ValueError,
+                     "golomb_pack: need int64 gaps >= 0, 0 <= b <= %d, %lld bytes of unary "
+                     "code and %lld of remainders (b %d, %zd and %zd bytes)",
+                     GOLOMB_MAX_B, (long long)((ones + 7) / 8), (long long)((count * b + 7) / 8),
+                     b, unary.len, rest.len);
+    else {
+        Py_BEGIN_ALLOW_THREADS golomb_pack_all(g, count, b, unary.buf, unary.len, rest.buf,
+                                               rest.len);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&gaps);
+    PyBuffer_Release(&unary);
+    PyBuffer_Release(&rest);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *use_isa(PyObject *self, PyObject *args) {
     const char *name = NULL;
     (void)self;
@@ -2148,6 +2330,17 @@ static PyMethodDef methods[] = {
     {"choco_step", choco_step, METH_VARARGS,
      "choco_step(x, s, x_hat, gamma, out): float32 out = x + gamma * (s - x_hat), each "
      "operation rounded on its own in that order (torch's bits), in one pass."},
+    {"golomb_sums", golomb_sums, METH_VARARGS,
+     "golomb_sums(gaps, first) -> (int, int, int): the sums of gaps >> first, >> first + 1 "
+     "and >> first + 2 over int64 gaps (the quotients' bits for three Rice parameters)."},
+    {"golomb_pack", golomb_pack, METH_VARARGS,
+     "golomb_pack(gaps, b, unary, rest): the Golomb-Rice code of int64 gaps >= 0 with "
+     "parameter 2**b: quotients in unary (zeros then a one) and b-bit remainders, both LSB "
+     "first, into uint8 unary and rest of exactly the sizes they need."},
+    {"golomb_unpack", golomb_unpack, METH_VARARGS,
+     "golomb_unpack(unary, rest, b, count, numel, out) -> int: the count indices whose gaps "
+     "the two streams code, into int64 out; 0, or 1 if unary does not hold exactly count "
+     "quotients ending in its last byte, or 2 if an index would reach numel."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa([name]) -> str: run the avx512f, avx2 or generic kernels from now on (tests "
      "compare them); returns the previous choice (without a name: the current one). "
@@ -2159,8 +2352,8 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     "_native",
     "Fused CPU kernels for the sign, ternary, qsgd and uniform codecs, random-k's subsets, "
-    "sparse vectors, PowerSGD's low-rank product and CHOCO's step; see "
-    "gossipdl.compression._kernels.",
+    "sparse vectors, delta-golomb's bit streams, PowerSGD's low-rank product and CHOCO's "
+    "step; see gossipdl.compression._kernels.",
     -1,
     methods,
     NULL,
