@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from gossipdl.averaging import Averager, build_averager, parse_trigger
 from gossipdl.averaging.attacks import Attack, alie_z, flip_labels, parse_attack
+from gossipdl.averaging.local_optimizer import SGD, LocalOptimizer
 from gossipdl.conditions import Drift, parse_drift, parse_profiles
 from gossipdl.config import Config
 from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
@@ -74,7 +75,7 @@ def sampler_seed(config: Config, peer_id: int, step: int = 0) -> int:
 def local_gradients(
     config: Config,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: LocalOptimizer,
     sampler: BatchSampler,
     step: int,
 ) -> torch.Tensor:
@@ -127,11 +128,12 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[
     return correct / len(y), loss / len(y)
 
 
-def make_optimizer(config: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The optimizer the config names."""
+def make_optimizer(config: Config, model: torch.nn.Module) -> LocalOptimizer:
+    """The optimizer the config names: gossipdl's :class:`SGD` (``torch.optim.SGD``'s steps,
+    without importing ``torch._dynamo``), or ``torch.optim.Adam``."""
     if config.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    return torch.optim.SGD(
+    return SGD(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
 

@@ -105,11 +105,12 @@ def _imported(names: list[str]) -> list[bool]:
 
 
 def test_the_fork_server_has_imported_what_a_peer_would_import_when_it_starts() -> None:
-    """torch._dynamo (the first optimizer imports it: 1.1–1.6 s), typer's adapters (the
-    first command line parsed) and the peer's modules come with the fork, not per peer."""
-    names = ["torch._dynamo", "typer._adapters", "gossipdl.peers.runner"]
+    """typer's adapters (the first command line parsed) and the peer's modules come with the
+    fork, not per peer; torch._dynamo (1.1–1.6 s) does not come at all: only torch.optim's
+    steps import it, and peers step with gossipdl's SGD (test_local_optimizer)."""
+    names = ["typer._adapters", "gossipdl.peers.runner", "torch._dynamo"]
     with forking.context().Pool(1) as pool:
-        assert pool.apply(_imported, (names,)) == [True, True, True]
+        assert pool.apply(_imported, (names,)) == [True, True, False]
 
 
 def test_only_a_launching_gossipdl_command_starts_the_fork_server_early(

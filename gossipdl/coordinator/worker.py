@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from gossipdl.averaging.local_optimizer import LocalOptimizer
 from gossipdl.protocol.core import Send
 from gossipdl.protocol.ps_server import HEARTBEAT_S
 from gossipdl.protocol.ps_worker import WorkerCore, WorkerSettings
@@ -50,7 +51,7 @@ class ServerWorker:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
+        optimizer: LocalOptimizer | None,
         *,
         rank: int,
         servers: Sequence[str],

@@ -1,10 +1,11 @@
 """What the fork server of :mod:`gossipdl.experiments.forking` imports, and only it.
 
 It imports :mod:`gossipdl.cli` (and so torch, numpy and zmq) once for all the children,
-what a peer imports only when it runs: ``torch._dynamo``, which torch imports when the
-first optimizer is built (1.1–1.6 s of every peer's start-up, before it would bind its
-socket), typer's adapters (pydantic: 0.1 s, when typer first parses a command line) and
-the peer's own modules. It blocks SIGINT in the
+with what a peer imports only when it runs: typer's adapters (pydantic: 0.1 s, when typer
+first parses a command line) and the peer's own modules. Not ``torch._dynamo`` (1.1–1.6 s,
+more than torch itself, on the path to every peer's first round): ``torch.optim``'s steps
+import it, and peers step with gossipdl's own SGD; a peer configured with Adam imports it
+itself. It blocks SIGINT in the
 server, so every child is born with it blocked: a Ctrl-C that a terminal sends to the
 whole process group stays pending in a benchmark's worker (its script stops it), and a
 forked ``gossipdl`` command unblocks it first thing, as a fresh interpreter has it. The
@@ -14,12 +15,10 @@ server itself ignores SIGINT anyway.
 import contextlib
 import signal
 
-import torch._dynamo  # noqa: F401  (the imports are the point)
-
 import gossipdl.cli
 import gossipdl.experiments.summary
 import gossipdl.peers.launch_env
-import gossipdl.peers.runner  # noqa: F401
+import gossipdl.peers.runner  # noqa: F401  (the imports are the point)
 
 with contextlib.suppress(ImportError):  # a private module: a typer without it still works
     import typer._adapters  # noqa: F401

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from gossipdl.averaging.local_optimizer import LocalOptimizer
 from gossipdl.training import save_atomic
 
 FORMAT = 1
@@ -17,7 +18,7 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int
+    path: Path, model: torch.nn.Module, optimizer: LocalOptimizer, step: int
 ) -> None:
     """Write the checkpoint of ``step`` to ``path`` (atomically, see :func:`save_atomic`)."""
     state = {
@@ -29,7 +30,7 @@ def save_checkpoint(
     save_atomic(state, path)
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: LocalOptimizer) -> int:
     """Restore ``model`` and ``optimizer`` from ``path``; returns the step it was taken at."""
     if not path.is_file():
         raise CheckpointError(

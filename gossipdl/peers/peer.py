@@ -22,7 +22,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from gossipdl.averaging import build_averager
 from gossipdl.averaging.attacks import Attack
-from gossipdl.averaging.local_optimizer import current_lr, mask_momentum
+from gossipdl.averaging.local_optimizer import LocalOptimizer, current_lr, mask_momentum
 from gossipdl.averaging.triggers import check_trigger, parse_trigger
 from gossipdl.compression import Payload
 from gossipdl.compression._kernels import empty_on
@@ -154,7 +154,7 @@ class Peer:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: LocalOptimizer | None = None,
         *,
         rank: int | None = None,
         peers: Sequence[str] | None = None,

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gossipdl.averaging.local_optimizer import LocalOptimizer
 from gossipdl.conditions import DeviceProfile, device_of
 from gossipdl.config import Config, to_dict
 from gossipdl.coordinator.server import serve
@@ -183,7 +184,7 @@ def _server_worker(
     config: Config,
     dataset: Dataset,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: LocalOptimizer,
     rank: int | None,
     listen: str,
     servers: list[str] | None,

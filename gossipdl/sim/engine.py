@@ -41,7 +41,7 @@ from gossipdl.averaging import (
     check_trigger,
     parse_trigger,
 )
-from gossipdl.averaging.local_optimizer import current_lr, mask_momentum
+from gossipdl.averaging.local_optimizer import LocalOptimizer, current_lr, mask_momentum
 from gossipdl.conditions import DeviceProfile, Drift, device_of
 from gossipdl.config import Config, to_dict
 from gossipdl.data import BatchSampler, Dataset, evaluation_inputs
@@ -112,7 +112,7 @@ class VirtualPeer:
     id: int
     core: GossipCore
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: LocalOptimizer
     sampler: BatchSampler
     device: DeviceProfile
     step_time: float

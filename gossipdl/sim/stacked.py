@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
+from gossipdl.averaging.local_optimizer import sgd_update_
 from gossipdl.sim.stacked_layers import stacked_forward
 
 CPU_CHUNK_PARAMS = 1 << 18
@@ -170,11 +171,4 @@ class StackedSGD:
     @torch.no_grad()
     def step(self, flat: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         """Step the rows of ``flat`` in place along ``grads`` (same shape)."""
-        d = grads.add(flat, alpha=self.weight_decay) if self.weight_decay else grads
-        if self.momentum:
-            if self.buffer is None:
-                self.buffer = d.clone()
-            else:
-                self.buffer.mul_(self.momentum).add_(d)
-            d = self.buffer
-        flat.add_(d, alpha=-lr)
+        self.buffer = sgd_update_(flat, grads, self.buffer, lr, self.momentum, self.weight_decay)
