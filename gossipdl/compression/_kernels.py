@@ -289,9 +289,9 @@ def scatter(indices: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Te
     """
     native = native_kernels(values)
     if native is not None and values.dtype == torch.float32:
-        out = host_empty(numel)
-        native.densify(indices.contiguous().numpy(), values.contiguous().numpy(), out)
-        return torch.from_numpy(out)
+        out = host_tensor(numel)
+        native.densify(indices.contiguous().numpy(), values.contiguous().numpy(), out.numpy())
+        return out
     dense = empty_on(values.device, numel).zero_()
     dense[indices] = values
     return dense

@@ -1905,6 +1905,22 @@ static PyObject *subset_mark(PyObject *self, PyObject *args) {
     return ok ? PyLong_FromSsize_t(found) : NULL;
 }
 
+/* The 8 bytes of buf from byte `at` as a little-endian word (byte `at` in the low bits, so
+   bit i of a bitmap is bit i of its word), zeros for the bytes past `size`. */
+static inline uint64_t load_le64(const uint8_t *buf, int64_t size, int64_t at) {
+    uint64_t word = 0;
+    if (at + 8 <= size) {
+        memcpy(&word, buf + at, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        word = __builtin_bswap64(word);
+#endif
+        return word;
+    }
+    for (int64_t i = 0; at + i < size; i++)
+        word |= (uint64_t)buf[at + i] << (8 * i);
+    return word;
+}
+
 static PyObject *subset_positions(PyObject *self, PyObject *args) {
     Py_buffer bitmap, out;
     Py_ssize_t numel;
@@ -1920,19 +1936,9 @@ static PyObject *subset_positions(PyObject *self, PyObject *args) {
         uint64_t flip = value ? 0 : ~(uint64_t)0;
         Py_ssize_t words = numel / 64;
         Py_BEGIN_ALLOW_THREADS for (Py_ssize_t w = 0; w <= words; w++) {
-            uint64_t hits = 0;
-            if (w < words) {
-                memcpy(&hits, bits + w * 8, 8);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-                hits = __builtin_bswap64(hits); /* byte 0 in the low bits: bit i is bit i */
-#endif
-                hits ^= flip;
-            } else { /* the last bytes; their bits past numel are not positions */
-                for (Py_ssize_t byte = w * 8; byte < (numel + 7) / 8; byte++)
-                    hits |= (uint64_t)(uint8_t)(bits[byte] ^ (uint8_t)flip) << (8 * (byte - w * 8));
-                if (numel % 64)
-                    hits &= ((uint64_t)1 << (numel % 64)) - 1;
-            }
+            uint64_t hits = load_le64(bits, (numel + 7) / 8, w * 8) ^ flip;
+            if (w == words) /* the last bits; those past numel are not positions */
+                hits &= ((uint64_t)1 << (numel % 64)) - 1;
             int64_t base = (int64_t)w * 64;
             if (count + 2 <= want) {
                 /* Most words of a sparse subset hold 0–2 positions: write two without a
@@ -2106,25 +2112,10 @@ static PyObject *choco_step(PyObject *self, PyObject *args) {
 
 #define GOLOMB_MAX_B 56 /* a remainder plus its bit offset fits one 64-bit load */
 
-/* Up to 8 bytes of buf from byte `at` (little-endian), zeros past its end. */
-static inline uint64_t load_le(const uint8_t *buf, int64_t size, int64_t at) {
-    uint64_t word = 0;
-    int64_t n = size - at < 8 ? size - at : 8;
-    for (int64_t i = 0; i < n; i++)
-        word |= (uint64_t)buf[at + i] << (8 * i);
-    return word;
-}
-
+/* The `b` bits of buf from bit `bit` on (LSB first), zeros past its end (b <= 56). */
 static inline uint64_t load_bits(const uint8_t *buf, int64_t size, int64_t bit, int b) {
-    uint64_t word;
-    if ((bit >> 3) + 8 <= size) {
-        memcpy(&word, buf + (bit >> 3), 8);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-        word = __builtin_bswap64(word);
-#endif
-    } else
-        word = load_le(buf, size, bit >> 3);
-    return b ? (word >> (bit & 7)) & ((b == 64 ? 0 : (uint64_t)1 << b) - 1) : 0;
+    uint64_t word = load_le64(buf, size, bit >> 3);
+    return (word >> (bit & 7)) & (((uint64_t)1 << b) - 1);
 }
 
 /* 0; 1 when the unary stream does not hold exactly `count` ones ending in its last byte;
