@@ -752,6 +752,33 @@ def test_c_choco_step_is_torch_bit_for_bit(native_isa: Any, count: int) -> None:
         )
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_c_codes_over_reads_packed_codes_as_unpack_bits_does(native_isa: Any, bits: int) -> None:
+    """The host check of a GPU's QSGD decode: whether a packed code is over a limit, for
+    every limit, a code just over it in each position of a group and in the tail; the
+    codes past ``count`` in the last byte are not looked at; bad arguments refused."""
+    rng = np.random.default_rng(bits)
+    top = (1 << bits) - 1
+    for count in (0, 1, 7, 8, 9, 15, 16, 17, 1000, 1003):
+        for limit in sorted({0, top // 2, top - 1, top}):
+            codes = rng.integers(0, limit + 1, count).astype(np.uint8)
+            packed = kernels.pack_bits(torch.from_numpy(codes), bits)
+            assert not native_isa.codes_over(packed, bits, count, limit)
+            if limit == top or count == 0:
+                continue
+            for at in {*range(min(count, 9)), count // 2}:
+                over = codes.copy()
+                over[count - 1 - at] = rng.integers(limit + 1, top + 1)
+                packed = kernels.pack_bits(torch.from_numpy(over), bits)
+                assert native_isa.codes_over(packed, bits, count, limit), (count, limit, at)
+    tail = kernels.pack_bits(torch.tensor([0, 0, 0, top], dtype=torch.uint8), bits)
+    assert not native_isa.codes_over(tail, bits, 3, 0)  # the fourth code is past count
+    with pytest.raises(ValueError, match="10 codes of 6 bits"):
+        native_isa.codes_over(np.zeros(7, np.uint8), 6, 10, 32)
+    with pytest.raises(ValueError, match="limit -1 must be >= 0"):
+        native_isa.codes_over(np.zeros(8, np.uint8), 6, 10, -1)
+
+
 @pytest.mark.parametrize("density", [0.0, 0.0005, 0.01, 0.3, 1.0])
 def test_delta_golomb_streams_are_the_same_from_c_and_numpy(density: float) -> None:
     """The C kernels write the bytes numpy writes and read them back alike, every Rice

@@ -48,6 +48,10 @@
  *   subset_positions(bitmap, numel, value, out) -> None
  *       out (int64) = the positions below numel whose bit is `value` (1 or 0),
  *       ascending; their number must be out's length.
+ *   codes_over(packed, bits, count, limit) -> bool
+ *       Whether any of the first `count` codes of `bits` bits (1..8) packed LSB first
+ *       (pack_bits' stream) is over `limit`: what QSGD's decoder checks on the host
+ *       before the codes go to a GPU, where a check would make the host wait.
  *   magnitude_at_least(x, tau, idx, val) -> int
  *       The positions i (ascending) with |x_i| >= tau (float32 compare; NaN never) and
  *       x_i there, into int64 idx and float32 val, at most len(idx) of them; returns
@@ -1973,6 +1977,81 @@ static PyObject *subset_positions(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Whether any of `groups` groups of eight `bits`-bit codes (each group `bits` bytes) is over
+   `limit`, with `bits` a constant in each instance so the masks are immediates. SWAR: the
+   even codes and (shifted down) the odd ones each sit in a word with a free slot of `bits`
+   bits above every code, so code + (2^bits - 1 - limit) carries into that slot exactly when
+   the code is over the limit: a few word operations for eight codes. */
+static inline uint64_t codes_over_groups(const uint8_t *buf, int64_t groups, const int bits,
+                                         int64_t limit) {
+    uint64_t field = ((uint64_t)1 << bits) - 1, mask = 0, add = 0, carry = 0;
+    for (int j = 0; j < 8; j += 2) {
+        mask |= field << (j * bits);
+        add |= (field - (uint64_t)limit) << (j * bits);
+        carry |= (uint64_t)1 << (j * bits + bits);
+    }
+    uint64_t over = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        uint64_t word;
+        memcpy(&word, buf + g * bits, 8); /* the caller leaves 8 bytes readable */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        word = __builtin_bswap64(word);
+#endif
+        over |= ((word & mask) + add) | (((word >> bits) & mask) + add);
+    }
+    return over & carry;
+}
+
+static PyObject *codes_over(PyObject *self, PyObject *args) {
+    Py_buffer packed;
+    int bits;
+    Py_ssize_t count, limit;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*inn:codes_over", &packed, &bits, &count, &limit))
+        return NULL;
+    int ok = bits >= 1 && bits <= 8 && count >= 0 && limit >= 0 &&
+             packed.len * 8 >= (Py_ssize_t)bits * count;
+    uint64_t over = 0;
+    if (ok && limit < ((Py_ssize_t)1 << bits) - 1) { /* else no code can be over it */
+        const uint8_t *buf = packed.buf;
+        const int64_t size = packed.len, groups = count / 8;
+        /* Whole groups whose word load stays inside the buffer, then the rest word by word. */
+        int64_t fast = size >= 8 ? (size - 8) / bits + 1 : 0;
+        fast = fast < groups ? fast : groups;
+        Py_BEGIN_ALLOW_THREADS switch (bits) {
+#define CODES_OVER_CASE(B)                                                                     \
+    case B:                                                                                    \
+        over = codes_over_groups(buf, fast, B, limit);                                         \
+        break;
+            CODES_OVER_CASE(1)
+            CODES_OVER_CASE(2)
+            CODES_OVER_CASE(3)
+            CODES_OVER_CASE(4)
+            CODES_OVER_CASE(5)
+            CODES_OVER_CASE(6)
+            CODES_OVER_CASE(7)
+            CODES_OVER_CASE(8)
+#undef CODES_OVER_CASE
+        }
+        for (int64_t g = fast; g * 8 < count && !over; g++) {
+            uint64_t word = load_le64(buf, size, g * bits);
+            int64_t left = count - g * 8;
+            for (int j = 0; j < (left < 8 ? left : 8); j++)
+                over |= ((word >> (j * bits)) & (((uint64_t)1 << bits) - 1)) > (uint64_t)limit;
+        }
+        Py_END_ALLOW_THREADS
+    } else if (!ok) {
+        PyErr_Format(PyExc_ValueError,
+                     "codes_over: %zd codes of %d bits (1..8) need %zd bytes, got %zd; "
+                     "limit %zd must be >= 0",
+                     count, bits, ((Py_ssize_t)bits * count + 7) / 8, packed.len, limit);
+    }
+    PyBuffer_Release(&packed);
+    if (!ok)
+        return NULL;
+    return PyBool_FromLong(over != 0);
+}
+
 /* --- sparse vectors --- */
 
 static PyObject *magnitude_at_least(PyObject *self, PyObject *args) {
@@ -2307,6 +2386,9 @@ static PyMethodDef methods[] = {
     {"subset_positions", subset_positions, METH_VARARGS,
      "subset_positions(bitmap, numel, value, out): the positions below numel whose bit is "
      "`value`, ascending, into int64 out (their number must be its length)."},
+    {"codes_over", codes_over, METH_VARARGS,
+     "codes_over(packed, bits, count, limit) -> bool: whether any of count bits-bit codes "
+     "(1..8) packed LSB first, as pack_bits writes them, is over limit (>= 0)."},
     {"magnitude_at_least", magnitude_at_least, METH_VARARGS,
      "magnitude_at_least(x, tau, idx, val) -> int: the positions (ascending) and values of "
      "float32 x where |x| >= tau into int64 idx and float32 val, at most their length; "

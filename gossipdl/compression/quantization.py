@@ -491,8 +491,13 @@ class QSGD(ValueCodec):
             if top > 2 * self.levels:
                 raise CodecError(f"{self.spec}: a code exceeds 2·LEVELS = {2 * self.levels}")
             return torch.from_numpy(out)
+        # On a GPU the codes are checked on the host, in C where it was built: a check on
+        # the device would make the receive thread wait for every kernel queued there.
+        host = native_kernels(torch.device("cpu")) if device.type == "cuda" else None
+        if host is not None and host.codes_over(packed, self.bits, count, 2 * self.levels):
+            raise CodecError(f"{self.spec}: a code exceeds 2·LEVELS = {2 * self.levels}")
         codes = unpack_bits(packed, self.bits, count, device)
-        if count and int(codes.max()) > 2 * self.levels:
+        if host is None and count and int(codes.max()) > 2 * self.levels:
             raise CodecError(f"{self.spec}: a code exceeds 2·LEVELS = {2 * self.levels}")
         return self._values(codes, from_host(norms, device), count)
 
