@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import small_config
+from test_ring import ring_means_in_threads
 
-from gossipdl.compression import build_codec
+from gossipdl.compression import CodecError, Payload, build_codec
 from gossipdl.compression._kernels import from_host, to_host
 from gossipdl.experiments.launcher import launch
 from gossipdl.peers.device import pick_device
@@ -44,11 +45,34 @@ def test_a_codec_leaves_its_tensors_on_the_gpu(spec: str) -> None:
     torch.testing.assert_close(decoded, estimate)
 
 
+def test_a_bad_qsgd_code_is_refused_before_it_reaches_the_gpu() -> None:
+    """QSGD's decoder checks its codes on the host (no sync): a code over 2·LEVELS raises."""
+    codec = build_codec("qsgd:4:0")
+    payload, _ = codec.encode(torch.randn(100, device="cuda"))
+    packed = payload.arrays[0].copy()
+    packed[0] = 255
+    bad = Payload((packed, *payload.arrays[1:]), payload.meta)
+    with pytest.raises(CodecError, match="2·LEVELS"):
+        codec.decode(bad, 100, torch.device("cuda", 0))
+
+
 def test_cuda_without_an_index_names_the_peers_gpu() -> None:
     """``--device cuda`` gives an indexed device, which ``torch.cuda.set_device`` needs."""
     device = pick_device("cuda", local_index=torch.cuda.device_count())
     assert device == torch.device("cuda", 0)
     torch.cuda.set_device(device)
+
+
+def test_the_ring_averages_gpu_tensors_in_place() -> None:
+    """The ring all-reduce takes GPU tensors: down through pinned memory, the mean written
+    back on the device."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(100_003, generator=g).cuda() for _ in range(3)]
+    want = torch.stack(xs).mean(0)
+    ring_means_in_threads(xs)
+    for x in xs:
+        assert x.is_cuda
+        torch.testing.assert_close(x, want, rtol=0, atol=1e-5)
 
 
 def test_payloads_cross_to_the_host_through_pinned_memory() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,44 @@ def test_ring_allreduce_over_real_processes() -> None:
     # rank 1 waits on rank 0, which waits on the silent one; whether rank 1's error also
     # names peer 2 depends on a notice's timing here (test_sim_ring checks it on virtual time)
     assert "nothing from peer 0 (its predecessor)" in errors[1], errors[1]
+
+
+def ring_means_in_threads(tensors: list[torch.Tensor]) -> None:
+    """Average ``tensors`` in place over a ring of ``len(tensors)`` ranks in this process,
+    one thread each (real sockets; for the copies a tensor that is not a contiguous float32
+    CPU vector goes through)."""
+    addresses = _free_addresses(len(tensors))
+    groups = [RingGroup(r, addresses, tensors[0].numel()) for r in range(len(tensors))]
+    errors: list[BaseException] = []
+
+    def reduce(rank: int) -> None:
+        try:
+            groups[rank].allreduce_mean_(tensors[rank])
+        except BaseException as exc:  # reported by the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reduce, args=(r,)) for r in range(len(tensors))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for group in groups:
+            group.close()
+    assert not errors, errors
+
+
+def test_a_strided_or_double_tensor_is_averaged_in_place_through_a_copy() -> None:
+    """A transposed float32 matrix and a float64 one: reduced through one host copy each
+    and written back into the caller's tensor."""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(30, 40, generator=g).t(), torch.randn(40, 30, generator=g).double()
+    want = (a.double() + b) / 2
+    ring_means_in_threads([a, b])
+    assert not a.is_contiguous() and b.dtype == torch.float64
+    torch.testing.assert_close(a.double(), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(b, want, rtol=0, atol=1e-6)
 
 
 def test_chunks_cover_the_vector_with_sizes_within_one() -> None:

@@ -173,18 +173,25 @@ def empty_on(device: torch.device, count: int, dtype: torch.dtype = torch.float3
 
 
 def to_host(t: torch.Tensor) -> np.ndarray:
-    """A C-contiguous numpy array of ``t`` (zero-copy for a contiguous CPU tensor). From a
-    GPU it is copied into pinned memory (torch's caching host allocator: recycled, and
-    the copy runs at full bus speed) and waited for by an event: the payload's copy to
-    the host is the one sync a send needs, and no debug-mode warning hides another."""
+    """A C-contiguous numpy array of ``t`` (zero-copy for a contiguous CPU tensor); from a
+    GPU, the pinned copy :func:`stage_on_host` makes."""
     if t.device.type != "cuda":
         return np.ascontiguousarray(t.detach().cpu().numpy())
+    return stage_on_host(t).numpy()
+
+
+def stage_on_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of GPU tensor ``t`` in pinned memory (torch's caching host allocator:
+    recycled, and the copy runs at full bus speed), waited for by an event: the payload's
+    copy to the host is the one sync a send needs, and no debug-mode warning hides
+    another. Copying it back with ``non_blocking=True`` is safe: the allocator keeps the
+    block until that copy is done."""
     staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     staged.copy_(t.detach(), non_blocking=True)
     copied = torch.cuda.Event()
     copied.record(torch.cuda.current_stream(t.device))
     copied.synchronize()
-    return staged.numpy()
+    return staged
 
 
 def from_host(a: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gossipdl.compression._kernels import stage_on_host
 from gossipdl.protocol.ring import (
     DEFAULT_PIECE,
     RING_CHECKS_FINITE,
@@ -96,17 +97,20 @@ class RingAllReduce:
         """Replace ``x`` by its element-wise mean over the ring, in place, and return it.
 
         A contiguous float32 CPU tensor is reduced where it lies (no copy, as gloo
-        does); anything else goes through one host copy and back.
+        does); anything else goes through one host copy and back: from a GPU through
+        pinned memory, the copy back queued on the device without a wait.
         """
         if x.numel() != self.numel:
             raise ValueError(f"this ring reduces {self.numel} values, got {x.numel()}")
         if self.size == 1:
             return x
-        in_place = x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
-        host = x.detach().numpy() if in_place else x.detach().to("cpu", torch.float32).numpy()
-        self._run(host.reshape(-1))
-        if not in_place:
-            x.copy_(torch.from_numpy(host).view_as(x))
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous():
+            self._run(x.detach().numpy().reshape(-1))
+            return x
+        values = x.detach().float()
+        host = stage_on_host(values) if x.is_cuda else values.contiguous()
+        self._run(host.numpy().reshape(-1))
+        x.copy_(host.view_as(x), non_blocking=x.is_cuda)
         return x
 
     def _run(self, x: Any) -> None:
