@@ -37,6 +37,7 @@ Run
     python benchmarks/allreduce.py --procs 4 --sizes 25M --repeats 9
     python benchmarks/allreduce.py --quick           # 2 processes, 100k floats, 1 + 3: a smoke test
     python benchmarks/allreduce.py --json runs/bench-allreduce.json
+    python benchmarks/allreduce.py --device cuda     # GPU tensors: rank r on cuda:(r mod GPUs)
 
     Every config spawns its own processes (each imports torch); the defaults
     take about 30 s on a 2-core machine. With fewer cores than processes both
@@ -126,14 +127,27 @@ def _worker(
     repeats: int,
     barrier: Any,
     results: Any,
+    device_kind: str = "cpu",
 ) -> None:
-    """One rank of one config: time both implementations, alternating, and report."""
+    """One rank of one config: time both implementations, alternating, and report. On a
+    GPU each call's time runs until the device is done with it (both reduce on the host:
+    ours through pinned memory, gloo's CUDA path its own way)."""
     import torch.distributed as dist
 
     from gossipdl.coordinator import RingGroup
+    from gossipdl.peers.device import pick_device
 
     torch.set_num_threads(1)
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + 7))
+    device = pick_device(device_kind, local_index=rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + 7)).to(device)
+
+    def done() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
     ok, err = True, 0.0
     ring = RingGroup(rank, addresses, numel, codec="none")
@@ -151,14 +165,14 @@ def _worker(
             barrier.wait(WORKER_TIMEOUT_S)
             start = time.perf_counter()
             ring.allreduce_mean_(ours)
-            ours_s = time.perf_counter() - start
+            ours_s = done() - start
 
             t = x.clone()
             barrier.wait(WORKER_TIMEOUT_S)
             start = time.perf_counter()
             dist.all_reduce(t)
             t /= procs
-            gloo_s = time.perf_counter() - start
+            gloo_s = done() - start
 
             if rep == 0:
                 scale = float(t.abs().max())
@@ -177,7 +191,9 @@ def _worker(
 # --- orchestration -------------------------------------------------------------------------------
 
 
-def run_config(ctx: Any, procs: int, numel: int, warmup: int, repeats: int) -> dict[str, Any]:
+def run_config(
+    ctx: Any, procs: int, numel: int, warmup: int, repeats: int, device: str = "cpu"
+) -> dict[str, Any]:
     """Spawn ``procs`` ranks for one config; per implementation the slowest rank per repetition."""
     ports = _free_ports(procs + 1)
     addresses = [f"tcp://127.0.0.1:{p}" for p in ports[:procs]]
@@ -186,7 +202,7 @@ def run_config(ctx: Any, procs: int, numel: int, warmup: int, repeats: int) -> d
     workers = [
         ctx.Process(
             target=_worker,
-            args=(r, procs, numel, addresses, ports[-1], warmup, repeats, barrier, results),
+            args=(r, procs, numel, addresses, ports[-1], warmup, repeats, barrier, results, device),
             daemon=True,
         )
         for r in range(procs)
@@ -239,6 +255,9 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    parser.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="where each rank's vector lives"
+    )
     args = parser.parse_args()
     if args.quick:
         args.procs, args.sizes, args.repeats, args.warmup = [2], [100_000], 3, 1
@@ -249,7 +268,7 @@ def main() -> None:
     table, rows = [], []
     for procs in args.procs:
         for numel in args.sizes:
-            got = run_config(ctx, procs, numel, args.warmup, args.repeats)
+            got = run_config(ctx, procs, numel, args.warmup, args.repeats, args.device)
             medians = {impl: statistics.median(got["times_ms"][impl]) for impl in IMPLS}
             ratio = medians["gossipdl"] / medians["gloo"]
             for impl in IMPLS:
@@ -290,6 +309,7 @@ def main() -> None:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "threads_per_process": 1,
+        "device": args.device,
         "method": "per repetition: mp.Barrier, then each rank times its call; the slowest "
         "rank's time; median over repetitions; gossipdl and gloo alternate in the same "
         "processes; gloo = all_reduce (SUM) + divide by world size",
@@ -321,7 +341,8 @@ def main() -> None:
     # The table has one line per config, the JSON one row per implementation per config.
     report(
         "allreduce",
-        "All-reduce (mean) of float32 vectors: gossipdl ring vs torch.distributed gloo",
+        f"All-reduce (mean) of float32 {args.device} vectors: gossipdl ring vs "
+        "torch.distributed gloo",
         columns,
         table,
         meta,

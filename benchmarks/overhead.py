@@ -2,7 +2,9 @@
 
 What it measures
     Real peer processes (default 2, a ring, one thread each, so each has a core) train
-    an MLP of about 10.7M parameters (widths 2300, 2300, 2300) on MNIST-1D, batch 32,
+    an MLP of about 10.7M parameters (widths 2300, 2300, 2300) on MNIST-1D, batch 32
+    (``--batch-size``: on a GPU a step of batch 32 is a millisecond or two, far less
+    than any round, so a larger batch gives the compute-bound step the target is about),
     once without gossip (``periodic:H`` with H past the last step: the same swarm,
     processes and heartbeats, no round) and once per setting: dense gossip, CHOCO with
     top-1% and CHOCO with the scaled sign, a round after every step. A peer's step time
@@ -21,6 +23,7 @@ Run
     python benchmarks/overhead.py                    # 10.7M parameters, 60 steps each
     python benchmarks/overhead.py --quick            # 100k parameters, 20 steps: a smoke test
     python benchmarks/overhead.py --json runs/bench-overhead.json
+    python benchmarks/overhead.py --device cuda --batch-size 2048   # a GPU's compute-bound step
 
 JSON (``--json FILE``): ``{"benchmark": "overhead", "rows": [...], "meta": {...}}``; each
 row has ``setting``, ``algorithm``, ``codec``, ``parameters``, ``s_per_step``,
@@ -74,7 +77,7 @@ def config_for(args: Any, name: str) -> Config:
         dataset="mnist1d",
         model="mlp",
         hidden=args.hidden,
-        batch_size=32,
+        batch_size=args.batch_size,
         steps=args.steps,
         algorithm=algorithm,
         codec=codec,
@@ -95,6 +98,7 @@ def main() -> None:
     parser.add_argument("--hidden", default=None, help=f"MLP widths, default {HIDDEN}")
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples a step (32)")
     args = parser.parse_args()
     args.peers = args.peers or 2
     args.hidden = args.hidden or (QUICK_HIDDEN if args.quick else HIDDEN)
@@ -141,12 +145,13 @@ def main() -> None:
     ]
     notes = [f"{name}: gossip ≤ {TARGET:.0%} of the step — {mark(ok)}" for name, ok in met.items()]
     notes.append(
-        f"{args.peers} peers on a ring, MLP widths {args.hidden}, {args.steps} steps, "
-        f"one thread each, device {args.device}"
+        f"{args.peers} peers on a ring, MLP widths {args.hidden}, batch {args.batch_size}, "
+        f"{args.steps} steps, one thread each, device {args.device}"
     )
     meta = {
         "peers": args.peers,
         "hidden": args.hidden,
+        "batch_size": args.batch_size,
         "steps": args.steps,
         "warm_up_steps": warm_up,
         "device": args.device,
