@@ -7,7 +7,9 @@ What it measures
     than any round, so a larger batch gives the compute-bound step the target is about),
     once without gossip (``periodic:H`` with H past the last step: the same swarm,
     processes and heartbeats, no round) and once per setting: dense gossip, CHOCO with
-    top-1% and CHOCO with the scaled sign, a round after every step. A peer's step time
+    top-1% and CHOCO with the scaled sign, a round after every step, each also with
+    ``overlap`` (``+overlap``: the round runs behind the next step's compute). A peer's
+    step time
     is read from its metrics lines (one every ``--log-every`` steps, the first ones
     skipped as warm-up): the time between its first and last line over the steps
     between them, averaged over the peers. The overhead of a setting is the share of its
@@ -57,11 +59,14 @@ from gossipdl.experiments.launcher import launch
 from gossipdl.rundir import RunDir
 
 TARGET = 0.05
-SETTINGS = {  # name: (algorithm, codec, trigger); "alone" is the baseline
-    "alone": ("dense", "none", None),
-    "dense": ("dense", "none", "always"),
-    "choco-topk": ("choco", "topk:0.01", "always"),
-    "choco-sign": ("choco", "sign", "always"),
+SETTINGS = {  # name: (algorithm, codec, trigger, overlap); "alone" is the baseline
+    "alone": ("dense", "none", None, False),
+    "dense": ("dense", "none", "always", False),
+    "choco-topk": ("choco", "topk:0.01", "always", False),
+    "choco-sign": ("choco", "sign", "always", False),
+    "dense+overlap": ("dense", "none", "always", True),
+    "choco-topk+overlap": ("choco", "topk:0.01", "always", True),
+    "choco-sign+overlap": ("choco", "sign", "always", True),
 }
 HIDDEN, QUICK_HIDDEN = "2300,2300,2300", "256,256"
 STEPS, QUICK_STEPS = 60, 20
@@ -69,7 +74,7 @@ STEPS, QUICK_STEPS = 60, 20
 
 def config_for(args: Any, name: str) -> Config:
     """The swarm of setting ``name``: the same job, its algorithm, codec and trigger."""
-    algorithm, codec, trigger = SETTINGS[name]
+    algorithm, codec, trigger, overlap = SETTINGS[name]
     return load_config(
         args.config,
         peers=args.peers,
@@ -82,6 +87,7 @@ def config_for(args: Any, name: str) -> Config:
         algorithm=algorithm,
         codec=codec,
         trigger=trigger or f"periodic:{args.steps + 1}",
+        overlap=overlap,
         threads=1,
         eval_every=0,
         log_every=args.log_every,

@@ -126,7 +126,7 @@ _PANELS = {
     DATA: ("dataset", "data_dir", "samples_per_peer", "model", "hidden", "partition", "seed"),
     OPTIMISATION: ("steps", "batch_size", "optimizer", "lr", "lr_schedule", "momentum",
                    "weight_decay", "staleness", "local_epochs", "fraction"),
-    COMMUNICATION: ("algorithm", "trigger", "codec", "gamma", "defence", "round_timeout",
+    COMMUNICATION: ("algorithm", "trigger", "codec", "gamma", "defence", "overlap", "round_timeout",
                     "max_message_mb", "max_message_rate", "max_queued_mb"),
     FAULTS: ("loss", "slowdown", "drift", "link"),
     OUTPUT: ("out", "eval_every", "log_every", "checkpoint_every", "tensorboard", "csv",

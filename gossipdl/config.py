@@ -160,6 +160,13 @@ class Config:
     round_timeout: float = field(
         default=10.0, metadata={"help": "seconds a round waits for a neighbour"}
     )
+    overlap: bool = field(
+        default=False,
+        metadata={
+            "help": "gossip: run each round behind the next step's compute (D-PSGD's order: "
+            "the gradient at the model sent, not at the merged one)"
+        },
+    )
     startup_timeout: float = field(
         default=120.0, metadata={"help": "seconds to wait for the swarm to form"}
     )
@@ -537,6 +544,12 @@ def _validate(c: Config) -> None:
     try:
         averager = build_averager(c.algorithm, c.codec, defence=c.defence)
         check_trigger(parse_trigger(c.trigger), averager)
+        _check(
+            not c.overlap or (c.mode == "gossip" and not averager.asynchronous),
+            f"overlap = true runs a gossip round behind the next step; mode {c.mode!r} with "
+            f"algorithm {c.algorithm!r} has no such round (use mode gossip and a round-based "
+            "algorithm, or overlap = false)",
+        )
     except TriggerError as exc:
         raise ConfigError(f"trigger = {c.trigger!r}: {exc}") from None
     except ValueError as exc:

@@ -21,10 +21,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_local_peers_train_on_the_gpu_and_say_so(tmp_path: Path) -> None:
-    """Each peer's final line names the GPU its model trained on."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_local_peers_train_on_the_gpu_and_say_so(tmp_path: Path, overlap: bool) -> None:
+    """Each peer's final line names the GPU its model trained on (with overlap too: the
+    round's thread works on the same GPU)."""
     config = small_config(tmp_path, peers=2, steps=20, device="auto", algorithm="choco",
-                          codec="topk:0.1+raw")  # fmt: skip
+                          codec="topk:0.1+raw", overlap=overlap)  # fmt: skip
     summary = launch(config, progress=False)
     assert summary["peers_finished"] == 2
     run = RunDir(config.out)

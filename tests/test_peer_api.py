@@ -14,6 +14,7 @@ import zmq
 from conftest import wait_for
 
 from gossipdl import Peer
+from gossipdl.config import ConfigError, load_config
 from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import PeerError
 from gossipdl.topologies import build_topology
@@ -119,6 +120,66 @@ def test_one_round_is_exactly_w_times_x(topology: str) -> None:
         for p in peers:
             assert p.stats()["messages_dropped"] == {}
             assert p.neighbour_misses == 0
+    finally:
+        for p in peers:
+            p.close()
+
+
+@pytest.mark.parametrize(("overlap", "expected"), [(False, 0.25), (True, 0.3125)])
+def test_overlap_takes_the_gradient_at_the_model_it_sent(overlap: bool, expected: float) -> None:
+    """Two peers, every weight 1, gradients a·w with a = 1 and 3 (lr 0.25), two steps.
+    Without overlap each step mixes the stepped models: 0.75, 0.25 → 0.5; 0.375, 0.125 →
+    0.25. With overlap the second gradient is taken at the model sent (0.75, 0.25: both
+    0.75), applied to the mix: 0.5 − 0.1875 = 0.3125 on both, and the round behind it is
+    taken by settle()."""
+    peers = make_swarm(2, "ring", [1.0, 1.0], overlap=overlap)
+    slopes = {0: 1.0, 1: 3.0}
+    try:
+
+        def train(peer: Peer) -> None:
+            peer.optimizer = torch.optim.SGD(peer.model.parameters(), lr=0.25)
+            for _ in range(2):
+                for p in peer.model.parameters():
+                    p.grad = slopes[peer.id] * p.detach().clone()
+                peer.step()
+            peer.settle()
+
+        threads = [threading.Thread(target=train, args=(p,)) for p in peers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [value_of(p) for p in peers] == [pytest.approx(expected)] * 2
+    finally:
+        for p in peers:
+            p.close()
+
+
+def test_overlap_needs_a_synchronous_gossip_round() -> None:
+    """A ring all-reduce or a walk has no round to run behind the next step: refused by
+    name, in a config and by the Peer API."""
+    for changes, named in (
+        ({"mode": "ring"}, "mode 'ring'"),
+        ({"algorithm": "gossip-learning"}, "algorithm 'gossip-learning'"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            load_config(None, overlap=True, **changes)
+    assert load_config(None, overlap="true").overlap is True
+    with pytest.raises(ValueError, match="overlap runs a synchronous gossip round"):
+        Peer(torch.nn.Linear(2, 2), algorithm="allreduce", overlap=True)
+
+
+def test_a_peer_closed_with_a_round_behind_it_stops_at_once() -> None:
+    """With overlap, a peer closed while its round waits for a silent neighbour ends that
+    round (the round does not wait out its 30 s timeout) and closes."""
+    peers = make_swarm(2, "ring", [0.0, 2.0], overlap=True, round_timeout=30.0)
+    try:
+        peers[0].optimizer = torch.optim.SGD(peers[0].model.parameters(), lr=0.1)
+        peers[0].step()  # its round now waits for peer 1, which never sends
+        started = time.monotonic()
+        peers[0].close()
+        assert time.monotonic() - started < 5.0
+        assert value_of(peers[0]) == 0.0  # the round's merge is never taken
     finally:
         for p in peers:
             p.close()

@@ -320,6 +320,7 @@ def test_a_batched_swarm_that_diverges_stops_and_says_why(tmp_path: Path) -> Non
         ({"optimizer": "adam"}, "optimizer 'adam'"),
         ({"profiles": {"p": {"peers": "0-1", "latency": "9ms", "jitter": "5ms"}}}, "jitter"),
         ({"topology": "one-peer-exponential"}, "static"),
+        ({"overlap": True}, "overlap"),
     ],
 )
 def test_the_batched_simulator_names_what_it_cannot_run(

@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -109,6 +110,12 @@ class Peer:
     but only a peer whose model moved more than Δ from the last agreed one
     sends it). ``algorithm="gossip-learning"`` drops rounds altogether: each
     step's model walks to one random neighbour and is merged there by age.
+    ``overlap=True`` runs each round in the background while the caller computes the
+    next gradients (D-PSGD's order: ``x ← mix(x) − lr·g(x)``, the gradient at the
+    model that was sent rather than at the merged one): ``step()`` first takes the
+    round started by the step before, so a round's messages travel while the next
+    forward and backward pass run. :meth:`settle` takes it earlier (before evaluating
+    or saving the model).
     ``algorithm="allreduce"`` is the ring all-reduce baseline: with trigger
     ``always`` and an optimizer, gradients are averaged exactly before every
     local step (synchronous SGD); otherwise parameters are, every round.
@@ -189,6 +196,7 @@ class Peer:
         advertise: str | None = None,
         swarm_start: float | None = None,
         connect_wait: float = CONNECT_WAIT_S,
+        overlap: bool = False,
     ) -> None:
         if peers is not None and (rank is None or not 0 <= rank < len(peers)):
             raise ValueError(f"rank must be in 0..{len(peers) - 1} when peers is given, got {rank}")
@@ -235,9 +243,20 @@ class Peer:
                 "a ring all-reduce has every peer in every round; use always or "
                 "periodic:H, not a dynamic trigger"
             )
+        if overlap and (ring or self.averager.asynchronous):
+            raise ValueError(
+                "overlap runs a synchronous gossip round behind the next step's compute; "
+                f"algorithm {algorithm!r} has none (a ring all-reduce, or a walk that waits "
+                "for nothing)"
+            )
         self.codec = self.averager.codec.spec
         self.topology_spec = "ring" if ring else topology
         self.ring = ring
+        self.overlap = overlap
+        # overlap: the round started by the last step runs here (one worker thread), and
+        # the training thread takes its model in settle()
+        self._rounds = ThreadPoolExecutor(1, "round") if overlap else None
+        self._pending: Future[torch.Tensor] | None = None
         self._reduce: RingAllReduce | LowRankAllReduce | None = None  # built by _reducer
         self._ring_lock = threading.Lock()
         self.reduces_gradients = ring and optimizer is not None and self.trigger.period == 1
@@ -354,6 +373,7 @@ class Peer:
         ``periodic:H`` or ``dynamic:DELTA:B`` every H-th (B-th) step does.
         """
         self._check_failure()
+        self.settle()
         if self.reduces_gradients:
             self._allreduce_gradients()
         if self.optimizer is not None:
@@ -361,8 +381,20 @@ class Peer:
         self.steps += 1
         with self._core:
             self.core.age += 1
-        if self.trigger.ends_round(self.steps):
+        if not self.trigger.ends_round(self.steps):
+            return
+        if self._rounds is None:
             self.gossip()
+            return
+        self._rejoin_if_dropped()
+        self._pending = self._rounds.submit(self._core_round, self._flat())
+
+    def settle(self) -> None:
+        """Wait for the round running in the background (``overlap``) and take its model;
+        nothing to do without one. Its error, if it failed, is raised here."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            set_params(self.params, pending.result())
 
     def sync_at_step(self, step: int) -> None:
         """Make the round that ends by local step ``step`` a sync of the whole swarm (dynamic
@@ -375,11 +407,8 @@ class Peer:
     @torch.no_grad()
     def gossip(self) -> None:
         """One gossip round: synchronous with this round's neighbours, or one step of a walk."""
-        self._check_failure()
-        if self._lost_id():
-            self._join_again()
-        elif self._rejoin_via is not None:
-            self._rejoin()
+        self.settle()
+        self._rejoin_if_dropped()
         if not self.reduces_gradients:  # gradients were averaged before the local step
             x = self._flat()
             new = self._ring_round(x) if self.ring else self._core_round(x)
@@ -389,6 +418,15 @@ class Peer:
                 self.core.advance(time.monotonic())
                 if not self.reduces_gradients:  # the core's rounds published theirs
                     self.core.published = (self.round, new)
+
+    def _rejoin_if_dropped(self) -> None:
+        """Before a round: back in with a new id if ours was lost, or through the member
+        that said we were dropped."""
+        self._check_failure()
+        if self._lost_id():
+            self._join_again()
+        elif self._rejoin_via is not None:
+            self._rejoin()
 
     def _core_round(self, x: torch.Tensor) -> torch.Tensor:
         """Run the protocol core's round with model ``x``: send, wait for the messages it
@@ -419,6 +457,7 @@ class Peer:
             or self._lost_id()
             or not self.transport.online
             or self._failure is not None
+            or self._closed
         )
 
     def _carry_out(self, sends: list[Send]) -> None:
@@ -561,7 +600,10 @@ class Peer:
         and close the sockets."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = True  # a round in the background stops waiting (_away)
+        if self._rounds is not None:
+            self._wake()
+            self._rounds.shutdown(wait=True)
         self._watch_stop.set()
         self._watcher.join(2.0)
         with self._core:

@@ -168,6 +168,7 @@ def train_peer(
             advertise=config.advertise or None,
             swarm_start=run_start(),
             connect_wait=connect_wait,
+            overlap=config.overlap,
         )
     if on_training is not None:
         on_training()
@@ -345,12 +346,15 @@ def _loop(
             peer.step()
             losses.append(loss.detach())
             if config.checkpoint_every and peer.steps % config.checkpoint_every == 0:
+                _settle(peer)
                 save_checkpoint(run.checkpoint(peer.id), model, optimizer, peer.steps)
             due = config.eval_every and peer.steps % config.eval_every == 0
             if due and peer.steps < config.steps:
+                _settle(peer)
                 record(**evaluation(model, x_test, y_test, own))
             elif peer.steps % config.log_every == 0:
                 record()
+        _settle(peer)
         evaluated = evaluation(model, x_test, y_test, own)
         save_atomic(model.state_dict(), run.model(peer.id))
         peer.transport.flush()  # the final line counts the last messages sent, too
@@ -381,6 +385,13 @@ def _take_as_long(device: DeviceProfile, started: float) -> None:
     wait = max((device.slowdown - 1) * took, device.step_time - took)
     if wait > 0:
         time.sleep(wait)
+
+
+def _settle(peer: Peer | ServerWorker) -> None:
+    """Before the model is evaluated or saved: a gossip peer takes the round it runs in the
+    background (``overlap``)."""
+    if isinstance(peer, Peer):
+        peer.settle()
 
 
 def _finished(config: Config, peer: Peer | ServerWorker) -> bool:

@@ -120,6 +120,8 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
             problems.append(f"{name} (batched peers learn one task and nothing fails)")
     if config.loss:
         problems.append("loss (batched loses no message)")
+    if config.overlap:
+        problems.append("overlap (batched peers take each round before the next step)")
     links = [device.link for device in devices]
     if any(link.jitter_s or link.loss or link.offline for link in links):
         problems.append("a link with jitter, loss or offline windows")

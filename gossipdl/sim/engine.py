@@ -135,6 +135,9 @@ class VirtualPeer:
     rate: float = 1.0  # how fast its clock runs against true time (a ``clock`` fault)
     clock_mark: tuple[float, float] = (0.0, 0.0)  # (true, local) time when the rate last changed
     leaving: bool = False  # it leaves at its next round, once its messages are out (``leave``)
+    behind: bool = False  # overlap: a round runs behind the step being computed
+    held: torch.Tensor | None = None  # that round's model, taken at the step's end
+    stepped: bool = False  # the step's compute is done; it waits for the round behind it
 
     _params: tuple[torch.nn.Module | None, list[torch.nn.Parameter]] = (None, [])
 
@@ -328,9 +331,15 @@ class Simulation:
         return self.network.online(peer.id) and peer.core.rejoin_via is None
 
     def _progress(self, peer: VirtualPeer, progress: Progress) -> None:
-        """Carry out a poll's answer: send, and once the round is over take its model."""
+        """Carry out a poll's answer: send, and once the round is over take its model (a
+        round behind the next step's compute: hold it for that step's end)."""
         self._send(peer, progress.sends)
-        if progress.model is not None:
+        if progress.model is not None and peer.behind:
+            peer.held = progress.model
+            if peer.stepped:
+                peer.stepped = False
+                self._stepped(peer)
+        elif progress.model is not None:
             set_params(peer.params, progress.model)
             self._after_round(peer)
         elif peer.core.deadline is not None and peer.core.deadline != peer.timer_at:
@@ -379,9 +388,21 @@ class Simulation:
         return True
 
     def _step(self, peer: VirtualPeer) -> None:
-        """One local step ends now: the optimizer step, then a round if the trigger says."""
+        """One local step's compute ends now; the step ends too unless the round behind it
+        (``overlap``) is still open, then it ends with that round."""
         if not self._computed(peer):
             return
+        if peer.behind and peer.held is None:
+            peer.stepped = True
+            return
+        self._stepped(peer)
+
+    def _stepped(self, peer: VirtualPeer) -> None:
+        """The step ends: the round behind it merged in (``Peer.settle``), the optimizer step
+        with the gradients computed before, then a round if the trigger says."""
+        if peer.held is not None:
+            set_params(peer.params, peer.held)
+        peer.behind, peer.held = False, None
         peer.optimizer.step()
         peer.steps += 1
         if self.config.checkpoint_every and peer.steps % self.config.checkpoint_every == 0:
@@ -403,7 +424,18 @@ class Simulation:
         if peer.leaving:  # a graceful leave during the round's sync
             self._finish(peer)
             return
+        if self.config.overlap and not self._settles(peer):  # the next compute starts now
+            peer.behind = True
+            self._after_round(peer)
         self._progress(peer, peer.core.poll(now, self._online(peer)))
+
+    def _settles(self, peer: VirtualPeer) -> bool:
+        """Whether the step just taken waits for its round even with ``overlap``: the real
+        runner settles before it evaluates, checkpoints or ends."""
+        steps, config = peer.steps, self.config
+        evaluates = config.eval_every and steps % config.eval_every == 0
+        saves = config.checkpoint_every and steps % config.checkpoint_every == 0
+        return bool(steps >= config.steps or evaluates or saves)
 
     # ----------------------------------------------------------------- joins
     def welcomed(self, peer: VirtualPeer) -> None:
@@ -583,6 +615,7 @@ class Simulation:
         peer.sampler = peer_sampler(self.config, self.dataset, peer_id, steps)
         peer.drift, peer.y_test = drift_of(self.config, peer_id), None  # a new process's
         peer.dead, peer.started, peer.timer_at, peer.losses = False, False, None, []
+        peer.behind, peer.held, peer.stepped = False, None, False
         self.network.revive(peer_id)
         self._record(
             peer,
