@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import small_config
+from test_peer_api import OVERLAP_CASES, two_steps_of_a_w
 from test_ring import ring_means_in_threads
 
 from gossipdl.compression import CodecError, Payload, build_codec
@@ -63,6 +64,15 @@ def test_cuda_without_an_index_names_the_peers_gpu() -> None:
     device = pick_device("cuda", local_index=torch.cuda.device_count())
     assert device == torch.device("cuda", 0)
     torch.cuda.set_device(device)
+
+
+@pytest.mark.parametrize(("overlap", "expected"), OVERLAP_CASES)
+def test_overlap_on_the_gpu_takes_the_gradient_at_the_model_it_sent(
+    overlap: bool, expected: float
+) -> None:
+    """The hand-worked two steps of test_peer_api on the GPU, where the round and the
+    receive thread queue their work on a stream of their own."""
+    assert two_steps_of_a_w(overlap, "cuda") == [pytest.approx(expected)] * 2
 
 
 def test_the_ring_averages_gpu_tensors_in_place() -> None:

@@ -23,12 +23,17 @@ from gossipdl.transport.shaping import LinkProfile
 
 
 def make_swarm(
-    n: int, topology: str, values: list[float], width: int = 3, **kwargs: Any
+    n: int,
+    topology: str,
+    values: list[float],
+    width: int = 3,
+    device: str = "cpu",
+    **kwargs: Any,
 ) -> list[Peer]:
     """``n`` Peers in this process, formed through peer 0; peer i's weights all equal values[i]."""
     models = []
     for value in values:
-        model = torch.nn.Linear(width, 2)
+        model = torch.nn.Linear(width, 2, device=device)
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(value)
@@ -125,14 +130,15 @@ def test_one_round_is_exactly_w_times_x(topology: str) -> None:
             p.close()
 
 
-@pytest.mark.parametrize(("overlap", "expected"), [(False, 0.25), (True, 0.3125)])
-def test_overlap_takes_the_gradient_at_the_model_it_sent(overlap: bool, expected: float) -> None:
-    """Two peers, every weight 1, gradients a·w with a = 1 and 3 (lr 0.25), two steps.
-    Without overlap each step mixes the stepped models: 0.75, 0.25 → 0.5; 0.375, 0.125 →
-    0.25. With overlap the second gradient is taken at the model sent (0.75, 0.25: both
-    0.75), applied to the mix: 0.5 − 0.1875 = 0.3125 on both, and the round behind it is
-    taken by settle()."""
-    peers = make_swarm(2, "ring", [1.0, 1.0], overlap=overlap)
+OVERLAP_CASES = [(False, 0.25), (True, 0.3125)]
+
+
+def two_steps_of_a_w(overlap: bool, device: str = "cpu") -> list[float]:
+    """Two peers, every weight 1, gradients a·w with a = 1 and 3 (lr 0.25), two steps;
+    the peers' weights after settle(). Without overlap each step mixes the stepped models:
+    0.75, 0.25 → 0.5; 0.375, 0.125 → 0.25. With overlap the second gradient is taken at
+    the model sent (0.75, 0.25: both 0.75), applied to the mix: 0.5 − 0.1875 = 0.3125."""
+    peers = make_swarm(2, "ring", [1.0, 1.0], device=device, overlap=overlap)
     slopes = {0: 1.0, 1: 3.0}
     try:
 
@@ -149,10 +155,15 @@ def test_overlap_takes_the_gradient_at_the_model_it_sent(overlap: bool, expected
             t.start()
         for t in threads:
             t.join(60)
-        assert [value_of(p) for p in peers] == [pytest.approx(expected)] * 2
+        return [value_of(p) for p in peers]
     finally:
         for p in peers:
             p.close()
+
+
+@pytest.mark.parametrize(("overlap", "expected"), OVERLAP_CASES)
+def test_overlap_takes_the_gradient_at_the_model_it_sent(overlap: bool, expected: float) -> None:
+    assert two_steps_of_a_w(overlap) == [pytest.approx(expected)] * 2
 
 
 def test_overlap_needs_a_synchronous_gossip_round() -> None:

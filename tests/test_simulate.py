@@ -79,7 +79,7 @@ def test_overlap_takes_the_same_steps_in_virtual_and_real_peers(tmp_path: Path) 
     """With overlap (each round behind the next step's compute, settled before an
     evaluation and at the end) virtual and real peers end on the same weights, which
     differ from those without overlap; on virtual time the rounds (a 20 ms link) hide
-    behind the 10 ms steps, so training takes less time."""
+    behind the 10 ms steps, so training takes less time, and less of it idle."""
     config = small_config(tmp_path, steps=60, eval_every=25, link="latency=20ms", overlap=True)
     real = launch(config.replace(out=str(tmp_path / "real")), progress=False)
     sim = simulate(config.replace(out=str(tmp_path / "sim")), step_time=0.01)
@@ -95,6 +95,12 @@ def test_overlap_takes_the_same_steps_in_virtual_and_real_peers(tmp_path: Path) 
     torch.testing.assert_close(weights("sim"), weights("real"), rtol=0, atol=1e-6)
     assert (weights("sim") - weights("off")).abs().max() > 1e-4
     assert sim["training_s"] < 0.8 * off["training_s"]
+    idle = {
+        name: sum(p["idle_s"] for p in run["peers"]) for name, run in (("sim", sim), ("off", off))
+    }
+    assert (
+        0 < idle["sim"] < 0.8 * idle["off"]
+    )  # a step waits only for what its compute did not hide
 
 
 def _toml(tmp_path: Path, config: Config) -> Path:

@@ -254,9 +254,13 @@ class Peer:
         self.ring = ring
         self.overlap = overlap
         # overlap: the round started by the last step runs here (one worker thread), and
-        # the training thread takes its model in settle()
+        # the training thread takes its model in settle(). On a GPU the round and the
+        # receive thread queue their work on a stream of their own: on training's, the
+        # payload's copy to the host would wait for the next step's kernels.
         self._rounds = ThreadPoolExecutor(1, "round") if overlap else None
-        self._pending: Future[torch.Tensor] | None = None
+        self._pending: Future[tuple[torch.Tensor, torch.cuda.Event | None]] | None = None
+        on_gpu = overlap and self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if on_gpu else None
         self._reduce: RingAllReduce | LowRankAllReduce | None = None  # built by _reducer
         self._ring_lock = threading.Lock()
         self.reduces_gradients = ring and optimizer is not None and self.trigger.period == 1
@@ -300,6 +304,7 @@ class Peer:
             model=self._flat(),
             stream=rank or 0,
         )
+        self.core.behind = overlap  # idle: a step's wait in settle(), not the round's time
         # -- written by the training thread (others read) --
         self.steps = resume_step or 0
         self.core.age = self.steps
@@ -385,16 +390,48 @@ class Peer:
             return
         if self._rounds is None:
             self.gossip()
-            return
+        else:
+            self._start_round()
+
+    def _start_round(self) -> None:
+        """Start this step's round on the round thread (``overlap``)."""
+        assert self._rounds is not None
         self._rejoin_if_dropped()
-        self._pending = self._rounds.submit(self._core_round, self._flat())
+        x, ready = self._flat(), None
+        if self._stream is not None:  # the round's stream starts once x is written
+            ready = torch.cuda.Event()
+            ready.record()
+            x.record_stream(self._stream)
+        self._pending = self._rounds.submit(self._round_behind, x, ready)
 
     def settle(self) -> None:
         """Wait for the round running in the background (``overlap``) and take its model;
         nothing to do without one. Its error, if it failed, is raised here."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            set_params(self.params, pending.result())
+        if pending is None:
+            return
+        waited = time.monotonic()
+        new, done = pending.result()
+        with self._core:
+            self.core.counters.idle_s += time.monotonic() - waited
+        if done is not None:  # training's stream goes on once the round's work is done
+            torch.cuda.current_stream().wait_event(done)
+            new.record_stream(torch.cuda.current_stream())
+        set_params(self.params, new)
+
+    def _round_behind(
+        self, x: torch.Tensor, ready: torch.cuda.Event | None
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The round of ``x`` on the round thread (on a GPU: on the gossip stream, after
+        ``ready``); its model, and on a GPU the event that marks its work done."""
+        with torch.no_grad(), torch.cuda.stream(self._stream):  # a thread's own modes
+            if ready is None:
+                return self._core_round(x), None
+            torch.cuda.current_stream().wait_event(ready)
+            new = self._core_round(x)
+            done = torch.cuda.Event()
+            done.record()
+            return new, done
 
     def sync_at_step(self, step: int) -> None:
         """Make the round that ends by local step ``step`` a sync of the whole swarm (dynamic
@@ -408,6 +445,10 @@ class Peer:
     def gossip(self) -> None:
         """One gossip round: synchronous with this round's neighbours, or one step of a walk."""
         self.settle()
+        if self._rounds is not None:  # overlap: the round thread runs it, taken at once
+            self._start_round()
+            self.settle()
+            return
         self._rejoin_if_dropped()
         if not self.reduces_gradients:  # gradients were averaged before the local step
             x = self._flat()
@@ -1047,19 +1088,20 @@ class Peer:
     def _receive(self, msg: Message) -> None:
         """Handle one message; then the member tables that came early from senders we now
         know (a newcomer's ``ready`` can overtake the news of it)."""
-        try:
-            self._on_message(msg)
-        finally:
-            with self._lock:
-                known = [e for e in self._early if self.membership.get(e[1].sender) is not None]
-                for item in known:
-                    self._early.remove(item)
-            for _, early in known:
-                try:
-                    self._on_message(early)
-                except WireError as exc:
-                    exc.sender = early.sender
-                    self.transport.refused(exc)
+        with torch.cuda.stream(self._stream):  # overlap on a GPU: the round's stream
+            try:
+                self._on_message(msg)
+            finally:
+                with self._lock:
+                    known = [e for e in self._early if self.membership.get(e[1].sender) is not None]
+                    for item in known:
+                        self._early.remove(item)
+                for _, early in known:
+                    try:
+                        self._on_message(early)
+                    except WireError as exc:
+                        exc.sender = early.sender
+                        self.transport.refused(exc)
 
     def _hold_early(self, msg: Message) -> None:
         """Keep a member table from a sender we do not know yet, for ``EARLY_S`` seconds and

@@ -226,6 +226,9 @@ class GossipCore:
         self.answers: list[Message] = []  # answers to our requests, for the engine to take
         self._walks: deque[tuple[torch.Tensor, int]] = deque()
         self.age = 0  # gossip learning: steps behind the walking model
+        # overlap: the open round runs behind the next step's compute, so its time is not
+        # idle (the engine counts the time a step waits for it); set by the engine
+        self.behind = False
         self._round_times: deque[float] = deque(maxlen=ROUND_TIMES_KEPT)
         stream = me if stream is None else stream
         self._walk_rng = random.Random(settings.seed * 104729 + stream)
@@ -360,7 +363,8 @@ class GossipCore:
     def _end(self, now: float, new: torch.Tensor) -> Progress:
         """Close the round: the next one begins; a resync is asked for if one is due."""
         assert self._open is not None
-        self.counters.idle_s += now - self._open[2]
+        if not self.behind:
+            self.counters.idle_s += now - self._open[2]
         self.advance(now)
         self.published = (self.round, new)
         self._phase, self._open, self.deadline = _Phase.IDLE, None, None

@@ -138,6 +138,7 @@ class VirtualPeer:
     behind: bool = False  # overlap: a round runs behind the step being computed
     held: torch.Tensor | None = None  # that round's model, taken at the step's end
     stepped: bool = False  # the step's compute is done; it waits for the round behind it
+    stepped_at: float = 0.0  # since when (local time): the wait counts as idle
 
     _params: tuple[torch.nn.Module | None, list[torch.nn.Parameter]] = (None, [])
 
@@ -338,6 +339,7 @@ class Simulation:
             peer.held = progress.model
             if peer.stepped:
                 peer.stepped = False
+                peer.core.counters.idle_s += self.local(peer) - peer.stepped_at
                 self._stepped(peer)
         elif progress.model is not None:
             set_params(peer.params, progress.model)
@@ -393,7 +395,7 @@ class Simulation:
         if not self._computed(peer):
             return
         if peer.behind and peer.held is None:
-            peer.stepped = True
+            peer.stepped, peer.stepped_at = True, self.local(peer)
             return
         self._stepped(peer)
 
@@ -424,8 +426,8 @@ class Simulation:
         if peer.leaving:  # a graceful leave during the round's sync
             self._finish(peer)
             return
-        if self.config.overlap and not self._settles(peer):  # the next compute starts now
-            peer.behind = True
+        peer.behind = peer.core.behind = self.config.overlap and not self._settles(peer)
+        if peer.behind:  # the next compute starts now
             self._after_round(peer)
         self._progress(peer, peer.core.poll(now, self._online(peer)))
 
