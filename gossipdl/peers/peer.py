@@ -275,7 +275,8 @@ class Peer:
         self._on_members = on_members
         # Who owns what. Four threads touch a peer: training (step, gossip, forming), receive
         # (the transport's, running _on_message), watch (heartbeats, deaths) and send (the
-        # transport's, owning the sockets). The protocol core (rounds, mailboxes, resyncs,
+        # transport's, owning the sockets); with overlap a fifth, the round thread, runs the
+        # rounds that training would run (never both at once: settle() hands them over). The protocol core (rounds, mailboxes, resyncs,
         # failure detection, sequence numbers, counters) is guarded by ``_core``, a condition
         # that also wakes a round waiting for messages. Every other field is owned by one
         # thread, guarded by the lock named next to it, or an object with a lock of its own
