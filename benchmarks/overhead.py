@@ -8,8 +8,9 @@ What it measures
     once without gossip (``periodic:H`` with H past the last step: the same swarm,
     processes and heartbeats, no round) and once per setting: dense gossip, CHOCO with
     top-1% and CHOCO with the scaled sign, a round after every step, each also with
-    ``overlap`` (``+overlap``: the round runs behind the next step's compute). A peer's
-    step time
+    ``overlap`` (``+overlap``: the round runs behind the next step's compute), and the
+    ring all-reduce of gradients (``--mode ring``; ``+overlap``: in buckets during
+    backward). A peer's step time
     is read from its metrics lines (one every ``--log-every`` steps, the first ones
     skipped as warm-up): the time between its first and last line over the steps
     between them, averaged over the peers. The overhead of a setting is the share of its
@@ -59,7 +60,7 @@ from gossipdl.experiments.launcher import launch
 from gossipdl.rundir import RunDir
 
 TARGET = 0.05
-SETTINGS = {  # name: (algorithm, codec, trigger, overlap); "alone" is the baseline
+SETTINGS = {  # name: (algorithm or "ring", codec, trigger, overlap); "alone" is the baseline
     "alone": ("dense", "none", None, False),
     "dense": ("dense", "none", "always", False),
     "choco-topk": ("choco", "topk:0.01", "always", False),
@@ -67,16 +68,21 @@ SETTINGS = {  # name: (algorithm, codec, trigger, overlap); "alone" is the basel
     "dense+overlap": ("dense", "none", "always", True),
     "choco-topk+overlap": ("choco", "topk:0.01", "always", True),
     "choco-sign+overlap": ("choco", "sign", "always", True),
+    "ring": ("ring", "none", "always", False),
+    "ring+overlap": ("ring", "none", "always", True),
 }
 HIDDEN, QUICK_HIDDEN = "2300,2300,2300", "256,256"
 STEPS, QUICK_STEPS = 60, 20
 
 
 def config_for(args: Any, name: str) -> Config:
-    """The swarm of setting ``name``: the same job, its algorithm, codec and trigger."""
+    """The swarm of setting ``name``: the same job, its algorithm (or the ring all-reduce of
+    gradients), codec, trigger and overlap."""
     algorithm, codec, trigger, overlap = SETTINGS[name]
+    ring = algorithm == "ring"
     return load_config(
         args.config,
+        mode="ring" if ring else "gossip",
         peers=args.peers,
         topology="ring",
         dataset="mnist1d",
@@ -84,7 +90,7 @@ def config_for(args: Any, name: str) -> Config:
         hidden=args.hidden,
         batch_size=args.batch_size,
         steps=args.steps,
-        algorithm=algorithm,
+        algorithm="auto" if ring else algorithm,
         codec=codec,
         trigger=trigger or f"periodic:{args.steps + 1}",
         overlap=overlap,

@@ -468,6 +468,7 @@ def _validate(c: Config) -> None:
         TriggerError,
         available_algorithms,
         build_averager,
+        check_overlap,
         check_trigger,
         parse_trigger,
     )
@@ -544,16 +545,20 @@ def _validate(c: Config) -> None:
     try:
         averager = build_averager(c.algorithm, c.codec, defence=c.defence)
         check_trigger(parse_trigger(c.trigger), averager)
-        _check(
-            not c.overlap or (c.mode == "gossip" and not averager.asynchronous),
-            f"overlap = true runs a gossip round behind the next step; mode {c.mode!r} with "
-            f"algorithm {c.algorithm!r} has no such round (use mode gossip and a round-based "
-            "algorithm, or overlap = false)",
-        )
     except TriggerError as exc:
         raise ConfigError(f"trigger = {c.trigger!r}: {exc}") from None
     except ValueError as exc:
         raise ConfigError(f"algorithm = {c.algorithm!r}: {exc}") from None
+    _check(
+        not c.overlap or c.mode in ("gossip", "ring"),
+        f"overlap = true overlaps a gossip round or a ring's gradient all-reduce with compute; "
+        f"mode {c.mode!r} has neither: set overlap = false",
+    )
+    try:
+        every_step = parse_trigger(c.trigger).period == 1
+        check_overlap(c.overlap, c.mode == "ring", every_step, averager.asynchronous, c.codec)
+    except ValueError as exc:
+        raise ConfigError(f"overlap = true: {exc}") from None
     try:
         parse_slowdown(c.slowdown, c.peers)
         parse_drift(c.drift)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import small_config
-from test_peer_api import OVERLAP_CASES, two_steps_of_a_w
+from test_peer_api import OVERLAP_CASES, train_a_ring, two_steps_of_a_w
 from test_ring import ring_means_in_threads
 
 from gossipdl.compression import CodecError, Payload, build_codec
@@ -73,6 +73,21 @@ def test_overlap_on_the_gpu_takes_the_gradient_at_the_model_it_sent(
     """The hand-worked two steps of test_peer_api on the GPU, where the round and the
     receive thread queue their work on a stream of their own."""
     assert two_steps_of_a_w(overlap, "cuda") == [pytest.approx(expected)] * 2
+
+
+def test_a_ring_on_the_gpu_sends_gradient_buckets_during_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """test_peer_api's overlapped ring on the GPU: hooks on autograd's device thread, the
+    buckets through pinned memory; the same parameters as the one-shot average (on CPU)."""
+    import gossipdl.peers.peer as peer_module
+
+    monkeypatch.setattr(peer_module, "GRADIENT_BUCKET_NUMEL", 10)
+    overlapped, early = train_a_ring(overlap=True, device="cuda")
+    whole, _ = train_a_ring(overlap=False)
+    assert all(torch.equal(m, overlapped[0]) for m in overlapped)
+    torch.testing.assert_close(overlapped[0], whole[0], rtol=0, atol=1e-5)
+    assert min(early) >= 1
 
 
 def test_the_ring_averages_gpu_tensors_in_place() -> None:

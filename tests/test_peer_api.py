@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -166,18 +168,77 @@ def test_overlap_takes_the_gradient_at_the_model_it_sent(overlap: bool, expected
     assert two_steps_of_a_w(overlap) == [pytest.approx(expected)] * 2
 
 
-def test_overlap_needs_a_synchronous_gossip_round() -> None:
-    """A ring all-reduce or a walk has no round to run behind the next step: refused by
-    name, in a config and by the Peer API."""
+def test_overlap_is_refused_where_there_is_nothing_to_overlap() -> None:
+    """A walk has no round, ps no overlap, a ring that averages models or runs PowerSGD no
+    gradient buckets: each refused by name, in a config and by the Peer API."""
     for changes, named in (
-        ({"mode": "ring"}, "mode 'ring'"),
-        ({"algorithm": "gossip-learning"}, "algorithm 'gossip-learning'"),
+        ({"mode": "ps"}, "mode 'ps'"),
+        ({"algorithm": "gossip-learning"}, "gossip-learning"),
+        ({"mode": "ring", "trigger": "periodic:4"}, "trigger always"),
+        ({"mode": "ring", "codec": "powersgd:2"}, "PowerSGD"),
     ):
         with pytest.raises(ConfigError, match=named):
             load_config(None, overlap=True, **changes)
-    assert load_config(None, overlap="true").overlap is True
-    with pytest.raises(ValueError, match="overlap runs a synchronous gossip round"):
+    assert load_config(None, overlap="true", mode="ring").overlap is True
+    with pytest.raises(ValueError, match="trigger always"):  # no optimizer: models averaged
         Peer(torch.nn.Linear(2, 2), algorithm="allreduce", overlap=True)
+
+
+def train_a_ring(
+    overlap: bool, steps: int = 2, device: str = "cpu"
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Three peers all-reduce their gradients (mode ring) over ``steps`` steps of an MLP
+    with one frozen bias; their parameters after, and per peer the buckets that had gone
+    out when the first backward ended."""
+    sockets = [socket.socket() for _ in range(3)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    addresses = [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in sockets]
+    for s in sockets:
+        s.close()
+    torch.manual_seed(0)
+    template = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    template[0].bias.requires_grad_(False)
+    models: dict[int, torch.nn.Module] = {}
+    early: dict[int, int] = {}
+
+    def work(rank: int) -> None:
+        model = copy.deepcopy(template).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        peer = Peer(model, opt, rank=rank, peers=addresses, algorithm="allreduce", overlap=overlap)
+        with peer:
+            for step in range(steps):
+                x, y = torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
+                if step == 0 and peer._gradients is not None:
+                    early[rank] = peer._gradients._sent
+                peer.step()
+        models[rank] = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return [models[r] for r in range(3)], [early.get(r, 0) for r in range(3)]
+
+
+def test_a_ring_overlapping_backward_averages_the_gradients_it_would_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With overlap a ring sends its gradients in buckets of 10 values (66 in all: 7
+    buckets, a parameter across two, a padded last one, a frozen bias filled in as zeros)
+    while backward runs, and ends on the parameters the one-shot average gives."""
+    import gossipdl.peers.peer as peer_module
+
+    monkeypatch.setattr(peer_module, "GRADIENT_BUCKET_NUMEL", 10)
+    overlapped, early = train_a_ring(overlap=True)
+    whole, _ = train_a_ring(overlap=False)
+    assert all(torch.equal(m, overlapped[0]) for m in overlapped)
+    torch.testing.assert_close(overlapped[0], whole[0], rtol=0, atol=1e-6)
+    assert min(early) >= 1  # buckets went out before step() was called
 
 
 def test_a_peer_closed_with_a_round_behind_it_stops_at_once() -> None:

@@ -134,6 +134,8 @@ def test_a_dead_peer_is_declared_dead_and_the_ring_goes_on(tmp_path: Path) -> No
 def test_what_the_simulator_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(SimulationError, match="mode 'single' is not simulated"):
         simulate(small_config(tmp_path, mode="single"))
+    with pytest.raises(SimulationError, match="no backward to overlap"):
+        simulate(small_config(tmp_path, mode="ring", overlap=True))
 
 
 def test_gossipdl_simulate_writes_a_run_directory_report_reads(

@@ -13,7 +13,13 @@ from gossipdl.averaging.registry import (
     register_algorithm,
     resolve_algorithm,
 )
-from gossipdl.averaging.triggers import Trigger, TriggerError, check_trigger, parse_trigger
+from gossipdl.averaging.triggers import (
+    Trigger,
+    TriggerError,
+    check_overlap,
+    check_trigger,
+    parse_trigger,
+)
 
 __all__ = [
     "Arrival",
@@ -32,6 +38,7 @@ __all__ = [
     "auto_gamma",
     "available_algorithms",
     "build_averager",
+    "check_overlap",
     "check_trigger",
     "parse_trigger",
     "register_algorithm",

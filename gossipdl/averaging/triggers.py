@@ -92,6 +92,33 @@ def _positive_int(text: str, spec: str, usage: str) -> int:
     return int(text)
 
 
+def check_overlap(
+    overlap: bool, ring: bool, reduces_gradients: bool, asynchronous: bool, codec: str
+) -> None:
+    """Refuse ``overlap`` where there is nothing to overlap: gossip overlaps a round with
+    the next step, a ring its gradient all-reduce with backward (every step, no PowerSGD,
+    whose factors need every layer's gradient at once); a walk waits for nothing."""
+    if not overlap:
+        return
+    if not ring and asynchronous:
+        raise ValueError(
+            "overlap runs a round behind the next step; a walk (gossip-learning) has no "
+            "round to wait for: set overlap = false"
+        )
+    if ring and not reduces_gradients:
+        raise ValueError(
+            "overlap in a ring all-reduces gradients in buckets during backward, every step; "
+            "with a periodic trigger the ring averages models: use trigger always, or "
+            "overlap = false"
+        )
+    if ring and codec.startswith("powersgd:"):
+        raise ValueError(
+            f"overlap in a ring sends gradients in buckets during backward; codec {codec!r} "
+            "(PowerSGD) needs every layer's gradient at once: use codec none or fp16, or "
+            "overlap = false"
+        )
+
+
 def check_trigger(trigger: Trigger, averager: Averager) -> None:
     """Refuse a dynamic trigger for an algorithm whose peers cannot sit out a round."""
     if trigger.dynamic and not averager.supports_dynamic:

@@ -24,9 +24,10 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from gossipdl.averaging import build_averager
 from gossipdl.averaging.attacks import Attack
 from gossipdl.averaging.local_optimizer import LocalOptimizer, current_lr, mask_momentum
-from gossipdl.averaging.triggers import check_trigger, parse_trigger
+from gossipdl.averaging.triggers import check_overlap, check_trigger, parse_trigger
 from gossipdl.compression import Payload
 from gossipdl.compression._kernels import empty_on
+from gossipdl.coordinator.buckets import BUCKET_NUMEL, OverlappedGradients
 from gossipdl.coordinator.ring import (
     RING_CHECKS_FINITE,
     RING_SEND_HWM,
@@ -68,6 +69,7 @@ MAX_STRANGER_SOCKETS = 64  # connections beyond one per member (replies to joine
 EARLY_S = 2.0  # a member table from a sender not known yet waits this long for news of it
 MAX_EARLY = 32  # such tables held at once; the oldest is refused beyond it (``unknown_sender``)
 FORGET_AFTER_S = 600.0  # an ended member silent this long is forgotten: no more heartbeats
+GRADIENT_BUCKET_NUMEL = BUCKET_NUMEL  # overlap in a ring: gradient values per all-reduce
 
 
 class PeerError(RuntimeError):
@@ -243,12 +245,6 @@ class Peer:
                 "a ring all-reduce has every peer in every round; use always or "
                 "periodic:H, not a dynamic trigger"
             )
-        if overlap and (ring or self.averager.asynchronous):
-            raise ValueError(
-                "overlap runs a synchronous gossip round behind the next step's compute; "
-                f"algorithm {algorithm!r} has none (a ring all-reduce, or a walk that waits "
-                "for nothing)"
-            )
         self.codec = self.averager.codec.spec
         self.topology_spec = "ring" if ring else topology
         self.ring = ring
@@ -257,13 +253,20 @@ class Peer:
         # the training thread takes its model in settle(). On a GPU the round and the
         # receive thread queue their work on a stream of their own: on training's, the
         # payload's copy to the host would wait for the next step's kernels.
-        self._rounds = ThreadPoolExecutor(1, "round") if overlap else None
+        self._rounds = ThreadPoolExecutor(1, "round") if overlap and not ring else None
         self._pending: Future[tuple[torch.Tensor, torch.cuda.Event | None]] | None = None
         on_gpu = overlap and self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if on_gpu else None
         self._reduce: RingAllReduce | LowRankAllReduce | None = None  # built by _reducer
         self._ring_lock = threading.Lock()
         self.reduces_gradients = ring and optimizer is not None and self.trigger.period == 1
+        check_overlap(overlap, ring, self.reduces_gradients, self.averager.asynchronous, codec)
+        # overlap in a ring: gradients go out in buckets while backward runs
+        self._gradients = (
+            OverlappedGradients(self.params, self._bucket_ring, GRADIENT_BUCKET_NUMEL)
+            if overlap and ring
+            else None
+        )
         self.seed = seed
         self.startup_timeout = startup_timeout
         self.connect_wait = connect_wait
@@ -275,12 +278,13 @@ class Peer:
         self._on_members = on_members
         # Who owns what. Four threads touch a peer: training (step, gossip, forming), receive
         # (the transport's, running _on_message), watch (heartbeats, deaths) and send (the
-        # transport's, owning the sockets); with overlap a fifth, the round thread, runs the
-        # rounds that training would run (never both at once: settle() hands them over). The protocol core (rounds, mailboxes, resyncs,
-        # failure detection, sequence numbers, counters) is guarded by ``_core``, a condition
-        # that also wakes a round waiting for messages. Every other field is owned by one
-        # thread, guarded by the lock named next to it, or an object with a lock of its own
-        # (Membership, Asked, the transport's stats). References other threads only read
+        # transport's, owning the sockets). With overlap a fifth runs what training would:
+        # the rounds (settle() hands each one back) or, in a ring, the gradients' buckets
+        # (OverlappedGradients.wait hands them back). The protocol core (rounds, mailboxes,
+        # resyncs, failure detection, sequence numbers, counters) is guarded by ``_core``, a
+        # condition that also wakes a round waiting for messages. Every other field is owned
+        # by one thread, guarded by the lock named next to it, or an object with a lock of its
+        # own (Membership, Asked, the transport's stats). References other threads only read
         # (started) are written whole by their owner.
         self.membership = Membership(limit=max_members)  # own lock
         self._asked = Asked()  # own lock: nonces of our requests and their answers
@@ -517,7 +521,11 @@ class Peer:
                 self.transport.send(address, send.frames)
 
     def _allreduce_gradients(self) -> None:
-        """Replace every gradient by its mean over the ring (a missing one counts as zero)."""
+        """Replace every gradient by its mean over the ring (a missing one counts as zero):
+        with overlap, the buckets backward already sent, and the rest."""
+        if self._gradients is not None:
+            self._gradients.wait()
+            return
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -539,28 +547,34 @@ class Peer:
         behind PowerSGD when the codec asks for it."""
         with self._ring_lock:
             if self._reduce is None:
-                ids = self.membership.active(0)
-
-                def make_ring(numel: int) -> RingAllReduce:
-                    return RingAllReduce(
-                        self.id,
-                        ids,
-                        numel,
-                        self._send_chunk,
-                        codec="fp16" if self.codec == "fp16" else "none",
-                        timeout=self.core.settings.round_timeout,
-                        gone=self.membership.why_left,
-                    )
-
                 if self.codec.startswith("powersgd:"):
                     rank = int(self.codec.split(":")[1])
                     shapes = [p.shape for p in self.params]
                     self._reduce = LowRankAllReduce(
-                        shapes, rank, make_ring, seed=self.seed, device=self.device
+                        shapes, rank, self._make_ring, seed=self.seed, device=self.device
                     )
-                else:
-                    self._reduce = make_ring(self.numel)
+                else:  # the whole vector, or one bucket of it
+                    buckets = self._gradients
+                    self._reduce = self._make_ring(self.numel if buckets is None else buckets.size)
             return self._reduce
+
+    def _bucket_ring(self) -> RingAllReduce:
+        """The ring the gradients' buckets go through (overlap; never low-rank)."""
+        ring = self._reducer()
+        assert isinstance(ring, RingAllReduce)
+        return ring
+
+    def _make_ring(self, numel: int) -> RingAllReduce:
+        """An all-reduce of ``numel`` values over the members the swarm formed with."""
+        return RingAllReduce(
+            self.id,
+            self.membership.active(0),
+            numel,
+            self._send_chunk,
+            codec="fp16" if self.codec == "fp16" else "none",
+            timeout=self.core.settings.round_timeout,
+            gone=self.membership.why_left,
+        )
 
     def _send_chunk(self, peer_id: int, frames: list[Any]) -> None:
         member = self.membership.get(peer_id)
@@ -646,6 +660,8 @@ class Peer:
         if self._rounds is not None:
             self._wake()
             self._rounds.shutdown(wait=True)
+        if self._gradients is not None:
+            self._gradients.close()
         self._watch_stop.set()
         self._watcher.join(2.0)
         with self._core:

@@ -32,7 +32,7 @@ from gossipdl.protocol.ring import RING_CHECKS_FINITE, RingCore, RingFailure
 from gossipdl.protocol.ring_powersgd import LowRankMean, LowRankRing
 from gossipdl.rundir import RunDir
 from gossipdl.sim.clock import Timer
-from gossipdl.sim.engine import Simulation, VirtualPeer
+from gossipdl.sim.engine import Simulation, SimulationError, VirtualPeer
 from gossipdl.transport.wire import WireError, decode
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,12 @@ class RingSimulation(Simulation):
     )
 
     def __init__(self, config: Config, run: RunDir, *, step_time: float | None = None) -> None:
+        if config.overlap:
+            raise SimulationError(
+                "overlap = true in mode ring averages gradients in buckets during backward; "
+                "the simulator has no backward to overlap (its mean is the same): set "
+                "overlap = false to simulate the ring"
+            )
         super().__init__(config, run, step_time=step_time)
         ids = [peer.id for peer in self.peers]
         # Peer.reduces_gradients: every step all-reduces the gradients (an optimizer is given)

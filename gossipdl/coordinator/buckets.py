@@ -1,0 +1,152 @@
+"""Gradients averaged over the ring in buckets while backward still runs (DDP's scheme).
+
+Backward produces the last layers' gradients first. The gradients, laid out in that
+order, are cut into buckets of equal size; a hook on each parameter copies its gradient
+in as soon as it is accumulated, and a bucket whose every gradient is in goes to the
+all-reduce thread while backward computes the rest. Buckets are reduced in one fixed
+order on every rank (the ring's operations must match), each as one all-reduce of the
+ring's length (the last one padded with zeros). ``wait`` fills in what no hook delivered
+(a parameter without a gradient counts as zero, as the one-shot average does), waits for
+every bucket and writes the means back into the gradients.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from gossipdl.coordinator.ring import RingAllReduce
+
+BUCKET_NUMEL = 25 * 2**20 // 4  # 25 MiB of float32 a bucket, DDP's default
+
+
+def bucket_bounds(numel: int, most: int) -> list[tuple[int, int]]:
+    """``numel`` values cut into the fewest buckets of at most ``most`` values, of sizes
+    within one of each other.
+
+    >>> bucket_bounds(10, 4)
+    [(0, 4), (4, 7), (7, 10)]
+    """
+    count = -(-numel // most)
+    size = -(-numel // count)
+    return [(a, min(a + size, numel)) for a in range(0, numel, size)]
+
+
+class OverlappedGradients:
+    """Averages the gradients of ``params`` over a ring during backward: ``ring()`` returns
+    the all-reduce of :attr:`size` values the buckets go through (asked for at the first
+    bucket). One backward pass per :meth:`wait` (a second one before it would send
+    half-accumulated gradients)."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        ring: Callable[[], RingAllReduce],
+        bucket_numel: int = BUCKET_NUMEL,
+    ) -> None:
+        self.params = list(params)
+        order = list(reversed(range(len(self.params))))  # backward's order
+        self._offset: dict[int, int] = {}
+        at = 0
+        for i in order:
+            self._offset[i] = at
+            at += self.params[i].numel()
+        self.flat = torch.zeros(at, device=self.params[0].device)
+        self.bounds = bucket_bounds(at, bucket_numel)
+        self.size = self.bounds[0][1]
+        self._ring = ring
+        self._padded = torch.zeros(self.size, device=self.flat.device)  # a short last bucket
+        self._buckets_of = {
+            i: [
+                b
+                for b, (lo, hi) in enumerate(self.bounds)
+                if lo < self._offset[i] + p.numel() and self._offset[i] < hi
+            ]
+            for i, p in enumerate(self.params)
+        }
+        self._lock = threading.Lock()  # hooks run on autograd's threads
+        self._reduces = ThreadPoolExecutor(1, "allreduce")
+        self._reset()
+        self._hooks = [  # a frozen parameter's zeros are filled in by wait()
+            p.register_post_accumulate_grad_hook(self._hook(i))
+            for i, p in enumerate(self.params)
+            if p.requires_grad
+        ]
+
+    def _reset(self) -> None:
+        self._missing = [0] * len(self.bounds)  # gradients each bucket still waits for
+        for buckets in self._buckets_of.values():
+            for b in buckets:
+                self._missing[b] += 1
+        self._in: set[int] = set()  # parameters whose gradient was copied in
+        self._sent = 0  # buckets handed to the all-reduce thread, in order
+        self._futures: list[Future[None]] = []
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def accumulated(p: torch.Tensor) -> None:
+            with self._lock:
+                if i in self._in:
+                    raise RuntimeError(
+                        "the gradient all-reduce overlapped with backward takes one backward "
+                        "pass per step; accumulate over several without overlap"
+                    )
+                self._take(i, p.grad)
+                self._send_ready()
+
+        return accumulated
+
+    def _take(self, i: int, grad: torch.Tensor | None) -> None:
+        """Copy parameter ``i``'s gradient (None: zeros) into its place (holding the lock)."""
+        at, n = self._offset[i], self.params[i].numel()
+        place = self.flat[at : at + n]
+        if grad is None:
+            place.zero_()
+        else:
+            place.copy_(grad.detach().reshape(-1))
+        self._in.add(i)
+        for b in self._buckets_of[i]:
+            self._missing[b] -= 1
+
+    def _send_ready(self) -> None:
+        """Hand the buckets that are complete, in order, to the all-reduce thread."""
+        while self._sent < len(self.bounds) and self._missing[self._sent] == 0:
+            self._futures.append(self._reduces.submit(self._reduce, self._sent))
+            self._sent += 1
+
+    def _reduce(self, b: int) -> None:
+        lo, hi = self.bounds[b]
+        values, ring = self.flat[lo:hi], self._ring()
+        if hi - lo == self.size:
+            ring.allreduce_mean_(values)
+            return
+        self._padded[: hi - lo].copy_(values)
+        ring.allreduce_mean_(self._padded)
+        values.copy_(self._padded[: hi - lo])
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Send what backward did not deliver, wait for every bucket's mean and write the
+        means into the gradients (creating zero ones where there were none)."""
+        with self._lock:
+            for i, p in enumerate(self.params):
+                if i not in self._in:
+                    self._take(i, p.grad)
+            self._send_ready()
+            futures = self._futures
+            self._reset()
+        for future in futures:
+            future.result()
+        for i, p in enumerate(self.params):
+            at, n = self._offset[i], p.numel()
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(self.flat[at : at + n].view_as(p))
+
+    def close(self) -> None:
+        """Remove the hooks and stop the all-reduce thread."""
+        for hook in self._hooks:
+            hook.remove()
+        self._reduces.shutdown(wait=True)
