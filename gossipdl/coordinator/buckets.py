@@ -7,7 +7,9 @@ all-reduce thread while backward computes the rest. Buckets are reduced in one f
 order on every rank (the ring's operations must match), each as one all-reduce of the
 ring's length (the last one padded with zeros). ``wait`` fills in what no hook delivered
 (a parameter without a gradient counts as zero, as the one-shot average does), waits for
-every bucket and writes the means back into the gradients.
+every bucket and writes the means back into the gradients. On a GPU the buckets are
+reduced on a CUDA stream of their own, each after an event that marks its gradients
+copied: on backward's stream, the copy to the host would wait for all of backward.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class OverlappedGradients:
         }
         self._lock = threading.Lock()  # hooks run on autograd's threads
         self._reduces = ThreadPoolExecutor(1, "allreduce")
+        on_gpu = self.flat.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.flat.device) if on_gpu else None
         self._reset()
         self._hooks = [  # a frozen parameter's zeros are filled in by wait()
             p.register_post_accumulate_grad_hook(self._hook(i))
@@ -83,7 +87,7 @@ class OverlappedGradients:
                 self._missing[b] += 1
         self._in: set[int] = set()  # parameters whose gradient was copied in
         self._sent = 0  # buckets handed to the all-reduce thread, in order
-        self._futures: list[Future[None]] = []
+        self._futures: list[Future[torch.cuda.Event | None]] = []
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def accumulated(p: torch.Tensor) -> None:
@@ -113,18 +117,32 @@ class OverlappedGradients:
     def _send_ready(self) -> None:
         """Hand the buckets that are complete, in order, to the all-reduce thread."""
         while self._sent < len(self.bounds) and self._missing[self._sent] == 0:
-            self._futures.append(self._reduces.submit(self._reduce, self._sent))
+            copied = None
+            if self._stream is not None:  # the copies queued so far, on this thread's stream
+                copied = torch.cuda.Event()
+                copied.record()
+            self._futures.append(self._reduces.submit(self._reduce, self._sent, copied))
             self._sent += 1
 
-    def _reduce(self, b: int) -> None:
+    def _reduce(self, b: int, copied: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """All-reduce bucket ``b`` (on a GPU: on the buckets' stream, once ``copied``); on
+        a GPU, the event that marks it done."""
         lo, hi = self.bounds[b]
         values, ring = self.flat[lo:hi], self._ring()
-        if hi - lo == self.size:
-            ring.allreduce_mean_(values)
-            return
-        self._padded[: hi - lo].copy_(values)
-        ring.allreduce_mean_(self._padded)
-        values.copy_(self._padded[: hi - lo])
+        with torch.cuda.stream(self._stream):
+            if copied is not None:
+                torch.cuda.current_stream().wait_event(copied)
+            if hi - lo == self.size:
+                ring.allreduce_mean_(values)
+            else:
+                self._padded[: hi - lo].copy_(values)
+                ring.allreduce_mean_(self._padded)
+                values.copy_(self._padded[: hi - lo])
+            if copied is None:
+                return None
+            done = torch.cuda.Event()
+            done.record()
+            return done
 
     @torch.no_grad()
     def wait(self) -> None:
@@ -138,7 +156,9 @@ class OverlappedGradients:
             futures = self._futures
             self._reset()
         for future in futures:
-            future.result()
+            done = future.result()
+            if done is not None:  # the gradients are written on this thread's stream
+                torch.cuda.current_stream().wait_event(done)
         for i, p in enumerate(self.params):
             at, n = self._offset[i], p.numel()
             if p.grad is None:
