@@ -6,7 +6,7 @@ import copy
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -86,7 +86,12 @@ def run_rounds(
                 before(peer)
             peer.gossip()
 
-    threads = [threading.Thread(target=work, args=(p,)) for p in peers]
+    in_threads(work, peers)
+
+
+def in_threads(work: Callable[[Any], None], items: Sequence[Any]) -> None:
+    """``work(item)`` for every item, each in a thread of its own; waits for them all."""
+    threads = [threading.Thread(target=work, args=(item,)) for item in items]
     for t in threads:
         t.start()
     for t in threads:
@@ -152,11 +157,7 @@ def two_steps_of_a_w(overlap: bool, device: str = "cpu") -> list[float]:
                 peer.step()
             peer.settle()
 
-        threads = [threading.Thread(target=train, args=(p,)) for p in peers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        in_threads(train, peers)
         return [value_of(p) for p in peers]
     finally:
         for p in peers:
@@ -217,11 +218,7 @@ def train_a_ring(
                 peer.step()
         models[rank] = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    in_threads(work, range(3))
     return [models[r] for r in range(3)], [early.get(r, 0) for r in range(3)]
 
 
