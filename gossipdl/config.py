@@ -163,8 +163,9 @@ class Config:
     overlap: bool = field(
         default=False,
         metadata={
-            "help": "gossip: run each round behind the next step's compute (D-PSGD's order: "
-            "the gradient at the model sent, not at the merged one)"
+            "help": "communicate behind compute: gossip runs each round behind the next "
+            "step (D-PSGD's order: the gradient at the model sent), a ring all-reduces "
+            "gradients in buckets during backward"
         },
     )
     startup_timeout: float = field(

@@ -216,8 +216,8 @@ class SharedDecodes:
         >>> payload, _ = a.codec.encode(torch.tensor([0.0, 3.0, -1.0, 0.5]))
         >>> x = shared.decode(a, payload, False, 4, torch.device("cpu"))
         >>> y = shared.decode(b, payload, False, 4, torch.device("cpu"))
-        >>> x is y, x.tolist(), shared.hits
-        (True, [0.0, 3.0, -1.0, 0.0], 1)
+        >>> x is y, x.indices.tolist(), x.values.tolist(), shared.hits
+        (True, [1, 2], [3.0, -1.0], 1)
     """
 
     def __init__(self, keep: int = 256, keep_bytes: int = 64 * 2**20) -> None:

@@ -26,11 +26,13 @@ BUCKET_NUMEL = 25 * 2**20 // 4  # 25 MiB of float32 a bucket, DDP's default
 
 
 def bucket_bounds(numel: int, most: int) -> list[tuple[int, int]]:
-    """``numel`` values cut into the fewest buckets of at most ``most`` values, of sizes
-    within one of each other.
+    """``numel`` values cut into the fewest buckets of at most ``most`` values, all of one
+    size but a shorter last one (the ring's length is the first's).
 
     >>> bucket_bounds(10, 4)
-    [(0, 4), (4, 7), (7, 10)]
+    [(0, 4), (4, 8), (8, 10)]
+    >>> bucket_bounds(10_700_000, 6_553_600)
+    [(0, 5350000), (5350000, 10700000)]
     """
     count = -(-numel // most)
     size = -(-numel // count)

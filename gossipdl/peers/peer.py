@@ -117,7 +117,8 @@ class Peer:
     model that was sent rather than at the merged one): ``step()`` first takes the
     round started by the step before, so a round's messages travel while the next
     forward and backward pass run. :meth:`settle` takes it earlier (before evaluating
-    or saving the model).
+    or saving the model). In a ring all-reduce of gradients, ``overlap=True`` sends them
+    in buckets while backward runs (:class:`~gossipdl.coordinator.buckets.OverlappedGradients`).
     ``algorithm="allreduce"`` is the ring all-reduce baseline: with trigger
     ``always`` and an optimizer, gradients are averaged exactly before every
     local step (synchronous SGD); otherwise parameters are, every round.
@@ -309,7 +310,7 @@ class Peer:
             model=self._flat(),
             stream=rank or 0,
         )
-        self.core.behind = overlap  # idle: a step's wait in settle(), not the round's time
+        self.core.behind = self._rounds is not None  # idle: a step's wait in settle()
         # -- written by the training thread (others read) --
         self.steps = resume_step or 0
         self.core.age = self.steps
