@@ -4,8 +4,9 @@
 enough to run thousands of (3–12 peers, a logistic model on the synthetic
 blobs, 50–120 steps in 8–16 s of virtual time, a ring, an exponential or a complete graph,
 dense gossip or CHOCO, every step, periodic or dynamic rounds, with or without
-checkpoints) and a schedule of faults in config form (``[[faults]]`` tables, so
-a case is an ordinary config that ``gossipdl simulate`` runs too). The faults
+checkpoints, rounds behind the next step's compute or not) and a schedule of faults
+in config form (``[[faults]]`` tables, so a case is an ordinary config that
+``gossipdl simulate`` runs too). The faults
 come in episodes:
 
 * ``crash``: kill -9 of one or two peers, some restarted later (from their
@@ -91,7 +92,8 @@ def random_case(seed: int, out: str = "") -> Case:
         checkpoint_every=rng.choice((0, 5 * period)),
         profiles={"all": {"peers": f"0-{peers - 1}", "step_time": f"{step_time * 1000:g}ms"}},
         faults=_schedule(rng, peers, quiet_at),
-        out=out,
+        overlap=rng.random() < 0.5,  # drawn last: the draws before it are those of earlier
+        out=out,  # searches, so a seed's swarm and faults are the same as they were
     )
     return Case(seed, config, quiet_at, settle_s)
 
