@@ -545,7 +545,8 @@ def _validate(c: Config) -> None:
     )
     try:
         averager = build_averager(c.algorithm, c.codec, defence=c.defence)
-        check_trigger(parse_trigger(c.trigger), averager)
+        trigger = parse_trigger(c.trigger)
+        check_trigger(trigger, averager)
     except TriggerError as exc:
         raise ConfigError(f"trigger = {c.trigger!r}: {exc}") from None
     except ValueError as exc:
@@ -556,7 +557,7 @@ def _validate(c: Config) -> None:
         f"mode {c.mode!r} has neither: set overlap = false",
     )
     try:
-        every_step = parse_trigger(c.trigger).period == 1
+        every_step = trigger.period == 1
         check_overlap(c.overlap, c.mode == "ring", every_step, averager.asynchronous, c.codec)
     except ValueError as exc:
         raise ConfigError(f"overlap = true: {exc}") from None
