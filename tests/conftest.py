@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -73,6 +74,18 @@ def write_config(path: Path, config: Config) -> Path:
     """Write ``config`` as TOML and return the path."""
     path.write_text(to_toml(config))
     return path
+
+
+def free_addresses(n: int) -> list[str]:
+    """``n`` distinct loopback addresses whose ports were free a moment ago (bound together,
+    then released)."""
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    addresses = [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in sockets]
+    for s in sockets:
+        s.close()
+    return addresses
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:

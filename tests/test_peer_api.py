@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import wait_for
+from conftest import free_addresses, wait_for
 
 from gossipdl import Peer
 from gossipdl.config import ConfigError, load_config
@@ -191,12 +190,7 @@ def train_a_ring(
     """Three peers all-reduce their gradients (mode ring) over ``steps`` steps of an MLP
     with one frozen bias; their parameters after, and per peer the buckets that had gone
     out when the first backward ended."""
-    sockets = [socket.socket() for _ in range(3)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    addresses = [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in sockets]
-    for s in sockets:
-        s.close()
+    addresses = free_addresses(3)
     torch.manual_seed(0)
     template = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
     template[0].bias.requires_grad_(False)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
-import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import free_addresses
 
 from gossipdl.config import ConfigError, load_config
 from gossipdl.coordinator import (
@@ -34,16 +34,6 @@ PIECE = 10_000  # smaller than the chunks of 100_003 values: the pipeline is exe
 RINGS = [(2, "none"), (3, "none"), (3, "fp16")]
 SHAPES = [(30, 20), (20,), (7, 3, 4), (5,)]
 SILENT_TIMEOUT = 3.0
-
-
-def _free_addresses(n: int) -> list[str]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    addresses = [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in sockets]
-    for s in sockets:
-        s.close()
-    return addresses
 
 
 def _values(rank: int, numel: int) -> torch.Tensor:
@@ -110,8 +100,8 @@ def test_ring_allreduce_over_real_processes() -> None:
     - PowerSGD over the ring is exact for a low-rank mean and equal on every rank;
     - a member that never speaks stops both others within their timeout, with an error
       naming it (the protocol's timeouts and notices are in test_sim_ring)."""
-    rings = [(n, codec, numel, _free_addresses(n)) for n, codec in RINGS for numel in SIZES]
-    low_rank, silent = _free_addresses(3), _free_addresses(3)
+    rings = [(n, codec, numel, free_addresses(n)) for n, codec in RINGS for numel in SIZES]
+    low_rank, silent = free_addresses(3), free_addresses(3)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
@@ -165,7 +155,7 @@ def ring_means_in_threads(tensors: list[torch.Tensor]) -> None:
     """Average ``tensors`` in place over a ring of ``len(tensors)`` ranks in this process,
     one thread each (real sockets; for the copies a tensor that is not a contiguous float32
     CPU vector goes through)."""
-    addresses = _free_addresses(len(tensors))
+    addresses = free_addresses(len(tensors))
     groups = [RingGroup(r, addresses, tensors[0].numel()) for r in range(len(tensors))]
     errors: list[BaseException] = []
 
