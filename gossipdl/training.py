@@ -211,12 +211,18 @@ def byzantine_of(config: Config, peer_id: int | None) -> Attack | None:
     return None if peer_id is None else attacks_of(config).get(peer_id)
 
 
-def averager_of(config: Config, attack: Attack | None = None) -> Averager:
-    """The averaging rule a peer of ``config`` runs (a new one each call): its algorithm,
-    codec, γ and defence, and with ``attack`` a Byzantine peer's. Both simulators build
-    their peers' rules with it."""
+def averager_of(config: Config, attack: Attack | None = None, peer: int | None = None) -> Averager:
+    """The averaging rule peer ``peer`` of ``config`` runs (a new one each call): its
+    algorithm, codec (with random draws of its own, as a real peer's), γ and defence, and with
+    ``attack`` a Byzantine peer's. Both simulators build their peers' rules with it."""
     return build_averager(
-        config.algorithm, config.codec, config.seed, config.gamma or None, config.defence, attack
+        config.algorithm,
+        config.codec,
+        config.seed,
+        config.gamma or None,
+        config.defence,
+        attack,
+        peer,
     )
 
 

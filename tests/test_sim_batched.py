@@ -14,7 +14,7 @@ from conftest import small_config
 from typer.testing import CliRunner
 
 from gossipdl import cli
-from gossipdl.averaging import Arrival, Choco, Round
+from gossipdl.averaging import Arrival, Round, build_averager
 from gossipdl.compression import build_codec
 from gossipdl.config import ConfigError, load_config
 from gossipdl.experiments.simulated import simulate
@@ -140,17 +140,18 @@ def test_batched_choco_rounds_equal_the_per_peer_averagers_and_their_messages(
     tmp_path: Path, spec: str
 ) -> None:
     """Six CHOCO rounds of each batched codec on a ring of 5, the stacked form against five
-    Choco averagers (their codecs built from the config's seed, as the per-peer engine's
-    are) fed the same models: the same models after every round (up to float reordering;
-    QSGD's random rounding draws alike), and every message's layout and size what the real
-    codec and wire encoder make of the same difference."""
+    Choco averagers (each codec with its peer's own draws, as the per-peer engine's are)
+    fed the same models: the same models after every round (up to float reordering; each
+    peer's QSGD rounding and threshold sample drawn as its own averager draws them), and
+    every message's layout and size what the real codec and wire encoder make of the same
+    difference."""
     count, numel, rounds = 5, 300, 6
     config = small_config(tmp_path, peers=count, algorithm="choco", codec=spec, seed=3)
     mixing = build_topology("ring", count).mixing_matrix()
     start = torch.randn(numel, generator=torch.Generator().manual_seed(1))
     gossip = StackedGossip(config, mixing, start)
     codec = build_codec(spec)
-    peers = [Choco(spec, seed=3) for _ in range(count)]
+    peers = [build_averager("choco", spec, 3, peer=i) for i in range(count)]
     for p in peers:
         p.begin(start)
     xs = [start.clone() for _ in range(count)]

@@ -45,6 +45,21 @@ class Round:
     lr: float = 1.0
 
 
+def codec_seed(seed: int, peer: int) -> int:
+    """The seed of peer ``peer``'s codec in a swarm seeded ``seed``.
+
+    Each peer draws its own random numbers (QSGD's and ternary's rounding, random-k's
+    subsets), so their compression errors are independent and averaging shrinks them;
+    with one seed for all, every peer rounded the same coordinates the same way, an
+    error the swarm's mean kept.
+
+    >>> codec_seed(0, 1) != codec_seed(0, 2) and codec_seed(0, 1) == codec_seed(0, 1)
+    True
+    """
+    digest = hashlib.sha256(f"codec:{seed}:{peer}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 VOUCH = "sha256"
 """Payload meta key of a vouch: the hex sha256 of the sender's dense public copy."""
 
@@ -106,8 +121,14 @@ class Averager(ABC):
     origin: torch.Tensor | None = None
 
     def __init__(self, codec: Codec | str = "none", seed: int = 0) -> None:
+        self.seed = seed  # the swarm's: what every peer draws alike derives from it
         self.codec = build_codec(codec, seed) if isinstance(codec, str) else codec
         self._dense = build_codec("none")  # resync copies and model replies travel uncompressed
+
+    def own_draws(self, peer: int) -> None:
+        """Give this peer's codec random draws of its own (:func:`codec_seed`), before the
+        first round; what the swarm draws alike (PowerGossip's projectors) keeps ``seed``."""
+        self.codec = build_codec(self.codec.spec, codec_seed(self.seed, peer))
 
     def bind_layout(self, shapes: Sequence[Sequence[int]]) -> None:
         """The shapes of the model's parameters, in the flat vector's order (peers call it

@@ -39,7 +39,15 @@ from typing import Any, cast
 
 import torch
 
-from gossipdl.averaging.base import Arrival, Averager, Round, Vouch, after_rebuild, dense_payload
+from gossipdl.averaging.base import (
+    Arrival,
+    Averager,
+    Round,
+    Vouch,
+    after_rebuild,
+    codec_seed,
+    dense_payload,
+)
 from gossipdl.averaging.choco import check_choco_codec, round_gamma
 from gossipdl.compression import Codec, CodecError, Payload, build_codec
 from gossipdl.compression.base import meta_int
@@ -108,6 +116,10 @@ class Beer(Averager):
         self._next: torch.Tensor | None = None
         self._synced_at: dict[int, int] = {}
         self.resynced: int | None = None
+
+    def own_draws(self, peer: int) -> None:
+        super().own_draws(peer)
+        self._tracker_codec = build_codec(self.codec.spec, codec_seed(self.seed + 1, peer))
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """Steps 1–3: the tracker, the next model, and both compressed differences."""

@@ -115,7 +115,6 @@ class PowerGossip(Averager):
         self.gamma = 1.0 if gamma is None else gamma
         if not 0 < self.gamma <= 1:
             raise ValueError(f"gamma = {self.gamma}; PowerGossip needs 0 < gamma <= 1")
-        self.seed = seed
         self.layout: LowRankLayout | None = None
         self._edges: dict[int, _Edge] = {}
 

@@ -52,10 +52,28 @@ def build_averager(
     gamma: float | None = None,
     defence: str = "none",
     attack: Attack | None = None,
+    peer: int | None = None,
 ) -> Averager:
     """The averaging strategy ``name`` with codec ``codec`` (dense gossip: and ``defence``,
     a Byzantine-robust rule, :func:`~gossipdl.averaging.robust.parse_defence`; a
-    Byzantine peer's ``attack``, :class:`~gossipdl.averaging.byzantine.ByzantineGossip`)."""
+    Byzantine peer's ``attack``, :class:`~gossipdl.averaging.byzantine.ByzantineGossip`),
+    for peer ``peer`` of a swarm seeded ``seed``: its codec draws its own random numbers
+    (:meth:`~gossipdl.averaging.Averager.own_draws`); None: the swarm's seed's."""
+    averager = _build(name, codec, seed, gamma, defence, attack)
+    if peer is not None:
+        averager.own_draws(peer)
+    return averager
+
+
+def _build(
+    name: str,
+    codec: str,
+    seed: int,
+    gamma: float | None,
+    defence: str,
+    attack: Attack | None,
+) -> Averager:
+    """The averager :func:`build_averager` makes, before its own draws."""
     name = resolve_algorithm(name, codec)
     rule = parse_defence(defence)
     if (rule is not None or attack is not None) and name != "dense":

@@ -441,14 +441,14 @@ class QSGD(ValueCodec):
 
     def estimate_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """What the receiver of :meth:`encode` reads, for every row of ``rows`` (``[count,
-        n]``) at once, without the payloads (the batched simulator's peers): one draw of
-        the rounding for all rows, as ``count`` codecs built from one seed draw."""
+        n]``) at once, without the payloads: one draw of the rounding for all rows (the
+        batched simulator hands each peer's row to that peer's own codec)."""
         native = native_kernels(rows.device)
         if native is None or rows.numel() == 0 or rows.dtype != torch.float32:
             return self._quantize(rows)[2]
         flat = rows.detach().contiguous().reshape(-1, rows.shape[-1])
         out = torch.empty_like(flat)
-        seed = self._rng.message_seed()  # one seed for all rows: the same draw per index
+        seed = self._rng.message_seed()  # one for all rows: the same draw per index
         for row, into in zip(flat.numpy(), out.numpy(), strict=True):
             self._encode_native(native, row, seed, into)
         return out.view(rows.shape)

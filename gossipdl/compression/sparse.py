@@ -259,8 +259,8 @@ class Threshold(Sparsifier):
     def thresholds(self, rows: torch.Tensor) -> torch.Tensor:
         """Each row's τ for ``rows`` (``[count, n]``): the fixed one, or the magnitude that a
         share ``density`` of the row's (sampled) entries exceed (-1 where every entry is
-        kept). The rows are sampled at the same positions, one draw for all of them, as
-        ``count`` sparsifiers built from one seed draw (the batched simulator's peers)."""
+        kept). The rows are sampled at the same positions, one draw for all of them (the
+        batched simulator hands each peer's row to that peer's own sparsifier)."""
         count, numel = rows.shape
         if self.tau is not None or numel == 0:
             return torch.full((count,), self.tau or 0.0, device=rows.device)

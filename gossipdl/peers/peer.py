@@ -238,6 +238,7 @@ class Peer:
             gamma,
             "none" if ring else defence,
             None if ring else attack,
+            peer=rank if rank is not None else secrets.randbits(31),  # its own codec draws
         )
         self.averager.bind_layout([tuple(p.shape) for p in self.params])
         self.trigger = parse_trigger(trigger)

@@ -53,7 +53,7 @@ import torch
 
 from gossipdl.averaging import Averager, auto_gamma, parse_trigger
 from gossipdl.averaging.attacks import Attack, flip_labels
-from gossipdl.averaging.base import VOUCH, Arrival, Round, model_digest
+from gossipdl.averaging.base import VOUCH, Arrival, Round, codec_seed, model_digest
 from gossipdl.averaging.choco import WARMUP_ROUNDS, check_choco_codec
 from gossipdl.compression import Codec, build_codec
 from gossipdl.compression.base import Layout, Payload
@@ -156,6 +156,29 @@ def _batchable(codec: Codec) -> bool:
     return isinstance(codec, ROW_CODECS)
 
 
+def _draws(codec: Codec) -> bool:
+    """Whether a batched codec draws random numbers: QSGD's rounding (of the whole model or
+    of top-k's values) or an automatic threshold's sample."""
+    if isinstance(codec, SparseCodec):
+        sparsifier = codec.sparsifier
+        return isinstance(codec.values, QSGD) or (
+            isinstance(sparsifier, Threshold) and sparsifier.tau is None
+        )
+    return isinstance(codec, QSGD)
+
+
+def _rounding(codec: Codec) -> Sign | QSGD:
+    """The stage that rounds a row: the codec itself, or a sparse codec's values' codec."""
+    stage = codec.values if isinstance(codec, SparseCodec) else codec
+    assert isinstance(stage, ROW_CODECS)
+    return stage
+
+
+def _threshold(codec: Codec) -> Threshold:
+    assert isinstance(codec, SparseCodec) and isinstance(codec.sparsifier, Threshold)
+    return codec.sparsifier
+
+
 def _diverged(peer: int, index: int) -> SimulationError:
     """The error that stops a batched run whose peer ``peer`` sent a non-finite message."""
     return SimulationError(
@@ -214,8 +237,9 @@ class StackedGossip:
     adds each peer's kept values into its neighbours' rows of ``S``: its cost grows with
     the edges times the entries kept, not with the model.
 
-    The peers' codecs are built from one seed (as the per-peer engine's are), so their
-    random draws are alike in every round: one draw serves every row."""
+    Each peer's codec draws its own random numbers (QSGD's rounding, an automatic
+    threshold's sample), as the per-peer engine's do (:func:`~gossipdl.averaging.base.
+    codec_seed`): those rows are encoded one by one, by the peer's own codec."""
 
     def __init__(
         self,
@@ -227,6 +251,9 @@ class StackedGossip:
         self.algorithm = config.algorithm
         self.codec = build_codec(config.codec, config.seed)
         count, numel = mixing.shape[0], start.numel()
+        self.own: list[Codec] | None = None  # each peer's codec, where codecs draw
+        if _draws(self.codec):
+            self.own = [build_codec(config.codec, codec_seed(config.seed, i)) for i in range(count)]
         device = start.device
         rows, cols = np.nonzero(mixing)  # row-major: a CSR's order
         weights = torch.tensor(mixing[rows, cols], dtype=torch.float32, device=device)
@@ -244,7 +271,7 @@ class StackedGossip:
         self.rules: list[Averager] = []  # each peer's own, with a defence or liars (attacks)
         attacks = attacks or {}
         if config.defence != "none" or attacks:
-            self.rules = [averager_of(config, attacks.get(i)) for i in range(count)]
+            self.rules = [averager_of(config, attacks.get(i), i) for i in range(count)]
             self.neighbourhoods = [
                 Round(0, {int(j): float(mixing[i, j]) for j in np.flatnonzero(mixing[i]) if j != i},
                       float(mixing[i, i]))
@@ -272,7 +299,7 @@ class StackedGossip:
             return Messages("params", [Layout((("float32", numel),), {})] * count)
         if index == 0:  # everybody vouches for the same start: nothing to mix yet
             # the per-peer codecs encode an all-zero first message: draw what they draw
-            self._compress(x.new_zeros(1, numel))
+            self._compress(x.new_zeros(count if self.own else 1, numel))
             return Messages("public", [Layout((), {VOUCH: self.digest})] * count)
         assert self.gamma is not None
         q = self._compress(x - self.x_hat)
@@ -322,8 +349,7 @@ class StackedGossip:
         """What every row of ``d`` sends: its kept entries, or its dense estimate."""
         codec = self.codec
         if not isinstance(codec, SparseCodec):
-            assert isinstance(codec, ROW_CODECS)
-            return codec.estimate_rows(d)
+            return self._rounded(d)
         count, numel = d.shape
         sparsifier = codec.sparsifier
         if isinstance(sparsifier, TopK):
@@ -331,14 +357,28 @@ class StackedGossip:
             chosen = torch.topk(d.abs(), kept, dim=1, sorted=False).indices.sort(dim=1).values
             values = d.gather(1, chosen)
             if isinstance(codec.values, ROW_CODECS):
-                values = codec.values.estimate_rows(values)
+                values = self._rounded(values)
             peer = torch.arange(count, device=d.device).repeat_interleave(kept)
             starts = torch.arange(count + 1, device=d.device) * kept
             return SparseRows(peer, chosen.reshape(-1), values.reshape(-1), starts)
         assert isinstance(sparsifier, Threshold)
-        peer, index = torch.nonzero(d.abs() > sparsifier.thresholds(d).unsqueeze(1), as_tuple=True)
+        taus = self._by_row(d, lambda c, rows: _threshold(c).thresholds(rows))
+        peer, index = torch.nonzero(d.abs() > taus.unsqueeze(1), as_tuple=True)
         starts = torch.searchsorted(peer, torch.arange(count + 1, device=d.device))
         return SparseRows(peer, index, d[peer, index], starts)
+
+    def _by_row(
+        self, rows: torch.Tensor, stage: Callable[[Codec, torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """``stage(codec, rows)`` for all rows at once, or, where codecs draw, each row by
+        its own peer's codec."""
+        if self.own is None:
+            return stage(self.codec, rows)
+        return torch.cat([stage(c, rows[i : i + 1]) for i, c in enumerate(self.own)])
+
+    def _rounded(self, rows: torch.Tensor) -> torch.Tensor:
+        """What each row's receivers read of it after sign or QSGD rounding."""
+        return self._by_row(rows, lambda codec, row: _rounding(codec).estimate_rows(row))
 
     def _mix_sparse(self, q: SparseRows, numel: int) -> None:
         """``X̂ += Q`` and ``S += W Q`` for sparse rows: each edge adds its sender's entries."""

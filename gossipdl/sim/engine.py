@@ -257,7 +257,7 @@ class Simulation:
     def _averager(self, peer_id: int | None = None) -> Averager:
         """The averaging rule of one peer's protocol core (a new one per peer): a Byzantine
         peer's (``byzantine`` in its profile) sends attacked models."""
-        return averager_of(self.config, byzantine_of(self.config, peer_id))
+        return averager_of(self.config, byzantine_of(self.config, peer_id), peer_id)
 
     def _averager_for(self, model: torch.nn.Module, peer_id: int | None = None) -> Averager:
         """:meth:`_averager`, told the shapes of ``model``'s parameters."""
