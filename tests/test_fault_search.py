@@ -46,6 +46,10 @@ FOUND = {
     "its welcome's round when nobody is left to align with",
     940: "a member ignored every table from the peers it had declared dead, even once they "
     "were let back in by the others as new lives: it and they held two tables for good",
+    15453: "a BEER peer back from a restart asked its neighbours for their model; their "
+    "answer, the plain model, was decoded as BEER's dense public copy (model and tracker) and "
+    "dropped as a bad payload, as PowerGossip dropped it as a dense copy it never sends; it "
+    "gave up (model answers are now decoded as the model they are)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

@@ -878,7 +878,7 @@ class Peer:
                 reply = self._request(
                     member.address, "model_request", {}, "model", timeout=10.0, key=member.key
                 )
-                model = self.core.decode(reply, dense=True) if take_model else None
+                model = self.core.decode_model(reply) if take_model else None
             except PeerError as exc:
                 if self._lost_id():
                     return  # the caller asks for another id

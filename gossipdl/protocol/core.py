@@ -43,7 +43,7 @@ from gossipdl.averaging import Arrival, Averager, Round, SharedDecodes
 from gossipdl.averaging.base import dense_payload
 from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.averaging.triggers import Trigger
-from gossipdl.compression import CodecError, Payload
+from gossipdl.compression import CodecError, Payload, build_codec
 from gossipdl.protocol.failure import FailureDetector
 from gossipdl.protocol.joining import (
     Admission,
@@ -87,6 +87,7 @@ from gossipdl.transport.wire import (
 
 ROUND_TIMES_KEPT = 32  # rounds whose end times set the join margin
 MAX_ASKED = 64  # requests of ours awaiting an answer (join, model_request); the oldest go beyond
+_MODEL = build_codec("none")  # how a ``model`` answer travels, whatever the averager
 REPLY_TO = {"join": "welcome", "model_request": "model"}  # a request's kind -> its answer's
 # The round protocol's messages, which the core takes in from a member (:meth:`GossipCore.take`);
 # :meth:`GossipCore.receive` also dispatches member tables and joins.
@@ -833,6 +834,21 @@ class GossipCore:
             heard = self._alarms.union(a for a in alarms if a >= self.round)
             self._alarms = set(sorted(heard)[:MAX_ALARMS])
 
+    def decode_model(self, msg: Message) -> torch.Tensor:
+        """A ``model`` answer as a tensor: the neighbour's published model, dense, whatever
+        its averager's own dense copies carry (BEER's hold its tracker too, PowerGossip
+        sends none); WireError if unusable."""
+        if msg.codec != "none":
+            raise WireError("bad_codec", f"codec {msg.codec!r}: a model is sent uncompressed")
+        try:
+            return _MODEL.decode(self._payload(msg), self.numel, self.device)
+        except CodecError as exc:
+            raise WireError("bad_payload", str(exc)) from None
+
+    def _payload(self, msg: Message) -> Payload:
+        """A message's arrays and its codec's meta (the peer's own keys left out)."""
+        return Payload(tuple(msg.arrays), {k: v for k, v in msg.meta.items() if k not in PEER_META})
+
     def decode(self, msg: Message, dense: bool, box: Mailbox | None = None) -> torch.Tensor:
         """A received model payload as a tensor; WireError if unusable. With ``box``, only
         once it would keep the message (checked before the payload is decoded to full size)."""
@@ -841,9 +857,8 @@ class GossipCore:
             raise WireError("bad_codec", f"codec {msg.codec!r}, this swarm uses {expected!r}")
         if box is not None:
             box.admit(msg.sender, msg.round)
-        meta = {k: v for k, v in msg.meta.items() if k not in PEER_META}
         try:
-            payload = Payload(tuple(msg.arrays), meta)
+            payload = self._payload(msg)
             if box is not None and self.decodes is not None:  # what a mailbox keeps is only read
                 return self.decodes.decode(self.averager, payload, dense, self.numel, self.device)
             return self.averager.decode(payload, dense, self.numel, self.device)

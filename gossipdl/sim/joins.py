@@ -154,7 +154,7 @@ def _take(simulation: Simulation, peer: VirtualPeer, join: Join, msg: Message) -
         _cancel(join)
         _ask(simulation, peer)
     elif msg.kind == "model" and join.phase == "model":
-        model = core.decode(msg, dense=True) if join.take_model else None
+        model = core.decode_model(msg) if join.take_model else None
         _start(simulation, peer, max(join.since, msg.round), model)
 
 

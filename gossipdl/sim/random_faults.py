@@ -3,8 +3,8 @@
 :func:`random_case` draws, from a seed alone, a gossip swarm small and quick
 enough to run thousands of (3–12 peers, a logistic model on the synthetic
 blobs, 50–120 steps in 8–16 s of virtual time, a ring, an exponential or a complete graph,
-dense gossip or CHOCO, every step, periodic or dynamic rounds, with or without
-checkpoints, rounds behind the next step's compute or not) and a schedule of faults
+dense gossip, CHOCO, BEER or PowerGossip, every step, periodic or dynamic rounds, with or
+without checkpoints, rounds behind the next step's compute or not) and a schedule of faults
 in config form (``[[faults]]`` tables, so a case is an ordinary config that
 ``gossipdl simulate`` runs too). The faults
 come in episodes:
@@ -27,9 +27,10 @@ restarted peer can always reach a member.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from gossipdl.averaging.triggers import parse_trigger
 from gossipdl.config import Config
 
 PEERS = (3, 12)  # swarm sizes drawn from (small ones more often: they are cheaper)
@@ -37,6 +38,8 @@ STEPS = (50, 120)  # local steps per peer (one round each, or one per period)
 HORIZON_S = (8.0, 16.0)  # virtual seconds the steps take, fault-free
 TOPOLOGIES = ("ring", "exponential", "complete")
 ROUNDS = (("dense", "none"), ("choco", "topk:0.1"), ("choco", "qsgd:16"))  # algorithm, codec
+LATER_ROUNDS = (("beer", "topk:0.1"), ("powergossip", "powersgd:1"))  # since they were added
+LATER_SHARE = 0.3  # of the cases whose trigger allows them (not dynamic)
 TRIGGERS = ("always", "periodic:2", "periodic:3", "dynamic:1%:2")
 EPISODES = ("crash", "partition", "clogs", "leave")
 SETTLE_HEARTBEATS = 6  # heartbeats after dead_after in which the live peers must agree
@@ -95,6 +98,9 @@ def random_case(seed: int, out: str = "") -> Case:
         overlap=rng.random() < 0.5,  # drawn last: the draws before it are those of earlier
         out=out,  # searches, so a seed's swarm and faults are the same as they were
     )
+    if rng.random() < LATER_SHARE and not parse_trigger(trigger).dynamic:  # drawn after all
+        algorithm, codec = rng.choice(LATER_ROUNDS)  # else, for the same reason
+        config = replace(config, algorithm=algorithm, codec=codec)
     return Case(seed, config, quiet_at, settle_s)
 
 
