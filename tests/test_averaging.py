@@ -278,3 +278,43 @@ def test_powergossip_peers_keep_the_swarms_projectors_with_draws_of_their_own() 
         strict=True,
     ):
         assert torch.equal(x, y)
+
+
+def test_beer_trackers_start_again_when_members_go_so_their_mean_is_the_mean_direction() -> None:
+    """Four BEER peers on a ring track the mean of their fixed directions; then peer 3 dies
+    and the other three form a new graph at round 30, which every one of them sees as a
+    changed swarm (``reshaped``). The tracker mass peer 3 took with it would bias the mean
+    tracker for good (the models would drift along it); each restarts from its own
+    direction there, so the three trackers' mean is their mean direction again, and stays."""
+    numel, cpu = 100, torch.device("cpu")
+    peers = [Beer("topk:0.2") for _ in range(4)]
+    start = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    directions = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    for p in peers:
+        p.begin(start)
+    xs = [start.clone() for _ in range(4)]
+    for t in range(40):
+        live = range(4) if t < 30 else range(3)
+        resync = t in (0, 30)
+        rows = (
+            [{(i - 1) % 4: 1 / 3, (i + 1) % 4: 1 / 3} for i in live]
+            if t < 30
+            else [
+                {j: 1 / 3 for j in live if j != i}
+                for i in live  # three: a complete graph
+            ]
+        )
+        rnds = {i: Round(t, rows[i], 1 / 3, resync, lr=0.1, reshaped=t == 30) for i in live}
+        xs = [x + 0.1 * d for x, d in zip(xs, directions, strict=True)]
+        sent = {i: peers[i].outgoing(xs[i], rnds[i]) for i in live}
+        if resync:
+            sent = {i: peers[i].vouch() if t == 0 else peers[i].public_copy() for i in live}
+        for i in live:
+            arrived = {
+                j: Arrival(w, peers[i].decode(sent[j], resync, numel, cpu), t, resync)
+                for j, w in rnds[i].weights.items()
+            }
+            xs[i] = peers[i].incoming(xs[i], rnds[i], arrived, [])
+        trackers = torch.stack([peers[i].v for i in live if peers[i].v is not None])
+        mean_direction = torch.stack([directions[i] for i in live]).mean(0)
+        torch.testing.assert_close(trackers.mean(0), mean_direction, atol=1e-4, rtol=1e-3)

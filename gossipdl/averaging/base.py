@@ -34,7 +34,9 @@ class Round:
     topology changes or a lost message was detected). ``mix`` is False in a
     round this peer sat out (dynamic trigger): take in what arrived, but keep
     the model. ``lr`` is the learning rate of the local step just taken (1.0 where the
-    engine has none): gradient tracking tracks the update per unit of it.
+    engine has none): gradient tracking tracks the update per unit of it. ``reshaped``
+    marks the round at which the swarm's members changed, the same round for every peer
+    (each resyncs there).
     """
 
     index: int
@@ -43,6 +45,7 @@ class Round:
     resync: bool = False
     mix: bool = True
     lr: float = 1.0
+    reshaped: bool = False
 
 
 def codec_seed(seed: int, peer: int) -> int:

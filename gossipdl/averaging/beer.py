@@ -29,6 +29,11 @@ State: x_last, d_prev/η_prev, v, h, g, s_h, s_g (seven model-sized buffers). A 
 breaks s_h and s_g as in CHOCO and is repaired the same way (a resync rebuilds both from
 dense copies of h and g); the tracker keeps the offset the missed update left (the mean
 of v drifts from the mean direction by it), which the decaying learning rate washes out.
+When members come or go (``Round.reshaped``, the same round for every peer) each tracker
+starts again from its own direction: the tracker mass a dead peer took with it would bias
+the mean tracker for good, and the models would drift along it (a restart in the fault
+search: consensus distance 13.1 against 2.1). Not after a lost message: starting again at
+every resync cost 8 non-IID peers with 5% loss 4 points of accuracy.
 """
 
 from __future__ import annotations
@@ -135,7 +140,9 @@ class Beer(Averager):
         # at learning rate 0 the own direction is unknown (no step was taken): keep the last
         direction = (x - self._last).div_(rnd.lr) if rnd.lr > 0 else self._direction
         mixing = self.resynced is not None
-        if mixing:
+        if mixing and rnd.reshaped:  # members came or went: track from the own direction again
+            self.v = direction.clone()
+        elif mixing:
             self.v.add_(self.s_g - self.g, alpha=self.gamma).add_(direction - self._direction)
         else:  # no s to mix with yet: the tracker starts at the own direction
             self.v = self.v + direction - self._direction
