@@ -321,6 +321,31 @@ def test_the_report_names_the_neighbour_the_defences_found_wrong(tmp_path: Path)
     )
     flagged = [int(peer) for peer, verdict in rows if "looks wrong" in verdict]
     assert flagged == [3] and len(rows) == 8
+    assert not (tmp_path / "report" / "devices.png").exists()  # no device holds its own data
+
+
+def test_natural_splits_get_each_devices_accuracy_worst_to_best(tmp_path: Path) -> None:
+    """Six simulated devices of Synthetic(1, 1), one user each: ``devices.png`` draws their
+    own-data accuracies worst to best, and the Devices table gives the worst, median and
+    best of them, as summary.json has them."""
+    from gossipdl.experiments.simulated import simulate
+
+    config = Config(
+        peers=6, steps=20, dataset="synthetic-fedprox:1:1:6", model="logistic", batched=True,
+        partition="natural", eval_every=0, threads=1, out=str(tmp_path / "run"),
+    )  # fmt: skip
+    summary = simulate(config, step_time=0.01)
+    own = sorted(p["own_accuracy"] for p in summary["peers"])
+    assert len(set(own)) > 1
+    write_report([tmp_path / "run"], tmp_path / "report")
+    (panel,) = axes_of(tmp_path / "report" / "devices.png")
+    assert panel["lines"] == 1 and "own test data" in panel["ylabel"]
+    table = (tmp_path / "report" / "report.md").read_text().split("## Devices")[1]
+    row = re.search(r"^\| run \| 6 \| (.*) \|$", table, re.M)
+    assert row is not None, table
+    mean, worst, _, median, best = (float(v) for v in row[1].split(" | "))
+    assert (worst, median, best) == pytest.approx((own[0], own[3], own[-1]), abs=5e-5)
+    assert mean == pytest.approx(statistics.fmean(own), abs=5e-5)
 
 
 def test_neighbour_statistics_are_weighted_by_rounds_and_malformed_ones_skipped() -> None:

@@ -48,6 +48,10 @@ ACCURACY_VS_TIME = Panel(
     "training_s", "accuracy", "training time (s, start-up excluded)", "mean test accuracy"
 )
 ACCURACY_VS_STEPS = Panel("step", "accuracy", "local steps", "mean test accuracy")
+DEVICES = Panel(
+    "share", "own_accuracy", "devices, worst to best (share of the swarm)",
+    "accuracy on the device's own test data",
+)  # fmt: skip
 BAND = "band"  # the gid of a shaded mean ± standard deviation band
 STARTUP = "start-up"  # the gid of the shaded span before training began
 MAX_LABELLED_PEERS = 16  # a timeline names each peer (tick, legend) up to this many

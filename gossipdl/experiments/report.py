@@ -14,8 +14,10 @@ Writes, into ``DIR/report/`` for one directory and into
 ``accuracy.png`` (mean test accuracy against local steps, training time and
 bytes sent, a line per group with a shaded band for groups of several runs),
 ``timeline.png`` per run (``timeline-<run>.png`` when there are several, or
-a sweep; the start-up span shaded) and ``report.md``, the tables with the
-plots linked.
+a sweep; the start-up span shaded), ``devices.png`` where peers hold their own
+owners' data (natural splits: each device's accuracy on its own test data,
+worst to best, a line per run) and ``report.md``, the tables with the plots
+linked.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from gossipdl.experiments.plots import (
     ACCURACY_VS_BYTES,
     ACCURACY_VS_STEPS,
     ACCURACY_VS_TIME,
+    DEVICES,
     plot_curves,
     plot_timeline,
 )
@@ -42,6 +45,7 @@ from gossipdl.experiments.summary import (
     SUSPECT_SHARE,
     Run,
     accuracy_curve,
+    device_curve,
     judged_neighbours,
     mean_curve,
     peer_lines,
@@ -248,6 +252,26 @@ def _judged(rows: Sequence[dict[str, Any]]) -> str:
     )
 
 
+def _devices(devices: dict[str, list[dict[str, float]]]) -> str:
+    """The natural splits' table: how the shared model serves each run's devices."""
+
+    def at(curve: list[dict[str, float]], share: float) -> float:
+        return curve[min(len(curve) - 1, int(share * len(curve)))]["own_accuracy"]
+
+    rows = [
+        [name, len(curve), f"{statistics.fmean(p['own_accuracy'] for p in curve):.4f}",
+         f"{curve[0]['own_accuracy']:.4f}", f"{at(curve, 0.1):.4f}", f"{at(curve, 0.5):.4f}",
+         f"{curve[-1]['own_accuracy']:.4f}"]
+        for name, curve in devices.items()
+    ]  # fmt: skip
+    return (
+        "Each device's accuracy on its own test data (its writers', speakers' or users'): "
+        "the spread is what a shared model costs the devices it serves worst.\n\n"
+        + markdown_table(["run", "devices", "mean", "worst", "10th pct", "median", "best"], rows)
+        + "\n\n![devices](devices.png)\n"
+    )
+
+
 def write_report(directories: Sequence[Path], out: Path | None = None) -> list[Path]:
     """Draw the plots and write ``report.md`` comparing the runs in ``directories`` (run or
     sweep directories) into ``out``; returns the files written."""
@@ -312,6 +336,12 @@ def write_report(directories: Sequence[Path], out: Path | None = None) -> list[P
         )
     sections.append("![accuracy](accuracy.png)\n")
     sections.append("## Runs\n\n" + markdown_table(["run", "seed", *STAT_HEADERS, ""], run_rows))
+    devices = {
+        name: curve for name, s in zip(names, summaries, strict=True) if (curve := device_curve(s))
+    }
+    if devices:
+        files.append(plot_curves(devices, out / "devices.png", f"{title}: each device", (DEVICES,)))
+        sections.append("## Devices\n\n" + _devices(devices))
     for run, name in zip(runs, names, strict=True):
         judged = judged_neighbours(peer_lines(run))
         if judged:

@@ -87,6 +87,14 @@ def startup_time(lines: dict[int, list[dict[str, Any]]]) -> float:
     return max((t for t in starts if t is not None), default=0.0)
 
 
+def device_curve(summary: dict[str, Any]) -> list[dict[str, float]]:
+    """Each device's accuracy on its own test data (``own_accuracy``, natural splits),
+    worst first, at ``share`` (its place in the swarm, from 0 to 1, so swarms of any size
+    compare); empty when the run has none."""
+    own = sorted(p["own_accuracy"] for p in summary["peers"] if p.get("own_accuracy") is not None)
+    return [{"share": (k + 0.5) / len(own), "own_accuracy": a} for k, a in enumerate(own)]
+
+
 def accuracy_curve(run: Run | RunDir) -> list[dict[str, float]]:
     """Mean test accuracy over the peers at every step all of them evaluated, with the cost so far.
 
