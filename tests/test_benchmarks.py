@@ -231,15 +231,17 @@ def test_triggers_benchmark_counts_transmissions_and_plots_the_drift(tmp_path: P
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
 
-def test_allreduce_benchmark_compares_the_ring_with_gloo(tmp_path: Path) -> None:
+def test_allreduce_benchmark_compares_shared_memory_and_the_ring_with_gloo(
+    tmp_path: Path,
+) -> None:
     result = run_benchmark("allreduce", tmp_path, "--quick")
     rows = {row["impl"]: row for row in result["rows"]}
-    assert set(rows) == {"gossipdl", "gloo"} and len(result["rows"]) == 2
+    assert set(rows) == {"gossipdl", "gossipdl-tcp", "gloo"} and len(result["rows"]) == 3
     for row in rows.values():
         assert {"impl", "procs", "numel", "median_ms", "times_ms", "correct"} <= row.keys()
         assert (row["procs"], row["numel"]) == (2, 100_000) and len(row["times_ms"]) == 3
         assert row["correct"] is True and row["median_ms"] > 0
-    assert rows["gossipdl"]["ratio"] > 0
+    assert rows["gossipdl"]["ratio"] > 0 and rows["gossipdl-tcp"]["ratio"] > 0
     assert {"target", "met"} <= result["meta"].keys()
 
 

@@ -67,13 +67,13 @@ def _rank_main(
     torch.set_num_threads(1)
     for n, codec, numel, addresses in rings:
         if rank < n:
-            with RingGroup(rank, addresses, numel, codec=codec, piece=PIECE) as ring:
+            with RingGroup(rank, addresses, numel, codec=codec, piece=PIECE, shared=False) as ring:
                 mean = ring.allreduce_mean(_values(rank, numel)).numpy()
             results.put(("mean", (n, codec, numel, rank, mean)))
     groups: list[RingGroup] = []
 
     def make_ring(numel: int) -> RingAllReduce:
-        groups.append(RingGroup(rank, low_rank, numel))
+        groups.append(RingGroup(rank, low_rank, numel, shared=False))
         return groups[-1].ring
 
     reducer = LowRankAllReduce(SHAPES, 1, make_ring, seed=3)
@@ -82,7 +82,7 @@ def _rank_main(
     for group in groups:
         group.close()
     if rank < 2:  # rank 2 stays silent: it never even listens
-        group = RingGroup(rank, silent, 10, timeout=SILENT_TIMEOUT)
+        group = RingGroup(rank, silent, 10, timeout=SILENT_TIMEOUT, shared=False)
         try:
             group.allreduce_mean(torch.ones(10))
             results.put(("silent", (rank, "")))

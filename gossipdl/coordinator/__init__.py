@@ -1,7 +1,8 @@
 """Fallback baselines over the same transport: ring all-reduce and the parameter server.
 
 Their protocols are state machines in :mod:`gossipdl.protocol` (``ring``, ``ps_server``,
-``ps_worker``); here are their real drivers, and the names a user of the baselines needs.
+``ps_worker``); here are their real drivers, the shared-memory all-reduce of ranks on one
+host (``shared_reduce``), and the names a user of the baselines needs.
 """
 
 from gossipdl.coordinator.ring import (

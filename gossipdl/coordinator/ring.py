@@ -1,5 +1,8 @@
 """Ring all-reduce over gossipdl's transport: the threaded driver of the ring's state machine.
 
+On one host, :class:`RingGroup` averages through shared memory instead
+(:mod:`gossipdl.coordinator.shared_reduce`) unless told not to.
+
 The protocol — which piece goes to whom at each of the 2(N−1) steps, the
 reduce and gather arithmetic, the checks on what arrives, the "waiting for"
 notices and the timeout that names a dead member — is
@@ -19,6 +22,8 @@ from typing import Any
 import torch
 
 from gossipdl.compression._kernels import stage_on_host
+from gossipdl.coordinator import shared_reduce
+from gossipdl.coordinator.shared_reduce import SharedAllReduce, SharedReduceError
 from gossipdl.protocol.ring import (
     DEFAULT_PIECE,
     RING_CHECKS_FINITE,
@@ -50,6 +55,21 @@ _POLL_S = 0.2  # how often a wait looks whether the predecessor left
 
 class RingError(RuntimeError):
     """A ring all-reduce that cannot finish; the message names the rank it waited for."""
+
+
+def reduce_on_host(x: torch.Tensor, reduce: Callable[[Any], Any]) -> torch.Tensor:
+    """Run ``reduce`` (in place, on a float32 numpy vector) on ``x``'s values and return
+    ``x``: where they lie for a contiguous float32 CPU tensor (no copy, as gloo does), else
+    through one host copy and back: from a GPU through pinned memory, the copy back queued
+    on the device without a wait."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous():
+        reduce(x.detach().numpy().reshape(-1))
+        return x
+    values = x.detach().float()
+    host = stage_on_host(values) if x.is_cuda else values.contiguous()
+    reduce(host.numpy().reshape(-1))
+    x.copy_(host.view_as(x), non_blocking=x.is_cuda)
+    return x
 
 
 class RingAllReduce:
@@ -94,24 +114,13 @@ class RingAllReduce:
         return self.allreduce_mean_(x.detach().clone())
 
     def allreduce_mean_(self, x: torch.Tensor) -> torch.Tensor:
-        """Replace ``x`` by its element-wise mean over the ring, in place, and return it.
-
-        A contiguous float32 CPU tensor is reduced where it lies (no copy, as gloo
-        does); anything else goes through one host copy and back: from a GPU through
-        pinned memory, the copy back queued on the device without a wait.
-        """
+        """Replace ``x`` by its element-wise mean over the ring, in place, and return it
+        (:func:`reduce_on_host`: a contiguous float32 CPU tensor where it lies)."""
         if x.numel() != self.numel:
             raise ValueError(f"this ring reduces {self.numel} values, got {x.numel()}")
         if self.size == 1:
             return x
-        if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous():
-            self._run(x.detach().numpy().reshape(-1))
-            return x
-        values = x.detach().float()
-        host = stage_on_host(values) if x.is_cuda else values.contiguous()
-        self._run(host.numpy().reshape(-1))
-        x.copy_(host.view_as(x), non_blocking=x.is_cuda)
-        return x
+        return reduce_on_host(x, self._run)
 
     def _run(self, x: Any) -> None:
         """Drive the core through one all-reduce of ``x``: poll, send what it asks, and wait
@@ -142,6 +151,10 @@ class RingGroup:
     benchmarks and custom loops; a swarm's peers use ``RingAllReduce`` through their own
     endpoint (``gossipdl run --mode ring``).
 
+    ``shared``: average through shared memory (:class:`~gossipdl.coordinator.shared_reduce.
+    SharedAllReduce`) instead of the TCP ring; None (the default) does where it can: every
+    address on this host (loopback or ``ipc://``), codec none, Linux.
+
     Example (one process per rank)::
 
         with RingGroup(rank, ["tcp://127.0.0.1:5600", "tcp://127.0.0.1:5601"], x.numel()) as ring:
@@ -157,7 +170,21 @@ class RingGroup:
         codec: str = "none",
         timeout: float = 30.0,
         piece: int = DEFAULT_PIECE,
+        shared: bool | None = None,
     ) -> None:
+        can_share = shared_reduce.available() and codec == "none"
+        if shared and not can_share:
+            raise ValueError(
+                f"shared memory takes codec none on Linux (codec {codec!r} here); "
+                "use shared=False for the TCP ring"
+            )
+        if shared is None:
+            shared = can_share and len(addresses) > 1 and shared_reduce.on_this_host(addresses)
+        self.shared = (
+            SharedAllReduce(rank, len(addresses), numel, "|".join(addresses), timeout=timeout)
+            if shared
+            else None
+        )
         self.ring = RingAllReduce(
             rank,
             list(range(len(addresses))),
@@ -186,10 +213,19 @@ class RingGroup:
 
     def allreduce_mean_(self, x: torch.Tensor) -> torch.Tensor:
         """Replace ``x`` by its element-wise mean over every rank, in place."""
-        return self.ring.allreduce_mean_(x)
+        if self.shared is None:
+            return self.ring.allreduce_mean_(x)
+        if x.numel() != self.shared.numel:
+            raise ValueError(f"this ring reduces {self.shared.numel} values, got {x.numel()}")
+        try:
+            return reduce_on_host(x, self.shared.allreduce_mean_)
+        except SharedReduceError as exc:
+            raise RingError(str(exc)) from None
 
     def close(self) -> None:
-        """Flush what is queued and close the endpoint."""
+        """Flush what is queued and close the endpoint (and let go of shared memory)."""
+        if self.shared is not None:
+            self.shared.close()
         self.transport.close()
 
     def __enter__(self) -> RingGroup:

@@ -1,0 +1,142 @@
+"""The all-reduce through shared memory that ranks on one host use: exact means over real
+processes, a rank that dies or stalls named at once, a non-finite mean stopping every rank,
+mismatched settings refused, and when a ring group takes it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import free_addresses
+
+from gossipdl.coordinator import RingError, RingGroup
+from gossipdl.coordinator.shared_reduce import SharedAllReduce, SharedReduceError
+
+SIZES = (100_003, 5, 2)  # not divisible by the ranks or the piece; 2 < N leaves shares empty
+PIECE = 4_001  # many pieces, alternating halves of the region
+
+
+def _values(rank: int, numel: int) -> np.ndarray:
+    return np.random.default_rng(rank).standard_normal(numel).astype(np.float32)
+
+
+def _in_threads(groups: list[SharedAllReduce], xs: list[np.ndarray]) -> list[BaseException]:
+    """Each group averages its vector on a thread of its own; the errors they raised."""
+    errors: list[BaseException] = []
+
+    def reduce(rank: int) -> None:
+        try:
+            groups[rank].allreduce_mean_(xs[rank])
+        except BaseException as exc:  # reported by the test's thread
+            errors.append(exc)
+            groups[rank].close()  # as a process that stops on it lets go
+
+    threads = [threading.Thread(target=reduce, args=(r,)) for r in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors
+
+
+def _rank_main(rank: int, addresses: list[str], results: Any, dies: int) -> None:
+    """One process: the mean of every size, then (but rank ``dies``, which crashes) one more."""
+    torch.set_num_threads(1)
+    group = RingGroup(rank, addresses, max(SIZES), timeout=20.0)
+    results.put(("shared", rank, group.shared is not None))
+    for numel in SIZES:
+        small = SharedAllReduce(rank, len(addresses), numel, f"{addresses}|{numel}", piece=PIECE)
+        results.put(("mean", rank, numel, small.allreduce_mean_(_values(rank, numel))))
+        small.close()
+    group.allreduce_mean_(torch.ones(max(SIZES)))
+    if rank == dies:
+        os._exit(3)  # a crash: no close, the kernel drops its sockets and mapping
+    started = time.monotonic()
+    try:
+        group.allreduce_mean_(torch.ones(max(SIZES)))
+        results.put(("after", rank, "", 0.0))
+    except RingError as exc:
+        results.put(("after", rank, str(exc), time.monotonic() - started))
+    group.close()
+
+
+@pytest.mark.parametrize("dies", [2, 0])
+def test_ranks_on_one_host_average_through_shared_memory_and_name_one_that_dies(
+    dies: int,
+) -> None:
+    """Three real processes on loopback addresses: their ring group takes shared memory;
+    every rank ends with the exact mean of every size (the same values on each), and when
+    one crashes the others stop at once with an error naming it, not at their timeout."""
+    addresses = free_addresses(3)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, addresses, results, dies)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got: dict[str, list[Any]] = {"shared": [], "mean": [], "after": []}
+    for _ in range(3 + 3 * len(SIZES) + 2):
+        kind, *item = results.get(timeout=120)
+        got[kind].append(item)
+    for p in procs:
+        p.join(30)
+    assert sorted(p.exitcode for p in procs) == [0, 0, 3]
+    assert all(shared for _, shared in got["shared"])
+    for numel in SIZES:
+        exact = np.mean([_values(r, numel).astype(np.float64) for r in range(3)], 0)
+        means = [mean for _, n, mean in got["mean"] if n == numel]
+        assert len(means) == 3 and all(np.array_equal(m, means[0]) for m in means)
+        np.testing.assert_allclose(means[0], exact, atol=1e-6, rtol=0)
+    for rank, error, waited in got["after"]:
+        assert rank != dies and f"rank {dies}" in error and waited < 10.0, (rank, error)
+
+
+def test_a_mean_that_is_not_finite_stops_every_rank() -> None:
+    key = uuid.uuid4().hex
+    groups = [SharedAllReduce(r, 3, 50, key, piece=16) for r in range(3)]
+    xs = [_values(r, 50) for r in range(3)]
+    xs[1][37] = np.nan
+    errors = _in_threads(groups, xs)
+    assert len(errors) == 3 and all("not finite" in str(e) for e in errors), errors
+
+
+def test_a_rank_that_stalls_is_named_at_the_timeout() -> None:
+    """Rank 2 never comes: rank 0 names it after its timeout, rank 1 hears it from rank 0."""
+    key = uuid.uuid4().hex
+    groups = [SharedAllReduce(r, 3, 10, key, timeout=0.5) for r in range(2)]
+    errors = _in_threads(groups, [_values(r, 10) for r in range(2)])
+    messages = sorted(str(e) for e in errors)
+    assert len(messages) == 2, messages
+    assert "rank(s) [2] did not come within 0.5s" in messages[0]
+    assert "rank 1" in messages[1] and "nothing from rank 0" in messages[1]
+
+
+def test_a_rank_with_other_settings_is_refused_naming_both() -> None:
+    key = uuid.uuid4().hex
+    groups = [SharedAllReduce(0, 2, 10, key, timeout=5.0), SharedAllReduce(1, 2, 12, key)]
+    errors = _in_threads(groups, [_values(0, 10), _values(1, 12)])
+    messages = sorted(str(e) for e in errors)
+    assert any("sent settings (2, 10, 10, 240)" in m and "(2, 12, 12, 288)" in m for m in messages)
+    assert any("nothing from rank 1" in m for m in messages), messages  # it stopped: rank 0 too
+
+
+def test_a_ring_group_takes_shared_memory_only_where_it_can() -> None:
+    local = free_addresses(2)
+    with RingGroup(0, local, 10) as group:
+        assert group.shared is not None
+    for kwargs in ({"codec": "fp16"}, {"shared": False}):
+        with RingGroup(0, free_addresses(2), 10, **kwargs) as group:
+            assert group.shared is None
+    far = [local[0], "tcp://192.0.2.7:5600"]  # another host's address
+    with RingGroup(0, far, 10) as group:
+        assert group.shared is None
+    with pytest.raises(ValueError, match="shared memory takes codec none"):
+        RingGroup(0, free_addresses(2), 10, codec="fp16", shared=True)
+    with pytest.raises(SharedReduceError, match=r"rank\(s\) \[1\] did not come"):
+        SharedAllReduce(0, 2, 4, uuid.uuid4().hex, timeout=0.2).allreduce_mean_(_values(0, 4))
