@@ -342,6 +342,7 @@ class Peer:
         self._failure: BaseException | None = None  # why the receive thread stopped: stop too
         # -- guarded by the lock next to them --
         self._ready_from: set[int] = set()  # _changed, which also wakes waits on the table
+        self._unanswered: set[int] = set()  # whose ready came before we were in (_changed)
         self._changed = threading.Condition()
         self._closed = False
         self._watch_stop = threading.Event()
@@ -735,7 +736,13 @@ class Peer:
         neighbours = set(self.neighbours(0))
         # Said again every second to the neighbours not ready yet, which answer with theirs:
         # one that did not know us when ours came dropped it (only members speak for the
-        # swarm), and so did we with one that came before we knew its sender.
+        # swarm), and so did we with one that came before we knew its sender. Said at once
+        # to those whose word came before we were in: we did not answer it then, and they
+        # wait for ours.
+        with self._changed:
+            unanswered = sorted(self._unanswered & neighbours)
+        for j in unanswered:
+            self._send(j, "ready", meta={"members": self.membership.wire()})
         while True:
             with self._changed:
                 absent = self._unready(neighbours)
@@ -1207,6 +1214,8 @@ class Peer:
         elif msg.kind == "ready":
             with self._changed:
                 self._ready_from.add(msg.sender)
+                if not self.started:
+                    self._unanswered.add(msg.sender)
                 self._changed.notify_all()
             if self.started and msg.meta.get("answer") is not True:  # it may not have ours:
                 # we may have said it before we knew the sender, and been dropped then
