@@ -76,6 +76,25 @@ def write_config(path: Path, config: Config) -> Path:
     return path
 
 
+def in_threads(work: Callable[[int], object], count: int) -> list[BaseException]:
+    """``work(rank)`` for ``count`` ranks, each on a thread of its own (ranks of one group
+    in this process, over real sockets); the errors they raised."""
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            work(rank)
+        except BaseException as exc:  # reported by the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors
+
+
 def free_addresses(n: int) -> list[str]:
     """``n`` distinct loopback addresses whose ports were free a moment ago (bound together,
     then released)."""

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
-import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import free_addresses
+from conftest import free_addresses, in_threads
 
 from gossipdl.config import ConfigError, load_config
 from gossipdl.coordinator import (
@@ -157,20 +156,8 @@ def ring_means_in_threads(tensors: list[torch.Tensor]) -> None:
     CPU vector goes through)."""
     addresses = free_addresses(len(tensors))
     groups = [RingGroup(r, addresses, tensors[0].numel()) for r in range(len(tensors))]
-    errors: list[BaseException] = []
-
-    def reduce(rank: int) -> None:
-        try:
-            groups[rank].allreduce_mean_(tensors[rank])
-        except BaseException as exc:  # reported by the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=reduce, args=(r,)) for r in range(len(tensors))]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        errors = in_threads(lambda r: groups[r].allreduce_mean_(tensors[r]), len(tensors))
     finally:
         for group in groups:
             group.close()

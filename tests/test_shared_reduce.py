@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import threading
 import time
 import uuid
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import free_addresses
+from conftest import free_addresses, in_threads
 
 from gossipdl.coordinator import RingError, RingGroup
 from gossipdl.coordinator.shared_reduce import SharedAllReduce, SharedReduceError
@@ -29,21 +28,15 @@ def _values(rank: int, numel: int) -> np.ndarray:
 
 def _in_threads(groups: list[SharedAllReduce], xs: list[np.ndarray]) -> list[BaseException]:
     """Each group averages its vector on a thread of its own; the errors they raised."""
-    errors: list[BaseException] = []
 
     def reduce(rank: int) -> None:
         try:
             groups[rank].allreduce_mean_(xs[rank])
-        except BaseException as exc:  # reported by the test's thread
-            errors.append(exc)
+        except BaseException:
             groups[rank].close()  # as a process that stops on it lets go
+            raise
 
-    threads = [threading.Thread(target=reduce, args=(r,)) for r in range(len(groups))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return errors
+    return in_threads(reduce, len(groups))
 
 
 def _rank_main(rank: int, addresses: list[str], results: Any, dies: int) -> None:
