@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,18 +76,18 @@ def write_config(path: Path, config: Config) -> Path:
     return path
 
 
-def in_threads(work: Callable[[int], object], count: int) -> list[BaseException]:
-    """``work(rank)`` for ``count`` ranks, each on a thread of its own (ranks of one group
-    in this process, over real sockets); the errors they raised."""
+def in_threads(work: Callable[[Any], object], items: Iterable[Any]) -> list[BaseException]:
+    """``work(item)`` for every item, each on a thread of its own (e.g. the ranks of one
+    group in this process, over real sockets); waits for them all; the errors raised."""
     errors: list[BaseException] = []
 
-    def run(rank: int) -> None:
+    def run(item: Any) -> None:
         try:
-            work(rank)
+            work(item)
         except BaseException as exc:  # reported by the test's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(count)]
+    threads = [threading.Thread(target=run, args=(item,)) for item in items]
     for t in threads:
         t.start()
     for t in threads:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import free_addresses, wait_for
+from conftest import free_addresses, in_threads, wait_for
 
 from gossipdl import Peer
 from gossipdl.config import ConfigError, load_config
@@ -42,36 +42,28 @@ def make_swarm(
     peers: list[Peer | None] = [None] * n
     founder_address: list[str] = []
     listening = threading.Event()
-    errors: list[BaseException] = []
 
     def on_listening(address: str) -> None:
         founder_address.append(address)
         listening.set()
 
     def start(i: int) -> None:
-        try:
-            if i == 0:
-                peers[0] = Peer(
-                    models[0], topology=topology, min_peers=n, on_listening=on_listening, **kwargs
-                )
-            else:
-                listening.wait(30)
-                peers[i] = Peer(
-                    models[i],
-                    rank=i,
-                    bootstrap=founder_address[0],
-                    topology=topology,
-                    min_peers=n,
-                    **kwargs,
-                )
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        if i == 0:
+            peers[0] = Peer(
+                models[0], topology=topology, min_peers=n, on_listening=on_listening, **kwargs
+            )
+        else:
+            listening.wait(30)
+            peers[i] = Peer(
+                models[i],
+                rank=i,
+                bootstrap=founder_address[0],
+                topology=topology,
+                min_peers=n,
+                **kwargs,
+            )
 
-    threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = in_threads(start, range(n))
     assert not errors, errors
     return [p for p in peers if p is not None]
 
@@ -85,16 +77,8 @@ def run_rounds(
                 before(peer)
             peer.gossip()
 
-    in_threads(work, peers)
-
-
-def in_threads(work: Callable[[Any], None], items: Sequence[Any]) -> None:
-    """``work(item)`` for every item, each in a thread of its own; waits for them all."""
-    threads = [threading.Thread(target=work, args=(item,)) for item in items]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = in_threads(work, peers)
+    assert not errors, errors
 
 
 def train_in_background(peers: list[Peer], stop: threading.Event) -> list[threading.Thread]:
@@ -156,7 +140,8 @@ def two_steps_of_a_w(overlap: bool, device: str = "cpu") -> list[float]:
                 peer.step()
             peer.settle()
 
-        in_threads(train, peers)
+        errors = in_threads(train, peers)
+        assert not errors, errors
         return [value_of(p) for p in peers]
     finally:
         for p in peers:
@@ -212,7 +197,8 @@ def train_a_ring(
                 peer.step()
         models[rank] = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 
-    in_threads(work, range(3))
+    errors = in_threads(work, range(3))
+    assert not errors, errors
     return [models[r] for r in range(3)], [early.get(r, 0) for r in range(3)]
 
 

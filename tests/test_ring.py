@@ -157,7 +157,7 @@ def ring_means_in_threads(tensors: list[torch.Tensor]) -> None:
     addresses = free_addresses(len(tensors))
     groups = [RingGroup(r, addresses, tensors[0].numel()) for r in range(len(tensors))]
     try:
-        errors = in_threads(lambda r: groups[r].allreduce_mean_(tensors[r]), len(tensors))
+        errors = in_threads(lambda r: groups[r].allreduce_mean_(tensors[r]), range(len(tensors)))
     finally:
         for group in groups:
             group.close()

@@ -36,7 +36,7 @@ def _in_threads(groups: list[SharedAllReduce], xs: list[np.ndarray]) -> list[Bas
             groups[rank].close()  # as a process that stops on it lets go
             raise
 
-    return in_threads(reduce, len(groups))
+    return in_threads(reduce, range(len(groups)))
 
 
 def _rank_main(rank: int, addresses: list[str], results: Any, dies: int) -> None:

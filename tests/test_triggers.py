@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import gossipdl_cmd, small_config
+from conftest import gossipdl_cmd, in_threads, small_config
 from test_peer_api import make_swarm
 
 from gossipdl import Peer
@@ -111,11 +110,8 @@ def step_all(peers: list[Peer], steps: int, each: object = None) -> dict[int, li
             peer.step()
             sent[peer.id].append(peer.model_messages_sent)
 
-    threads = [threading.Thread(target=work, args=(p,)) for p in peers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = in_threads(work, peers)
+    assert not errors, errors
     return sent
 
 
