@@ -175,6 +175,7 @@ def _rounding(codec: Codec) -> Sign | QSGD:
 
 
 def _threshold(codec: Codec) -> Threshold:
+    """A sparse codec's threshold sparsifier (batched CHOCO's other sparsifier)."""
     assert isinstance(codec, SparseCodec) and isinstance(codec.sparsifier, Threshold)
     return codec.sparsifier
 
