@@ -45,7 +45,7 @@ Run
     python benchmarks/allreduce.py --device cuda     # GPU tensors: rank r on cuda:(r mod GPUs)
 
     Every config spawns its own processes (each imports torch); the defaults
-    take about 30 s on a 2-core machine. With fewer cores than processes both
+    take about a minute on a 2-core machine. With fewer cores than processes all
     implementations share the oversubscribed cores alike, so there the times
     track CPU use (including page faults on freshly allocated buffers) as much
     as bandwidth.
