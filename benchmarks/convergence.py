@@ -53,7 +53,7 @@ each row has ``setting``, ``topology``, ``peers``, ``partition``, ``algorithm``,
 ``wall_time_s``, ``peers_finished``, ``run_dir`` and ``curve`` (``step``, ``time_s``,
 ``bytes_sent``, ``accuracy`` points); ``meta`` holds the job, the plots' paths (``plots``,
 one per topology; ``plot``, the first) and each target with whether it was met (and by
-which rows).
+which rows; null when the run had no ring, where the targets are set).
 """
 
 from __future__ import annotations
@@ -348,6 +348,7 @@ def main() -> None:
         )
     compare(rows)
     met = verdicts(rows)
+    on_ring = any(r["topology"] == "ring" for r in rows)  # the targets are the ring's
     job = f"MLP {args.hidden} on MNIST-1D, {args.steps} steps"
     plots = {
         t: plot_topology(rows, t, args.out, f"{job}, {TOPOLOGY_NAMES[t]} of {peers[t]}")
@@ -364,7 +365,10 @@ def main() -> None:
         "config": str(args.config) if args.config else None,
         "plot": str(next(iter(plots.values()))),
         "plots": {t: str(path) for t, path in plots.items()},
-        "targets": {name: {"met": bool(rows_), "by": rows_} for name, rows_ in met.items()},
+        "targets": {
+            name: {"met": bool(rows_) if on_ring else None, "by": rows_}
+            for name, rows_ in met.items()
+        },
     }
     columns = [
         Column("topology", "graph"),
@@ -385,6 +389,8 @@ def main() -> None:
         f"target ({name}): " + (f"{mark(True)} by {', '.join(by)}" if by else mark(False))
         for name, by in met.items()
     ]
+    if not on_ring:
+        notes = ["targets (each on the ring): not measured, no ring in --topologies"]
     report(
         "convergence",
         f"Convergence: MLP {args.hidden} ({numel:,} parameters) on MNIST-1D, {args.steps} "
