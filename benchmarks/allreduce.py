@@ -42,7 +42,8 @@ Run
     python benchmarks/allreduce.py --procs 4 --sizes 25M --repeats 9
     python benchmarks/allreduce.py --quick           # 2 processes, 100k floats, 1 + 3: a smoke test
     python benchmarks/allreduce.py --json runs/bench-allreduce.json
-    python benchmarks/allreduce.py --device cuda     # GPU tensors: rank r on cuda:(r mod GPUs)
+    python benchmarks/allreduce.py --device cuda     # GPU tensors: rank r on cuda:(r mod GPUs);
+                                                     # ours reduces them on the GPU (CUDA IPC)
 
     Every config spawns its own processes (each imports torch); the defaults
     take about a minute on a 2-core machine. With fewer cores than processes all
@@ -137,8 +138,9 @@ def _worker(
     device_kind: str = "cpu",
 ) -> None:
     """One rank of one config: time every implementation, alternating, and report. On a
-    GPU each call's time runs until the device is done with it (all reduce on the host:
-    ours through pinned memory, gloo's CUDA path its own way)."""
+    GPU each call's time runs until the device is done with it (ours through shared memory
+    reduces on the GPU, the TCP ring on the host through pinned memory, gloo's CUDA path its
+    own way)."""
     import torch.distributed as dist
 
     from gossipdl.coordinator import RingGroup

@@ -3,16 +3,23 @@ this project's CI machines have none; run them where ``torch.cuda.is_available()
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import uuid
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from conftest import small_config
+from conftest import free_addresses, small_config
 from test_peer_api import OVERLAP_CASES, train_a_ring, two_steps_of_a_w
 from test_ring import ring_means_in_threads
+from test_shared_reduce import _in_threads, _values
 
 from gossipdl.compression import CodecError, Payload, build_codec
 from gossipdl.compression._kernels import from_host, to_host
+from gossipdl.coordinator import RingGroup
+from gossipdl.coordinator.shared_reduce import SharedAllReduce
 from gossipdl.experiments.launcher import launch
 from gossipdl.peers.device import pick_device
 from gossipdl.rundir import RunDir
@@ -90,13 +97,14 @@ def test_a_ring_on_the_gpu_sends_gradient_buckets_during_backward(
     assert min(early) >= 1
 
 
-def test_the_ring_averages_gpu_tensors_in_place() -> None:
-    """The ring all-reduce takes GPU tensors: down through pinned memory, the mean written
-    back on the device."""
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_ring_averages_gpu_tensors_in_place(shared: bool) -> None:
+    """The all-reduce takes GPU tensors, through shared memory and through the TCP ring:
+    down through pinned memory, the mean written back on the device."""
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(100_003, generator=g).cuda() for _ in range(3)]
     want = torch.stack(xs).mean(0)
-    ring_means_in_threads(xs)
+    ring_means_in_threads(xs, shared=shared)
     for x in xs:
         assert x.is_cuda
         torch.testing.assert_close(x, want, rtol=0, atol=1e-5)
@@ -109,3 +117,54 @@ def test_payloads_cross_to_the_host_through_pinned_memory() -> None:
     assert torch.from_numpy(host).is_pinned()
     back = from_host(host, x.device)
     torch.testing.assert_close(back, x)
+
+
+def _gpu_rank(rank: int, addresses: list[str], results: Any) -> None:
+    """One process: GPU vectors averaged by a ring group and by a small-piece shared
+    all-reduce (every rank on cuda:0, its region opened by CUDA IPC)."""
+    torch.cuda.set_device(0)
+    x = torch.from_numpy(_values(rank, 100_003)).cuda()
+    with RingGroup(rank, addresses, x.numel(), timeout=30.0) as group:
+        group.allreduce_mean_(x)
+    small = SharedAllReduce(rank, 3, 50_001, f"{addresses}|small", piece=4_001)
+    y = small.allreduce_mean_(torch.from_numpy(_values(rank, 50_001)).cuda())
+    results.put((rank, x.is_cuda and y.is_cuda, x.cpu().numpy(), y.cpu().numpy()))
+    small.close()
+
+
+def test_processes_average_gpu_tensors_on_the_gpu() -> None:
+    """Three processes on one GPU average through a region on it (CUDA IPC): every rank
+    ends with the same exact mean, left on the GPU."""
+    addresses = free_addresses(3)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_gpu_rank, args=(r, addresses, results)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=120) for _ in range(3)]
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    for which, numel in ((2, 100_003), (3, 50_001)):
+        exact = np.mean([_values(r, numel).astype(np.float64) for r in range(3)], 0)
+        means = [item[which] for item in got]
+        assert all(np.array_equal(m, means[0]) for m in means)
+        np.testing.assert_allclose(means[0], exact, atol=1e-6, rtol=0)
+    assert all(item[1] for item in got)
+
+
+def test_on_the_gpu_a_mean_that_is_not_finite_stops_every_rank() -> None:
+    key = uuid.uuid4().hex
+    groups = [SharedAllReduce(r, 3, 50, key, piece=16) for r in range(3)]
+    xs = [torch.from_numpy(_values(r, 50)).cuda() for r in range(3)]
+    xs[1][37] = float("nan")
+    errors = _in_threads(groups, xs)
+    assert len(errors) == 3 and all("not finite" in str(e) for e in errors), errors
+
+
+def test_a_gpu_rank_and_a_host_rank_are_refused_naming_both() -> None:
+    key = uuid.uuid4().hex
+    groups = [SharedAllReduce(r, 2, 10, key, timeout=5.0) for r in range(2)]
+    errors = _in_threads(groups, [torch.from_numpy(_values(0, 10)).cuda(), _values(1, 10)])
+    messages = [str(e) for e in errors]
+    assert any("(2, 10, 10, 120, 1)" in m and "(2, 10, 10, 120, 0)" in m for m in messages)

@@ -150,12 +150,13 @@ def test_ring_allreduce_over_real_processes() -> None:
     assert "nothing from peer 0 (its predecessor)" in errors[1], errors[1]
 
 
-def ring_means_in_threads(tensors: list[torch.Tensor]) -> None:
+def ring_means_in_threads(tensors: list[torch.Tensor], shared: bool | None = None) -> None:
     """Average ``tensors`` in place over a ring of ``len(tensors)`` ranks in this process,
     one thread each (real sockets; for the copies a tensor that is not a contiguous float32
-    CPU vector goes through)."""
+    CPU vector goes through); ``shared`` as :class:`RingGroup` takes it."""
     addresses = free_addresses(len(tensors))
-    groups = [RingGroup(r, addresses, tensors[0].numel()) for r in range(len(tensors))]
+    n = tensors[0].numel()
+    groups = [RingGroup(r, addresses, n, shared=shared) for r in range(len(tensors))]
     try:
         errors = in_threads(lambda r: groups[r].allreduce_mean_(tensors[r]), range(len(tensors)))
     finally:

@@ -1,11 +1,13 @@
 """The all-reduce through shared memory that ranks on one host use: exact means over real
 processes, a rank that dies or stalls named at once, a non-finite mean stopping every rank,
-mismatched settings refused, and when a ring group takes it."""
+mismatched settings refused, when a ring group takes it, and a GPU region's description
+checked (the GPU path itself: tests/test_gpu.py)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import struct
 import time
 import uuid
 from typing import Any
@@ -16,6 +18,7 @@ import torch
 from conftest import free_addresses, in_threads
 
 from gossipdl.coordinator import RingError, RingGroup
+from gossipdl.coordinator.cuda_ipc import CudaIpcError, open_shared
 from gossipdl.coordinator.shared_reduce import SharedAllReduce, SharedReduceError
 
 SIZES = (100_003, 5, 2)  # not divisible by the ranks or the piece; 2 < N leaves shares empty
@@ -26,7 +29,7 @@ def _values(rank: int, numel: int) -> np.ndarray:
     return np.random.default_rng(rank).standard_normal(numel).astype(np.float32)
 
 
-def _in_threads(groups: list[SharedAllReduce], xs: list[np.ndarray]) -> list[BaseException]:
+def _in_threads(groups: list[SharedAllReduce], xs: list[Any]) -> list[BaseException]:
     """Each group averages its vector on a thread of its own; the errors they raised."""
 
     def reduce(rank: int) -> None:
@@ -115,7 +118,8 @@ def test_a_rank_with_other_settings_is_refused_naming_both() -> None:
     groups = [SharedAllReduce(0, 2, 10, key, timeout=5.0), SharedAllReduce(1, 2, 12, key)]
     errors = _in_threads(groups, [_values(0, 10), _values(1, 12)])
     messages = sorted(str(e) for e in errors)
-    assert any("sent settings (2, 10, 10, 240)" in m and "(2, 12, 12, 288)" in m for m in messages)
+    ours, theirs = "sent settings (2, 10, 10, 120, 0)", "(2, 12, 12, 144, 0)"
+    assert any(ours in m and theirs in m for m in messages), messages
     assert any("nothing from rank 1" in m for m in messages), messages  # it stopped: rank 0 too
 
 
@@ -133,3 +137,22 @@ def test_a_ring_group_takes_shared_memory_only_where_it_can() -> None:
         RingGroup(0, free_addresses(2), 10, codec="fp16", shared=True)
     with pytest.raises(SharedReduceError, match=r"rank\(s\) \[1\] did not come"):
         SharedAllReduce(0, 2, 4, uuid.uuid4().hex, timeout=0.2).allreduce_mean_(_values(0, 4))
+
+
+@pytest.mark.parametrize(
+    ("blob", "says"),
+    [
+        (b"\x00" * 8, "too short"),
+        (struct.pack("<4q", 4096, 0, 0, 0), "cut short"),
+        (struct.pack("<4q", 4096, 0, 0, 0) + struct.pack("<i", 1 << 20), "field of 1048576"),
+        (struct.pack("<4q", 4096, 0, 0, 0) + struct.pack("<i", 5) + b"ab", "field of 5"),
+        (struct.pack("<4q", 4096, 0, 0, 0) + struct.pack("<i", -1) * 4, "malformed"),
+        (struct.pack("<4q", 4096, 0, 0, 0) + struct.pack("<i", 0) * 4 + b"x", "malformed"),
+        (struct.pack("<4q", 40, 0, 0, 0) + struct.pack("<i", 0) * 4, "holds 40 bytes"),
+    ],
+)
+def test_a_malformed_gpu_region_description_is_refused_before_cuda(blob: bytes, says: str) -> None:
+    """What a rank takes from rank 0 for a GPU region is checked field by field before
+    anything reaches CUDA (on any machine)."""
+    with pytest.raises(CudaIpcError, match=says):
+        open_shared(blob, 100)

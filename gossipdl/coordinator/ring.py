@@ -72,6 +72,17 @@ def reduce_on_host(x: torch.Tensor, reduce: Callable[[Any], Any]) -> torch.Tenso
     return x
 
 
+def reduce_on_gpu(x: torch.Tensor, reduce: Callable[[torch.Tensor], Any]) -> torch.Tensor:
+    """Run ``reduce`` (in place, on a float32 vector on ``x``'s GPU) on ``x``'s values and
+    return ``x``: where they lie for a contiguous float32 tensor, else through one copy on
+    the device and back."""
+    flat = x.detach().float().contiguous().view(-1)
+    reduce(flat)
+    if flat.data_ptr() != x.data_ptr():
+        x.copy_(flat.view_as(x))
+    return x
+
+
 class RingAllReduce:
     """The all-reduce of one rank in a fixed ring of peer ids.
 
@@ -153,7 +164,8 @@ class RingGroup:
 
     ``shared``: average through shared memory (:class:`~gossipdl.coordinator.shared_reduce.
     SharedAllReduce`) instead of the TCP ring; None (the default) does where it can: every
-    address on this host (loopback or ``ipc://``), codec none, Linux.
+    address on this host (loopback or ``ipc://``), codec none, Linux. GPU tensors are then
+    averaged on the GPU (every rank's on a GPU of this host), others in host memory.
 
     Example (one process per rank)::
 
@@ -216,6 +228,8 @@ class RingGroup:
         if self.shared is None:
             return self.ring.allreduce_mean_(x)
         try:  # the shared all-reduce checks the length, as the ring does
+            if x.is_cuda:
+                return reduce_on_gpu(x, self.shared.allreduce_mean_)
             return reduce_on_host(x, self.shared.allreduce_mean_)
         except SharedReduceError as exc:
             raise RingError(str(exc)) from None
