@@ -10,7 +10,8 @@ What it measures
     top-1% and CHOCO with the scaled sign, a round after every step, each also with
     ``overlap`` (``+overlap``: the round runs behind the next step's compute), and the
     ring all-reduce of gradients (``--mode ring``; ``+overlap``: in buckets during
-    backward). A peer's step time
+    backward; ``ring-shared``: through shared memory, ``--shared-memory``, on the GPU
+    for GPU peers). A peer's step time
     is read from its metrics lines (one every ``--log-every`` steps, the first ones
     skipped as warm-up): the time between its first and last line over the steps
     between them, averaged over the peers. The overhead of a setting is the share of its
@@ -60,7 +61,7 @@ from gossipdl.experiments.launcher import launch
 from gossipdl.rundir import RunDir
 
 TARGET = 0.05
-SETTINGS = {  # name: (algorithm or "ring", codec, trigger, overlap); "alone" is the baseline
+SETTINGS = {  # name: (algorithm or "ring[-shared]", codec, trigger, overlap); "alone": baseline
     "alone": ("dense", "none", None, False),
     "dense": ("dense", "none", "always", False),
     "choco-topk": ("choco", "topk:0.01", "always", False),
@@ -70,6 +71,8 @@ SETTINGS = {  # name: (algorithm or "ring", codec, trigger, overlap); "alone" is
     "choco-sign+overlap": ("choco", "sign", "always", True),
     "ring": ("ring", "none", "always", False),
     "ring+overlap": ("ring", "none", "always", True),
+    "ring-shared": ("ring-shared", "none", "always", False),
+    "ring-shared+overlap": ("ring-shared", "none", "always", True),
 }
 HIDDEN, QUICK_HIDDEN = "2300,2300,2300", "256,256"
 STEPS, QUICK_STEPS = 60, 20
@@ -79,7 +82,7 @@ def config_for(args: Any, name: str) -> Config:
     """The swarm of setting ``name``: the same job, its algorithm (or the ring all-reduce of
     gradients), codec, trigger and overlap."""
     algorithm, codec, trigger, overlap = SETTINGS[name]
-    ring = algorithm == "ring"
+    ring = algorithm.startswith("ring")
     return load_config(
         args.config,
         mode="ring" if ring else "gossip",
@@ -94,6 +97,7 @@ def config_for(args: Any, name: str) -> Config:
         codec=codec,
         trigger=trigger or f"periodic:{args.steps + 1}",
         overlap=overlap,
+        shared_memory=algorithm == "ring-shared",
         threads=1,
         eval_every=0,
         log_every=args.log_every,

@@ -168,6 +168,13 @@ class Config:
             "gradients in buckets during backward"
         },
     )
+    shared_memory: bool = field(
+        default=False,
+        metadata={
+            "help": "ring mode, every peer on this host: all-reduce through shared memory "
+            "(GPU tensors on the GPU) instead of the TCP ring; byte counts then stay 0"
+        },
+    )
     startup_timeout: float = field(
         default=120.0, metadata={"help": "seconds to wait for the swarm to form"}
     )
@@ -482,7 +489,7 @@ def _validate(c: Config) -> None:
         parse_profiles,
         parse_slowdown,
     )
-    from gossipdl.coordinator.ring import check_ring_codec
+    from gossipdl.coordinator.ring import check_ring_codec, check_shared_memory
     from gossipdl.data import available_datasets
     from gossipdl.models import available_models
     from gossipdl.protocol.ps_server import PS_RULES
@@ -561,6 +568,10 @@ def _validate(c: Config) -> None:
         check_overlap(c.overlap, c.mode == "ring", every_step, averager.asynchronous, c.codec)
     except ValueError as exc:
         raise ConfigError(f"overlap = true: {exc}") from None
+    try:
+        check_shared_memory(c.shared_memory, c.mode == "ring", c.codec)
+    except ValueError as exc:
+        raise ConfigError(f"shared_memory = true: {exc}") from None
     try:
         parse_slowdown(c.slowdown, c.peers)
         parse_drift(c.drift)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import free_addresses, small_config
 from test_peer_api import OVERLAP_CASES, train_a_ring, two_steps_of_a_w
-from test_ring import ring_means_in_threads
+from test_ring import check_shared_ring_runs_as_the_tcp_ring, ring_means_in_threads
 from test_shared_reduce import _in_threads, _values
 
 from gossipdl.compression import CodecError, Payload, build_codec
@@ -95,6 +95,27 @@ def test_a_ring_on_the_gpu_sends_gradient_buckets_during_backward(
     assert all(torch.equal(m, overlapped[0]) for m in overlapped)
     torch.testing.assert_close(overlapped[0], whole[0], rtol=0, atol=1e-5)
     assert min(early) >= 1
+
+
+def test_a_local_swarm_ring_through_shared_memory_averages_on_the_gpu(tmp_path: Path) -> None:
+    """``--mode ring --shared-memory`` with GPU peers (their region on the GPU, by CUDA IPC
+    between the peer processes) ends on the TCP ring's losses, every peer on a GPU."""
+    check_shared_ring_runs_as_the_tcp_ring(tmp_path, rel=0.02, device="auto")
+    run = RunDir(tmp_path / "shared-True")
+    assert all(list(run.records(i))[-1]["device"].startswith("cuda") for i in range(2))
+
+
+def test_a_shared_memory_ring_on_the_gpu_sends_gradient_buckets_during_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The overlapped buckets through shared memory on the GPU: the TCP ring's parameters."""
+    import gossipdl.peers.peer as peer_module
+
+    monkeypatch.setattr(peer_module, "GRADIENT_BUCKET_NUMEL", 10)
+    shared, _ = train_a_ring(overlap=True, device="cuda", shared_memory=True)
+    tcp, _ = train_a_ring(overlap=False)
+    assert all(torch.equal(m, shared[0]) for m in shared)
+    torch.testing.assert_close(shared[0], tcp[0], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("shared", [True, False])

@@ -170,7 +170,7 @@ def test_overlap_is_refused_where_there_is_nothing_to_overlap() -> None:
 
 
 def train_a_ring(
-    overlap: bool, steps: int = 2, device: str = "cpu"
+    overlap: bool, steps: int = 2, device: str = "cpu", shared_memory: bool = False
 ) -> tuple[list[torch.Tensor], list[int]]:
     """Three peers all-reduce their gradients (mode ring) over ``steps`` steps of an MLP
     with one frozen bias; their parameters after, and per peer the buckets that had gone
@@ -186,7 +186,10 @@ def train_a_ring(
         model = copy.deepcopy(template).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(rank)
-        peer = Peer(model, opt, rank=rank, peers=addresses, algorithm="allreduce", overlap=overlap)
+        peer = Peer(
+            model, opt, rank=rank, peers=addresses, algorithm="allreduce", overlap=overlap,
+            shared_memory=shared_memory,
+        )  # fmt: skip
         with peer:
             for step in range(steps):
                 x, y = torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
@@ -216,6 +219,62 @@ def test_a_ring_overlapping_backward_averages_the_gradients_it_would_without(
     assert all(torch.equal(m, overlapped[0]) for m in overlapped)
     torch.testing.assert_close(overlapped[0], whole[0], rtol=0, atol=1e-6)
     assert min(early) >= 1  # buckets went out before step() was called
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_ring_through_shared_memory_averages_as_the_tcp_ring(
+    monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """shared_memory=True: the same parameters as the TCP ring (whole, or in buckets of 10
+    during backward), no chunk on the wire."""
+    import gossipdl.peers.peer as peer_module
+
+    monkeypatch.setattr(peer_module, "GRADIENT_BUCKET_NUMEL", 10)
+    shared, _ = train_a_ring(overlap=overlap, steps=3, shared_memory=True)
+    tcp, _ = train_a_ring(overlap=False, steps=3)
+    assert all(torch.equal(m, shared[0]) for m in shared)
+    torch.testing.assert_close(shared[0], tcp[0], rtol=0, atol=1e-6)
+
+
+def test_a_shared_memory_ring_names_a_peer_that_left() -> None:
+    """Peer 1 of a shared-memory ring closes after one step: the others' next step stops
+    with an error naming it, well before their round timeout."""
+    addresses = free_addresses(3)
+    stopped: dict[int, tuple[str, float]] = {}
+
+    def work(rank: int) -> None:
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with Peer(
+            model, opt, rank=rank, peers=addresses, algorithm="allreduce", shared_memory=True,
+            round_timeout=20.0,
+        ) as peer:  # fmt: skip
+            for step in range(2):
+                if rank == 1 and step == 1:
+                    return
+                opt.zero_grad()
+                model(torch.ones(3, 4)).sum().backward()
+                started = time.monotonic()
+                try:
+                    peer.step()
+                except Exception as exc:
+                    stopped[rank] = (str(exc), time.monotonic() - started)
+                    return
+
+    assert not in_threads(work, range(3))
+    assert sorted(stopped) == [0, 2], stopped
+    for message, waited in stopped.values():
+        assert "peer 1 left" in message and waited < 10.0, message
+
+
+def test_shared_memory_is_refused_where_it_cannot_stand_in_for_the_ring() -> None:
+    with pytest.raises(ConfigError, match="shared_memory averages a ring all-reduce"):
+        load_config(None, shared_memory="true")
+    with pytest.raises(ConfigError, match="fp16 saves nothing"):
+        load_config(None, shared_memory="true", mode="ring", codec="fp16")
+    assert load_config(None, shared_memory="true", mode="ring").shared_memory is True
+    with pytest.raises(ValueError, match="turn it off"):
+        Peer(torch.nn.Linear(2, 2), rank=0, peers=free_addresses(2), shared_memory=True)
 
 
 def test_a_peer_closed_with_a_round_behind_it_stops_at_once() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import free_addresses, in_threads
+from conftest import free_addresses, in_threads, small_config
 
 from gossipdl.config import ConfigError, load_config
 from gossipdl.coordinator import (
@@ -26,6 +26,7 @@ from gossipdl.coordinator import (
     chunk_bounds,
 )
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
+from gossipdl.experiments.launcher import launch
 from gossipdl.transport import Message, WireError
 
 SIZES = (100_003, 7, 2)  # not divisible by 2 or 3; 2 < N = 3 leaves a chunk empty
@@ -233,3 +234,36 @@ def test_a_non_finite_partial_sum_stops_the_rank_that_completes_the_chunk() -> N
     with pytest.raises(RingError, match="mean of chunk 1 is not finite"):
         ring.allreduce_mean_(torch.zeros(4))
     assert len(sent) == 1  # only its own chunk went out; the poisoned sum never did
+
+
+@pytest.mark.parametrize("codec", ["none", "powersgd:1"])
+def test_a_local_swarm_ring_through_shared_memory_ends_where_the_tcp_ring_does(
+    tmp_path: Path, codec: str
+) -> None:
+    """Two real peer processes (``gossipdl run --mode ring``): with ``shared_memory`` the
+    same final losses and accuracies as over TCP (a + b is one sum both ways), and none of
+    the all-reduce's bytes on the wire (heartbeats and forming only)."""
+    check_shared_ring_runs_as_the_tcp_ring(tmp_path, codec=codec)
+
+
+def check_shared_ring_runs_as_the_tcp_ring(
+    tmp_path: Path, rel: float = 0.0, **changes: Any
+) -> None:
+    """Two-peer ring swarms over TCP and through shared memory end on the same losses and
+    accuracies (within ``rel``: a GPU's kernels need not repeat bit for bit); the shared
+    one sends no all-reduce message."""
+    summaries = {}
+    for shared in (False, True):
+        config = small_config(
+            tmp_path, mode="ring", peers=2, steps=30, shared_memory=shared,
+            out=str(tmp_path / f"shared-{shared}"), **changes,
+        )  # fmt: skip
+        summaries[shared] = launch(config, progress=False)
+        assert summaries[shared]["peers_finished"] == 2
+    tcp, shared_ = summaries[False], summaries[True]
+    for key in ("loss", "accuracy"):
+        want = [p[key] for p in tcp["peers"]]
+        assert [p[key] for p in shared_["peers"]] == pytest.approx(want, rel=rel, abs=rel), key
+    assert [p["device"] for p in shared_["peers"]] == [p["device"] for p in tcp["peers"]]
+    assert shared_["total_messages_sent"] == 0 < tcp["total_messages_sent"]
+    assert shared_["total_bytes_sent"] < tcp["total_bytes_sent"] / 10

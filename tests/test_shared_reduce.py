@@ -109,8 +109,10 @@ def test_a_rank_that_stalls_is_named_at_the_timeout() -> None:
     errors = _in_threads(groups, [_values(r, 10) for r in range(2)])
     messages = sorted(str(e) for e in errors)
     assert len(messages) == 2, messages
-    assert "rank(s) [2] did not come within 0.5s" in messages[0]
-    assert "rank 1" in messages[1] and "nothing from rank 0" in messages[1]
+    assert "rank 2 did not come within 0.5s" in messages[0]
+    # rank 1 times out too, or hears rank 0 close first
+    assert messages[1].startswith("rank 1"), messages[1]
+    assert "rank 0 left" in messages[1] or "nothing from rank 0" in messages[1], messages[1]
 
 
 def test_a_rank_with_other_settings_is_refused_naming_both() -> None:
@@ -120,7 +122,7 @@ def test_a_rank_with_other_settings_is_refused_naming_both() -> None:
     messages = sorted(str(e) for e in errors)
     ours, theirs = "sent settings (2, 10, 10, 120, 0)", "(2, 12, 12, 144, 0)"
     assert any(ours in m and theirs in m for m in messages), messages
-    assert any("nothing from rank 1" in m for m in messages), messages  # it stopped: rank 0 too
+    assert any("rank 1 left" in m for m in messages), messages  # it stopped: rank 0 too
 
 
 def test_a_ring_group_takes_shared_memory_only_where_it_can() -> None:
@@ -135,7 +137,7 @@ def test_a_ring_group_takes_shared_memory_only_where_it_can() -> None:
         assert group.shared is None
     with pytest.raises(ValueError, match="shared memory takes codec none"):
         RingGroup(0, free_addresses(2), 10, codec="fp16", shared=True)
-    with pytest.raises(SharedReduceError, match=r"rank\(s\) \[1\] did not come"):
+    with pytest.raises(SharedReduceError, match="rank 1 did not come"):
         SharedAllReduce(0, 2, 4, uuid.uuid4().hex, timeout=0.2).allreduce_mean_(_values(0, 4))
 
 

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from gossipdl.coordinator.ring import RingAllReduce
+from gossipdl.coordinator.ring import AnyRing
 
 BUCKET_NUMEL = 25 * 2**20 // 4  # 25 MiB of float32 a bucket, DDP's default
 
@@ -48,7 +48,7 @@ class OverlappedGradients:
     def __init__(
         self,
         params: Sequence[torch.nn.Parameter],
-        ring: Callable[[], RingAllReduce],
+        ring: Callable[[], AnyRing],
         bucket_numel: int = BUCKET_NUMEL,
     ) -> None:
         self.params = list(params)

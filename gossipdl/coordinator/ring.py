@@ -31,6 +31,7 @@ from gossipdl.protocol.ring import (
     WAITING_FOR,
     RingCore,
     check_ring_codec,
+    check_shared_memory,
     chunk_bounds,
 )
 from gossipdl.transport.sockets import Transport
@@ -42,10 +43,13 @@ __all__ = [
     "RING_CODECS",
     "RING_SEND_HWM",
     "WAITING_FOR",
+    "AnyRing",
     "RingAllReduce",
     "RingError",
     "RingGroup",
+    "SharedRing",
     "check_ring_codec",
+    "check_shared_memory",
     "chunk_bounds",
 ]
 
@@ -157,6 +161,44 @@ class RingAllReduce:
                 return
 
 
+class SharedRing:
+    """The all-reduce of ranks on this host through shared memory (:class:`~gossipdl.
+    coordinator.shared_reduce.SharedAllReduce`), with a ring's interface: GPU tensors
+    averaged on the GPU, others in host memory, and failures raised as RingError naming
+    the rank by ``names`` (e.g. peer ids). Nothing goes over the network, so no chunk
+    message is ever due."""
+
+    def __init__(
+        self, rank: int, addresses: list[str], numel: int, *, timeout: float,
+        names: list[str] | None = None,
+    ) -> None:  # fmt: skip
+        if not shared_reduce.available():
+            raise ValueError("shared memory needs Linux (memfd and SCM_RIGHTS); use the TCP ring")
+        self.shared = SharedAllReduce(
+            rank, len(addresses), numel, "|".join(addresses), timeout=timeout, names=names
+        )
+
+    def allreduce_mean_(self, x: torch.Tensor) -> torch.Tensor:
+        """Replace ``x`` by its element-wise mean over every rank, in place."""
+        try:  # the shared all-reduce checks the length, as the ring does
+            if x.is_cuda:
+                return reduce_on_gpu(x, self.shared.allreduce_mean_)
+            return reduce_on_host(x, self.shared.allreduce_mean_)
+        except SharedReduceError as exc:
+            raise RingError(str(exc)) from None
+
+    def deliver(self, msg: Message) -> None:
+        """No chunk is due: the means go through shared memory."""
+        raise WireError("unexpected", "a chunk, but this ring averages through shared memory")
+
+    def close(self) -> None:
+        """Let go of the region and the sockets."""
+        self.shared.close()
+
+
+AnyRing = RingAllReduce | SharedRing  # what a peer's all-reduce of one vector runs on
+
+
 class RingGroup:
     """A standalone ring over fixed addresses (rank i listens on ``addresses[i]``), for
     benchmarks and custom loops; a swarm's peers use ``RingAllReduce`` through their own
@@ -192,11 +234,7 @@ class RingGroup:
             )
         if shared is None:
             shared = can_share and len(addresses) > 1 and shared_reduce.on_this_host(addresses)
-        self.shared = (
-            SharedAllReduce(rank, len(addresses), numel, "|".join(addresses), timeout=timeout)
-            if shared
-            else None
-        )
+        self.shared = SharedRing(rank, addresses, numel, timeout=timeout) if shared else None
         self.ring = RingAllReduce(
             rank,
             list(range(len(addresses))),
@@ -227,12 +265,7 @@ class RingGroup:
         """Replace ``x`` by its element-wise mean over every rank, in place."""
         if self.shared is None:
             return self.ring.allreduce_mean_(x)
-        try:  # the shared all-reduce checks the length, as the ring does
-            if x.is_cuda:
-                return reduce_on_gpu(x, self.shared.allreduce_mean_)
-            return reduce_on_host(x, self.shared.allreduce_mean_)
-        except SharedReduceError as exc:
-            raise RingError(str(exc)) from None
+        return self.shared.allreduce_mean_(x)
 
     def close(self) -> None:
         """Flush what is queued and close the endpoint (and let go of shared memory)."""

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gossipdl.coordinator.ring import RingAllReduce
+from gossipdl.coordinator.ring import AnyRing
 from gossipdl.protocol.ring_powersgd import LowRankMean
 
 
@@ -23,7 +23,7 @@ class LowRankAllReduce:
         self,
         shapes: Sequence[torch.Size | tuple[int, ...]],
         rank: int,
-        make_ring: Callable[[int], RingAllReduce],
+        make_ring: Callable[[int], AnyRing],
         *,
         seed: int = 0,
         device: torch.device | str = "cpu",

@@ -110,18 +110,21 @@ class SharedAllReduce:
     The region is set up on the first :meth:`allreduce_mean_`, which every rank calls;
     ``timeout`` bounds each wait (for the others to connect, or at a barrier). ``piece``:
     values a piece; None takes ``SHARED_PIECE`` for host vectors, ``SHARED_GPU_PIECE`` for
-    GPU ones."""
+    GPU ones. ``names``: how errors name each rank (default "rank N")."""
 
     def __init__(
         self, rank: int, size: int, numel: int, key: str, *, timeout: float = 30.0,
-        piece: int | None = None,
+        piece: int | None = None, names: list[str] | None = None,
     ) -> None:  # fmt: skip
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in 0..{size - 1}")
         if piece is not None and piece < 1:
             raise ValueError(f"piece = {piece}; give at least one value")
+        if names is not None and len(names) != size:
+            raise ValueError(f"{len(names)} names for {size} ranks")
         self.rank, self.size, self.numel, self.timeout = rank, size, numel, timeout
         self._piece = piece
+        self._names = names or [f"rank {j}" for j in range(size)]
         digest = hashlib.sha256(f"gossipdl-allreduce|{key}".encode()).hexdigest()[:40]
         self.name = b"\0gossipdl-allreduce-" + digest.encode()
         self.piece, self._bytes = 0, 0  # set with the region (the piece depends on where)
@@ -131,6 +134,14 @@ class SharedAllReduce:
         self._map: mmap.mmap | None = None
         # [halves, N + 1, piece]: the inputs, then the mean; in host memory or on a GPU
         self._view: np.ndarray | torch.Tensor | None = None
+
+    def _error(self, text: str) -> SharedReduceError:
+        """An error of this rank's all-reduce, saying which rank it is."""
+        return SharedReduceError(f"{self._who(self.rank)}, shared-memory all-reduce: {text}")
+
+    def _who(self, rank: int) -> str:
+        """How errors name ``rank`` (``names``, e.g. peer ids; else "rank N")."""
+        return self._names[rank]
 
     def _lay_out(self, on_gpu: bool) -> tuple[int, int, int]:
         """Cut the vector into pieces for a region on a GPU or not; its shape."""
@@ -222,23 +233,26 @@ class SharedAllReduce:
                     self._tell_left(j)
                     raise
             for link in self._links:
-                link.sendall(_OK if verdict else _FAILED)
+                with contextlib.suppress(OSError):  # one that left is named at the next wait
+                    link.sendall(_OK if verdict else _FAILED)
         else:
             link = self._links[0]
-            link.sendall(_OK if ok else _FAILED)
+            with contextlib.suppress(OSError):  # rank 0 stopped: what it said is still there
+                link.sendall(_OK if ok else _FAILED)
             got = self._receive(link, 0, doing)
             if got == _LEFT:
-                culprit = int.from_bytes(link.recv(4), "little")
-                raise SharedReduceError(
-                    f"rank {self.rank}, shared-memory all-reduce: rank {culprit} left or stalled "
-                    f"while {doing} (rank 0 waited for it); an all-reduce cannot finish "
-                    "without every rank, so this rank stops."
+                said = _receive_some(link, 4) or b""
+                culprit = int.from_bytes(said, "little") if len(said) == 4 else -1
+                who = self._who(culprit) if 0 < culprit < self.size else "a rank"
+                raise self._error(
+                    f"{who} left or stalled while {doing} ({self._who(0)} waited for it); an "
+                    "all-reduce cannot finish without every rank, so this rank stops."
                 )
             verdict = got == _OK
         if not verdict:
-            raise SharedReduceError(
-                f"rank {self.rank}, shared-memory all-reduce: the mean is not finite while "
-                f"{doing}: some rank sent NaN or Inf, or the sum overflowed"
+            raise self._error(
+                f"the mean is not finite while {doing}: some rank sent NaN or Inf, or the sum "
+                "overflowed"
             )
 
     def _tell_left(self, culprit: int) -> None:
@@ -257,11 +271,15 @@ class SharedAllReduce:
 
     def _lost(self, rank: int, doing: str, got: bytes | None) -> SharedReduceError:
         """The error for nothing from ``rank``: it closed (``got`` empty) or stalled (None)."""
-        blame = "it left (its process died or closed)" if got == b"" else "it stalled"
-        return SharedReduceError(
-            f"rank {self.rank}, shared-memory all-reduce: nothing from rank {rank} within "
-            f"{self.timeout:g}s while {doing}; {blame}. An all-reduce cannot finish without "
-            "every rank, so this rank stops."
+        who = self._who(rank)
+        what = (
+            f"{who} left (its process died or closed)"
+            if got == b""
+            else f"nothing from {who} within {self.timeout:g}s: it stalled"
+        )
+        return self._error(
+            f"{what} while {doing}. An all-reduce cannot finish without every rank, so this "
+            "rank stops."
         )
 
     # ----------------------------------------------------------------- setting up
@@ -323,10 +341,9 @@ class SharedAllReduce:
                 try:
                     link, _ = listener.accept()
                 except TimeoutError:
-                    missing = sorted(set(range(1, self.size)) - set(links))
-                    raise SharedReduceError(
-                        f"rank 0, shared-memory all-reduce: rank(s) {missing} did not come "
-                        f"within {self.timeout:g}s"
+                    missing = [self._who(j) for j in range(1, self.size) if j not in links]
+                    raise self._error(
+                        f"{', '.join(missing)} did not come within {self.timeout:g}s"
                     ) from None
                 rank = self._admit(link, links)
                 if rank is not None:
@@ -361,10 +378,7 @@ class SharedAllReduce:
         if len(fds) != 1 or os.fstat(fds[0]).st_size != self._bytes:
             for fd in fds:
                 os.close(fd)
-            raise SharedReduceError(
-                f"rank {self.rank}, shared-memory all-reduce: rank 0 sent no region of "
-                f"{self._bytes} bytes"
-            )
+            raise self._error(f"{self._who(0)} sent no region of {self._bytes} bytes")
         return fds[0]
 
     def _attend_gpu(self) -> torch.Tensor:
@@ -380,18 +394,15 @@ class SharedAllReduce:
         if length == 0 and in_process:
             return _IN_PROCESS[self.name]
         if not 0 < length <= MAX_GPU_REGION_BLOB:
-            raise SharedReduceError(
-                f"rank {self.rank}, shared-memory all-reduce: rank 0 described its GPU region "
-                f"in {length} bytes (1 to {MAX_GPU_REGION_BLOB} from another process)"
+            raise self._error(
+                f"{self._who(0)} described its GPU region in {length} bytes (1 to "
+                f"{MAX_GPU_REGION_BLOB} from another process)"
             )
         blob = self._receive_exactly(link, length)
         try:
             return open_shared(blob, self._bytes // 4)
         except (CudaIpcError, RuntimeError) as exc:
-            raise SharedReduceError(
-                f"rank {self.rank}, shared-memory all-reduce: cannot open rank 0's GPU "
-                f"region: {exc}"
-            ) from None
+            raise self._error(f"cannot open {self._who(0)}'s GPU region: {exc}") from None
 
     def _receive_exactly(self, link: socket.socket, n: int) -> bytes:
         """``n`` bytes from rank 0 while setting up; SharedReduceError if it left or stalled."""
@@ -416,9 +427,8 @@ class SharedAllReduce:
             except (FileNotFoundError, ConnectionRefusedError):
                 link.close()
                 if time.monotonic() >= deadline:
-                    raise SharedReduceError(
-                        f"rank {self.rank}, shared-memory all-reduce: rank 0 did not listen "
-                        f"within {self.timeout:g}s"
+                    raise self._error(
+                        f"{self._who(0)} did not listen within {self.timeout:g}s"
                     ) from None
                 time.sleep(_CONNECT_EVERY_S)
         link.settimeout(self.timeout)
@@ -435,8 +445,8 @@ class SharedAllReduce:
         if theirs != mine:
             for fd in fds:
                 os.close(fd)
-            raise SharedReduceError(
-                f"rank {self.rank}, shared-memory all-reduce: rank 0 sent settings "
-                f"{theirs} (ranks, values, piece, bytes, on a GPU), not this rank's {mine}"
+            raise self._error(
+                f"{self._who(0)} sent settings {theirs} (ranks, values, piece, bytes, on a GPU), "
+                f"not this rank's {mine}"
             )
         return fds

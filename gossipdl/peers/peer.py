@@ -32,10 +32,14 @@ from gossipdl.coordinator.buckets import BUCKET_NUMEL, OverlappedGradients
 from gossipdl.coordinator.ring import (
     RING_CHECKS_FINITE,
     RING_SEND_HWM,
+    AnyRing,
     RingAllReduce,
+    SharedRing,
     check_ring_codec,
+    check_shared_memory,
 )
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
+from gossipdl.coordinator.shared_reduce import on_this_host
 from gossipdl.models.parameters import set_params
 from gossipdl.peers.membership import MAX_MEMBERS, Member, Membership, parse_members
 from gossipdl.protocol.core import CORE_KINDS, GossipCore, Send, Settings
@@ -123,6 +127,9 @@ class Peer:
     ``algorithm="allreduce"`` is the ring all-reduce baseline: with trigger
     ``always`` and an optimizer, gradients are averaged exactly before every
     local step (synchronous SGD); otherwise parameters are, every round.
+    ``shared_memory=True`` (every member on this host) averages them through shared
+    memory instead of the TCP ring, GPU tensors on the GPU (:class:`~gossipdl.coordinator.
+    ring.SharedRing`); nothing then crosses the network, so the byte counts stay at 0.
 
     A member silent for ``dead_after`` seconds (heartbeats go out every
     ``heartbeat``) is declared dead and the topology is rebuilt over the live
@@ -201,6 +208,7 @@ class Peer:
         swarm_start: float | None = None,
         connect_wait: float = CONNECT_WAIT_S,
         overlap: bool = False,
+        shared_memory: bool = False,
     ) -> None:
         if peers is not None and (rank is None or not 0 <= rank < len(peers)):
             raise ValueError(f"rank must be in 0..{len(peers) - 1} when peers is given, got {rank}")
@@ -251,6 +259,9 @@ class Peer:
         self.codec = self.averager.codec.spec
         self.topology_spec = "ring" if ring else topology
         self.ring = ring
+        check_shared_memory(shared_memory, ring, codec)
+        self.shared_memory = shared_memory
+        self._shared_rings: list[SharedRing] = []  # closed with the peer
         self.overlap = overlap
         # overlap: the round started by the last step runs here (one worker thread), and
         # the training thread takes its model in settle(). On a GPU the round and the
@@ -260,7 +271,7 @@ class Peer:
         self._pending: Future[tuple[torch.Tensor, torch.cuda.Event | None]] | None = None
         on_gpu = overlap and self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if on_gpu else None
-        self._reduce: RingAllReduce | LowRankAllReduce | None = None  # built by _reducer
+        self._reduce: AnyRing | LowRankAllReduce | None = None  # built by _reducer
         self._ring_lock = threading.Lock()
         self.reduces_gradients = ring and optimizer is not None and self.trigger.period == 1
         check_overlap(overlap, ring, self.reduces_gradients, self.averager.asynchronous, codec)
@@ -544,14 +555,14 @@ class Peer:
     def _ring_round(self, x: torch.Tensor) -> torch.Tensor:
         """The mean of the parameters; low-rank: the mean change since the last round."""
         reducer = self._reducer()
-        if isinstance(reducer, RingAllReduce):
+        if not isinstance(reducer, LowRankAllReduce):
             return reducer.allreduce_mean_(x)
         with self._core:
             reference = self.core.reference
         reference += reducer.allreduce_mean_(x - reference)
         return reference.clone()
 
-    def _reducer(self) -> RingAllReduce | LowRankAllReduce:
+    def _reducer(self) -> AnyRing | LowRankAllReduce:
         """The ring over the members the swarm formed with (built once, by either thread),
         behind PowerSGD when the codec asks for it."""
         with self._ring_lock:
@@ -567,17 +578,34 @@ class Peer:
                     self._reduce = self._make_ring(self.numel if buckets is None else buckets.size)
             return self._reduce
 
-    def _bucket_ring(self) -> RingAllReduce:
+    def _bucket_ring(self) -> AnyRing:
         """The ring the gradients' buckets go through (overlap; never low-rank)."""
         ring = self._reducer()
-        assert isinstance(ring, RingAllReduce)
+        assert not isinstance(ring, LowRankAllReduce)
         return ring
 
-    def _make_ring(self, numel: int) -> RingAllReduce:
+    def _make_ring(self, numel: int) -> AnyRing:
         """An all-reduce of ``numel`` values over the members the swarm formed with."""
+        members = self.membership.active(0)
+        if self.shared_memory:
+            addresses = [m.address if (m := self.membership.get(i)) else "" for i in members]
+            if not on_this_host(addresses):
+                raise PeerError(
+                    f"peer {self.id}: shared_memory averages members on this host; the swarm's "
+                    f"addresses are {addresses}: run the TCP ring (shared_memory off)"
+                )
+            ring = SharedRing(
+                members.index(self.id),
+                addresses,
+                numel,
+                timeout=self.core.settings.round_timeout,
+                names=[f"peer {i}" for i in members],
+            )
+            self._shared_rings.append(ring)
+            return ring
         return RingAllReduce(
             self.id,
-            self.membership.active(0),
+            members,
             numel,
             self._send_chunk,
             codec="fp16" if self.codec == "fp16" else "none",
@@ -671,6 +699,8 @@ class Peer:
             self._rounds.shutdown(wait=True)
         if self._gradients is not None:
             self._gradients.close()
+        for ring in self._shared_rings:
+            ring.close()
         self._watch_stop.set()
         self._watcher.join(2.0)
         with self._core:
@@ -1210,7 +1240,7 @@ class Peer:
             if not self.ring:
                 raise WireError("unexpected", "a chunk, but this swarm does not all-reduce")
             reducer = self._reducer()  # a low-rank reducer's factors travel on its ring
-            (reducer if isinstance(reducer, RingAllReduce) else reducer.ring).deliver(msg)
+            (reducer.ring if isinstance(reducer, LowRankAllReduce) else reducer).deliver(msg)
         elif msg.kind == "ready":
             with self._changed:
                 self._ready_from.add(msg.sender)

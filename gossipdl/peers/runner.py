@@ -169,6 +169,7 @@ def train_peer(
             swarm_start=run_start(),
             connect_wait=connect_wait,
             overlap=config.overlap,
+            shared_memory=config.shared_memory,
         )
     if on_training is not None:
         on_training()
