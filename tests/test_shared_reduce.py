@@ -128,7 +128,7 @@ def test_a_rank_with_other_settings_is_refused_naming_both() -> None:
 def test_a_ring_group_takes_shared_memory_only_where_it_can() -> None:
     local = free_addresses(2)
     with RingGroup(0, local, 10) as group:
-        assert group.shared is not None
+        assert group.shared is not None and group.transport is None  # no TCP endpoint
     for kwargs in ({"codec": "fp16"}, {"shared": False}):
         with RingGroup(0, free_addresses(2), 10, **kwargs) as group:
             assert group.shared is None
@@ -158,3 +158,20 @@ def test_a_malformed_gpu_region_description_is_refused_before_cuda(blob: bytes, 
     anything reaches CUDA (on any machine)."""
     with pytest.raises(CudaIpcError, match=says):
         open_shared(blob, 100)
+
+
+def test_a_shared_ring_group_returns_a_new_mean_and_keeps_its_input() -> None:
+    """``allreduce_mean`` goes through shared memory too, into a new tensor."""
+    addresses = free_addresses(2)
+    groups = [RingGroup(r, addresses, 5) for r in range(2)]
+    xs = [torch.arange(5.0) * (r + 1) for r in range(2)]
+    means: dict[int, torch.Tensor] = {}
+    try:
+        errors = in_threads(lambda r: means.update({r: groups[r].allreduce_mean(xs[r])}), range(2))
+    finally:
+        for group in groups:
+            group.close()
+    assert not errors, errors
+    for r in range(2):
+        assert torch.equal(means[r], torch.arange(5.0) * 1.5)
+        assert torch.equal(xs[r], torch.arange(5.0) * (r + 1))

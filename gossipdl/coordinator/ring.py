@@ -202,7 +202,7 @@ AnyRing = RingAllReduce | SharedRing  # what a peer's all-reduce of one vector r
 class RingGroup:
     """A standalone ring over fixed addresses (rank i listens on ``addresses[i]``), for
     benchmarks and custom loops; a swarm's peers use ``RingAllReduce`` through their own
-    endpoint (``gossipdl run --mode ring``).
+    endpoint (``gossipdl run --mode ring``; ``SharedRing`` with ``--shared-memory``).
 
     ``shared``: average through shared memory (:class:`~gossipdl.coordinator.shared_reduce.
     SharedAllReduce`) instead of the TCP ring; None (the default) does where it can: every
@@ -234,44 +234,53 @@ class RingGroup:
             )
         if shared is None:
             shared = can_share and len(addresses) > 1 and shared_reduce.on_this_host(addresses)
+        # through shared memory, or the TCP ring's endpoint and driver (built only for it)
         self.shared = SharedRing(rank, addresses, numel, timeout=timeout) if shared else None
-        self.ring = RingAllReduce(
-            rank,
-            list(range(len(addresses))),
-            numel,
-            lambda j, frames: self.transport.send(addresses[j], frames),
-            codec=codec,
-            timeout=timeout,
-            piece=piece,
-        )
-        self.transport = Transport(
-            addresses[rank],
-            self._on_message,
-            name=f"ring-{rank}",
-            send_hwm=RING_SEND_HWM,
-            finite_checked_by=RING_CHECKS_FINITE,
-        )
+        self.ring: RingAllReduce | None = None
+        self.transport: Transport | None = None
+        if self.shared is None:  # the ring first: the endpoint hands it what arrives
+            self.ring = RingAllReduce(
+                rank,
+                list(range(len(addresses))),
+                numel,
+                lambda j, frames: self._send(addresses[j], frames),
+                codec=codec,
+                timeout=timeout,
+                piece=piece,
+            )
+            self.transport = Transport(
+                addresses[rank],
+                self._on_message,
+                name=f"ring-{rank}",
+                send_hwm=RING_SEND_HWM,
+                finite_checked_by=RING_CHECKS_FINITE,
+            )
+
+    def _send(self, address: str, frames: list[Any]) -> None:
+        assert self.transport is not None
+        self.transport.send(address, frames)
 
     def _on_message(self, msg: Message) -> None:
-        if msg.kind != "chunk":
+        if msg.kind != "chunk" or self.ring is None:
             raise WireError("unexpected", f"a ring takes chunk messages, got {msg.kind}")
         self.ring.deliver(msg)
 
     def allreduce_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """The element-wise mean of ``x`` over every rank, as a new tensor."""
-        return self.ring.allreduce_mean(x)
+        """The element-wise mean of ``x`` over every rank, as a new tensor (``x`` is kept)."""
+        return self.allreduce_mean_(x.detach().clone())
 
     def allreduce_mean_(self, x: torch.Tensor) -> torch.Tensor:
         """Replace ``x`` by its element-wise mean over every rank, in place."""
-        if self.shared is None:
-            return self.ring.allreduce_mean_(x)
-        return self.shared.allreduce_mean_(x)
+        reducer = self.shared or self.ring
+        assert reducer is not None
+        return reducer.allreduce_mean_(x)
 
     def close(self) -> None:
-        """Flush what is queued and close the endpoint (and let go of shared memory)."""
+        """Flush what is queued and close the endpoint (or let go of shared memory)."""
         if self.shared is not None:
             self.shared.close()
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
 
     def __enter__(self) -> RingGroup:
         return self
