@@ -136,6 +136,8 @@ def test_what_the_simulator_cannot_run_is_refused_by_name(tmp_path: Path) -> Non
         simulate(small_config(tmp_path, mode="single"))
     with pytest.raises(SimulationError, match="no backward to overlap"):
         simulate(small_config(tmp_path, mode="ring", overlap=True))
+    with pytest.raises(SimulationError, match="no network for the simulator to model"):
+        simulate(small_config(tmp_path, mode="ring", shared_memory=True))
 
 
 def test_gossipdl_simulate_writes_a_run_directory_report_reads(

@@ -65,6 +65,11 @@ class RingSimulation(Simulation):
                 "the simulator has no backward to overlap (its mean is the same): set "
                 "overlap = false to simulate the ring"
             )
+        if config.shared_memory:
+            raise SimulationError(
+                "shared_memory = true averages through this host's memory, with no network "
+                "for the simulator to model: set shared_memory = false to simulate the ring"
+            )
         super().__init__(config, run, step_time=step_time)
         ids = [peer.id for peer in self.peers]
         # Peer.reduces_gradients: every step all-reduces the gradients (an optimizer is given)
