@@ -33,7 +33,7 @@ from gossipdl.compression import powersgd as powersgd_module
 from gossipdl.compression import sparse as sparse_module
 from gossipdl.compression.base import ValueCodec
 from gossipdl.compression.floating import Float16
-from gossipdl.compression.indices import DeltaGolomb
+from gossipdl.compression.indices import DeltaGolomb, golomb_streams
 from gossipdl.compression.powersgd import matrix_shape, power_step, reconstruct, row_split
 from gossipdl.compression.quantization import QSGD, Sign
 from gossipdl.compression.sparse import random_subset
@@ -780,10 +780,11 @@ def test_c_codes_over_reads_packed_codes_as_unpack_bits_does(native_isa: Any, bi
 
 
 @pytest.mark.parametrize("density", [0.0, 0.0005, 0.01, 0.3, 1.0])
-def test_delta_golomb_streams_are_the_same_from_c_and_numpy(density: float) -> None:
-    """The C kernels write the bytes numpy writes and read them back alike, every Rice
-    parameter from 0 (dense supports) up; damaged streams (a flipped bit, a byte cut off or
-    added) are refused by both, or decode to the same indices."""
+def test_delta_golomb_streams_are_the_same_from_c_numpy_and_torch(density: float) -> None:
+    """The C kernels and the torch code a GPU runs (here on the CPU) write the bytes numpy
+    writes, and C reads them back as numpy does, every Rice parameter from 0 (dense
+    supports) up; damaged streams (a flipped bit, a byte cut off or added) are refused by
+    both readers, or decode to the same indices."""
     coder, rng = DeltaGolomb(), np.random.default_rng(int(density * 1e4))
     for numel in (1, 9, 1000, 250_003):
         count = round(density * numel)
@@ -791,9 +792,12 @@ def test_delta_golomb_streams_are_the_same_from_c_and_numpy(density: float) -> N
         arrays, meta = coder.encode(indices, numel)
         with kernels.numpy_kernels():
             expected, expected_meta = coder.encode(indices, numel)
-        assert meta == expected_meta
+        unary, rest, b = golomb_streams(torch.from_numpy(indices), numel)
+        assert meta == expected_meta == {"b": b}
         for got, want in zip(arrays, expected, strict=True):
             np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(unary.numpy(), expected[0])
+        np.testing.assert_array_equal(rest.numpy(), expected[1])
         np.testing.assert_array_equal(coder.decode(arrays, meta, count, numel), indices)
         for _ in range(20):
             unary, rest = (a.copy() for a in arrays)

@@ -55,6 +55,19 @@ def test_a_codec_leaves_its_tensors_on_the_gpu(spec: str) -> None:
     torch.testing.assert_close(decoded, estimate)
 
 
+def test_delta_golomb_indices_built_on_the_gpu_are_the_hosts_bytes() -> None:
+    """Top-1% with delta-golomb indices: the streams built on the GPU are the bytes the
+    host builds from the same indices, and decode to them."""
+    x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(4))
+    codec = build_codec("topk:0.01")
+    on_gpu, _ = codec.encode(x.cuda())
+    on_host, _ = codec.encode(x)
+    assert on_gpu.meta == on_host.meta
+    for got, want in zip(on_gpu.arrays, on_host.arrays, strict=True):
+        assert np.array_equal(got, want)
+    torch.testing.assert_close(codec.decode(on_gpu, x.numel()), codec.decode(on_host, x.numel()))
+
+
 def test_a_bad_qsgd_code_is_refused_before_it_reaches_the_gpu() -> None:
     """QSGD's decoder checks its codes on the host (no sync): a code over 2·LEVELS raises."""
     codec = build_codec("qsgd:4:0")

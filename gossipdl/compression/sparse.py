@@ -24,7 +24,6 @@ from gossipdl.compression._kernels import (
     from_host,
     native_kernels,
     scatter,
-    to_host,
     use_numpy,
 )
 from gossipdl.compression.base import (
@@ -436,9 +435,7 @@ class SparseCodec(Codec):
         meta: dict[str, Any] = {"k": chosen.numel(), **(own_meta or {})}
         arrays: tuple[np.ndarray, ...] = ()
         if self.indices is not None:
-            index_arrays, index_meta = self.indices.encode(
-                to_host(chosen).astype(np.int64, copy=False), numel
-            )
+            index_arrays, index_meta = self.indices.encode_tensor(chosen, numel)
             arrays += index_arrays
             meta.update({f"i.{key}": val for key, val in index_meta.items()})
         arrays += value_payload.arrays
