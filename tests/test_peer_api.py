@@ -15,6 +15,7 @@ import zmq
 from conftest import free_addresses, in_threads, wait_for
 
 from gossipdl import Peer
+from gossipdl.coordinator import shared_reduce
 from gossipdl.config import ConfigError, load_config
 from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import PeerError
@@ -267,12 +268,18 @@ def test_a_shared_memory_ring_names_a_peer_that_left() -> None:
         assert "peer 1 left" in message and waited < 10.0, message
 
 
-def test_shared_memory_is_refused_where_it_cannot_stand_in_for_the_ring() -> None:
+def test_shared_memory_is_refused_where_it_cannot_stand_in_for_the_ring(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     with pytest.raises(ConfigError, match="shared_memory averages a ring all-reduce"):
         load_config(None, shared_memory="true")
     with pytest.raises(ConfigError, match="fp16 saves nothing"):
         load_config(None, shared_memory="true", mode="ring", codec="fp16")
     assert load_config(None, shared_memory="true", mode="ring").shared_memory is True
+    with monkeypatch.context() as patch:  # a system without memfd (macOS, Windows)
+        patch.setattr(shared_reduce, "available", lambda: False)
+        with pytest.raises(ConfigError, match="shared_memory = true needs Linux"):
+            load_config(None, shared_memory="true", mode="ring")
     with pytest.raises(ValueError, match="turn it off"):
         Peer(torch.nn.Linear(2, 2), rank=0, peers=free_addresses(2), shared_memory=True)
 
