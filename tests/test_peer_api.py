@@ -15,8 +15,8 @@ import zmq
 from conftest import free_addresses, in_threads, wait_for
 
 from gossipdl import Peer
-from gossipdl.coordinator import shared_reduce
 from gossipdl.config import ConfigError, load_config
+from gossipdl.coordinator import shared_reduce
 from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import PeerError
 from gossipdl.topologies import build_topology
