@@ -18,6 +18,7 @@ Target
 Run
     python benchmarks/stability.py --json runs/bench-stability.json
     python benchmarks/stability.py --only topk:0.01,sign --graphs complete:16,torus:16
+    python benchmarks/stability.py --only topk:0.01+qsgd:4 --graphs ring:8   # any codec
     python benchmarks/stability.py --quick          # top-1%, ring of 8, 300 rounds
 
     About 13 minutes on one core for the defaults (six codecs, ring of 8, exponential
@@ -30,17 +31,18 @@ row has ``codec``, ``graph``, ``peers``, ``self_weight``, ``critical_gamma``,
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from typing import Any
 
-from _common import Column, add_only_option, benchmark_parser, mark, report, run_script
+from _common import Column, benchmark_parser, mark, report, run_script
 from rich.console import Console
 from rich.progress import Progress
 
 from gossipdl.averaging import auto_gamma
 from gossipdl.averaging.consensus import critical_gamma
-from gossipdl.compression import build_codec
+from gossipdl.compression import CodecError, build_codec
 from gossipdl.topologies import build_topology
 
 SHAPES = ((64, 40), (64,), (48, 64), (48,), (10, 48), (10,))  # 6,250 values in 3 layers
@@ -72,11 +74,29 @@ def measure(spec: str, graph: str, peers: int, rounds: int) -> dict[str, Any]:
     }
 
 
+def codec_list(value: str) -> list[str]:
+    """``--only``'s codecs: any specs ``build_codec`` takes (e.g. ``topk:0.01+qsgd:4``)."""
+    specs = [spec for spec in value.split(",") if spec.strip()]
+    if not specs:
+        raise argparse.ArgumentTypeError("give at least one codec spec")
+    for spec in specs:
+        try:
+            build_codec(spec)
+        except CodecError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return specs
+
+
 def main() -> None:
     parser = benchmark_parser(__doc__, quick=f"top-1%% on a ring of 8, {QUICK_ROUNDS} rounds")
     parser.add_argument("--graphs", default=None, help=f"GRAPH:PEERS,..., default {GRAPHS}")
     parser.add_argument("--rounds", type=int, default=None, help=f"default {ROUNDS}")
-    add_only_option(parser, CODECS)
+    parser.add_argument(
+        "--only",
+        type=codec_list,
+        default=list(CODECS),
+        help=f"comma-separated codec specs (any codec), default {','.join(CODECS)}",
+    )
     args = parser.parse_args()
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     codecs = ["topk:0.01"] if args.quick else args.only
