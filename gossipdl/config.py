@@ -490,7 +490,6 @@ def _validate(c: Config) -> None:
         parse_slowdown,
     )
     from gossipdl.coordinator.ring import check_ring_codec, check_shared_memory
-    from gossipdl.coordinator.shared_reduce import available as shared_memory_available
     from gossipdl.data import available_datasets
     from gossipdl.models import available_models
     from gossipdl.protocol.ps_server import PS_RULES
@@ -573,10 +572,6 @@ def _validate(c: Config) -> None:
         check_shared_memory(c.shared_memory, c.mode == "ring", c.codec)
     except ValueError as exc:
         raise ConfigError(f"shared_memory = true: {exc}") from None
-    _check(
-        not c.shared_memory or shared_memory_available(),
-        "shared_memory = true needs Linux (memfd and SCM_RIGHTS); set it false for the TCP ring",
-    )
     try:
         parse_slowdown(c.slowdown, c.peers)
         parse_drift(c.drift)

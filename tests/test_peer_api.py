@@ -278,7 +278,7 @@ def test_shared_memory_is_refused_where_it_cannot_stand_in_for_the_ring(
     assert load_config(None, shared_memory="true", mode="ring").shared_memory is True
     with monkeypatch.context() as patch:  # a system without memfd (macOS, Windows)
         patch.setattr(shared_reduce, "available", lambda: False)
-        with pytest.raises(ConfigError, match="shared_memory = true needs Linux"):
+        with pytest.raises(ConfigError, match="shared_memory = true: shared memory needs Linux"):
             load_config(None, shared_memory="true", mode="ring")
     with pytest.raises(ValueError, match="turn it off"):
         Peer(torch.nn.Linear(2, 2), rank=0, peers=free_addresses(2), shared_memory=True)

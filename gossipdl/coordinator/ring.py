@@ -31,7 +31,6 @@ from gossipdl.protocol.ring import (
     WAITING_FOR,
     RingCore,
     check_ring_codec,
-    check_shared_memory,
     chunk_bounds,
 )
 from gossipdl.transport.sockets import Transport
@@ -161,6 +160,24 @@ class RingAllReduce:
                 return
 
 
+def check_shared_memory(shared_memory: bool, ring: bool, codec: str) -> None:
+    """Reject shared memory where it cannot stand in for the TCP ring, or where this system
+    has none, explaining why."""
+    if not shared_memory:
+        return
+    if not ring:
+        raise ValueError(
+            "shared_memory averages a ring all-reduce (--mode ring, algorithm allreduce); "
+            "gossip sends its neighbours models over the network: turn it off"
+        )
+    if codec == "fp16":
+        raise ValueError(
+            "shared_memory moves float32 values through memory, where fp16 saves nothing: "
+            "use codec none (or powersgd:RANK), or the TCP ring for fp16"
+        )
+    shared_reduce.require_available()
+
+
 class SharedRing:
     """The all-reduce of ranks on this host through shared memory (:class:`~gossipdl.
     coordinator.shared_reduce.SharedAllReduce`), with a ring's interface: GPU tensors
@@ -172,8 +189,7 @@ class SharedRing:
         self, rank: int, addresses: list[str], numel: int, *, timeout: float,
         names: list[str] | None = None,
     ) -> None:  # fmt: skip
-        if not shared_reduce.available():
-            raise ValueError("shared memory needs Linux (memfd and SCM_RIGHTS); use the TCP ring")
+        shared_reduce.require_available()
         self.shared = SharedAllReduce(
             rank, len(addresses), numel, "|".join(addresses), timeout=timeout, names=names
         )

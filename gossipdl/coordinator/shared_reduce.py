@@ -47,7 +47,14 @@ import torch
 from gossipdl.protocol.ring import chunk_bounds
 from gossipdl.transport.wire import all_finite
 
-__all__ = ["SHARED_PIECE", "SharedAllReduce", "SharedReduceError", "available", "on_this_host"]
+__all__ = [
+    "SHARED_PIECE",
+    "SharedAllReduce",
+    "SharedReduceError",
+    "available",
+    "on_this_host",
+    "require_available",
+]
 
 SHARED_PIECE = 1 << 21  # values per piece in host memory (8 MB of float32)
 SHARED_GPU_PIECE = 1 << 25  # on a GPU (128 MB); the region holds (N + 1) pieces, 2 x when split
@@ -96,6 +103,12 @@ def _peer_pid(link: socket.socket) -> int:
 def available() -> bool:
     """Whether this system can share a region this way (Linux: memfd and SCM_RIGHTS)."""
     return hasattr(os, "memfd_create") and hasattr(socket, "SCM_RIGHTS")
+
+
+def require_available() -> None:
+    """ValueError, saying why, where this system cannot share a region (:func:`available`)."""
+    if not available():
+        raise ValueError("shared memory needs Linux (memfd and SCM_RIGHTS); use the TCP ring")
 
 
 def on_this_host(addresses: list[str]) -> bool:
@@ -186,7 +199,7 @@ class SharedAllReduce:
             share /= self.size
             self._barrier(_finite(share), f"reducing piece {k}")
             x[a:b] = half[self.size, : b - a]
-        self._settle(x)  # the region is written again (next call) only after barriers
+        self._settle(x)  # the last copy out is done before a caller may close the region
         return x
 
     def _settle(self, x: Vector) -> None:

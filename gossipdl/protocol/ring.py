@@ -104,22 +104,6 @@ def check_ring_codec(codec: str) -> None:
     )
 
 
-def check_shared_memory(shared_memory: bool, ring: bool, codec: str) -> None:
-    """Reject shared memory where it cannot stand in for the TCP ring, explaining why."""
-    if not shared_memory:
-        return
-    if not ring:
-        raise ValueError(
-            "shared_memory averages a ring all-reduce (--mode ring, algorithm allreduce); "
-            "gossip sends its neighbours models over the network: turn it off"
-        )
-    if codec == "fp16":
-        raise ValueError(
-            "shared_memory moves float32 values through memory, where fp16 saves nothing: "
-            "use codec none (or powersgd:RANK), or the TCP ring for fp16"
-        )
-
-
 @dataclass(frozen=True)
 class RingFailure:
     """An all-reduce that cannot finish: ``culprit`` is the peer the ring waits for (None
