@@ -374,10 +374,7 @@ def golomb_streams(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, tor
     if count == 0:
         empty = torch.zeros(0, dtype=torch.uint8, device=device)
         return empty, empty, 0
-    gaps = torch.empty_like(idx)
-    gaps[:1] = idx[:1]
-    torch.sub(idx[1:], idx[:-1], out=gaps[1:])
-    gaps[1:] -= 1
+    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1
     total = int(idx[-1]) - (count - 1)  # Σ gaps: they telescope
     guess = int(np.log2(max(total / count, 1.0)))
     first = max(0, guess - 1)
