@@ -117,7 +117,8 @@ RING, EXPONENTIAL_16 = 1 / 3, 1 / 8  # W_ii under Metropolis weights: a ring, th
     [("none", RING, 1.0), ("fp16", RING, 1.0),
      ("topk:0.01", RING, 0.01**0.85 * 1.5), ("topk:0.01", EXPONENTIAL_16, 0.01**0.85 * 8 / 7),
      ("topk:0.1", RING, 0.1**0.5 / 2),  # √δ/2 is the smaller bound
-     ("topk:0.01+qsgd:16", RING, 0.01**0.85 * 1.5),  # an unbiased stage is not counted
+     ("topk:0.01+qsgd:16", RING, 0.05),  # (1 + ω)^0.75 lifts the graph's bound to √δ/2
+     ("topk:0.01+qsgd:16", EXPONENTIAL_16, 0.01**0.85 * 8 / 7 * (1 + 2**0.5) ** 0.75),
      ("qsgd:16", RING, 0.5), ("ternary", EXPONENTIAL_16, 0.5),
      ("sign", RING, 0.5 * (2 / math.pi) ** 0.5),
      ("sign", EXPONENTIAL_16, 0.5 * (2 / math.pi) ** 0.5),
