@@ -47,6 +47,17 @@ def test_clipping_bounds_one_bad_neighbour_by_its_weight_times_an_honest_distanc
     assert float(torch.linalg.vector_norm(plain - honest_only)) > 10 * 0.15 * largest
 
 
+def test_clipping_counts_the_share_of_a_pull_it_clipped_away() -> None:
+    """What clipping sets aside of a neighbour is ``1 − τ/‖x_j − x‖``: 0 within the radius,
+    nearly all of a blown-up model (eviction counts a round against it from one half)."""
+    x = torch.zeros(3)
+    neighbours = torch.tensor([[1.0, 0, 0], [2.0, 0, 0], [8.0, 0, 0]])
+    weights = torch.full((3,), 0.25, dtype=torch.float64)
+    _, gaps, aside = robust.Defence("clip", 1).judge(x, neighbours, weights, 0.25)
+    torch.testing.assert_close(gaps, torch.tensor([1.0, 2.0, 8.0], dtype=torch.float64))
+    torch.testing.assert_close(aside, torch.tensor([0.0, 0.0, 0.75], dtype=torch.float64))
+
+
 def test_clipping_with_a_radius_past_every_distance_is_plain_gossip() -> None:
     x, honest = _swarm(1)
     weights = torch.tensor([0.2, 0.2, 0.2, 0.2])

@@ -164,10 +164,11 @@ class Defence:
         """The new model from ``x`` and the neighbours' models that arrived (``[k, n]``, their
         mixing ``weights``; ``kept``: the row's weight left on the peer, a missing
         neighbour's included), each neighbour's :func:`distances` to ``x``, and how much of
-        each one's model the rule set aside (``[k]``, 0..1: clipping and BALANCE 1 for a
-        model clipped or rejected, the coordinate-wise rules the share of its coordinates
-        outside the values they kept), which a peer records so a report can show which
-        neighbour looks wrong. The distances and the sort are done once for both.
+        each one's model the rule set aside (``[k]``, 0..1: clipping the share of its pull
+        clipped away, ``1 − τ/‖x_j − x‖``; BALANCE 1 for a model rejected; the
+        coordinate-wise rules the share of its coordinates outside the values they kept),
+        which a peer records so a report can show which neighbour looks wrong. The
+        distances and the sort are done once for both.
 
         Clipping and BALANCE use the weights; the coordinate-wise rules count every model
         alike. BALANCE runs without its schedule (progress 0): a peer does not know
@@ -177,7 +178,7 @@ class Defence:
         if self.rule == "clip":
             radius = auto_radius(gaps, int(self.param))
             model = clipped_mix(x, neighbours, weights, kept, radius=radius, gaps=gaps)
-            return model, gaps, (gaps > radius).double()
+            return model, gaps, (1.0 - radius / gaps.clamp_min(1e-30)).clamp_min(0.0)
         if self.rule == "balance":
             model, accepted = balance(x, neighbours, weights, 0.0, gamma=self.param, gaps=gaps)
             return model, gaps, (~accepted).double()
