@@ -93,6 +93,13 @@ class Config:
             "trimmed[:TRIM], median, balance[:GAMMA]"
         },
     )
+    evict_after: int = field(
+        default=0,
+        metadata={
+            "help": "with defence clip or balance: a neighbour set aside this many rounds in a "
+            "row is accused, and one most of its neighbours accuse leaves the swarm (0: never)"
+        },
+    )
     loss: float = field(
         default=0.0, metadata={"help": "fraction of model messages dropped on purpose (testing)"}
     )
@@ -550,6 +557,11 @@ def _validate(c: Config) -> None:
         f"defence = {c.defence!r} combines gossip neighbours' models; mode {c.mode!r} has none "
         "(use mode gossip, or defence none)",
     )
+    _check(
+        c.evict_after == 0 or c.defence.partition(":")[0] in ("clip", "balance"),
+        f"evict_after = {c.evict_after} needs defence clip or balance (got {c.defence!r}): "
+        "they set a bad model aside whole, the coordinate-wise rules part of every model",
+    )
     try:
         averager = build_averager(c.algorithm, c.codec, defence=c.defence)
         trigger = parse_trigger(c.trigger)
@@ -631,7 +643,7 @@ def _validate(c: Config) -> None:
     )
     for name in (
         "eval_every", "threads", "weight_decay", "max_message_rate", "checkpoint_every",
-        "samples_per_peer",
+        "samples_per_peer", "evict_after",
     ):  # fmt: skip
         _check(getattr(c, name) >= 0, f"{name} = {getattr(c, name)}; must not be negative")
     _check(c.max_members >= 2, f"max_members = {c.max_members}; a swarm needs at least 2")

@@ -148,6 +148,12 @@ class Averager(ABC):
         """The averager's own part of a metrics line (nothing, but for a defended one)."""
         return {}
 
+    def suspects(self, rounds: int) -> list[int]:
+        """Neighbours whose models this peer set aside in each of their last ``rounds``
+        judged rounds (the protocol accuses them, ``evict_after``): none, but for a defended
+        averager."""
+        return []
+
     def sent_mask(self) -> torch.Tensor | None:
         """The coordinates the last :meth:`outgoing` sent, for DGC's momentum factor masking
         (the peer zeroes its optimizer's momentum there), or None where masking does not

@@ -22,6 +22,12 @@ FINGERPRINT = 64
 to tell a model that moved from one that did not (an honest model moves every round)."""
 
 
+EVICT_SHARE = 0.5
+"""A round counts against a neighbour (:meth:`DenseGossip.suspects`) when the defence set
+aside at least this share of its model: BALANCE rejected it, its model did not move, or
+clipping cut its pull to at most half (it sat at least twice the radius away)."""
+
+
 def fingerprint(model: torch.Tensor) -> torch.Tensor:
     """A few of ``model``'s coordinates, evenly spaced (a copy): equal for an unchanged model,
     different, in practice, for one that took any step."""
@@ -61,6 +67,7 @@ class DenseGossip(Averager):
         self.defence = defence
         self._judged: dict[int, list[float]] = {}  # sender -> [rounds, Σ distance, Σ set aside]
         self._marks: dict[int, torch.Tensor] = {}  # sender -> fingerprint of its last model
+        self._streaks: dict[int, int] = {}  # sender -> judged rounds in a row it was set aside
         # round -> (own model of that round, neighbours whose model is still missing)
         self._held: OrderedDict[int, tuple[torch.Tensor, set[int]]] = OrderedDict()
 
@@ -119,7 +126,13 @@ class DenseGossip(Averager):
             judged[0] += 1
             judged[1] += gaps[j]
             judged[2] += shares[j]
+            self._streaks[j] = self._streaks.get(j, 0) + 1 if shares[j] >= EVICT_SHARE else 0
         return model
+
+    def suspects(self, rounds: int) -> list[int]:
+        """Neighbours the defence set aside (:data:`EVICT_SHARE`) in each of their last
+        ``rounds`` judged rounds."""
+        return sorted(j for j, streak in self._streaks.items() if streak >= rounds)
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload | Mapping[int, Payload]:
         """The whole parameter vector, encoded (:meth:`encoded`)."""

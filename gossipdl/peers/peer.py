@@ -48,7 +48,6 @@ from gossipdl.protocol.joining import (
     Admission,
     Refusal,
     Verdict,
-    admit,
     check_welcome,
     hear_table,
     join_incarnation,
@@ -109,8 +108,11 @@ class Peer:
     of this peer's model messages on purpose, to test exactly that. ``defence``
     (dense gossip: ``clip[:BAD]``, ``trimmed[:TRIM]``, ``median``, ``balance[:GAMMA]``)
     combines the neighbours' models by a Byzantine-robust rule instead of averaging;
-    ``attack`` (:func:`~gossipdl.averaging.attacks.parse_attack`) makes this peer a
-    Byzantine one that sends attacked models (for testing defences).
+    with ``evict_after`` > 0 a neighbour it sets aside that many rounds in a row is
+    accused, and one that most of its neighbours accuse is evicted
+    (:mod:`~gossipdl.protocol.eviction`); ``attack``
+    (:func:`~gossipdl.averaging.attacks.parse_attack`) makes this peer a Byzantine one
+    that sends attacked models (for testing defences).
 
     ``trigger`` says when to talk: ``"always"`` (every step), ``"periodic:H"``
     (local SGD, every H steps) or ``"dynamic:DELTA[%][:B]"`` (every B steps,
@@ -184,6 +186,7 @@ class Peer:
         trigger: str = "always",
         gamma: float | None = None,
         defence: str = "none",
+        evict_after: int = 0,
         attack: Attack | None = None,
         loss: float = 0.0,
         min_peers: int | None = None,
@@ -311,6 +314,7 @@ class Peer:
             forget_after=forget_after,
             join_margin_rounds=join_margin_rounds,
             loss=loss,
+            evict_after=evict_after,
             max_message_bytes=max_message_bytes,
             seed=seed,
         )
@@ -503,6 +507,7 @@ class Peer:
                 time.monotonic(), x, first_wait or None, current_lr(self.optimizer)
             )
             mask_momentum(self.optimizer, self.params, self.averager.sent_mask())
+            evicted = self.core.counters.evicted
         self._carry_out(sends)
         while True:
             with self._core:
@@ -513,6 +518,8 @@ class Peer:
                     continue
             self._carry_out(progress.sends)
             if progress.model is not None:
+                if self.core.counters.evicted != evicted:  # our accusation made a quorum
+                    self._members_changed()
                 self._check_failure()
                 return progress.model
 
@@ -1229,14 +1236,15 @@ class Peer:
         if msg.kind in ("ready", "members", "dropped"):
             table = parse_members(msg.meta.get("members"), self.membership.limit)
             self._hear_table(msg.sender, table)
+        sends: list[Send] = []
         with self._core:
             self.core.detector.heard(msg.sender, time.monotonic())
             if msg.kind in CORE_KINDS:  # the round protocol's own: the core takes them in
-                self.core.take(time.monotonic(), msg, sender)
+                sends = self.core.take(time.monotonic(), msg, sender)
                 self._core.notify_all()
             tables = self.core.tell_table(msg) if self.started else []  # if it lacks ours
-        self._carry_out(tables)
-        if msg.kind == "leave":
+        self._carry_out(sends + tables)
+        if msg.kind == "leave" or sends:  # a peer left, or an accusation evicted one
             self._members_changed()
         elif msg.kind == "chunk":
             if not self.ring:
@@ -1300,7 +1308,7 @@ class Peer:
         want, incarnation = msg.meta.get("want_id"), join_incarnation(msg.meta)
         with self._core:
             swarm = self.core.swarm_state(self.started, ring=self.ring)
-        decision = admit(self.membership, swarm, address, msg.key, want, rejoin, incarnation)
+            decision = self.core.decide_join(swarm, address, msg.key, want, rejoin, incarnation)
         if isinstance(decision, Refusal):
             members = self.membership.wire()
             self._reply(address, "welcome", error=decision.error, members=members, nonce=nonce)

@@ -146,6 +146,7 @@ def train_peer(
             trigger=config.trigger,
             gamma=config.gamma or None,
             defence=config.defence,
+            evict_after=config.evict_after,
             attack=byzantine_of(config, rank),
             loss=config.loss,
             min_peers=1 if single else config.peers,

@@ -44,6 +44,7 @@ from gossipdl.averaging.base import dense_payload
 from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.averaging.triggers import Trigger
 from gossipdl.compression import CodecError, Payload, build_codec
+from gossipdl.protocol.eviction import Evictions
 from gossipdl.protocol.failure import FailureDetector
 from gossipdl.protocol.joining import (
     Admission,
@@ -92,7 +93,7 @@ REPLY_TO = {"join": "welcome", "model_request": "model"}  # a request's kind -> 
 # The round protocol's messages, which the core takes in from a member (:meth:`GossipCore.take`);
 # :meth:`GossipCore.receive` also dispatches member tables and joins.
 CORE_KINDS = frozenset(
-    {"params", "public", "quiet", "reply", "walk", "alive", "resync_request", "leave"}
+    {"params", "public", "quiet", "reply", "walk", "alive", "resync_request", "leave", "accuse"}
 )
 
 
@@ -134,6 +135,7 @@ class Counters:
     resyncs: int = 0
     syncs: int = 0
     declared_dead: int = 0
+    evicted: int = 0
     idle_s: float = 0.0
 
 
@@ -160,6 +162,7 @@ class Settings:
     loss: float = 0.0  # model messages dropped on purpose (an emulated lossy peer)
     max_message_bytes: int = 1 << 30
     seed: int = 0
+    evict_after: int = 0  # judged rounds in a row that make a suspect (0: nobody is evicted)
 
 
 def addressed(payload: Payload | Mapping[int, Payload], neighbour: int) -> Payload:
@@ -201,6 +204,7 @@ class GossipCore:
             settings.heartbeat, settings.dead_after, settings.forget_after
         )
         self.counters = Counters()
+        self.evictions = Evictions(settings.evict_after)
         self.loss = settings.loss  # model messages dropped on purpose (a test may change it)
         self.dropped: list[WireError] = []  # refused messages, for the engine to count
         self.notes: list[str] = []  # what a log would say, for the engine to log
@@ -373,6 +377,8 @@ class GossipCore:
         sends: list[Send] = []
         if self.averager.uses_public_copies and (self._gap or self.averager.needs_resync):
             sends = self._request_resync()
+        if self.settings.evict_after:
+            sends += self._accuse()
         return Progress(sends, new)
 
     def advance(self, now: float) -> None:
@@ -464,6 +470,7 @@ class GossipCore:
             "idle_s": round(counters.idle_s, 4),
             "members": len(self.membership.in_swarm()),
             "declared_dead": counters.declared_dead,
+            **({"evicted": counters.evicted} if self.settings.evict_after else {}),
             **self.averager.metrics(),
         }
 
@@ -642,15 +649,16 @@ class GossipCore:
         elif msg.kind == "model_request":
             sends = self.answer_model_request(msg)
         else:
-            self.take(now, msg, sender)
+            sends = self.take(now, msg, sender)
         if started:  # a peer done or not in yet speaks for no table
             sends += self.tell_table(msg)
         self.track_seq(msg)
         return sends
 
-    def take(self, now: float, msg: Message, sender: Member) -> None:
+    def take(self, now: float, msg: Message, sender: Member) -> list[Send]:
         """Take in a round-protocol message (a kind in ``CORE_KINDS``) from member ``sender``,
-        checked by the engine; :class:`WireError` if it cannot be used."""
+        checked by the engine, and return what it makes us send (an eviction's new table);
+        :class:`WireError` if it cannot be used."""
         self._now = now
         if msg.kind in ("params", "public"):
             dense = msg.kind == "public"
@@ -697,8 +705,77 @@ class GossipCore:
                 f"peer {msg.sender} left at round {msg.round}, out of the topology from round "
                 f"{until} {reason}"
             )
+            self.evictions.forget(msg.sender)
+        elif msg.kind == "accuse":
+            return self._hear_accusation(msg.sender, meta_int(msg.meta, "suspect", "suspect"))
         else:
             raise WireError("unexpected", f"a {msg.kind!r} message, which the core does not run")
+        return []
+
+    # ----------------------------------------------------------------- eviction
+    def _accuse(self) -> list[Send]:
+        """Accuse, to every member, the neighbours our defence set aside in each of their
+        last ``evict_after`` rounds (:mod:`~gossipdl.protocol.eviction`), and count it."""
+        neighbours = self.mixing(self.round)[0]  # a suspect of an earlier life may be gone
+        suspects = [
+            j
+            for j in self.averager.suspects(self.settings.evict_after)
+            if j in neighbours and not self.membership.gone(j)
+        ]
+        sends: list[Send] = []
+        for j in self.evictions.due(suspects, self.round):
+            self.notes.append(
+                f"accuses peer {j}: its model was set aside in each of its last "
+                f"{self.settings.evict_after} rounds"
+            )
+            for m in self.membership.in_swarm():
+                if m not in (self.id, j):
+                    sends += self.send(m, "accuse", None, None, {"suspect": j})
+            sends += self._hear_accusation(self.id, j)
+        return sends
+
+    def _hear_accusation(self, accuser: int, suspect: int) -> list[Send]:
+        """Count ``accuser``'s accusation of ``suspect``; once that makes a quorum of its
+        neighbours, refuse the suspect a rejoin and evict it (announcing the table) unless
+        its end came first in a table. Refused from a member that was not the suspect's
+        neighbour lately (``bad_accusation``), and in a swarm that evicts nobody."""
+        if not self.settings.evict_after:
+            raise WireError("unexpected", "an accusation, but this swarm evicts nobody")
+        member = self.membership.get(suspect)
+        if member is None or suspect == self.id or self.membership.why_left(suspect) is not None:
+            return []  # not a member, us (the others decide), or it left or was evicted
+        neighbours = self._neighbourhood(suspect)
+        if accuser not in neighbours:
+            if member.until is not None:  # it has left the topology: no quorum to count
+                return []
+            raise WireError(
+                "bad_accusation",
+                f"peer {accuser} accuses peer {suspect}, whose neighbour it was not in rounds "
+                f"{max(0, self.round - self.settings.evict_after)}..{self.round}",
+            )
+        accusers = self.evictions.hear(accuser, suspect, neighbours)
+        if accusers is None:
+            return []
+        reason = f"evicted: its model was set aside round after round by peers {accusers}"
+        self.membership.mark_left(suspect, reason)
+        self.evictions.ban(reason, member.address, member.key)
+        self.counters.evicted += 1
+        until = self.round + self.join_margin()
+        if self.membership.end(suspect, until) is None:
+            self.notes.append(f"peer {suspect} {reason}")
+            return []  # a table ended it before the accusations made a quorum here
+        self.notes.append(f"peer {suspect} {reason}; out of the topology from round {until}")
+        return self.announce()
+
+    def _neighbourhood(self, suspect: int) -> set[int]:
+        """The suspect's neighbours in any of the last ``evict_after`` rounds (one set on a
+        static graph; a time-varying one changes them round by round)."""
+        first = max(0, self.round - self.settings.evict_after)
+        return {
+            j
+            for r in range(first, self.round + 1)
+            for j in self.topologies.mixing(self.membership.active(r), suspect, r)[0]
+        }
 
     def hear_table(self, sender: int, members: list[Member], started: bool = True) -> Verdict:
         """Take in member ``sender``'s table as :func:`~gossipdl.protocol.joining.hear_table`
@@ -740,7 +817,7 @@ class GossipCore:
         rejoin = msg.meta.get("rejoin", False) is True
         want, incarnation = msg.meta.get("want_id"), join_incarnation(msg.meta)
         swarm = self.swarm_state(started)
-        decision = admit(self.membership, swarm, address, msg.key, want, rejoin, incarnation)
+        decision = self.decide_join(swarm, address, msg.key, want, rejoin, incarnation)
         if isinstance(decision, Refusal):
             meta: dict[str, Any] = {"error": decision.error, "members": self.membership.wire()}
             if decision.limit is not None:
@@ -757,6 +834,22 @@ class GossipCore:
         meta = {"id": member.id, "members": self.membership.wire(), NONCE: nonce}
         sends = [self._reply(address, "welcome", meta)]
         return sends if decision.again else sends + self.announce()
+
+    def decide_join(
+        self,
+        swarm: SwarmState,
+        address: str,
+        key: str,
+        want: Any,
+        rejoin: bool,
+        incarnation: int,
+    ) -> Admission | Refusal:
+        """What :func:`~gossipdl.protocol.joining.admit` decides for a join, but a refusal
+        (counted ``evicted``) for the address or key of a member evicted from this swarm."""
+        evicted = self.evictions.banned(address, key)
+        if evicted is not None:
+            return Refusal(f"{address} was {evicted}", "evicted")
+        return admit(self.membership, swarm, address, key, want, rejoin, incarnation)
 
     def ask(self, kind: str, address: str, meta: dict[str, Any], nonce: str) -> Send:
         """A request (``join``, ``model_request``) to ``address``; its answer, which must echo

@@ -120,6 +120,8 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
             problems.append(f"{name} (batched peers learn one task and nothing fails)")
     if config.loss:
         problems.append("loss (batched loses no message)")
+    if config.evict_after:
+        problems.append("evict_after (batched peers keep one graph: nobody leaves)")
     if config.overlap:
         problems.append("overlap (batched peers take each round before the next step)")
     links = [device.link for device in devices]

@@ -209,6 +209,7 @@ class Simulation:
             dead_after=config.dead_after,
             forget_after=config.forget_after,
             loss=config.loss,
+            evict_after=config.evict_after,
             max_message_bytes=int(config.max_message_mb * 2**20),
             seed=config.seed,
         )

@@ -49,6 +49,7 @@ KINDS = frozenset(
         "shard",  # parameter server: a shard's slice of the model, the answer to push or pull
         "alive",  # a heartbeat: a gossip peer's to every member, a ps worker's to its shards
         "dropped",  # "my table says you are out": carries the sender's member list
+        "accuse",  # "my defence set peer meta.suspect aside round after round" (eviction)
     }
 )
 
