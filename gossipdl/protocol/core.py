@@ -44,7 +44,7 @@ from gossipdl.averaging.base import dense_payload
 from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.averaging.triggers import Trigger
 from gossipdl.compression import CodecError, Payload, build_codec
-from gossipdl.protocol.eviction import Evictions
+from gossipdl.protocol.eviction import WINDOW_ROUNDS, Evictions
 from gossipdl.protocol.failure import FailureDetector
 from gossipdl.protocol.joining import (
     Admission,
@@ -751,7 +751,7 @@ class GossipCore:
             raise WireError(
                 "bad_accusation",
                 f"peer {accuser} accuses peer {suspect}, whose neighbour it was not in rounds "
-                f"{max(0, self.round - self.settings.evict_after)}..{self.round}",
+                f"{self._window()}..{self.round}",
             )
         accusers = self.evictions.hear(accuser, suspect, neighbours)
         if accusers is None:
@@ -768,14 +768,18 @@ class GossipCore:
         return self.announce()
 
     def _neighbourhood(self, suspect: int) -> set[int]:
-        """The suspect's neighbours in any of the last ``evict_after`` rounds (one set on a
-        static graph; a time-varying one changes them round by round)."""
-        first = max(0, self.round - self.settings.evict_after)
+        """The suspect's neighbours in any round since :meth:`_window` (one set on a static
+        graph; a time-varying one changes them round by round)."""
         return {
             j
-            for r in range(first, self.round + 1)
+            for r in range(self._window(), self.round + 1)
             for j in self.topologies.mixing(self.membership.active(r), suspect, r)[0]
         }
+
+    def _window(self) -> int:
+        """The first round an accuser may have been the suspect's neighbour in: the last
+        ``evict_after`` rounds, at most ``WINDOW_ROUNDS``."""
+        return max(0, self.round - min(self.settings.evict_after, WINDOW_ROUNDS))
 
     def hear_table(self, sender: int, members: list[Member], started: bool = True) -> Verdict:
         """Take in member ``sender``'s table as :func:`~gossipdl.protocol.joining.hear_table`

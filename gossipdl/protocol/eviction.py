@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 MAX_BANNED = 512  # addresses and keys refused a rejoin; the oldest are let go beyond it
+WINDOW_ROUNDS = 16  # an accuser must have been the suspect's neighbour this recently (at most)
 
 
 MIN_ACCUSERS = 2  # a quorum is never one peer: two that disagree cannot evict each other
