@@ -776,3 +776,22 @@ def test_spread_rounds_is_how_long_news_takes_to_reach_everyone(
 ) -> None:
     topology = build_topology(spec, n=n)
     assert all(topology.spread_rounds(t) == rounds for t in range(3))
+
+
+def test_a_member_set_the_topology_cannot_be_built_on_gets_the_fallback_graph() -> None:
+    """A swarm that shrank (eviction, deaths) below what its topology allows keeps going:
+    random-regular:4 over 3 members and a torus over 13 get the exponential graph, the same
+    on every peer; a set the topology allows keeps its own graph."""
+    from gossipdl.protocol.rounds import FALLBACK, Topologies
+
+    for spec, ids in (("random-regular:4", [2, 5, 9]), ("torus", list(range(13)))):
+        with pytest.raises(TopologyError):
+            build_topology(spec, len(ids), 0)
+        fallback = build_topology(FALLBACK, len(ids), 0)
+        for index, me in enumerate(ids):
+            weights, self_weight = Topologies(spec, 0).mixing(ids, me, 0)
+            row = fallback.weights(index)
+            assert weights == {ids[p]: w for p, w in row.items() if p != index}
+            assert self_weight == pytest.approx(row[index])
+    kept = Topologies("random-regular:4", 0).mixing(list(range(8)), 0, 0)[0]
+    assert len(kept) == 4  # still 4-regular where it can be

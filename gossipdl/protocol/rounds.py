@@ -8,14 +8,20 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gossipdl.averaging import Arrival, Round
-from gossipdl.topologies import Topology, build_topology
+from gossipdl.topologies import Topology, TopologyError, build_topology
 
 MAX_TOPOLOGIES = 16  # topologies kept built, one per member set seen (churn makes new ones)
 
 
+FALLBACK = "exponential"  # the graph over a member set the swarm's topology cannot be built on
+
+
 class Topologies:
     """The swarm's topology over each member set (the ``MAX_TOPOLOGIES`` most recently used
-    are kept built): one graph per set of ids, the same on every peer."""
+    are kept built): one graph per set of ids, the same on every peer. A set the topology
+    cannot be built on (a swarm that shrank to four or fewer under ``random-regular:4``, a
+    torus over a prime count) gets the :data:`FALLBACK` graph, which any count allows,
+    rather than stopping the peer that computes it."""
 
     def __init__(self, spec: str, seed: int) -> None:
         self.spec = spec
@@ -27,7 +33,11 @@ class Topologies:
         key = tuple(ids)
         topology = self._built.get(key)
         if topology is None:
-            topology = self._built[key] = build_topology(self.spec, len(ids), self.seed)
+            try:
+                topology = build_topology(self.spec, len(ids), self.seed)
+            except TopologyError:
+                topology = build_topology(FALLBACK, len(ids), self.seed)
+            self._built[key] = topology
             while len(self._built) > MAX_TOPOLOGIES:
                 self._built.popitem(last=False)
         self._built.move_to_end(key)
