@@ -28,12 +28,19 @@ Run
     python benchmarks/byzantine.py --quick        # 8 peers, logistic, 2 attacks: a smoke test
     python benchmarks/byzantine.py --topologies exponential --partitions iid \\
         --attacks scaled,dissensus --steps 600 --jobs 2
+    python benchmarks/byzantine.py --topologies random-regular:4 --partitions dirichlet:0.3 \\
+        --defences balance --liars 2 --evict-after 10 --steps 600   # eviction: per-peer engine
+
+    ``--evict-after N`` gives the clip and balance runs eviction (``evict_after``: a
+    neighbour set aside N rounds in a row is accused; one most of its neighbours accuse
+    leaves, and the graph is rebuilt without it); they run on the per-peer engine, since
+    the batched one keeps one graph.
 
 JSON (``--json FILE``): ``{"benchmark": "byzantine", "rows": [...], "meta": {...}}``;
 each row has ``attack`` ("none" for the attack-free runs, "absent" for the reference
 runs without the liars), ``defence``, ``byzantine``
 (how many lie), ``topology``, ``partition``, ``accuracy`` (the honest peers'),
-``engine`` and ``run_dir``; ``meta`` holds the settings, each target's verdict and,
+``evict_after``, ``engine`` and ``run_dir``; ``meta`` holds the settings, each target's verdict and,
 under ``targets.absent``, each reference run's accuracy and its points below the
 attack-free run.
 """
@@ -66,6 +73,7 @@ ABSENT = "absent"  # the reference: the liars killed at the start
 TOPOLOGIES = ("exponential", "random-regular:4")
 PARTITIONS = ("iid", "dirichlet:0.3")
 LIAR_COUNTS = (1, 2)
+EVICTING = ("clip", "balance")  # the defences --evict-after applies to
 
 
 def liar_ids(count: int, peers: int) -> str:
@@ -97,6 +105,7 @@ def config_for(args: argparse.Namespace, run: Run) -> Config:
     """The swarm of ``run``: the grid's job, its liars and its defence."""
     liars = liar_ids(run.byzantine, args.peers)
     absent = run.attack == ABSENT
+    evict = args.evict_after if run.defence in EVICTING else 0
     profiles = {"liars": {"peers": liars, "byzantine": run.attack}} if liars and not absent else {}
     faults = [{"at": 0, "kill": liars}] if absent else []
     name = f"{run.topology}-{run.partition}-{run.attack}-{run.byzantine}-{run.defence}"
@@ -110,13 +119,14 @@ def config_for(args: argparse.Namespace, run: Run) -> Config:
         steps=args.steps,
         algorithm="dense",
         defence=run.defence,
+        evict_after=evict,
         profiles=profiles,
         faults=faults,
         eval_every=0,
         log_every=max(1, args.steps // 10),
         seed=args.seed,
         threads=1,
-        batched=args.engine == "batched" and not absent,
+        batched=args.engine == "batched" and not absent and not evict,
         out=str(args.out / name.replace(":", "_")),
     )
 
@@ -144,6 +154,7 @@ def run_one(task: tuple[Run, Config]) -> dict[str, Any]:
         "topology": run.topology,
         "partition": run.partition,
         "accuracy": sum(honest) / len(honest) if honest else None,
+        "evict_after": config.evict_after,
         "engine": "batched" if config.batched else "per-peer",
         "run_dir": config.out,
     }
@@ -223,6 +234,10 @@ def main() -> None:
         "--engine", choices=("batched", "per-peer"), default="batched",
         help="batched (default; a swarm that diverges reruns per peer) or per-peer",
     )  # fmt: skip
+    parser.add_argument(
+        "--evict-after", type=int, default=0,
+        help="rounds in a row set aside before clip and balance runs accuse (0: no eviction)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", type=Path, default=None, help="base TOML config")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-byzantine"))
@@ -241,6 +256,8 @@ def main() -> None:
         unknown = sorted(set(chosen) - set(known))
         if unknown:
             parser.error(f"--{name}: unknown {unknown}; known: {', '.join(known)}")
+    if args.evict_after < 0:
+        parser.error(f"--evict-after {args.evict_after}: rounds, at least 0")
     if args.peers < 4:
         parser.error(f"--peers {args.peers}: the grid needs at least 4 (2 liars, 2 honest)")
     if not set(args.liars) <= set(LIAR_COUNTS) or args.jobs < 1:
@@ -297,6 +314,7 @@ def main() -> None:
         "model": args.model,
         "liars": {str(k): liar_ids(k, args.peers) for k in args.liars},
         "seed": args.seed,
+        "evict_after": args.evict_after,
         "targets": judged,
     }
     report("byzantine", "Honest peers' accuracy under attack", columns, list(table.values()),
