@@ -50,6 +50,10 @@ FOUND = {
     "answer, the plain model, was decoded as BEER's dense public copy (model and tracker) and "
     "dropped as a bad payload, as PowerGossip dropped it as a dense copy it never sends; it "
     "gave up (model answers are now decoded as the model they are)",
+    17527: "BALANCE with eviction: a peer back from a restart took a neighbour's model when it "
+    "was let in, then waited a join margin for the swarm to reach its round; by then its "
+    "model was stale, it and its neighbours rejected each other for good, and they evicted "
+    "it (a peer that rejects every neighbour while they agree now takes theirs)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

@@ -82,6 +82,27 @@ def test_trimmed_mean_and_median_stay_between_honest_values(
         robust.trimmed_mean(x, neighbours[:1], trim=1)
 
 
+def test_balance_rejecting_every_neighbour_takes_theirs_only_when_they_agree() -> None:
+    """A peer whose model went stale (back from a restart) rejects every neighbour, and they
+    all reject it: when two or more neighbours agree with one another, it takes the model
+    of the one nearest the rest; when they disagree (one of them a liar), or only one
+    sent, it keeps its own, as the paper does."""
+    torch.manual_seed(0)
+    swarm = torch.randn(100) * 5
+    x = swarm + 10.0  # stale: far from all of them
+    agree = torch.stack([swarm + 0.1 * torch.randn(100) for _ in range(3)])
+    weights = torch.full((3,), 0.25)
+    out, accepted = robust.balance(x, agree, weights, 0.0)
+    assert not bool(accepted.any())
+    nearest = int(torch.cdist(agree.double(), agree.double()).sum(1).argmin())
+    torch.testing.assert_close(out, agree[nearest])
+    assert robust.agreed(agree, 0.5) == nearest
+    split = torch.stack([agree[0], agree[1] * -100.0])  # one of the two is a liar
+    assert robust.agreed(split, 0.5) is None
+    torch.testing.assert_close(robust.balance(x, split, weights[:2], 0.0)[0], x)
+    torch.testing.assert_close(robust.balance(x, agree[:1], weights[:1], 0.0)[0], x)
+
+
 def test_balance_rejects_a_far_neighbour_and_averages_the_rest() -> None:
     """The far one has no influence: the accepted ones mix with their weights, scaled up to
     carry the rejected one's; accepting everyone is plain gossip."""
@@ -94,7 +115,8 @@ def test_balance_rejects_a_far_neighbour_and_averages_the_rest() -> None:
     everyone, _ = robust.balance(x, honest, weights[:4], progress=0.0, gamma=0.5)
     torch.testing.assert_close(everyone, x + 0.15 * (honest - x).sum(0))  # plain gossip
     late, late_accepted = robust.balance(x, honest * 1.5, weights[:4], progress=1.0, gamma=0.5)
-    assert not bool(late_accepted.any()) and torch.equal(late, x)  # nobody close enough
+    assert not bool(late_accepted.any())  # the filter tightens: nobody is close enough,
+    assert any(torch.equal(late, h) for h in honest * 1.5)  # but they agree: x is the odd one
 
 
 def test_alie_sits_z_standard_deviations_inside_the_honest_spread() -> None:

@@ -134,17 +134,44 @@ def balance(
     and 8 on a 4-regular one with Dirichlet shards. The rows then no longer sum the
     pairs alike, so the honest peers' average may move a little.
 
+    When every neighbour is rejected but two or more of them agree (:func:`agreed`), the
+    peer's own model is the odd one: a restart's, which took a neighbour's model when it
+    was let in and then waited a join margin for the swarm to reach its round. The paper
+    keeps ``x`` then, and the peer and its neighbours reject each other for the rest of the
+    run; here the peer takes the model of the neighbour nearest the rest, and is accepted
+    again the next round.
+
     Assumes: honest neighbours stay within the threshold of the peer (IID-ish data, or a
     γ large enough for the heterogeneity); any number of bad neighbours is survived, since
     a rejected one has no influence at all, but an accepted bad one moves ``x`` by at most
-    ``c W_ij γ ‖x‖``. Cost: the k distances (``gaps``, where the caller has them) and one
-    norm."""
-    threshold = gamma * math.exp(-kappa * progress) * float(torch.linalg.vector_norm(x.double()))
+    ``c W_ij γ ‖x‖``. Taking a neighbour's model needs every neighbour that sent to agree,
+    so bad neighbours decide it only where they are all a peer hears. Cost: the k distances
+    (``gaps``, where the caller has them) and one norm; when all are rejected, the k²
+    distances between the neighbours."""
+    factor = gamma * math.exp(-kappa * progress)
+    threshold = factor * float(torch.linalg.vector_norm(x.double()))
     accepted = (distances(x, neighbours) if gaps is None else gaps) <= threshold
+    if not bool(accepted.any()):
+        nearest = agreed(neighbours, factor)
+        if nearest is not None:
+            return neighbours[nearest].clone(), accepted
     share = weights.to(x.dtype) * accepted.to(x.dtype)
     if bool(accepted.any()):
         share *= weights.sum() / share.sum()
     return x + share @ (neighbours - x), accepted
+
+
+def agreed(neighbours: torch.Tensor, gamma: float) -> int | None:
+    """The neighbour nearest the rest (least summed distance) when two or more neighbours
+    agree: every other one within ``γ`` times its model's norm of it, BALANCE's own test
+    with it in the peer's place. None when they do not (or fewer than two sent)."""
+    if neighbours.shape[0] < 2:
+        return None
+    wide = neighbours.double()
+    apart = torch.cdist(wide, wide)
+    nearest = int(apart.sum(1).argmin())
+    limit = gamma * float(torch.linalg.vector_norm(wide[nearest]))
+    return nearest if bool((apart[nearest] <= limit).all()) else None
 
 
 DEFENCES = "none, clip[:BAD], trimmed[:TRIM], median, balance[:GAMMA]"

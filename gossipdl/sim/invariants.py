@@ -39,6 +39,8 @@ INVARIANTS = {
     "run_dir": "the run directory's files parse, line by line, at every moment",
     "exception": "no exception escapes a peer",
     "finished": "no peer stops on an error, and the run ends",
+    "eviction": "no peer is evicted from a swarm where nobody lies: faults, restarts and "
+    "loss never make an honest peer's model look like a liar's to most of its neighbours",
 }
 EVENTS_KEPT = 25  # log lines a violation shows
 Mixing = tuple[dict[int, float], float]  # neighbour -> weight, and the self weight
@@ -203,6 +205,13 @@ class WatchedSimulation(Simulation):
                 )
         if not self.network.balanced():
             self._record_violation("ledger", f"network ledger {dict(self.network.ledger)}")
+        for peer in self.peers:  # nobody lies in a fault search's swarm
+            if peer.core.counters.evicted:
+                self._record_violation(
+                    "eviction",
+                    f"peer {peer.id} evicted {peer.core.counters.evicted} member(s) of a swarm "
+                    "where nobody lies",
+                )
         if self.failures:
             peer_id, why = next(iter(self.failures.items()))
             self._record_violation("finished", f"peer {peer_id} stopped: {why}")
