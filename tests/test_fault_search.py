@@ -54,6 +54,9 @@ FOUND = {
     "was let in, then waited a join margin for the swarm to reach its round; by then its "
     "model was stale, it and its neighbours rejected each other for good, and they evicted "
     "it (a peer that rejects every neighbour while they agree now takes theirs)",
+    182: "BALANCE with eviction on a ring: a peer back from a restart accepted one neighbour "
+    "and moved towards it, but both neighbours rejected it for the 3 rounds that make a "
+    "suspect, and evicted it (a life's first GRACE_ROUNDS rounds now count against nobody)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

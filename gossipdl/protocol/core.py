@@ -44,7 +44,7 @@ from gossipdl.averaging.base import dense_payload
 from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.averaging.triggers import Trigger
 from gossipdl.compression import CodecError, Payload, build_codec
-from gossipdl.protocol.eviction import WINDOW_ROUNDS, Evictions
+from gossipdl.protocol.eviction import GRACE_ROUNDS, WINDOW_ROUNDS, Evictions
 from gossipdl.protocol.failure import FailureDetector
 from gossipdl.protocol.joining import (
     Admission,
@@ -715,12 +715,15 @@ class GossipCore:
     # ----------------------------------------------------------------- eviction
     def _accuse(self) -> list[Send]:
         """Accuse, to every member, the neighbours our defence set aside in each of their
-        last ``evict_after`` rounds (:mod:`~gossipdl.protocol.eviction`), and count it."""
+        last ``evict_after`` rounds (:mod:`~gossipdl.protocol.eviction`), and count it;
+        neither in our own first ``GRACE_ROUNDS`` rounds nor in theirs."""
+        if self.round < self.first_round + GRACE_ROUNDS:
+            return []
         neighbours = self.mixing(self.round)[0]  # a suspect of an earlier life may be gone
         suspects = [
             j
             for j in self.averager.suspects(self.settings.evict_after)
-            if j in neighbours and not self.membership.gone(j)
+            if j in neighbours and not self.membership.gone(j) and self._past_grace(j)
         ]
         sends: list[Send] = []
         for j in self.evictions.due(suspects, self.round):
@@ -733,6 +736,11 @@ class GossipCore:
                     sends += self.send(m, "accuse", None, None, {"suspect": j})
             sends += self._hear_accusation(self.id, j)
         return sends
+
+    def _past_grace(self, peer: int) -> bool:
+        """Whether member ``peer``'s life began ``GRACE_ROUNDS`` rounds ago or more."""
+        member = self.membership.get(peer)
+        return member is not None and member.since + GRACE_ROUNDS <= self.round
 
     def _hear_accusation(self, accuser: int, suspect: int) -> list[Send]:
         """Count ``accuser``'s accusation of ``suspect``; once that makes a quorum of its
