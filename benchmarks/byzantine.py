@@ -63,6 +63,7 @@ from _common import (
     run_tasks,
 )
 
+from gossipdl.averaging.robust import EVICTING_RULES
 from gossipdl.config import Config, load_config
 from gossipdl.experiments.simulated import simulate
 from gossipdl.sim.engine import SimulationError
@@ -73,7 +74,6 @@ ABSENT = "absent"  # the reference: the liars killed at the start
 TOPOLOGIES = ("exponential", "random-regular:4")
 PARTITIONS = ("iid", "dirichlet:0.3")
 LIAR_COUNTS = (1, 2)
-EVICTING = ("clip", "balance")  # the defences --evict-after applies to
 
 
 def liar_ids(count: int, peers: int) -> str:
@@ -105,7 +105,7 @@ def config_for(args: argparse.Namespace, run: Run) -> Config:
     """The swarm of ``run``: the grid's job, its liars and its defence."""
     liars = liar_ids(run.byzantine, args.peers)
     absent = run.attack == ABSENT
-    evict = args.evict_after if run.defence in EVICTING else 0
+    evict = args.evict_after if run.defence in EVICTING_RULES else 0
     profiles = {"liars": {"peers": liars, "byzantine": run.attack}} if liars and not absent else {}
     faults = [{"at": 0, "kill": liars}] if absent else []
     name = f"{run.topology}-{run.partition}-{run.attack}-{run.byzantine}-{run.defence}"

@@ -488,7 +488,7 @@ def _validate(c: Config) -> None:
         parse_trigger,
     )
     from gossipdl.averaging.attacks import parse_attack
-    from gossipdl.averaging.robust import parse_defence
+    from gossipdl.averaging.robust import EVICTING_RULES, parse_defence
     from gossipdl.compression import CodecError, build_codec
     from gossipdl.conditions import (
         ConditionError,
@@ -549,7 +549,7 @@ def _validate(c: Config) -> None:
         f"algorithm = {c.algorithm!r}; choose one of {', '.join(available_algorithms())}",
     )
     try:
-        parse_defence(c.defence)
+        defence = parse_defence(c.defence)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check(
@@ -558,7 +558,7 @@ def _validate(c: Config) -> None:
         "(use mode gossip, or defence none)",
     )
     _check(
-        c.evict_after == 0 or c.defence.partition(":")[0] in ("clip", "balance"),
+        c.evict_after == 0 or (defence is not None and defence.rule in EVICTING_RULES),
         f"evict_after = {c.evict_after} needs defence clip or balance (got {c.defence!r}): "
         "they set a bad model aside whole, the coordinate-wise rules part of every model",
     )

@@ -153,11 +153,9 @@ def balance(
     accepted = (distances(x, neighbours) if gaps is None else gaps) <= threshold
     if not bool(accepted.any()):
         nearest = agreed(neighbours, factor)
-        if nearest is not None:
-            return neighbours[nearest].clone(), accepted
+        return (x if nearest is None else neighbours[nearest]).clone(), accepted
     share = weights.to(x.dtype) * accepted.to(x.dtype)
-    if bool(accepted.any()):
-        share *= weights.sum() / share.sum()
+    share *= weights.sum() / share.sum()
     return x + share @ (neighbours - x), accepted
 
 
@@ -175,6 +173,9 @@ def agreed(neighbours: torch.Tensor, gamma: float) -> int | None:
 
 
 DEFENCES = "none, clip[:BAD], trimmed[:TRIM], median, balance[:GAMMA]"
+EVICTING_RULES = ("clip", "balance")
+"""The defences eviction (``evict_after``) counts rounds under: they set a bad model's pull
+aside nearly whole, while the coordinate-wise rules set part of every model aside."""
 
 
 @dataclass(frozen=True)
