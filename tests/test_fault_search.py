@@ -57,6 +57,13 @@ FOUND = {
     182: "BALANCE with eviction on a ring: a peer back from a restart accepted one neighbour "
     "and moved towards it, but both neighbours rejected it for the 3 rounds that make a "
     "suspect, and evicted it (a life's first GRACE_ROUNDS rounds now count against nobody)",
+    1340: "a partition in three healed; a peer told it was dropped asked a member that was "
+    "rejoining itself (it refuses joins until it is in), once, and gave up: a rejoin now asks "
+    "REJOIN_TRIES times within its timeout",
+    18145: "a rejoin's welcome was lost to injected loss, and the rejoin asked only once",
+    17708: "a partition in three healed into a cycle: each peer rejoined through one that was "
+    "rejoining through the next, each refused the others' joins, and all failed and started "
+    "again in step for good (a failed rejoin now holds the next back a drawn while)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

@@ -51,6 +51,7 @@ from gossipdl.protocol.joining import (
     check_welcome,
     hear_table,
     join_incarnation,
+    rejoin_retry,
 )
 from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.addresses import check_address
@@ -844,9 +845,12 @@ class Peer:
         except Unreachable as exc:
             raise PeerError(str(exc)) from None
         each = (timeout or self.startup_timeout) / max(1, len(candidates))
+        retry = rejoin_retry(each, 1) if rejoin else RETRY_S
         for address in candidates:
             try:
-                welcome = self._request(address, "join", meta, "welcome", each, try_keys=True)
+                welcome = self._request(
+                    address, "join", meta, "welcome", each, try_keys=True, retry=retry
+                )
             except PeerError as exc:
                 error = exc
                 continue
@@ -868,6 +872,8 @@ class Peer:
             welcome = self._join(address, self.id, timeout=timeout, rejoin=True)
         except PeerError as exc:
             log.warning("peer %d: could not rejoin through %s: %s", self.id, address, exc)
+            with self._core:
+                self.core.rejoin_failed(time.monotonic())
             return
         finally:
             self._rejoin_via = None
@@ -968,9 +974,10 @@ class Peer:
         timeout: float | None = None,
         try_keys: bool = False,
         key: str = "",
+        retry: float = RETRY_S,
     ) -> Message:
-        """Send ``kind`` to ``address`` every second until a ``reply`` arrives over ``key``
-        (the member's CURVE key, "" without CURVE). With CURVE and ``try_keys`` (a bootstrap
+        """Send ``kind`` to ``address`` every ``retry`` seconds until a ``reply`` arrives over
+        ``key`` (the member's CURVE key, "" without CURVE). With CURVE and ``try_keys`` (a bootstrap
         address, whose key we do not know yet), each try uses the next key of the allow-list:
         only the right one gets through the handshake. Each try carries a fresh nonce; only
         a reply that echoes one of ours counts (:class:`Asked`)."""
@@ -990,7 +997,7 @@ class Peer:
                 nonces.append(self._asked.ask(reply, key))
                 frames = encode(kind, self.id, 0, self.round, meta={**meta, NONCE: nonces[-1]})
                 self.transport.send(address, frames)
-                wait = KEY_TRY_S if rotate is not None else RETRY_S
+                wait = KEY_TRY_S if rotate is not None else retry
                 with self._changed:
                     self._changed.wait_for(done, min(wait, deadline - time.monotonic()))
                 answer = self._asked.answer(nonces)
@@ -1142,7 +1149,8 @@ class Peer:
         if verdict is Verdict.MERGE:
             self._merge(members)
         elif verdict is Verdict.REJOIN:
-            if not self.started or self._closed or self._rejoin_via is not None:
+            held = not self.core.may_rejoin(time.monotonic())  # a failed rejoin's backoff
+            if not self.started or self._closed or self._rejoin_via is not None or held:
                 return
             log.warning(
                 "peer %d: peer %d says we were dropped; rejoining through it", self.id, sender

@@ -87,6 +87,7 @@ from gossipdl.transport.wire import (
 )
 
 ROUND_TIMES_KEPT = 32  # rounds whose end times set the join margin
+REJOIN_BACKOFF = 2.0  # round timeouts a failed rejoin holds the next back, at most (drawn)
 MAX_ASKED = 64  # requests of ours awaiting an answer (join, model_request); the oldest go beyond
 _MODEL = build_codec("none")  # how a ``model`` answer travels, whatever the averager
 REPLY_TO = {"join": "welcome", "model_request": "model"}  # a request's kind -> its answer's
@@ -226,6 +227,7 @@ class GossipCore:
         self.published: tuple[int, torch.Tensor] = (0, self.reference.clone())
         self.rejoin_via: int | None = None  # a member whose table says we were dropped
         self.rejoin_through: list[int] = []  # it, then the rest of its swarm: whom to ask
+        self.rejoin_held_until = 0.0  # after a rejoin nobody answered (rejoin_failed)
         self._asked: dict[str, str] = {}  # nonce of a request of ours -> the answer's kind
         self._told: dict[int, float] = {}  # member -> when it last got our table (tell_table)
         self.answers: list[Message] = []  # answers to our requests, for the engine to take
@@ -238,6 +240,7 @@ class GossipCore:
         stream = me if stream is None else stream
         self._walk_rng = random.Random(settings.seed * 104729 + stream)
         self._loss_rng = random.Random(settings.seed * 7919 + stream)
+        self._rejoin_rng = random.Random(settings.seed * 15485863 + stream)
         self._phase = _Phase.IDLE
         self._open: tuple[Round, torch.Tensor, float] | None = None  # round, x, its start
         self._sync = True  # dynamic trigger: this peer syncs in the open round
@@ -796,12 +799,25 @@ class GossipCore:
         verdict = hear_table(self.membership, self.id, sender, members)
         if verdict is Verdict.MERGE:
             self.merge(members)
-        elif verdict is Verdict.REJOIN and started and self.rejoin_via is None:
+        elif verdict is Verdict.REJOIN and started and self.may_rejoin(self._now):
             self.notes.append(f"peer {sender} says we were dropped; rejoining through it")
             self.rejoin_via = sender
             rest = [m.id for m in members if m.until is None and m.id not in (sender, self.id)]
             self.rejoin_through = [sender, *rest]  # the sender may not let us in: the others
         return verdict
+
+    def may_rejoin(self, now: float) -> bool:
+        """Whether a table that says we were dropped starts a rejoin now: not while one runs,
+        nor while the last failed one holds the next back (:meth:`rejoin_failed`)."""
+        return self.rejoin_via is None and now >= self.rejoin_held_until
+
+    def rejoin_failed(self, now: float) -> None:
+        """A rejoin got no welcome within its timeout: hold the next back for a drawn part of
+        ``REJOIN_BACKOFF`` round timeouts. Members that each rejoin through another at once
+        (a partition in three heals) refuse one another's joins while they rejoin; without
+        the draw they fail and start again in step for ever (fault-search seed 17708)."""
+        backoff = self._rejoin_rng.uniform(0.0, REJOIN_BACKOFF)
+        self.rejoin_held_until = now + backoff * self.settings.round_timeout
 
     def merge(self, members: list[Member]) -> list[Member]:
         """Merge entries into the member table; a member new or back starts over (its rounds

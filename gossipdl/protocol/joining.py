@@ -31,6 +31,20 @@ from gossipdl.transport.wire import Message, WireError, meta_int
 
 SWARM_ID = re.compile(r"[0-9a-f]{1,32}")  # a swarm id in a welcome
 RETRY_S = 1.0  # a request unanswered this long is sent again
+# A rejoin asks this many times within its timeout (a round timeout): the member asked may
+# be rejoining itself a moment longer (it refuses joins until it is in), or its welcome lost.
+REJOIN_TRIES = 4
+
+
+def rejoin_retry(timeout: float, members: int) -> float:
+    """Seconds between a rejoin's requests, each to the next of ``members`` in turn, so that
+    each is asked ``REJOIN_TRIES`` times within ``timeout``.
+
+    Example:
+        >>> rejoin_retry(1.0, 1), rejoin_retry(1.0, 2)
+        (0.25, 0.125)
+    """
+    return timeout / (REJOIN_TRIES * max(1, members))
 
 
 def outranks(side: set[int], other: set[int]) -> bool:

@@ -47,6 +47,7 @@ from gossipdl.config import Config, to_dict
 from gossipdl.data import BatchSampler, Dataset, evaluation_inputs
 from gossipdl.models.parameters import set_params
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
+from gossipdl.protocol.joining import rejoin_retry
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
 from gossipdl.sim.clock import Scheduler
@@ -469,6 +470,7 @@ class Simulation:
                 self._stop(peer, why)
                 return
             log.warning("peer %d could not rejoin: %s", peer.id, why)
+            core.rejoin_failed(self.local(peer))
             then()
 
         via = core.rejoin_through or [core.rejoin_via]
@@ -482,7 +484,7 @@ class Simulation:
             timeout=timeout,
             then=then,
             fail=failed,
-            every=timeout / len(via),
+            every=rejoin_retry(timeout, len(via)),
         )
 
     def start_late(self, peer: VirtualPeer, start: int, model: torch.Tensor | None) -> None:
