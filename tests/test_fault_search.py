@@ -64,6 +64,10 @@ FOUND = {
     17708: "a partition in three healed into a cycle: each peer rejoined through one that was "
     "rejoining through the next, each refused the others' joins, and all failed and started "
     "again in step for good (a failed rejoin now holds the next back a drawn while)",
+    977: "a rejoin's welcome was lost to injected loss: the swarm had the peer back as a new "
+    "life, the peer thought itself out, and the tables it sent drew only 'dropped' back, "
+    "which carried no digest to answer; nobody told it its new life for 5 s (tables now "
+    "carry their digest)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

@@ -102,6 +102,11 @@ def test_after_a_partition_the_larger_side_stays_and_ties_go_to_the_smallest_id(
     assert outranks({0, 1, 2}, {3, 4}) and not outranks({3, 4}, {0, 1, 2})
     assert outranks({0, 1}, {2, 3}) and not outranks({2, 3}, {0, 1})
     assert outranks({5}, set()) and not outranks(set(), {5})
+    # both sides count a member neither has heard from since the cut (a newcomer still
+    # aligning): the tie goes to the smallest id the other side lacks, and a side never
+    # outranks itself (before, both tied on the shared smallest id and neither rejoined)
+    assert outranks({0, 1}, {0, 2}) and not outranks({0, 2}, {0, 1})
+    assert not outranks({0, 1}, {0, 1})
 
 
 def test_a_join_is_let_in_ahead_answered_again_the_same_or_refused_saying_why() -> None:
@@ -201,6 +206,19 @@ def test_the_core_lets_a_joiner_in_and_takes_only_the_answers_it_asked_for() -> 
     with pytest.raises(JoinRefused, match="full"):
         member.welcomed(0.3, member.answers.pop())
     assert decode(ask.frames, 1 << 20).meta[NONCE] == "n2"
+
+
+def test_a_joiner_asks_the_members_in_before_its_first_round_for_a_model_first() -> None:
+    """Neighbours of its first round first, then the others; either way the members let in
+    with it (or after) last: until their own joins are done they hold only the model their
+    process started with."""
+    table = Membership([Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0),
+                        Member(2, "tcp://h:12", 20), Member(3, "tcp://h:13", 20),
+                        Member(4, "tcp://h:14", 0)])  # fmt: skip
+    core = _core(3, table)
+    neighbours = [j for j in core.neighbours(20) if j != 3]
+    assert neighbours == [2, 4]  # the ring 0-1-2-3-4; 2 came in with us
+    assert core.model_sources(20) == [4, 0, 1, 2]
 
 
 def test_a_checkpoint_round_trips_and_a_wrong_or_torn_one_is_refused(tmp_path: Path) -> None:

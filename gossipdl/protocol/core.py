@@ -483,10 +483,18 @@ class GossipCore:
 
     def model_sources(self, since: int) -> list[int]:
         """Whom a peer joining at round ``since`` asks for a model, in order: its neighbours
-        of that round, then any other member still in (a neighbour may die as we join)."""
+        of that round, then any other member still in (a neighbour may die as we join); the
+        members in before that round first (one let in with us has only the model it
+        started the process with until its own join is done)."""
         first = [j for j in self.neighbours(since) if j != self.id]
         rest = [j for j in self.membership.in_swarm() if j != self.id and j not in first]
-        return [j for j in first + rest if not self.membership.gone(j)]
+
+        def newcomer(j: int) -> bool:
+            member = self.membership.get(j)
+            return member is None or member.since >= since
+
+        live = [j for j in first + rest if not self.membership.gone(j)]
+        return sorted(live, key=newcomer)  # stable: neighbours first within each group
 
     def mixing(self, round: int) -> tuple[dict[int, float], float]:
         """Neighbour id -> weight, and the self weight, in ``round``."""
@@ -916,8 +924,11 @@ class GossipCore:
         if told is not None and self._now - told < self.settings.heartbeat:
             return []
         self._told[sender.id] = self._now
-        # no sequence number, no heartbeat skipped for it: a table is idempotent
-        frames = encode(kind, self.id, 0, self.round, meta={"members": self.membership.wire()})
+        # no sequence number, no heartbeat skipped for it: a table is idempotent; its digest
+        # lets the receiver answer with its own if they differ (a member whose welcome was
+        # lost hears only "dropped" from us otherwise, and tells nobody its table: seed 977)
+        meta = {"members": self.membership.wire(), TABLE: self.membership.digest()}
+        frames = encode(kind, self.id, 0, self.round, meta=meta)
         return [Send(sender.id, kind, frames)]
 
     def welcomed(self, now: float, welcome: Message) -> Member:

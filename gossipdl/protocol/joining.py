@@ -49,17 +49,19 @@ def rejoin_retry(timeout: float, members: int) -> float:
 
 def outranks(side: set[int], other: set[int]) -> bool:
     """Whether, after a partition, the members ``side`` are the swarm and ``other`` the part
-    that rejoins it: the larger side wins, a tie goes to the side with the smallest id.
+    that rejoins it: the larger side wins; a tie goes to the side with the smallest id the
+    other lacks (sides may share members: one that neither side has heard from since the
+    cut is in both tables).
 
     Example:
-        >>> outranks({0, 1, 2}, {3, 4}), outranks({3, 4}, {0, 1})
-        (True, False)
+        >>> outranks({0, 1, 2}, {3, 4}), outranks({3, 4}, {0, 1}), outranks({0, 1}, {0, 2})
+        (True, False, True)
     """
     if not side:
         return False
     if not other:
         return True
-    return (len(side), -min(side)) > (len(other), -min(other))
+    return (len(side), sorted(other)) > (len(other), sorted(side))
 
 
 @dataclass(frozen=True)
