@@ -68,6 +68,9 @@ FOUND = {
     "life, the peer thought itself out, and the tables it sent drew only 'dropped' back, "
     "which carried no digest to answer; nobody told it its new life for 5 s (tables now "
     "carry their digest)",
+    1508: "two ring neighbours restarted at once without checkpoints: one asked the other "
+    "for a model before that one was in itself, took the untrained model its process began "
+    "with, and was evicted (a peer not in yet now refuses, and the asker moves on)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

@@ -34,7 +34,7 @@ from gossipdl.protocol.joining import (
 )
 from gossipdl.rundir import RunDir
 from gossipdl.transport import WireError
-from gossipdl.transport.wire import NONCE, decode, encode
+from gossipdl.transport.wire import NONCE, Message, decode, encode
 
 # Quick failure detection, and steps of at least 20 ms so that idle peers do not burn the CPU
 # that the other tests (and the heartbeats) need.
@@ -219,6 +219,27 @@ def test_a_joiner_asks_the_members_in_before_its_first_round_for_a_model_first()
     neighbours = [j for j in core.neighbours(20) if j != 3]
     assert neighbours == [2, 4]  # the ring 0-1-2-3-4; 2 came in with us
     assert core.model_sources(20) == [4, 0, 1, 2]
+
+
+def test_a_peer_not_in_yet_refuses_a_model_request_instead_of_giving_its_first_model() -> None:
+    """Let in with the asker but not aligned yet, a peer holds only the model its process
+    began with (seed 1508: a restarted peer took it, untrained, and was evicted): it answers
+    with why, no model and no sequence number; once started, with its model."""
+    table = [Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0)]
+    member, asker = _core(0, Membership(table)), _core(1, Membership(table))
+    member.published = (7, torch.full((4,), 7.0))
+
+    def answer(started: bool) -> Message:
+        request = asker.ask("model_request", "tcp://h:10", {}, "n")
+        (send,) = member.receive(0.0, request.frames, started)
+        return decode(send.frames, 1 << 20)
+
+    early = answer(started=False)
+    assert "not in the swarm yet" in (member.model_refused(early) or "")
+    assert early.arrays == [] and early.seq == 0 and member.counters.model_messages_sent == 0
+    given = answer(started=True)
+    assert member.model_refused(given) is None
+    assert torch.equal(member.decode_model(given), torch.full((4,), 7.0))
 
 
 def test_a_checkpoint_round_trips_and_a_wrong_or_torn_one_is_refused(tmp_path: Path) -> None:

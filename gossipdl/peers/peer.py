@@ -928,6 +928,10 @@ class Peer:
                 reply = self._request(
                     member.address, "model_request", {}, "model", timeout=10.0, key=member.key
                 )
+                refused = self.core.model_refused(reply)
+                if refused is not None:
+                    log.info("peer %d: neighbour %d has no model yet: %s", self.id, j, refused)
+                    continue
                 model = self.core.decode_model(reply) if take_model else None
             except PeerError as exc:
                 if self._lost_id():
@@ -1274,7 +1278,7 @@ class Peer:
                 raise WireError("unexpected", "a ring all-reduce of gradients sends no models")
             if not self._lost_id():  # nothing goes out under an id another newcomer took
                 with self._core:
-                    sends = self.core.answer_model_request(msg)
+                    sends = self.core.answer_model_request(msg, self.started)
                 self._carry_out(sends)
         with self._core:
             self.core.track_seq(msg)  # only messages accepted: a dropped one leaves a gap

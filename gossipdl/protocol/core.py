@@ -90,6 +90,7 @@ ROUND_TIMES_KEPT = 32  # rounds whose end times set the join margin
 REJOIN_BACKOFF = 2.0  # round timeouts a failed rejoin holds the next back, at most (drawn)
 MAX_ASKED = 64  # requests of ours awaiting an answer (join, model_request); the oldest go beyond
 _MODEL = build_codec("none")  # how a ``model`` answer travels, whatever the averager
+MODEL_ERROR = "error"  # meta key of a model answer without a model: why
 REPLY_TO = {"join": "welcome", "model_request": "model"}  # a request's kind -> its answer's
 # The round protocol's messages, which the core takes in from a member (:meth:`GossipCore.take`);
 # :meth:`GossipCore.receive` also dispatches member tables and joins.
@@ -658,7 +659,7 @@ class GossipCore:
         if msg.kind in ("members", "dropped", "ready"):
             self.hear_table(msg.sender, parse_members(msg.meta.get("members")), started)
         elif msg.kind == "model_request":
-            sends = self.answer_model_request(msg)
+            sends = self.answer_model_request(msg, started)
         else:
             sends = self.take(now, msg, sender)
         if started:  # a peer done or not in yet speaks for no table
@@ -899,11 +900,22 @@ class GossipCore:
         """An answer to someone who is not a member yet: to its address, no sequence number."""
         return Send(-1, kind, encode(kind, self.id, 0, self.round, meta=meta), address)
 
-    def answer_model_request(self, msg: Message) -> list[Send]:
-        """A member asks for our model (it joined, or is back): the published one, dense."""
+    def answer_model_request(self, msg: Message, started: bool = True) -> list[Send]:
+        """A member asks for our model (it joined, or is back): the published one, dense; or,
+        before we are ``started`` (let in with it, not aligned yet: our model is the one this
+        process began with), a refusal that sends it to the next member at once."""
         round_, model = self.published
-        meta = {NONCE: echoed_nonce(msg.meta)}
+        meta: dict[str, Any] = {NONCE: echoed_nonce(msg.meta)}
+        if not started:  # no sequence number: it is no message of the round protocol
+            meta[MODEL_ERROR] = "not in the swarm yet: ask another member"
+            return [Send(msg.sender, "model", encode("model", self.id, 0, round_, meta=meta))]
         return self.send(msg.sender, "model", round_, dense_payload(model), meta)
+
+    @staticmethod
+    def model_refused(msg: Message) -> str | None:
+        """Why a ``model`` answer holds no model (the member has none to give yet), or None."""
+        error = msg.meta.get(MODEL_ERROR)
+        return error if isinstance(error, str) else None
 
     def tell_table(self, msg: Message) -> list[Send]:
         """Our table, for the member that sent ``msg`` if it lacks it (once a heartbeat at most):

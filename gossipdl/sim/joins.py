@@ -154,6 +154,12 @@ def _take(simulation: Simulation, peer: VirtualPeer, join: Join, msg: Message) -
         _cancel(join)
         _ask(simulation, peer)
     elif msg.kind == "model" and join.phase == "model":
+        if core.model_refused(msg) is not None:  # not in itself yet: the next member now
+            each = round(MODEL_WAIT_S / RETRY_S)
+            join.tries = (join.tries // each + 1) * each
+            _cancel(join)
+            _ask(simulation, peer)
+            return
         model = core.decode_model(msg) if join.take_model else None
         _start(simulation, peer, max(join.since, msg.round), model)
 
