@@ -16,19 +16,21 @@ from gossipdl.averaging.base import Arrival, Round, mix
 from gossipdl.averaging.beer import Beer
 from gossipdl.averaging.dense import LATE_ROUNDS
 from gossipdl.averaging.power_gossip import PowerGossip
+from gossipdl.averaging.robust import parse_defence
 from gossipdl.compression import CodecError, Payload
+from gossipdl.protocol.core import GossipCore
 from gossipdl.rundir import RunDir
 from gossipdl.sim.engine import Simulation
 
 
-def simulation(tmp_path: Path, faults: list[dict[str, Any]]) -> Simulation:
+def simulation(tmp_path: Path, faults: list[dict[str, Any]], steps: int = 40) -> Simulation:
     """Four peers on a ring, dense gossip every step and no training (the optimizers' steps
     do nothing), each starting from its own random model: whatever moves the average is
     the averaging."""
     config = small_config(
         tmp_path,
         peers=4,
-        steps=40,
+        steps=steps,
         algorithm="dense",
         round_timeout=0.05,
         faults=faults,
@@ -74,6 +76,47 @@ def test_a_missing_neighbours_weight_stays_with_the_peer() -> None:
     assert mix(x, rnd, [Arrival(0.25, a, 3)]).tolist() == [1.5, 1.5]  # 0.75 x + 0.25 a
     assert mix(x, rnd, [Arrival(0.25, a, 3), Arrival(0.25, b, 3)]).tolist() == [2.5, 2.0]
     assert mix(x, rnd, []).tolist() == x.tolist()
+
+
+def test_a_newcomer_catches_up_with_its_neighbours_models_and_a_defended_one_with_theirs() -> None:
+    """Plain: the round's weighted mean of what arrived. With a defence: the neighbour nearest
+    the rest, so a liar among them moves it nowhere. Nothing arrived: its own model."""
+    a, b, middle = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.5])
+    arrived = {1: Arrival(0.25, a, 3), 2: Arrival(0.5, b, 3)}
+    mean = DenseGossip().catch_up(arrived)
+    assert mean is not None and torch.allclose(mean, (a + 2 * b) / 3)
+    arrived.update({3: Arrival(0.1, middle, 3), 4: Arrival(0.1, torch.full((2,), 90.0), 3)})
+    defended = DenseGossip(defence=parse_defence("balance")).catch_up(arrived)
+    assert defended is not None and torch.equal(defended, middle)  # the one nearest the rest
+    assert DenseGossip().catch_up({}) is None
+    assert build_averager("choco", "topk:0.5", 0).catch_up(arrived) is None  # copies, no models
+
+
+def test_a_peer_restarted_without_a_checkpoint_starts_from_its_neighbours_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It takes a neighbour's model when it is let in and starts a join margin (20 rounds)
+    later, that far behind (fault-search seeds 19122, 19203: BALANCE evicted it, or the
+    neighbour it pulled back). The first round that brings its neighbours' models ends on
+    their weighted mean, not on a mix with its own stale one."""
+    merges: list[tuple[torch.Tensor, dict[int, Any], torch.Tensor]] = []
+    merge = GossipCore._merge
+
+    def record(self: GossipCore, x: torch.Tensor, rnd: Round, got: dict[int, Any]) -> Any:
+        out = merge(self, x, rnd, got)
+        if self.id == 2 and self.first_round > 0 and got and not merges:
+            arrived = {j: (rnd.weights[j], value.clone()) for j, (value, _) in got.items()}
+            merges.append((x.clone(), arrived, out))
+        return out
+
+    monkeypatch.setattr(GossipCore, "_merge", record)
+    faults = [{"at": "0.05s", "kill": "2"}, {"at": "0.1s", "restart": "2"}]
+    simulation(tmp_path, faults, steps=120).run()
+    ((own, arrived, out),) = merges
+    total = sum(w for w, _ in arrived.values())
+    mean = sum(w / total * v for w, v in arrived.values())
+    assert len(arrived) == 2 and torch.allclose(out, mean, atol=1e-5)
+    assert not torch.allclose(own, mean, atol=1e-2)  # its own model was behind
 
 
 def test_a_late_model_pairs_with_the_own_model_of_its_round_unless_too_old() -> None:

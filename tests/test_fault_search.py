@@ -71,6 +71,12 @@ FOUND = {
     1508: "two ring neighbours restarted at once without checkpoints: one asked the other "
     "for a model before that one was in itself, took the untrained model its process began "
     "with, and was evicted (a peer not in yet now refuses, and the asker moves on)",
+    19203: "BALANCE with eviction: a peer restarted without a checkpoint took a neighbour's "
+    "model when it was let in and started a join margin (20 rounds) later, that far behind; "
+    "it pulled a neighbour away from the others, and that neighbour was evicted (a newcomer "
+    "now starts from its neighbours' models at its first round that brings them)",
+    19122: "the same with two of four peers restarted at once: each pair agreed within "
+    "itself, rejected the other, and three peers were evicted",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

@@ -116,6 +116,13 @@ class Averager(ABC):
     # peers in one process may be handed one shared decoded tensor (:class:`SharedDecodes`).
     # False by default: an averager of one's own opts in once it is known not to write them.
     arrivals_read_only: bool = False
+
+    def catch_up(self, arrived: Mapping[int, Arrival]) -> torch.Tensor | None:
+        """The model a peer that took a neighbour's model when it was let in starts its first
+        round from, given what its neighbours sent for that round (None: its own). It took
+        that model a join margin before the round, so its own is that many rounds behind."""
+        return None
+
     # True when ``incoming`` takes a sparse codec's messages as they came (a
     # :class:`~gossipdl.compression.sparse.SparseVector`) and adds them in place: no
     # full-size copy of each neighbour's update.

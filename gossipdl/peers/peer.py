@@ -962,7 +962,7 @@ class Peer:
                 set_params(self.params, model)
             self.steps = start * self.trigger.period
         with self._core:
-            self.core.start_at(start, self._flat())
+            self.core.start_at(start, self._flat(), took_model=model is not None)
             if model is not None:
                 self.core.age = self.steps
         self.started = True

@@ -226,6 +226,7 @@ class GossipCore:
         self.reference = model.clone()  # the model agreed at the last sync (dynamic trigger)
         # (round, model at its start): what a model request gets, a tensor nobody writes to
         self.published: tuple[int, torch.Tensor] = (0, self.reference.clone())
+        self._catch_up = False  # our model is a neighbour's of a join margin ago (start_at)
         self.rejoin_via: int | None = None  # a member whose table says we were dropped
         self.rejoin_through: list[int] = []  # it, then the rest of its swarm: whom to ask
         self.rejoin_held_until = 0.0  # after a rejoin nobody answered (rejoin_failed)
@@ -396,9 +397,12 @@ class GossipCore:
         """``peer`` is new or back: the rounds it said it sent count no more."""
         self._inbox.forget(peer)
 
-    def start_at(self, round: int, model: torch.Tensor) -> None:
+    def start_at(self, round: int, model: torch.Tensor, took_model: bool = False) -> None:
         """Start at ``round`` of a running swarm with ``model`` (a newcomer or a peer back):
-        it resyncs there, its mailboxes wait for that round, heartbeats vouch for none."""
+        it resyncs there, its mailboxes wait for that round, heartbeats vouch for none.
+        ``took_model``: a neighbour's, a join margin ago; the first round that brings
+        neighbours' models catches up (:meth:`~gossipdl.averaging.base.Averager.catch_up`)."""
+        self._catch_up = took_model
         self.round = self.first_round = round
         self.reference = model.clone()
         self.published = (round, self.reference.clone())
@@ -414,6 +418,10 @@ class GossipCore:
     def _merge(self, x: torch.Tensor, rnd: Round, got: dict[int, Any]) -> torch.Tensor:
         """Hand what arrived in round ``rnd`` (and late for earlier ones) to the averager."""
         arrived, missing = arrivals(rnd, got)
+        if self._catch_up and arrived:  # the first round that brought neighbours' models
+            self._catch_up = False
+            fresh = self.averager.catch_up(arrived)
+            x = x if fresh is None else fresh
         return self.averager.incoming(x, rnd, arrived, missing, self._late_arrivals())
 
     def _late_arrivals(self) -> list[tuple[int, Arrival]]:

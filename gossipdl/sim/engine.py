@@ -494,7 +494,7 @@ class Simulation:
         if model is not None:
             set_params(peer.params, model)
             peer.steps = start * period
-        peer.core.start_at(start, peer.flat())
+        peer.core.start_at(start, peer.flat(), took_model=model is not None)
         if model is not None:
             peer.core.age = peer.steps
         peer.first_wait = self.config.startup_timeout  # the swarm gets there in its own time
