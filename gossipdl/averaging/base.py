@@ -117,12 +117,6 @@ class Averager(ABC):
     # False by default: an averager of one's own opts in once it is known not to write them.
     arrivals_read_only: bool = False
 
-    def catch_up(self, arrived: Mapping[int, Arrival]) -> torch.Tensor | None:
-        """The model a peer that took a neighbour's model when it was let in starts its first
-        round from, given what its neighbours sent for that round (None: its own). It took
-        that model a join margin before the round, so its own is that many rounds behind."""
-        return None
-
     # True when ``incoming`` takes a sparse codec's messages as they came (a
     # :class:`~gossipdl.compression.sparse.SparseVector`) and adds them in place: no
     # full-size copy of each neighbour's update.
@@ -134,6 +128,12 @@ class Averager(ABC):
         self.seed = seed  # the swarm's: what every peer draws alike derives from it
         self.codec = build_codec(codec, seed) if isinstance(codec, str) else codec
         self._dense = build_codec("none")  # resync copies and model replies travel uncompressed
+
+    def catch_up(self, arrived: Mapping[int, Arrival]) -> torch.Tensor | None:
+        """The model a peer that took a neighbour's model when it was let in starts its first
+        round from, given what its neighbours sent for that round (None: its own). It took
+        that model a join margin before the round, so its own is that many rounds behind."""
+        return None
 
     def own_draws(self, peer: int) -> None:
         """Give this peer's codec random draws of its own (:func:`codec_seed`), before the

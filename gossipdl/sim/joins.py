@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from gossipdl.sim.engine import Simulation, VirtualPeer
 
 MODEL_WAIT_S = 10.0  # how long a neighbour is asked for its model before the next one
+MODEL_TRIES = round(MODEL_WAIT_S / RETRY_S)  # model requests to one member before the next
 
 
 @dataclass
@@ -105,8 +106,7 @@ def _ask(simulation: Simulation, peer: VirtualPeer) -> None:
         }
         send = core.ask("join", simulation.address(to), meta, _nonce(simulation, peer))
     elif sources := core.model_sources(join.since):  # again each time: one may have died
-        each = round(MODEL_WAIT_S / RETRY_S)  # tries per member before the next one
-        member = core.membership.get(sources[join.tries // each % len(sources)])
+        member = core.membership.get(sources[join.tries // MODEL_TRIES % len(sources)])
         assert member is not None
         send = core.ask("model_request", member.address, {}, _nonce(simulation, peer))
     elif keeps_model:  # nobody left to align with (they finished): our welcome's round
@@ -155,8 +155,7 @@ def _take(simulation: Simulation, peer: VirtualPeer, join: Join, msg: Message) -
         _ask(simulation, peer)
     elif msg.kind == "model" and join.phase == "model":
         if core.model_refused(msg) is not None:  # not in itself yet: the next member now
-            each = round(MODEL_WAIT_S / RETRY_S)
-            join.tries = (join.tries // each + 1) * each
+            join.tries = (join.tries // MODEL_TRIES + 1) * MODEL_TRIES
             _cancel(join)
             _ask(simulation, peer)
             return
