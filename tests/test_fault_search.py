@@ -77,6 +77,10 @@ FOUND = {
     "now starts from its neighbours' models at its first round that brings them)",
     19122: "the same with two of four peers restarted at once: each pair agreed within "
     "itself, rejected the other, and three peers were evicted",
+    18980: "with rejoins retried, the simulated rejoin asked the next member on every try "
+    "(the real one asks one member a while); under loss two members let the same peer back "
+    "in as two lives, and the tables disagreed past the heal (it now asks each member "
+    "REJOIN_TRIES times before the next)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

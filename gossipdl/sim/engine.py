@@ -47,7 +47,7 @@ from gossipdl.config import Config, to_dict
 from gossipdl.data import BatchSampler, Dataset, evaluation_inputs
 from gossipdl.models.parameters import set_params
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
-from gossipdl.protocol.joining import rejoin_retry
+from gossipdl.protocol.joining import REJOIN_TRIES, rejoin_retry
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
 from gossipdl.sim.clock import Scheduler
@@ -485,6 +485,7 @@ class Simulation:
             then=then,
             fail=failed,
             every=rejoin_retry(timeout, len(via)),
+            each=REJOIN_TRIES,  # as Peer._join: one member a while, then the next
         )
 
     def start_late(self, peer: VirtualPeer, start: int, model: torch.Tensor | None) -> None:

@@ -46,7 +46,8 @@ class Join:
     give_up_at: float  # virtual time after which the join fails
     then: Callable[[], None]  # what the peer does once it is in
     fail: Callable[[str, bool], None]  # if it cannot get in: why, and whether it was welcomed
-    every: float = RETRY_S  # how long a join request waits before the next member is asked
+    every: float = RETRY_S  # how long a join request waits before the next one is sent
+    each: int = 1  # join requests to one member before the next is asked
     phase: str = "welcome"  # then "model"
     tries: int = 0  # requests sent in this phase
     since: int = 0  # the first round of our new life (from the welcome)
@@ -64,13 +65,14 @@ def start_join(
     then: Callable[[], None],
     fail: Callable[[str, bool], None],
     every: float = RETRY_S,
+    each: int = 1,
 ) -> None:
-    """Ask the members ``via`` in turn, ``every`` virtual seconds the next, to let ``peer``
-    in; ``then()`` once it is aligned with the swarm, ``fail(why, welcomed)`` if nobody
-    lets it in within ``timeout`` virtual seconds, or no neighbour sends its model once it
-    is in (``welcomed``)."""
+    """Ask the members ``via`` in turn (``each`` times, ``every`` virtual seconds apart, then
+    the next) to let ``peer`` in; ``then()`` once it is aligned with the swarm,
+    ``fail(why, welcomed)`` if nobody lets it in within ``timeout`` virtual seconds, or no
+    neighbour sends its model once it is in (``welcomed``)."""
     now = simulation.clock.now
-    peer.join = Join(via, rejoin, take_model, now + timeout, then, fail, every)
+    peer.join = Join(via, rejoin, take_model, now + timeout, then, fail, every, each)
     _ask(simulation, peer)
 
 
@@ -96,7 +98,7 @@ def _ask(simulation: Simulation, peer: VirtualPeer) -> None:
         return
     send = None
     if join.phase == "welcome":
-        to = join.via[join.tries % len(join.via)]  # the next member on each try
+        to = join.via[join.tries // join.each % len(join.via)]
         meta = {
             "address": simulation.address(peer.id),
             "want_id": peer.id,
