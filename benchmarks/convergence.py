@@ -13,8 +13,9 @@ What it measures
     * ``choco-topk``, ``choco-sign``, ``choco-topk-qsgd``, ``choco-powersgd``: CHOCO-SGD
       with ``topk:0.01``, ``sign``, ``topk:0.01+qsgd:16`` and ``powersgd:1`` (per layer);
     * ``powergossip``: PowerGossip, rank 1 per layer and edge;
-    * ``beer-topk``, ``beer-topk-qsgd``: BEER (gradient tracking through CHOCO's public
-      copies) with top-1%, and with QSGD values on it;
+    * ``beer-topk``, ``beer-topk-qsgd``, ``beer-topk05-qsgd``: BEER (gradient tracking
+      through CHOCO's public copies) with top-1%, with QSGD values on it, and with QSGD
+      values on top-0.5%;
     * ``stacked-sign``, ``stacked``: the savings together, a message every 4th step
       (``periodic:4``) of 1-bit values (``sign``), or of top-1% with QSGD values and
       Golomb-coded indices (``topk:0.01+qsgd:16``);
@@ -43,7 +44,7 @@ Run
     python benchmarks/convergence.py --only dense,powergossip --topologies ring
     python benchmarks/convergence.py --quick          # tiny MLP, 60 steps: a smoke test
 
-    On a 2-core machine the defaults take about 85 minutes with ``--jobs 2``.
+    On a 2-core machine the defaults take about 95 minutes with ``--jobs 2``.
 
 JSON (``--json FILE``): ``{"benchmark": "convergence", "rows": [...], "meta": {...}}``;
 each row has ``setting``, ``topology``, ``peers``, ``partition``, ``algorithm``,
@@ -112,6 +113,7 @@ SETTINGS = [
     Setting("powergossip", "powergossip", "powersgd:1"),
     Setting("beer-topk", "beer", "topk:0.01"),
     Setting("beer-topk-qsgd", "beer", "topk:0.01+qsgd:16"),
+    Setting("beer-topk05-qsgd", "beer", "topk:0.005+qsgd:16"),
     Setting("stacked-sign", "choco", "sign", "periodic:4"),
     Setting("stacked", "choco", "topk:0.01+qsgd:16", "periodic:4"),
 ]
