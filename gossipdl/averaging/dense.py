@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round, mix
-from gossipdl.averaging.robust import Defence, distances
+from gossipdl.averaging.robust import Defence, distances, nearest_to_rest
 from gossipdl.compression import Payload
 
 LATE_ROUNDS = 4
@@ -153,8 +153,7 @@ class DenseGossip(Averager):
             return None
         values = [a.value for a in arrived.values()]
         if self.defence is not None:
-            wide = torch.stack(values).double()
-            return values[int(torch.cdist(wide, wide).sum(1).argmin())].clone()
+            return values[nearest_to_rest(torch.stack(values))[0]].clone()
         total = sum(a.weight for a in arrived.values())
         mean = torch.zeros_like(values[0])
         for a in arrived.values():

@@ -159,17 +159,24 @@ def balance(
     return x + share @ (neighbours - x), accepted
 
 
+def nearest_to_rest(models: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The row of ``models`` ``[k, n]`` with the least summed distance to the others (the
+    medoid: a few far rows cannot move it), and its distances to each row (float64)."""
+    wide = models.double()
+    apart = torch.cdist(wide, wide)
+    nearest = int(apart.sum(1).argmin())
+    return nearest, apart[nearest]
+
+
 def agreed(neighbours: torch.Tensor, gamma: float) -> int | None:
-    """The neighbour nearest the rest (least summed distance) when two or more neighbours
+    """The neighbour nearest the rest (:func:`nearest_to_rest`) when two or more neighbours
     agree: every other one within ``γ`` times its model's norm of it, BALANCE's own test
     with it in the peer's place. None when they do not (or fewer than two sent)."""
     if neighbours.shape[0] < 2:
         return None
-    wide = neighbours.double()
-    apart = torch.cdist(wide, wide)
-    nearest = int(apart.sum(1).argmin())
-    limit = gamma * float(torch.linalg.vector_norm(wide[nearest]))
-    return nearest if bool((apart[nearest] <= limit).all()) else None
+    nearest, gaps = nearest_to_rest(neighbours)
+    limit = gamma * float(torch.linalg.vector_norm(neighbours[nearest].double()))
+    return nearest if bool((gaps <= limit).all()) else None
 
 
 DEFENCES = "none, clip[:BAD], trimmed[:TRIM], median, balance[:GAMMA]"
