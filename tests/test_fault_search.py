@@ -81,6 +81,10 @@ FOUND = {
     "(the real one asks one member a while); under loss two members let the same peer back "
     "in as two lives, and the tables disagreed past the heal (it now asks each member "
     "REJOIN_TRIES times before the next)",
+    20115: "BALANCE with eviction under a dynamic trigger on a ring of 8: syncs came 14 "
+    "steps apart, honest models drifted further apart than γ‖x‖ between them, every peer "
+    "rejected its neighbours, and one was evicted with no fault needed (γ now grows as "
+    "√steps since the peer last judged)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

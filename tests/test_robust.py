@@ -119,6 +119,32 @@ def test_balance_rejects_a_far_neighbour_and_averages_the_rest() -> None:
     assert any(torch.equal(late, h) for h in honest * 1.5)  # but they agree: x is the odd one
 
 
+def test_balance_allows_the_drift_of_the_steps_since_the_peer_last_judged() -> None:
+    """γ grows as √steps: a neighbour 0.8‖x‖ away is rejected a step after the last
+    judged round and accepted four steps after it, whether four rounds of one step passed
+    (a dynamic trigger's rounds without a sync) or one round of four (periodic:4)."""
+    from gossipdl.averaging import Arrival, Averager, Round, build_averager
+
+    x = torch.ones(100)
+    x_norm = float(torch.linalg.vector_norm(x))
+    direction = torch.zeros(100)
+    direction[0] = 1.0
+
+    def accepted(index: int, period: int, averager: Averager) -> bool:
+        far = x + (0.8 * x_norm + 1e-3 * index) * direction  # it moves, as a live one does
+        rnd = Round(index, {1: 0.5}, 0.5, period=period)
+        out = averager.incoming(x, rnd, {1: Arrival(0.5, far, index)}, [])
+        return not torch.equal(out, x)
+
+    every_step = build_averager("dense", defence="balance")
+    assert not accepted(0, 1, every_step) and not accepted(1, 1, every_step)
+    assert accepted(5, 1, every_step)  # four rounds later
+    assert not accepted(6, 1, every_step)  # and then one again
+    periodic = build_averager("dense", defence="balance")
+    assert accepted(0, 4, periodic) and accepted(1, 4, periodic)
+    assert not accepted(2, 1, periodic)
+
+
 def test_alie_sits_z_standard_deviations_inside_the_honest_spread() -> None:
     x, honest = _swarm(4)
     z = attacks.alie_z(16, 2)

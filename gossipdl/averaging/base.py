@@ -36,7 +36,8 @@ class Round:
     the model. ``lr`` is the learning rate of the local step just taken (1.0 where the
     engine has none): gradient tracking tracks the update per unit of it. ``reshaped``
     marks the round at which the swarm's members changed, the same round for every peer
-    (each resyncs there).
+    (each resyncs there). ``period`` is the local steps a round spans (the trigger's):
+    honest models drift apart with the steps between their mixings.
     """
 
     index: int
@@ -46,6 +47,7 @@ class Round:
     mix: bool = True
     lr: float = 1.0
     reshaped: bool = False
+    period: int = 1
 
 
 def codec_seed(seed: int, peer: int) -> int:

@@ -68,6 +68,7 @@ class DenseGossip(Averager):
         self._judged: dict[int, list[float]] = {}  # sender -> [rounds, Σ distance, Σ set aside]
         self._marks: dict[int, torch.Tensor] = {}  # sender -> fingerprint of its last model
         self._streaks: dict[int, int] = {}  # sender -> judged rounds in a row it was set aside
+        self._last_judged: int | None = None  # the round this peer last judged models in
         # round -> (own model of that round, neighbours whose model is still missing)
         self._held: OrderedDict[int, tuple[torch.Tensor, set[int]]] = OrderedDict()
 
@@ -99,6 +100,8 @@ class DenseGossip(Averager):
             j for j, mark in marks.items() if j in self._marks and torch.equal(self._marks[j], mark)
         ]
         self._marks.update(marks)
+        rounds = 1 if self._last_judged is None else max(1, rnd.index - self._last_judged)
+        self._last_judged = rnd.index
         fresh = {j: a for j, a in arrived.items() if j not in stale}
         shares: dict[int, float] = dict.fromkeys(stale, 1.0)
         gaps: dict[int, float] = {}
@@ -110,7 +113,9 @@ class DenseGossip(Averager):
             weights *= 1.0 + sum(arrived[j].weight for j in stale) / float(weights.sum())
             kept = rnd.self_weight + sum(rnd.weights.values()) - float(weights.sum())
             neighbours = torch.stack([a.value for a in got])
-            model, fresh_gaps, aside = self.defence.judge(x, neighbours, weights, kept)
+            model, fresh_gaps, aside = self.defence.judge(
+                x, neighbours, weights, kept, steps=rounds * rnd.period
+            )
             gaps.update(zip(fresh, fresh_gaps.tolist(), strict=True))
             shares.update(zip(fresh, aside.tolist(), strict=True))
         if stale:

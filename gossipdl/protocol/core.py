@@ -461,7 +461,16 @@ class GossipCore:
                 sends = self._request_resync()
             self._last_ids = ids
             resync = t == self.first_round or t in changes or t in self._resync_at
-        return Round(t, weights, self_weight, resync, lr=lr, reshaped=t in changes), sends
+        rnd = Round(
+            t,
+            weights,
+            self_weight,
+            resync,
+            lr=lr,
+            reshaped=t in changes,
+            period=self.trigger.period,
+        )
+        return rnd, sends
 
     def reports(self) -> tuple[list[WireError], list[str]]:
         """What the engine must count (messages dropped on purpose) and log since it last

@@ -275,9 +275,10 @@ class StackedGossip:
         attacks = attacks or {}
         if config.defence != "none" or attacks:
             self.rules = [averager_of(config, attacks.get(i), i) for i in range(count)]
+            period = parse_trigger(config.trigger).period
             self.neighbourhoods = [
                 Round(0, {int(j): float(mixing[i, j]) for j in np.flatnonzero(mixing[i]) if j != i},
-                      float(mixing[i, i]))
+                      float(mixing[i, i]), period=period)
                 for i in range(count)
             ]  # fmt: skip
         if self.algorithm == "choco":
