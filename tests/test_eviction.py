@@ -13,11 +13,11 @@ from gossipdl.averaging import build_averager
 from gossipdl.averaging.triggers import parse_trigger
 from gossipdl.config import ConfigError, load_config
 from gossipdl.peers.membership import Member, Membership
-from gossipdl.protocol.core import GossipCore, Settings
+from gossipdl.protocol.core import REFUSED, GossipCore, Settings
 from gossipdl.protocol.eviction import MAX_BANNED, Evictions
 from gossipdl.rundir import RunDir
 from gossipdl.transport import WireError
-from gossipdl.transport.wire import NONCE, encode
+from gossipdl.transport.wire import NONCE, decode, encode
 
 
 def test_accusations_make_a_quorum_of_more_than_half_of_the_suspects_neighbours() -> None:
@@ -73,6 +73,15 @@ def test_a_ring_member_is_evicted_once_both_neighbours_accuse_it_and_refused_bac
     assert welcome.kind == "welcome" and welcome.address == "tcp://h:13"
     dropped, _ = core.reports()
     assert [d.reason for d in dropped] == ["evicted"]
+    # peer 3, told so, is refused for good: it trains on alone and never asks again
+    evicted = _ring_core(3)
+    assert evicted.may_rejoin(0.0)
+    refused = evicted.refusal(decode(welcome.frames, 1 << 20))
+    assert refused is not None and "was evicted" in str(refused)
+    assert not evicted.may_rejoin(1e9) and evicted.evicted == str(refused)
+    full = encode("welcome", 0, 0, 0, meta={"error": "no id left", REFUSED: "too_many_members"})
+    other = _ring_core(3)
+    assert other.refusal(decode(full, 1 << 20)) is not None and other.may_rejoin(0.0)  # it may pass
 
 
 def test_a_swarm_that_evicts_nobody_refuses_accusations() -> None:
@@ -94,8 +103,8 @@ def test_evict_after_is_checked_in_the_config() -> None:
 def test_a_simulated_ring_evicts_a_blown_up_peer_and_closes_over_it(tmp_path: Path) -> None:
     """Eight simulated peers on a ring, peer 3 sending its model ×100, BALANCE with
     ``evict_after`` 5: its neighbours accuse it, every honest peer ends it, the ring
-    closes over 2–4 (they judge each other's models), its attempts to rejoin are refused,
-    and the honest peers train as well as an attack-free swarm does. Without an attack,
+    closes over 2–4 (they judge each other's models), its one attempt to rejoin is refused
+    for good, and the honest peers train as well as an attack-free swarm does. Without an attack,
     on Dirichlet shards, nobody is evicted."""
     from gossipdl.experiments.simulated import simulate
 
@@ -114,7 +123,8 @@ def test_a_simulated_ring_evicts_a_blown_up_peer_and_closes_over_it(tmp_path: Pa
     last = {i: list(runs.records(i))[-1] for i in range(8) if i != 3}
     assert all(r["members"] == 7 and r["evicted"] == 1 for r in last.values())
     assert "4" in last[2]["neighbours"] and "2" in last[4]["neighbours"]  # the ring closed
-    assert sum(r["dropped_reasons"].get("evicted", 0) for r in last.values()) >= 1
+    # it asked back once: refused for good, it trains on alone and asks no more
+    assert sum(r["dropped_reasons"].get("evicted", 0) for r in last.values()) == 1
     honest = [p["accuracy"] for p in attacked["peers"] if p["id"] != 3]
     assert sum(honest) / len(honest) >= clean["mean_accuracy"] - 0.05
 
@@ -133,7 +143,7 @@ def test_real_peer_processes_evict_a_blown_up_peer(tmp_path: Path) -> None:
     summary = launch(config, progress=False)
     runs = RunDir(config.out)
     refused = sum(list(runs.records(i))[-1]["dropped_reasons"].get("evicted", 0) for i in (0, 2, 3))
-    assert refused >= 1  # it asked to rejoin and was refused
+    assert refused == 1  # it asked to rejoin, was refused for good and asked no more
     for i in (0, 2, 3):  # at step 300, before the first to finish leaves
         late = next(r for r in runs.records(i) if r["step"] == 300)
         assert late["members"] == 3 and late["evicted"] == 1, (i, late)

@@ -61,7 +61,7 @@ from gossipdl.transport.probe import CONNECT_WAIT_S, Unreachable, reachable
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import LinkProfile
 from gossipdl.transport.sockets import MAX_QUEUED_BYTES
-from gossipdl.transport.wire import echoed_nonce, meta_text
+from gossipdl.transport.wire import echoed_nonce
 
 log = logging.getLogger(__name__)
 
@@ -854,9 +854,10 @@ class Peer:
             except PeerError as exc:
                 error = exc
                 continue
-            if "error" in welcome.meta:
-                why = meta_text(welcome.meta, "error")
-                raise PeerError(f"{address} refused to let us join: {why}")
+            with self._core:
+                refused = self.core.refusal(welcome)
+            if refused is not None:
+                raise PeerError(f"{address} refused to let us join: {refused}")
             return welcome
         raise error if candidates else PeerError(f"no address to join in {addresses!r}")
 

@@ -145,6 +145,11 @@ class JoinRefused(RuntimeError):
     """A member refused to let us in; the message is its reason."""
 
 
+REFUSED = "refused"
+"""A refusal's welcome meta key: the drop reason it was counted under (``evicted``, a limit's),
+so the joiner can tell a refusal for good from one that may pass."""
+
+
 class _Phase(Enum):
     IDLE = "idle"  # training: no round open
     FIRST = "first"  # waiting for the round's messages
@@ -230,6 +235,7 @@ class GossipCore:
         self.rejoin_via: int | None = None  # a member whose table says we were dropped
         self.rejoin_through: list[int] = []  # it, then the rest of its swarm: whom to ask
         self.rejoin_held_until = 0.0  # after a rejoin nobody answered (rejoin_failed)
+        self.evicted: str | None = None  # why the swarm refuses us back for good (refusal)
         self._asked: dict[str, str] = {}  # nonce of a request of ours -> the answer's kind
         self._told: dict[int, float] = {}  # member -> when it last got our table (tell_table)
         self.answers: list[Message] = []  # answers to our requests, for the engine to take
@@ -834,8 +840,9 @@ class GossipCore:
 
     def may_rejoin(self, now: float) -> bool:
         """Whether a table that says we were dropped starts a rejoin now: not while one runs,
-        nor while the last failed one holds the next back (:meth:`rejoin_failed`)."""
-        return self.rejoin_via is None and now >= self.rejoin_held_until
+        nor while the last failed one holds the next back (:meth:`rejoin_failed`), nor ever
+        once we were evicted (:meth:`refusal`)."""
+        return self.rejoin_via is None and now >= self.rejoin_held_until and not self.evicted
 
     def rejoin_failed(self, now: float) -> None:
         """A rejoin got no welcome within its timeout: hold the next back for a drawn part of
@@ -876,6 +883,7 @@ class GossipCore:
             meta: dict[str, Any] = {"error": decision.error, "members": self.membership.wire()}
             if decision.limit is not None:
                 self.dropped.append(WireError(decision.limit, f"join from {address} refused"))
+                meta[REFUSED] = decision.limit
             return [self._reply(address, "welcome", {**meta, NONCE: nonce})]
         assert isinstance(decision, Admission)
         member = decision.member
@@ -960,6 +968,18 @@ class GossipCore:
         frames = encode(kind, self.id, 0, self.round, meta=meta)
         return [Send(sender.id, kind, frames)]
 
+    def refusal(self, welcome: Message) -> JoinRefused | None:
+        """The refusal a (checked) welcome carries; None if it let us in. One that says we
+        were evicted ends our rejoins for good (:attr:`evicted`): the members refuse our
+        address and key, and asking again only fills the logs."""
+        if "error" not in welcome.meta:
+            return None
+        refused = JoinRefused(meta_text(welcome.meta, "error"))
+        if welcome.meta.get(REFUSED) == "evicted" and self.evicted is None:
+            self.evicted = str(refused)
+            self.notes.append(f"refused back for good ({refused}): training on alone")
+        return refused
+
     def welcomed(self, now: float, welcome: Message) -> Member:
         """A member let us in (or back in): its welcome's id and table become ours (we answer
         joins again), every member's silence starts now, and rounds from our first one on
@@ -967,8 +987,9 @@ class GossipCore:
         for us, :class:`JoinRefused` if it refused us."""
         self._now = now
         members = check_welcome(welcome, self.membership.limit)
-        if "error" in welcome.meta:
-            raise JoinRefused(meta_text(welcome.meta, "error"))
+        refused = self.refusal(welcome)
+        if refused is not None:
+            raise refused
         peer_id = meta_int(welcome.meta, "id", "welcome id")
         me = next((m for m in members if m.id == peer_id), None)
         if me is None or me.until is not None:
