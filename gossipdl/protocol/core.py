@@ -324,10 +324,9 @@ class GossipCore:
         box = self._inbox if first else self._answers
         ids = rnd.weights if first else self._quiet
         # still waiting for a member in the swarm? (asks who left only about who has not sent)
-        if online and now < (self.deadline or 0.0):
-            gone = self.membership.gone
-            if any(not gone(j) for j in box.waiting_for(rnd.index, ids)):
-                return Progress()
+        waiting = online and now < (self.deadline or 0.0)
+        if waiting and any(self._awaited(j, rnd.index) for j in box.waiting_for(rnd.index, ids)):
+            return Progress()
         expected = set(self.live(ids))
         got = box.take(rnd.index)
         missed = sorted(j for j in expected if j not in got)
@@ -523,6 +522,17 @@ class GossipCore:
     def mixing(self, round: int) -> tuple[dict[int, float], float]:
         """Neighbour id -> weight, and the self weight, in ``round``."""
         return self.topologies.mixing(self.membership.active(round), self.id, round)
+
+    def _awaited(self, j: int, round: int) -> bool:
+        """Whether member ``j``'s message for ``round`` may still come: it is not gone, nor
+        a restarted process let in from a later round (its old process is dead: nothing
+        comes for the rounds between, and waiting a round timeout in each of them slowed
+        the swarm). A rejoin is waited for: the same process sends for its old rounds until
+        its welcome arrives."""
+        if self.membership.gone(j):
+            return False
+        member = self.membership.get(j)
+        return member is None or member.since <= round or not self.membership.restarted(j)
 
     def live(self, ids: Any) -> list[int]:
         """The ids nobody should wait for removed: they left or were declared dead."""
