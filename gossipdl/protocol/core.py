@@ -524,15 +524,13 @@ class GossipCore:
         return self.topologies.mixing(self.membership.active(round), self.id, round)
 
     def _awaited(self, j: int, round: int) -> bool:
-        """Whether member ``j``'s message for ``round`` may still come: it is not gone, nor
-        a restarted process let in from a later round (its old process is dead: nothing
-        comes for the rounds between, and waiting a round timeout in each of them slowed
-        the swarm). A rejoin is waited for: the same process sends for its old rounds until
-        its welcome arrives."""
-        if self.membership.gone(j):
-            return False
+        """Whether member ``j``'s message for ``round`` may still come: it is not gone, and
+        its current life takes part in that round. A later life, let in from a round after
+        it, replaced one that died (a restart) or was dropped (a rejoin: the process ran no
+        round while it asked, and took up the later round): nothing comes for the rounds
+        between, and waiting a round timeout in each of them slowed the swarm."""
         member = self.membership.get(j)
-        return member is None or member.since <= round or not self.membership.restarted(j)
+        return not self.membership.gone(j) and (member is None or member.since <= round)
 
     def live(self, ids: Any) -> list[int]:
         """The ids nobody should wait for removed: they left or were declared dead."""

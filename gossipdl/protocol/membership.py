@@ -122,7 +122,6 @@ class MemberTable:
         # id -> the rounds [since, until) of the life a later one replaced: it still takes
         # part in those rounds' topologies (every member computes them alike)
         self._before: dict[int, tuple[int, int]] = {}
-        self._restarted: set[int] = set()  # ids whose replaced life was another process
         if members:
             self.merge(members)
 
@@ -157,10 +156,6 @@ class MemberTable:
         until = new.since if old.until is None else min(old.until, new.since)
         if until > old.since:
             self._before[old.id] = (old.since, until)
-        if old.incarnation and new.incarnation and old.incarnation != new.incarnation:
-            self._restarted.add(old.id)
-        else:
-            self._restarted.discard(old.id)
 
     def _stale(self, member: Member) -> bool:
         """Whether ``member`` is a life that ended before we forgot it (lock held)."""
@@ -193,7 +188,6 @@ class MemberTable:
                 return None
             del self._members[peer_id]
             self._before.pop(peer_id, None)
-            self._restarted.discard(peer_id)
             self._digest = None
             self._left.pop(peer_id, None)
             self._forgotten[peer_id] = member.until
@@ -248,13 +242,6 @@ class MemberTable:
         """Record that a peer stopped training (and why, if it said); nobody waits for it."""
         with self._lock:
             self._left[peer_id] = reason
-
-    def restarted(self, peer_id: int) -> bool:
-        """Whether the life of ``peer_id`` that its current one replaced was another process
-        (both incarnations known and different): a restart, whose old process is dead. The
-        same process let back in (a rejoin) sends for its old rounds until it hears so."""
-        with self._lock:
-            return peer_id in self._restarted
 
     def gone(self, peer_id: int) -> bool:
         """Whether nobody should wait for the peer: it left, or it was declared dead."""

@@ -214,8 +214,7 @@ class Simulation:
             max_message_bytes=int(config.max_message_mb * 2**20),
             seed=config.seed,
         )
-        # each peer's first process (a restart's join names life + 1, as a real one draws its own)
-        members = [Member(i, sim_address(i), 0, incarnation=1) for i in range(config.peers)]
+        members = [Member(i, sim_address(i), 0) for i in range(config.peers)]
         template = initial_model(config, self.dataset)  # every peer starts from it
         self.peers: list[VirtualPeer] = []
         for i in range(config.peers):
