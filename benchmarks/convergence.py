@@ -13,9 +13,10 @@ What it measures
     * ``choco-topk``, ``choco-sign``, ``choco-topk-qsgd``, ``choco-powersgd``: CHOCO-SGD
       with ``topk:0.01``, ``sign``, ``topk:0.01+qsgd:16`` and ``powersgd:1`` (per layer);
     * ``powergossip``: PowerGossip, rank 1 per layer and edge;
-    * ``beer-topk``, ``beer-topk-qsgd``, ``beer-topk05-qsgd``: BEER (gradient tracking
-      through CHOCO's public copies) with top-1%, with QSGD values on it, and with QSGD
-      values on top-0.5%;
+    * ``beer-topk``, ``beer-topk-qsgd``, ``beer-topk05-qsgd``, ``beer-topk05-trits``: BEER
+      (gradient tracking through CHOCO's public copies) with top-1%, with QSGD values on
+      it, with QSGD values on top-0.5%, and the same with those values' levels coded as
+      trits and exceptions (``qsgd:16:trits``: the same run, fewer bytes);
     * ``stacked-sign``, ``stacked``: the savings together, a message every 4th step
       (``periodic:4``) of 1-bit values (``sign``), or of top-1% with QSGD values and
       Golomb-coded indices (``topk:0.01+qsgd:16``);
@@ -114,6 +115,7 @@ SETTINGS = [
     Setting("beer-topk", "beer", "topk:0.01"),
     Setting("beer-topk-qsgd", "beer", "topk:0.01+qsgd:16"),
     Setting("beer-topk05-qsgd", "beer", "topk:0.005+qsgd:16"),
+    Setting("beer-topk05-trits", "beer", "topk:0.005+qsgd:16:trits"),
     Setting("stacked-sign", "choco", "sign", "periodic:4"),
     Setting("stacked", "choco", "topk:0.01+qsgd:16", "periodic:4"),
 ]

@@ -317,6 +317,8 @@ def test_a_batched_swarm_that_diverges_stops_and_says_why(tmp_path: Path) -> Non
         ({"algorithm": "choco", "codec": "topk:0.01+fp16"}, "codec 'topk:0.01+fp16'"),
         ({"algorithm": "choco", "codec": "threshold:0.1+qsgd:4"}, "codec 'threshold:0.1+qsgd:4'"),
         ({"algorithm": "choco", "codec": "ternary"}, "codec 'ternary'"),
+        ({"algorithm": "choco", "codec": "topk:0.01+qsgd:16:trits"}, "trits coding"),
+        ({"algorithm": "choco", "codec": "qsgd:16:trits"}, "trits coding"),
         ({"trigger": "dynamic:0.1"}, "trigger 'dynamic:0.1'"),
         ({"optimizer": "adam"}, "optimizer 'adam'"),
         ({"profiles": {"p": {"peers": "0-1", "latency": "9ms", "jitter": "5ms"}}}, "jitter"),

@@ -193,6 +193,9 @@ class ValueCodec(Codec):
     """
 
     n_arrays: int = 1
+    fixed_layout: bool = True
+    """Whether :meth:`layout` tells a payload's arrays before encoding (false where their
+    lengths depend on the values, as ``qsgd:LEVELS:trits``'s exceptions do)."""
 
     @abstractmethod
     def layout(self, count: int) -> Layout:

@@ -51,7 +51,9 @@ from gossipdl.compression.base import (
     Layout,
     Payload,
     ValueCodec,
+    check_arrays,
     check_layout,
+    check_meta,
     check_numel,
     check_scales,
     check_vector,
@@ -65,6 +67,26 @@ _SIGN_TABLE = np.where(_BIT_ROWS == 1, np.float32(-1.0), np.float32(1.0)).astype
 # Row b holds the 5 base-3 digits of byte b (b < 243) as values -1, 0, 1.
 _TRIT_ROWS = (np.arange(243)[:, None] // 3 ** np.arange(5)) % 3
 _TRIT_TABLE = (_TRIT_ROWS - 1).astype(np.float32)
+
+
+def _pack_trits(trits: torch.Tensor) -> torch.Tensor:
+    """Values in {-1, 0, 1} (int8, any device) packed 5 per byte in base 3, the first value
+    the least significant digit (``3^5 = 243 <= 256``: 1.6 bits per value); the last byte is
+    padded with zeros. Uint8 ``[ceil(n/5)]``, every byte < 243 (``_TRIT_TABLE`` unpacks)."""
+    count = trits.numel()
+    groups = -(-count // 5)
+    digits = torch.ones(groups * 5, dtype=torch.uint8, device=trits.device)
+    digits[:count] = (trits + 1).view(torch.uint8)
+    columns = digits.view(groups, 5)
+    packed = columns[:, 4] * 3 + columns[:, 3]  # Horner: d0 + 3(d1 + 3(d2 + 3(d3 + 3 d4)))
+    for j in (2, 1, 0):
+        packed = packed * 3 + columns[:, j]
+    return packed
+
+
+def _check_trits(packed: np.ndarray, what: str) -> None:
+    if packed.size and int(packed.max()) > 242:
+        raise CodecError(f"{what}: a packed byte exceeds 242 (not 5 base-3 digits)")
 
 
 # --- blocks: one scale per tensor (block == 0) or per BLOCK consecutive values -----------------
@@ -314,13 +336,7 @@ class Ternary(ValueCodec):
         keep = u < magnitude / s
         # 3. t = sign(g) · b in {-1, 0, 1}, packed in base 3.
         trits = torch.sign(g).to(torch.int8) * keep.to(torch.int8)
-        groups = -(-count // 5)
-        digits = torch.ones(groups * 5, dtype=torch.uint8, device=g.device)
-        digits[:count] = (trits + 1).view(torch.uint8)
-        columns = digits.view(groups, 5)
-        packed = columns[:, 4] * 3 + columns[:, 3]  # Horner: d0 + 3(d1 + 3(d2 + 3(d3 + 3 d4)))
-        for j in (2, 1, 0):
-            packed = packed * 3 + columns[:, j]
+        packed = _pack_trits(trits)
         # 4. the receiver's value s · t.
         estimate = trits.float() * s
         return Payload((to_host(packed).copy(), to_host(scales).copy()), {}), estimate
@@ -342,8 +358,7 @@ class Ternary(ValueCodec):
         count = check_numel(numel)
         packed, scales = check_layout(payload, self.spec, self.layout(count))
         check_scales(scales, self.spec)
-        if packed.size and int(packed.max()) > 242:
-            raise CodecError(f"{self.spec}: a packed byte exceeds 242 (not 5 base-3 digits)")
+        _check_trits(packed, self.spec)
         device = torch.device(device)
         native = native_kernels(device)
         if native is not None:
@@ -363,7 +378,7 @@ class Ternary(ValueCodec):
 
 
 class QSGD(ValueCodec):
-    """``qsgd:LEVELS`` or ``qsgd:LEVELS:BUCKET``: stochastic rounding to ``s`` levels; unbiased.
+    """``qsgd:LEVELS[:BUCKET][:trits]``: stochastic rounding to ``s`` levels; unbiased.
 
     Alistarh, Grubic, Li, Tomioka, Vojnovic 2017, "QSGD: Communication-Efficient
     SGD via Gradient Quantization and Encoding", eq. (4):
@@ -384,6 +399,18 @@ class QSGD(ValueCodec):
     ``LEVELS`` is 1..127 (codes fit 8 bits). Payload: uint8 codes
     ``[ceil(n·bits/8)]`` and float32 norms ``[buckets]``, empty meta.
 
+    ``:trits`` codes the same levels in fewer bytes where most are -1, 0 or 1, as
+    top-k's kept values are (each near ``‖v‖/√B``, so ``|v_i| s/‖v‖ < 2`` for
+    ``s <= √B``: 99% of top-0.5%'s levels at ``s = 16``, whose entropy is 1.66 bits
+    where the fixed codes take 6). The patched frame of reference of column stores
+    (PFOR): every level clipped to -1..1 and packed 5 per byte in base 3 (1.6 bits,
+    as ``ternary``), and the others listed apart, each a position and its level.
+    Payload: uint8 ``[ceil(n/5)]``, float32 norms ``[buckets]``, the exceptions'
+    positions (strictly increasing; uint16 for ``n <= 65536``, else int32) and their
+    int8 levels (``2 <= |level| <= s``). The rounding, and so the receiver's values,
+    are the fixed codes' bit for bit; only the size differs, and depends on the codes
+    (:attr:`~gossipdl.compression.base.ValueCodec.fixed_layout` is false).
+
     On CPU the C kernels run: each bucket's norm (summed in double) and then
     steps 2–4 on the bucket while it is in cache, writing the packed codes and
     the estimate in one pass over ``v`` (torch: a dozen full-size temporaries).
@@ -393,15 +420,23 @@ class QSGD(ValueCodec):
     distribution).
     """
 
-    n_arrays = 2
+    CODINGS = ("fixed", "trits")
 
-    def __init__(self, levels: int, bucket: int = 512, seed: int = 0) -> None:
+    def __init__(
+        self, levels: int, bucket: int = 512, seed: int = 0, coding: str = "fixed"
+    ) -> None:
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
             raise CodecError(f"qsgd:LEVELS needs an integer 1..127, got {levels!r}")
+        if coding not in self.CODINGS:
+            raise CodecError(f"qsgd: the coding is one of {list(self.CODINGS)}, got {coding!r}")
         self.levels = levels
         self.block = _check_block("qsgd", bucket)
         self.bits = (2 * levels).bit_length()
-        self.spec = f"qsgd:{levels}" if bucket == 512 else f"qsgd:{levels}:{bucket}"
+        self.coding = coding
+        self.fixed_layout = coding == "fixed"
+        self.n_arrays = 2 if self.fixed_layout else 4
+        self.spec = f"qsgd:{levels}" + ("" if bucket == 512 else f":{bucket}")
+        self.spec += "" if self.fixed_layout else f":{coding}"
         self._rng = Rng(seed, salt=4)
 
     def contraction(self, numel: int) -> float:
@@ -425,10 +460,31 @@ class QSGD(ValueCodec):
         if native is not None:
             out = host_empty(v.numel())
             payload = self._encode_native(native, v.numpy(), self._rng.message_seed(), out)
-            return payload, torch.from_numpy(out)
-        codes, norms, estimate = self._quantize(v)
-        payload = Payload((pack_bits(codes, self.bits), to_host(norms).copy()), {})
+            estimate = torch.from_numpy(out)
+        else:
+            codes, norms, estimate = self._quantize(v)
+            payload = Payload((pack_bits(codes, self.bits), to_host(norms).copy()), {})
+        if not self.fixed_layout:
+            payload = self._patched(payload, v.numel())
         return payload, estimate
+
+    def _patched(self, fixed: Payload, count: int) -> Payload:
+        """The ``:trits`` payload of the fixed codes' ``fixed``: levels clipped to -1..1 in
+        base 3, and the others' positions and levels."""
+        packed, norms = fixed.arrays
+        codes = unpack_bits(packed, self.bits, count, torch.device("cpu")).numpy()
+        levels = codes.astype(np.int16) - self.levels
+        positions = np.flatnonzero(np.abs(levels) > 1)
+        trits = torch.from_numpy(np.clip(levels, -1, 1).astype(np.int8))
+        return Payload(
+            (
+                _pack_trits(trits).numpy(),
+                norms,
+                positions.astype(_position_dtype(count)),
+                levels[positions].astype(np.int8),
+            ),
+            {},
+        )
 
     def _encode_native(
         self, native: ModuleType, v: np.ndarray, seed: int, out: np.ndarray
@@ -473,6 +529,8 @@ class QSGD(ValueCodec):
         return codes, norms, self._values(codes, norms, count)
 
     def layout(self, count: int) -> Layout:
+        if not self.fixed_layout:
+            raise CodecError(f"{self.spec}: a message's size depends on its codes; encode it")
         return Layout(
             (("uint8", packed_size(count, self.bits)), ("float32", _num_blocks(count, self.block)))
         )
@@ -481,6 +539,8 @@ class QSGD(ValueCodec):
         self, payload: Payload, numel: int, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
         count = check_numel(numel)
+        if not self.fixed_layout:
+            return self._decode_patched(payload, count, torch.device(device))
         packed, norms = check_layout(payload, self.spec, self.layout(count))
         check_scales(norms, self.spec)
         device = torch.device(device)
@@ -500,6 +560,40 @@ class QSGD(ValueCodec):
         if host is None and count and int(codes.max()) > 2 * self.levels:
             raise CodecError(f"{self.spec}: a code exceeds 2·LEVELS = {2 * self.levels}")
         return self._values(codes, from_host(norms, device), count)
+
+    def _decode_patched(self, payload: Payload, count: int, device: torch.device) -> torch.Tensor:
+        """:meth:`decode` of a ``:trits`` payload, every array checked first."""
+        blocks = _num_blocks(count, self.block)
+        packed, norms, positions, big = check_arrays(
+            payload,
+            self.spec,
+            ("uint8", "float32", _position_dtype(count), "int8"),
+            (-(-count // 5), blocks, None, None),
+        )
+        check_meta(payload.meta, self.spec, {})
+        check_scales(norms, self.spec)
+        _check_trits(packed, self.spec)
+        if positions.size != big.size:
+            raise CodecError(
+                f"{self.spec}: {positions.size} exception positions but {big.size} levels"
+            )
+        steps = np.diff(positions.astype(np.int64))  # uint16 differences would wrap
+        if positions.size and (int(positions[-1]) >= count or (steps <= 0).any()):
+            raise CodecError(
+                f"{self.spec}: exception positions must increase strictly and stay below {count}"
+            )
+        magnitude = np.abs(big.astype(np.int16))
+        if big.size and (int(magnitude.min()) < 2 or int(magnitude.max()) > self.levels):
+            raise CodecError(f"{self.spec}: an exception's level is not in 2..{self.levels}")
+        levels = np.take(_TRIT_TABLE, packed, axis=0).reshape(-1)[:count]
+        levels[positions] = big
+        codes = from_host((levels + self.levels).astype(np.uint8), device)
+        return self._values(codes, from_host(norms, device), count)
+
+
+def _position_dtype(count: int) -> str:
+    """The narrowest wire dtype of a position below ``count``."""
+    return "uint16" if count <= 1 << 16 else "int32"
 
 
 class Uniform(ValueCodec):

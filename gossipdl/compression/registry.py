@@ -8,7 +8,7 @@ A spec is stages joined by ``+``, in this order::
 * sparsifiers: ``topk:RATIO``, ``randomk:RATIO[:noscale]``, ``threshold:TAU``,
   ``threshold:auto[:DENSITY]``;
 * value codecs (on the kept values, or on the whole vector alone): ``fp16``,
-  ``bf16``, ``uniform:BITS[:BLOCK]``, ``qsgd:LEVELS[:BUCKET]``, ``sign[:BLOCK]``,
+  ``bf16``, ``uniform:BITS[:BLOCK]``, ``qsgd:LEVELS[:BUCKET][:trits]``, ``sign[:BLOCK]``,
   ``ternary[:BLOCK]`` (float32 when none is given);
 * index coders: ``raw``, ``delta-varint``, ``delta-golomb`` (the default),
   ``delta-zlib``, ``delta-zstd`` (with the ``zstandard`` package);
@@ -143,10 +143,17 @@ def _uniform(args: list[str], seed: int) -> object:
 
 
 def _qsgd(args: list[str], seed: int) -> object:
-    usage = "qsgd:LEVELS[:BUCKET]"
-    args = _args(usage, args, 1, 2)
+    usage = "qsgd:LEVELS[:BUCKET][:trits]"
+    args = _args(usage, args, 1, 3)
+    coding = "fixed"
+    if len(args) > 1 and not args[-1].lstrip("-").isdigit():
+        coding = args.pop().lower()
+        if coding != "trits":
+            raise CodecError(f"{usage}: the only coding is 'trits', got {coding!r}")
+    if len(args) > 2:
+        raise CodecError(f"{usage}: the third argument is the coding, got {args[2]!r}")
     bucket = _int(usage, args[1]) if len(args) == 2 else 512
-    return QSGD(_int(usage, args[0]), bucket, seed=seed)
+    return QSGD(_int(usage, args[0]), bucket, seed=seed, coding=coding)
 
 
 def _block_only(cls: type, name: str) -> Callable[[list[str], int], object]:
@@ -179,7 +186,7 @@ _stage("threshold", "sparsifier", "threshold:TAU|auto[:DENSITY]", _threshold)
 _stage("fp16", "values", "fp16", _no_args(Float16, "fp16"))
 _stage("bf16", "values", "bf16", _no_args(BFloat16, "bf16"))
 _stage("uniform", "values", "uniform:BITS[:BLOCK]", _uniform)
-_stage("qsgd", "values", "qsgd:LEVELS[:BUCKET]", _qsgd)
+_stage("qsgd", "values", "qsgd:LEVELS[:BUCKET][:trits]", _qsgd)
 _stage("sign", "values", "sign[:BLOCK]", _block_only(Sign, "sign"))
 _stage("ternary", "values", "ternary[:BLOCK]", _block_only(Ternary, "ternary"))
 _stage("raw", "indices", "raw", _no_args(RawIndices, "raw"))

@@ -103,7 +103,8 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
     elif config.algorithm == "choco" and not _batchable(build_codec(config.codec)):
         problems.append(
             f"codec {config.codec!r} (batched CHOCO runs topk:RATIO[+sign|+qsgd:LEVELS], "
-            "threshold:TAU|auto, sign[:BLOCK] and qsgd:LEVELS, with any index coder)"
+            "threshold:TAU|auto, sign[:BLOCK] and qsgd:LEVELS, with any index coder; "
+            "not qsgd's trits coding)"
         )
     elif config.algorithm == "dense" and config.codec != "none":
         problems.append(f"codec {config.codec!r} (batched dense gossip sends models uncompressed)")
@@ -150,12 +151,14 @@ def devices_of(config: Config) -> list[DeviceProfile]:
 def _batchable(codec: Codec) -> bool:
     """Whether batched CHOCO runs ``codec``: top-k with its values as they are, signed or
     QSGD-rounded, threshold with its values as they are (either with any index coder), or
-    the sign or QSGD of the whole model."""
+    the sign or QSGD of the whole model; not a coding whose size depends on its codes
+    (``qsgd:LEVELS:trits``): batched peers count their messages without encoding them."""
     if isinstance(codec, SparseCodec):
         if isinstance(codec.sparsifier, TopK):
-            return isinstance(codec.values, (Identity, *ROW_CODECS))
+            values = codec.values
+            return isinstance(values, (Identity, *ROW_CODECS)) and values.fixed_layout
         return isinstance(codec.sparsifier, Threshold) and isinstance(codec.values, Identity)
-    return isinstance(codec, ROW_CODECS)
+    return isinstance(codec, ROW_CODECS) and codec.fixed_layout
 
 
 def _draws(codec: Codec) -> bool:
