@@ -28,10 +28,10 @@ Targets
     * ``topk:0.01+ef`` (top-1%, indices coded with the default delta-golomb,
       error feedback) round-trips (encode + decode) faster than the one
       ``torch.topk`` call;
-    * every codec whose index coding is not data-dependent entropy coding
-      (delta-golomb, delta-varint, delta-zlib) round-trips within 2x its floor, with
-      the kernels this machine runs (the extra "(numpy kernels)" rows show what a build
-      without a C compiler would run, and are not held to it).
+    * every codec without data-dependent entropy coding (of indices: delta-golomb,
+      delta-varint, delta-zlib; of values: ``qsgd:LEVELS:trits``) round-trips within 2x
+      its floor, with the kernels this machine runs (the extra "(numpy kernels)" rows
+      show what a build without a C compiler would run, and are not held to it).
 
 Run
     python benchmarks/codecs.py                      # 10M floats, 1 warm-up + 7 timed rounds
@@ -83,6 +83,7 @@ CODECS = (
     "topk:0.01+ef",
     "topk:0.01+fp16",
     "topk:0.01+qsgd:16+delta-golomb",
+    "topk:0.01+qsgd:16:trits",
     "topk:0.01+raw",
     "topk:0.01+delta-varint",
     "topk:0.01+delta-zlib",
@@ -111,10 +112,14 @@ def floor_bytes(numel: int, payload: int, error_feedback: bool) -> int:
 
 
 def entropy_coded(spec: str) -> bool:
-    """Whether ``spec``'s indices are entropy coded (their cost depends on the data)."""
+    """Whether ``spec``'s indices are entropy coded, or its values' size depends on them
+    (``qsgd:LEVELS:trits``): their cost depends on the data."""
     codec = build_codec(spec.removesuffix(NUMPY_SUFFIX))
-    indices = getattr(getattr(codec, "codec", codec), "indices", None)  # under +ef too
-    return indices is not None and indices.name in ENTROPY_CODERS
+    codec = getattr(codec, "codec", codec)  # under +ef too
+    indices = getattr(codec, "indices", None)
+    values = getattr(codec, "values", codec)
+    coded = indices is not None and indices.name in ENTROPY_CODERS
+    return coded or not getattr(values, "fixed_layout", True)
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
