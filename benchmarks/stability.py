@@ -21,7 +21,7 @@ Run
     python benchmarks/stability.py --only topk:0.01+qsgd:4 --graphs ring:8   # any codec
     python benchmarks/stability.py --quick          # top-1%, ring of 8, 300 rounds
 
-    About 13 minutes on one core for the defaults (six codecs, ring of 8, exponential
+    About 15 minutes on one core for the defaults (seven codecs, ring of 8, exponential
     graph of 16).
 
 JSON (``--json FILE``): ``{"benchmark": "stability", "rows": [...], "meta": {...}}``; each
@@ -47,7 +47,8 @@ from gossipdl.topologies import build_topology
 
 SHAPES = ((64, 40), (64,), (48, 64), (48,), (10, 48), (10,))  # 6,250 values in 3 layers
 NUMEL = sum(math.prod(shape) for shape in SHAPES)
-CODECS = ["topk:0.01", "topk:0.1", "topk:0.01+qsgd:16", "qsgd:16", "sign", "powersgd:1"]
+CODECS = ["topk:0.01", "topk:0.1", "topk:0.01+qsgd:16", "randomk:0.02:noscale", "qsgd:16", "sign",
+          "powersgd:1"]  # fmt: skip
 GRAPHS = "ring:8,exponential:16"
 MARGIN, SLOWEST = 0.9, 0.1
 QUICK_ROUNDS, ROUNDS = 300, 1500

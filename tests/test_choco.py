@@ -122,7 +122,9 @@ RING, EXPONENTIAL_16 = 1 / 3, 1 / 8  # W_ii under Metropolis weights: a ring, th
      ("qsgd:16", RING, 0.5), ("ternary", EXPONENTIAL_16, 0.5),
      ("sign", RING, 0.5 * (2 / math.pi) ** 0.5),
      ("sign", EXPONENTIAL_16, 0.5 * (2 / math.pi) ** 0.5),
-     ("threshold:auto:0.0004+sign", RING, (0.0004 * 2 / math.pi) ** 0.85 * 1.5)],
+     ("threshold:auto:0.0004+sign", RING, (0.0004 * 2 / math.pi) ** 0.85 * 1.5),
+     ("randomk:0.02:noscale", RING, 0.6 * 0.02 * 1.5),  # linear in δ: it keeps no more
+     ("randomk:0.02:noscale", EXPONENTIAL_16, 0.6 * 0.02 * 8 / 7)],
 )  # fmt: skip
 def test_the_automatic_gamma_is_the_smaller_of_half_the_root_and_the_graphs_bound(
     spec: str, self_weight: float, gamma: float
@@ -139,6 +141,13 @@ def test_the_automatic_gamma_keeps_choco_stable_where_half_the_root_of_delta_sta
     graph = build_topology("exponential", 8)
     assert consensus_spreads("topk:0.01", graph, None, 300)[-1] < 1 / 15  # 0.036
     assert consensus_spreads("topk:0.01", graph, 0.05, 300)[-1] > 1 / 10  # √δ/2: 0.196
+
+
+def test_the_automatic_gamma_keeps_random_k_stable_where_top_ks_law_diverges() -> None:
+    # Random-2% of 1,000 values on a ring of 8: γ* ≈ 0.030; δ^0.85 / (1 − W_ii) gave 0.054.
+    graph = build_topology("ring", 8)
+    assert consensus_spreads("randomk:0.02:noscale", graph, None, 300)[-1] < 0.5  # 0.34
+    assert consensus_spreads("randomk:0.02:noscale", graph, 0.054, 300)[-1] > 2  # 2.7
 
 
 def test_compressed_broadcast_keeps_every_peer_on_one_model_and_loses_no_update() -> None:
