@@ -124,7 +124,8 @@ RING, EXPONENTIAL_16 = 1 / 3, 1 / 8  # W_ii under Metropolis weights: a ring, th
      ("sign", EXPONENTIAL_16, 0.5 * (2 / math.pi) ** 0.5),
      ("threshold:auto:0.0004+sign", RING, (0.0004 * 2 / math.pi) ** 0.85 * 1.5),
      ("randomk:0.02:noscale", RING, 0.6 * 0.02 * 1.5),  # linear in δ: it keeps no more
-     ("randomk:0.02:noscale", EXPONENTIAL_16, 0.6 * 0.02 * 8 / 7)],
+     ("randomk:0.02:noscale", EXPONENTIAL_16, 0.6 * 0.02 * 8 / 7),
+     ("randomk:0.02:noscale+qsgd:16", RING, 0.6 * 0.02 * 1.5)],  # no (1 + ω)^0.75
 )  # fmt: skip
 def test_the_automatic_gamma_is_the_smaller_of_half_the_root_and_the_graphs_bound(
     spec: str, self_weight: float, gamma: float
