@@ -577,8 +577,8 @@ class QSGD(ValueCodec):
             raise CodecError(
                 f"{self.spec}: {positions.size} exception positions but {big.size} levels"
             )
-        steps = np.diff(positions.astype(np.int64))  # uint16 differences would wrap
-        if positions.size and (int(positions[-1]) >= count or (steps <= 0).any()):
+        gaps = np.diff(positions.astype(np.int64))  # uint16 differences would wrap
+        if positions.size and (int(positions[-1]) >= count or (gaps <= 0).any()):
             raise CodecError(
                 f"{self.spec}: exception positions must increase strictly and stay below {count}"
             )
