@@ -43,7 +43,9 @@ def test_local_peers_train_on_the_gpu_and_say_so(tmp_path: Path, overlap: bool) 
         assert final["device"].startswith("cuda"), final["device"]
 
 
-@pytest.mark.parametrize("spec", ["none", "fp16", "sign", "qsgd:16", "topk:0.01+raw", "ternary"])
+@pytest.mark.parametrize(
+    "spec", ["none", "fp16", "sign", "qsgd:16", "qsgd:16:trits", "topk:0.01+raw", "ternary"]
+)
 def test_a_codec_leaves_its_tensors_on_the_gpu(spec: str) -> None:
     """The sender's estimate and the decoded tensor stay on the device; only the payload
     is on the host (the wire's bytes)."""
