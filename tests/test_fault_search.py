@@ -85,6 +85,19 @@ FOUND = {
     "steps apart, honest models drifted further apart than γ‖x‖ between them, every peer "
     "rejected its neighbours, and one was evicted with no fault needed (γ now grows as "
     "√steps since the peer last judged)",
+    21000: "a ring of 4 split in three and healed; two peers rejoined through a third from "
+    "round 26 while it was at about round 6, took up the steps of round 26 (40 of the run's "
+    "50) at once and finished; the one restarted later found no live member (a rejoin now "
+    "goes on from the round a member is at and trains alone to its new life's first round)",
+    23511: "the same after a partition of three: a rejoin took up step 94 of a 54-step run, "
+    "and a peer restarted later found no live member",
+    24994: "the same on the exponential graph of 4 with PowerGossip (step 106 of 71)",
+    25037: "the same on the complete graph of 5: two rejoined past the last round and ended; "
+    "two restarted peers asked them a second later and nobody let them in",
+    1217: "with that, a peer back in first skipped its dropped notices too while it trained "
+    "alone: let back in twice (from rounds 24 and 45) under loss, it took the first welcome "
+    "and learnt of the second only after its margin, past the run's end (a peer alone now "
+    "rejoins again at any round boundary)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

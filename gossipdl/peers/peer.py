@@ -344,6 +344,7 @@ class Peer:
         self.swarm_start = time.time() if swarm_start is None else swarm_start
         # -- training thread only --
         self._first_wait = 0.0
+        self._alone_until = -1  # a rejoin trains alone to this step (:meth:`_start_again`)
         self.rejoins = 0
         self._wanted_id = rank  # the id asked for (None: any); asked again if ours goes to another
         self._resuming = resume_step is not None
@@ -414,14 +415,17 @@ class Peer:
         if not self.trigger.ends_round(self.steps):
             return
         if self._rounds is None:
-            self.gossip()
+            self._gossip(stepped=True)
         else:
-            self._start_round()
+            self._start_round(stepped=True)
 
-    def _start_round(self) -> None:
-        """Start this step's round on the round thread (``overlap``)."""
+    def _start_round(self, stepped: bool = False) -> None:
+        """Start this step's round on the round thread (``overlap``); ``stepped``: after a
+        local step (see :meth:`_gossip`)."""
         assert self._rounds is not None
         self._rejoin_if_dropped()
+        if stepped and self.steps <= self._alone_until:  # back in: alone to the first round
+            return
         x, ready = self._flat(), None
         if self._stream is not None:  # the round's stream starts once x is written
             ready = torch.cuda.Event()
@@ -471,15 +475,23 @@ class Peer:
         with self._core:
             self.core.sync_at_step(step)
 
-    @torch.no_grad()
     def gossip(self) -> None:
         """One gossip round: synchronous with this round's neighbours, or one step of a walk."""
+        self._gossip(stepped=False)
+
+    @torch.no_grad()
+    def _gossip(self, stepped: bool) -> None:
+        """:meth:`gossip`; ``stepped``: after a local step (:meth:`step`), where a peer back
+        in trains alone to its new life's first round (a caller of :meth:`gossip` alone
+        counts no steps: its rounds go on at once)."""
         self.settle()
         if self._rounds is not None:  # overlap: the round thread runs it, taken at once
-            self._start_round()
+            self._start_round(stepped)
             self.settle()
             return
         self._rejoin_if_dropped()
+        if stepped and self.steps <= self._alone_until:  # back in: alone to the first round
+            return
         if not self.reduces_gradients:  # gradients were averaged before the local step
             x = self._flat()
             new = self._ring_round(x) if self.ring else self._core_round(x)
@@ -903,15 +915,20 @@ class Peer:
         self._learn_keys(self.membership.members())
         self._members_changed()
         self.rejoins += 1
-        self._start_late(me.since, take_model=False)
-        # Steps the swarm took while we were away are not owed: end with the others.
-        self.steps = max(self.steps, self.round * self.trigger.period)
+        swarm = self._start_late(me.since, take_model=False)
+        # Steps the swarm took while we were away are not owed: we go on from the round a
+        # member is at, and train alone until our new life's first round, a join margin on,
+        # as the swarm does (taking up that round's steps at once skipped a margin of them,
+        # and in a short run the rest: fault seeds 21000, 23511, 24994, 25037).
+        period = self.trigger.period
+        self.steps = max(self.steps, (self.round if swarm is None else swarm) * period)
+        self._alone_until = self.round * period
 
-    def _start_late(self, since: int, take_model: bool = True) -> None:
+    def _start_late(self, since: int, take_model: bool = True) -> int | None:
         """Start at round ``since`` of a running swarm, aligned with a neighbour's round (or,
         if none answers, another member's); a newcomer takes that model, a restarted peer
         keeps its own (and starts at ``since`` if nobody is left to align with: the others
-        may have finished)."""
+        may have finished). The round the member that answered was at, or None."""
         asked: set[int] = set()
         while True:
             with self._core:  # again each time: a member may have been declared dead since
@@ -920,7 +937,7 @@ class Peer:
             if member is None and not take_model:
                 log.warning("peer %d: no member sent its round; in at round %d", self.id, since)
                 self._start_at(since, None)
-                return
+                return None
             if member is None:
                 break
             j = member.id
@@ -936,7 +953,7 @@ class Peer:
                 model = self.core.decode_model(reply) if take_model else None
             except PeerError as exc:
                 if self._lost_id():
-                    return  # the caller asks for another id
+                    return None  # the caller asks for another id
                 log.warning("peer %d: neighbour %d did not send its model: %s", self.id, j, exc)
                 continue
             except WireError as exc:
@@ -953,7 +970,7 @@ class Peer:
                 j,
                 reply.round,
             )
-            return
+            return int(reply.round)
         raise PeerError(f"peer {self.id}: no member answered with its model")
 
     def _start_at(self, start: int, model: torch.Tensor | None) -> None:

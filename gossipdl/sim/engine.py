@@ -128,6 +128,7 @@ class VirtualPeer:
     life: int = 0  # one more at each death: events of an earlier life are ignored
     join: Join | None = None  # a join in progress (sim.joins)
     rejoins: int = 0  # times it was let back in after being dropped
+    alone_until: int = -1  # a rejoin trains alone to this step, its new life's first round's
     first_wait: float = 0.0  # the next round's wait, if longer (its first after a join)
     saved: tuple[int, dict[str, Any], dict[str, Any]] | None = None  # checkpoint: step, states
     drift: Drift | None = None  # the label drift still to come (``drift``)
@@ -415,6 +416,8 @@ class Simulation:
             self._after_round(peer)
         elif peer.core.rejoin_via is not None:  # a member says we were dropped
             self._rejoin(peer)
+        elif peer.steps <= peer.alone_until:  # back in: alone to the new life's first round
+            self._after_round(peer)
         else:
             self._open_round(peer)
 
@@ -463,7 +466,10 @@ class Simulation:
 
         def then() -> None:
             core.rejoin_via = None
-            self._open_round(peer)
+            if peer.steps <= peer.alone_until:  # back in: alone to the new life's first round
+                self._after_round(peer)
+            else:
+                self._open_round(peer)
 
         def failed(why: str, welcomed: bool) -> None:
             if welcomed:  # in the new table, but never aligned: the real peer stops too
@@ -488,9 +494,16 @@ class Simulation:
             each=REJOIN_TRIES,  # as Peer._join: one member a while, then the next
         )
 
-    def start_late(self, peer: VirtualPeer, start: int, model: torch.Tensor | None) -> None:
+    def start_late(
+        self,
+        peer: VirtualPeer,
+        start: int,
+        model: torch.Tensor | None,
+        swarm_round: int | None = None,
+    ) -> None:
         """Start at round ``start`` of the running swarm (``Peer._start_late``): a newcomer
-        with ``model`` (its neighbour's), a peer back with its own."""
+        with ``model`` (its neighbour's), a peer back with its own; ``swarm_round``: the
+        round the neighbour that answered was at (None if nobody did)."""
         period = peer.core.trigger.period
         if model is not None:
             set_params(peer.params, model)
@@ -501,7 +514,9 @@ class Simulation:
         peer.first_wait = self.config.startup_timeout  # the swarm gets there in its own time
         if peer.started:  # back after being dropped (``Peer._start_again``)
             peer.rejoins += 1
-            peer.steps = max(peer.steps, peer.core.round * period)  # the steps missed are not owed
+            aligned = peer.core.round if swarm_round is None else swarm_round
+            peer.steps = max(peer.steps, aligned * period)  # the steps missed are not owed
+            peer.alone_until = peer.core.round * period
         peer.started = True
 
     def _after_round(self, peer: VirtualPeer) -> None:
@@ -621,7 +636,7 @@ class Simulation:
         peer.sampler = peer_sampler(self.config, self.dataset, peer_id, steps)
         peer.drift, peer.y_test = drift_of(self.config, peer_id), None  # a new process's
         peer.dead, peer.started, peer.timer_at, peer.losses = False, False, None, []
-        peer.behind, peer.held, peer.stepped = False, None, False
+        peer.behind, peer.held, peer.stepped, peer.alone_until = False, None, False, -1
         self.network.revive(peer_id)
         self._record(
             peer,

@@ -162,14 +162,19 @@ def _take(simulation: Simulation, peer: VirtualPeer, join: Join, msg: Message) -
             _ask(simulation, peer)
             return
         model = core.decode_model(msg) if join.take_model else None
-        _start(simulation, peer, max(join.since, msg.round), model)
+        _start(simulation, peer, max(join.since, msg.round), model, msg.round)
 
 
 def _start(
-    simulation: Simulation, peer: VirtualPeer, round: int, model: torch.Tensor | None
+    simulation: Simulation,
+    peer: VirtualPeer,
+    round: int,
+    model: torch.Tensor | None,
+    swarm_round: int | None = None,
 ) -> None:
-    """The join is done: the peer starts at ``round`` (with ``model``, if it takes one)."""
-    simulation.start_late(peer, round, model)
+    """The join is done: the peer starts at ``round`` (with ``model``, if it takes one),
+    aligned with a member at ``swarm_round`` (None if nobody answered)."""
+    simulation.start_late(peer, round, model, swarm_round)
     _end(simulation, peer, failed=None)
 
 
