@@ -432,8 +432,8 @@ def test_qsgd_trits_sends_the_fixed_codes_levels_in_fewer_bytes() -> None:
     ("change", "part"),
     [
         (lambda a: (a[0], a[1], a[2][:-1], a[3]), "positions but"),
-        (lambda a: (a[0], a[1], a[2][::-1].copy(), a[3]), "increase strictly"),
-        (lambda a: (a[0], a[1], a[2] + np.uint16(2000), a[3]), "below 1000"),
+        (lambda a: (a[0], a[1], a[2][::-1].copy(), a[3]), "not strictly increasing"),
+        (lambda a: (a[0], a[1], a[2] + np.uint16(2000), a[3]), r"inside \[0, 1000\)"),
         (lambda a: (a[0], a[1], a[2], np.ones_like(a[3])), "2..16"),
         (lambda a: (a[0], a[1], a[2], np.full_like(a[3], 17)), "2..16"),
         (lambda a: (np.full_like(a[0], 243), *a[1:]), "exceeds 242"),
@@ -446,6 +446,19 @@ def test_qsgd_trits_refuses_bad_exceptions(change: Callable, part: str) -> None:
     assert payload.arrays[2].size > 1
     with pytest.raises(CodecError, match=part):
         codec.decode(Payload(change(payload.arrays), {}), 1000)
+
+
+def test_qsgd_trits_refuses_a_negative_exception_position() -> None:
+    """Above 65,536 values positions are int32: a negative one would index from the end."""
+    codec = build_codec("qsgd:16:trits")
+    x = torch.randn(70_000, generator=torch.Generator().manual_seed(0))
+    payload, _ = codec.encode(x)
+    packed, norms, positions, big = payload.arrays
+    assert positions.dtype == np.int32 and positions.size > 1
+    bad = positions.copy()
+    bad[0] = -5
+    with pytest.raises(CodecError, match="out of range"):
+        codec.decode(Payload((packed, norms, bad, big), {}), x.numel())
 
 
 def test_qsgd_trits_has_no_layout_before_encoding() -> None:

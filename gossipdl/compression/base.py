@@ -290,6 +290,20 @@ def meta_int(meta: Mapping[str, Any], key: str, what: str, lo: int, hi: int) -> 
     return value
 
 
+def increasing_below(array: np.ndarray, numel: int, what: str) -> np.ndarray:
+    """``array`` as int64 after checking it is strictly increasing inside ``[0, numel)`` (the
+    differences taken in int64: an unsigned dtype's would wrap)."""
+    values = array.astype(np.int64)
+    if values.size and (
+        int(values[0]) < 0 or int(values[-1]) >= numel or not (np.diff(values) > 0).all()
+    ):
+        raise CodecError(
+            f"{what}: not strictly increasing inside [0, {numel}) "
+            "(out of range, unsorted or duplicated)"
+        )
+    return values
+
+
 def check_scales(scales: np.ndarray, what: str) -> None:
     """Scales, norms and steps must be finite and non-negative."""
     if scales.size and not (np.isfinite(scales).all() and (scales >= 0).all()):

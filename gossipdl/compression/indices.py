@@ -52,6 +52,7 @@ from gossipdl.compression.base import (
     Payload,
     check_meta,
     dtype_name,
+    increasing_below,
     meta_int,
 )
 
@@ -168,15 +169,7 @@ class RawIndices(IndexCoder):
         array = _one_array(arrays, self._dtype(numel), "raw indices")
         if array.size != count:
             raise CodecError(f"raw indices: {array.size} indices, expected {count}")
-        indices = array.astype(np.int64)
-        if count and (
-            int(indices[0]) < 0 or int(indices[-1]) >= numel or not (np.diff(indices) > 0).all()
-        ):
-            raise CodecError(
-                f"raw indices: not strictly increasing inside [0, {numel}) "
-                "(out of range, unsorted or duplicated)"
-            )
-        return indices
+        return increasing_below(array, numel, "raw indices")
 
 
 class DeltaVarint(IndexCoder):

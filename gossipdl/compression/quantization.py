@@ -57,6 +57,7 @@ from gossipdl.compression.base import (
     check_numel,
     check_scales,
     check_vector,
+    increasing_below,
 )
 
 __all__ = ["QSGD", "Sign", "Ternary", "Uniform"]
@@ -577,16 +578,12 @@ class QSGD(ValueCodec):
             raise CodecError(
                 f"{self.spec}: {positions.size} exception positions but {big.size} levels"
             )
-        gaps = np.diff(positions.astype(np.int64))  # uint16 differences would wrap
-        if positions.size and (int(positions[-1]) >= count or (gaps <= 0).any()):
-            raise CodecError(
-                f"{self.spec}: exception positions must increase strictly and stay below {count}"
-            )
+        where = increasing_below(positions, count, f"{self.spec} exception positions")
         magnitude = np.abs(big.astype(np.int16))
         if big.size and (int(magnitude.min()) < 2 or int(magnitude.max()) > self.levels):
             raise CodecError(f"{self.spec}: an exception's level is not in 2..{self.levels}")
         levels = np.take(_TRIT_TABLE, packed, axis=0).reshape(-1)[:count]
-        levels[positions] = big
+        levels[where] = big
         codes = from_host((levels + self.levels).astype(np.uint8), device)
         return self._values(codes, from_host(norms, device), count)
 
