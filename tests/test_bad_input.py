@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import time
@@ -168,6 +169,15 @@ def test_join_from_the_cli_takes_a_neighbours_model_and_trains(tmp_path: Path) -
     records = list(RunDir(joined).records(3))
     first, final = records[0], records[-1]
     assert first["start"] and 100 <= first["step"] < steps
+    # It counts from its model's round and trains alone to its first round, a join margin on
+    # (it does not take up that round's step count and wait there for the swarm)
+    let_in = re.search(
+        r"joined at round (\d+) with the model of peer \d+ \(round (\d+)\)", done.stderr
+    )
+    assert let_in is not None, done.stderr
+    first_round, model_round = int(let_in[1]), int(let_in[2])
+    assert first["step"] == model_round < first_round
+    assert any(model_round < r["step"] < first_round for r in records), [r["step"] for r in records]
     assert first["accuracy"] > 0.6  # a trained neighbour's model; a fresh one is near 0.1
     assert final["final"] and final["step"] == steps and final["accuracy"] > 0.7
     assert final["neighbour_misses"] == 0

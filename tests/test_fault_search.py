@@ -98,6 +98,11 @@ FOUND = {
     "alone: let back in twice (from rounds 24 and 45) under loss, it took the first welcome "
     "and learnt of the second only after its margin, past the run's end (a peer alone now "
     "rejoins again at any round boundary)",
+    19931: "a peer restarted without a checkpoint took a neighbour's model of round 3 and "
+    "the step count of its first round, 23, and was then cut off: it went on alone from "
+    "step 69, and at the heal two peers rejoined through it, took its round, finished at "
+    "step 73 with 21 steps trained, and a peer restarted later found nobody (a newcomer now "
+    "counts from its model's round and trains alone to its first round)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

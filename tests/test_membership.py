@@ -30,6 +30,7 @@ from gossipdl.protocol.joining import (
     admit,
     hear_table,
     join_incarnation,
+    late_steps,
     outranks,
 )
 from gossipdl.rundir import RunDir
@@ -240,6 +241,35 @@ def test_a_peer_not_in_yet_refuses_a_model_request_instead_of_giving_its_first_m
     given = answer(started=True)
     assert member.model_refused(given) is None
     assert torch.equal(member.decode_model(given), torch.full((4,), 7.0))
+
+
+def test_a_peer_let_in_late_hands_on_the_round_it_aligned_with_not_its_first() -> None:
+    """Let in from round 23 with a model of round 3, a peer trains alone to its first round.
+    A model request meanwhile gets round 3: round 23 would make the asker take up 60 steps
+    nobody trained (fault seed 19931: two peers rejoined through such a peer at step 72 of
+    73). Nobody to align with: its first round, as before."""
+    table = [Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0)]
+    member, asker = _core(0, Membership(table)), _core(1, Membership(table))
+    for aligned, expected in ((3, 3), (None, 23)):
+        member.start_at(23, torch.full((4,), 3.0), took_model=True, aligned=aligned)
+        request = asker.ask("model_request", "tcp://h:10", {}, "n")
+        (send,) = member.receive(0.0, request.frames)
+        reply = decode(send.frames, 1 << 20)
+        assert reply.round == expected and member.round == 23
+        assert torch.equal(member.decode_model(reply), torch.full((4,), 3.0))
+
+
+def test_late_steps_count_only_steps_trained_and_train_alone_to_the_first_round() -> None:
+    """A newcomer goes on from its model's round, a peer back from the later of its own count
+    and the swarm's (the swarm's steps while away are not owed); both train alone to the
+    first round, a join margin on. A resumed peer keeps its count and has no alone phase."""
+    period, start = 3, 23
+    assert late_steps(0, True, False, start, 3, period) == (9, 69)
+    assert late_steps(12, True, True, start, 3, period) == (9, 69)  # the model's, not its own
+    assert late_steps(30, False, True, start, 3, period) == (30, 69)
+    assert late_steps(5, False, True, start, 3, period) == (9, 69)
+    assert late_steps(5, False, True, start, None, period) == (69, 69)  # nobody: its round
+    assert late_steps(45, False, False, start, 3, period) == (45, -1)
 
 
 def test_a_checkpoint_round_trips_and_a_wrong_or_torn_one_is_refused(tmp_path: Path) -> None:

@@ -219,12 +219,17 @@ def test_restart_is_refused_where_the_real_engine_cannot_restart(tmp_path: Path,
 
 def test_a_peer_restarted_without_a_checkpoint_takes_a_neighbours_model(tmp_path: Path) -> None:
     """Without a checkpoint the restarted peer is a newcomer on its old address: it gets its
-    id back, takes a neighbour's model and round, and finishes with the others."""
+    id back, takes a neighbour's model and step count, trains on from there in step with the
+    swarm (alone until its first round, a join margin on), and finishes with the others."""
     faults = [{"at": "1s", "kill": "2"}, {"at": "3s", "restart": "2"}]
     summary = simulate(fast_swarm(tmp_path, faults), step_time=0.05)
     assert summary["peers_finished"] == 6
     back = [x for x in lines(tmp_path / "run", 2) if x["time"] > 3.0 and not x.get("start")]
-    assert back[0]["step"] > 50  # the swarm's step count, not its own 20
+    neighbour = {x["time"]: x["step"] for x in lines(tmp_path / "run", 1)}
+    # the swarm's step count (not its own 20, nor its first round's, a margin on), at once:
+    # it trains from the reply on instead of waiting a margin of rounds for the swarm
+    assert back[0]["step"] > 40 and back[0]["time"] < 3.5
+    assert all(abs(x["step"] - neighbour[x["time"]]) <= 5 for x in back if x["time"] in neighbour)
     assert back[-1]["final"] and back[-1]["time"] == pytest.approx(summary["simulated_time_s"])
 
 

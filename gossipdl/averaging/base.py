@@ -134,7 +134,8 @@ class Averager(ABC):
     def catch_up(self, arrived: Mapping[int, Arrival]) -> torch.Tensor | None:
         """The model a peer that took a neighbour's model when it was let in starts its first
         round from, given what its neighbours sent for that round (None: its own). It took
-        that model a join margin before the round, so its own is that many rounds behind."""
+        that model a join margin before the round and trained it alone since, so its own
+        lacks that many rounds of the swarm's averaging."""
         return None
 
     def own_draws(self, peer: int) -> None:

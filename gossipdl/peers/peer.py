@@ -51,6 +51,7 @@ from gossipdl.protocol.joining import (
     check_welcome,
     hear_table,
     join_incarnation,
+    late_steps,
     rejoin_retry,
 )
 from gossipdl.transport import Message, Transport, WireError, encode
@@ -344,7 +345,7 @@ class Peer:
         self.swarm_start = time.time() if swarm_start is None else swarm_start
         # -- training thread only --
         self._first_wait = 0.0
-        self._alone_until = -1  # a rejoin trains alone to this step (:meth:`_start_again`)
+        self._alone_until = -1  # a late start trains alone to this step (:meth:`_start_at`)
         self.rejoins = 0
         self._wanted_id = rank  # the id asked for (None: any); asked again if ours goes to another
         self._resuming = resume_step is not None
@@ -424,7 +425,7 @@ class Peer:
         local step (see :meth:`_gossip`)."""
         assert self._rounds is not None
         self._rejoin_if_dropped()
-        if stepped and self.steps <= self._alone_until:  # back in: alone to the first round
+        if stepped and self.steps <= self._alone_until:  # let in late: alone to its first round
             return
         x, ready = self._flat(), None
         if self._stream is not None:  # the round's stream starts once x is written
@@ -481,16 +482,16 @@ class Peer:
 
     @torch.no_grad()
     def _gossip(self, stepped: bool) -> None:
-        """:meth:`gossip`; ``stepped``: after a local step (:meth:`step`), where a peer back
-        in trains alone to its new life's first round (a caller of :meth:`gossip` alone
-        counts no steps: its rounds go on at once)."""
+        """:meth:`gossip`; ``stepped``: after a local step (:meth:`step`), where a peer let
+        in late trains alone to its first round (a caller of :meth:`gossip` alone counts no
+        steps: its rounds go on at once)."""
         self.settle()
         if self._rounds is not None:  # overlap: the round thread runs it, taken at once
             self._start_round(stepped)
             self.settle()
             return
         self._rejoin_if_dropped()
-        if stepped and self.steps <= self._alone_until:  # back in: alone to the first round
+        if stepped and self.steps <= self._alone_until:  # let in late: alone to its first round
             return
         if not self.reduces_gradients:  # gradients were averaged before the local step
             x = self._flat()
@@ -915,20 +916,13 @@ class Peer:
         self._learn_keys(self.membership.members())
         self._members_changed()
         self.rejoins += 1
-        swarm = self._start_late(me.since, take_model=False)
-        # Steps the swarm took while we were away are not owed: we go on from the round a
-        # member is at, and train alone until our new life's first round, a join margin on,
-        # as the swarm does (taking up that round's steps at once skipped a margin of them,
-        # and in a short run the rest: fault seeds 21000, 23511, 24994, 25037).
-        period = self.trigger.period
-        self.steps = max(self.steps, (self.round if swarm is None else swarm) * period)
-        self._alone_until = self.round * period
+        self._start_late(me.since, take_model=False)
 
-    def _start_late(self, since: int, take_model: bool = True) -> int | None:
+    def _start_late(self, since: int, take_model: bool = True) -> None:
         """Start at round ``since`` of a running swarm, aligned with a neighbour's round (or,
         if none answers, another member's); a newcomer takes that model, a restarted peer
         keeps its own (and starts at ``since`` if nobody is left to align with: the others
-        may have finished). The round the member that answered was at, or None."""
+        may have finished)."""
         asked: set[int] = set()
         while True:
             with self._core:  # again each time: a member may have been declared dead since
@@ -936,8 +930,8 @@ class Peer:
             member = self.membership.get(sources[0]) if sources else None
             if member is None and not take_model:
                 log.warning("peer %d: no member sent its round; in at round %d", self.id, since)
-                self._start_at(since, None)
-                return None
+                self._start_at(since, None, None)
+                return
             if member is None:
                 break
             j = member.id
@@ -953,14 +947,14 @@ class Peer:
                 model = self.core.decode_model(reply) if take_model else None
             except PeerError as exc:
                 if self._lost_id():
-                    return None  # the caller asks for another id
+                    return  # the caller asks for another id
                 log.warning("peer %d: neighbour %d did not send its model: %s", self.id, j, exc)
                 continue
             except WireError as exc:
                 exc.sender = j
                 self.transport.refused(exc)
                 continue
-            self._start_at(max(since, reply.round), model)
+            self._start_at(max(since, reply.round), model, reply.round)
             log.info(
                 "peer %d: %s at round %d %s peer %d (round %d)",
                 self.id,
@@ -970,17 +964,21 @@ class Peer:
                 j,
                 reply.round,
             )
-            return int(reply.round)
+            return
         raise PeerError(f"peer {self.id}: no member answered with its model")
 
-    def _start_at(self, start: int, model: torch.Tensor | None) -> None:
-        """Start at round ``start`` of the running swarm, with ``model`` if we take one."""
+    def _start_at(self, start: int, model: torch.Tensor | None, aligned: int | None) -> None:
+        """Start at round ``start`` of the running swarm, with ``model`` if we take one, from
+        the step count :func:`late_steps` gives (``aligned``: the answering member's round);
+        until that count reaches ``start``'s, :meth:`step` trains alone."""
         if model is not None:
             with torch.no_grad():
                 set_params(self.params, model)
-            self.steps = start * self.trigger.period
+        self.steps, self._alone_until = late_steps(
+            self.steps, model is not None, self.started, start, aligned, self.trigger.period
+        )
         with self._core:
-            self.core.start_at(start, self._flat(), took_model=model is not None)
+            self.core.start_at(start, self._flat(), model is not None, aligned)
             if model is not None:
                 self.core.age = self.steps
         self.started = True

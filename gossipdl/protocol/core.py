@@ -402,15 +402,20 @@ class GossipCore:
         """``peer`` is new or back: the rounds it said it sent count no more."""
         self._inbox.forget(peer)
 
-    def start_at(self, round: int, model: torch.Tensor, took_model: bool = False) -> None:
+    def start_at(
+        self, round: int, model: torch.Tensor, took_model: bool = False, aligned: int | None = None
+    ) -> None:
         """Start at ``round`` of a running swarm with ``model`` (a newcomer or a peer back):
         it resyncs there, its mailboxes wait for that round, heartbeats vouch for none.
         ``took_model``: a neighbour's, a join margin ago; the first round that brings
-        neighbours' models catches up (:meth:`~gossipdl.averaging.base.Averager.catch_up`)."""
+        neighbours' models catches up (:meth:`~gossipdl.averaging.base.Averager.catch_up`).
+        ``aligned``: the round of the member that answered (None: nobody did); a model
+        request gets ``model`` as of that round, not ``round``, which the swarm has not
+        reached (a peer aligning with this one would take up steps nobody trained)."""
         self._catch_up = took_model
         self.round = self.first_round = round
         self.reference = model.clone()
-        self.published = (round, self.reference.clone())
+        self.published = (round if aligned is None else aligned, self.reference.clone())
         self._last_ids = None
         self.move_to(round)
         self.sent_round = round - 1

@@ -47,6 +47,35 @@ def rejoin_retry(timeout: float, members: int) -> float:
     return timeout / (REJOIN_TRIES * max(1, members))
 
 
+def late_steps(
+    steps: int, took_model: bool, back: bool, start: int, aligned: int | None, period: int
+) -> tuple[int, int]:
+    """The step count a peer let into a running swarm at round ``start`` goes on from, and
+    the step it trains alone to (no rounds: its first round is a join margin ahead, and the
+    swarm trains to it meanwhile); -1: none. ``aligned``: the round of the member that
+    answered with its model (None: nobody did). A peer that ``took_model`` (a newcomer)
+    goes on from that model's round; one ``back`` after it was dropped from the later of
+    its own count and that round (the swarm's steps while it was away are not owed; with
+    nobody answering, ``start``'s). Taking up ``start``'s count after an answer would count
+    a margin of steps nobody trained, and hand them on to whoever aligns with this peer
+    next (fault seed 19931). A peer resumed from a checkpoint keeps its count.
+
+    Example:
+        >>> late_steps(0, True, False, start=23, aligned=3, period=3)
+        (9, 69)
+        >>> late_steps(30, False, True, start=23, aligned=3, period=3)
+        (30, 69)
+        >>> late_steps(45, False, False, start=23, aligned=3, period=3)
+        (45, -1)
+    """
+    if took_model:
+        assert aligned is not None, "a model comes with the round of the member that sent it"
+        return aligned * period, start * period
+    if back:
+        return max(steps, (start if aligned is None else aligned) * period), start * period
+    return steps, -1
+
+
 def outranks(side: set[int], other: set[int]) -> bool:
     """Whether, after a partition, the members ``side`` are the swarm and ``other`` the part
     that rejoins it: the larger side wins; a tie goes to the side with the smallest id the

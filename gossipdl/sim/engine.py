@@ -47,7 +47,7 @@ from gossipdl.config import Config, to_dict
 from gossipdl.data import BatchSampler, Dataset, evaluation_inputs
 from gossipdl.models.parameters import set_params
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
-from gossipdl.protocol.joining import REJOIN_TRIES, rejoin_retry
+from gossipdl.protocol.joining import REJOIN_TRIES, late_steps, rejoin_retry
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
 from gossipdl.sim.clock import Scheduler
@@ -128,7 +128,7 @@ class VirtualPeer:
     life: int = 0  # one more at each death: events of an earlier life are ignored
     join: Join | None = None  # a join in progress (sim.joins)
     rejoins: int = 0  # times it was let back in after being dropped
-    alone_until: int = -1  # a rejoin trains alone to this step, its new life's first round's
+    alone_until: int = -1  # a late start trains alone to this step, its first round's
     first_wait: float = 0.0  # the next round's wait, if longer (its first after a join)
     saved: tuple[int, dict[str, Any], dict[str, Any]] | None = None  # checkpoint: step, states
     drift: Drift | None = None  # the label drift still to come (``drift``)
@@ -416,7 +416,7 @@ class Simulation:
             self._after_round(peer)
         elif peer.core.rejoin_via is not None:  # a member says we were dropped
             self._rejoin(peer)
-        elif peer.steps <= peer.alone_until:  # back in: alone to the new life's first round
+        elif peer.steps <= peer.alone_until:  # let in late: alone to its first round
             self._after_round(peer)
         else:
             self._open_round(peer)
@@ -466,7 +466,7 @@ class Simulation:
 
         def then() -> None:
             core.rejoin_via = None
-            if peer.steps <= peer.alone_until:  # back in: alone to the new life's first round
+            if peer.steps <= peer.alone_until:  # let in late: alone to its first round
                 self._after_round(peer)
             else:
                 self._open_round(peer)
@@ -504,19 +504,22 @@ class Simulation:
         """Start at round ``start`` of the running swarm (``Peer._start_late``): a newcomer
         with ``model`` (its neighbour's), a peer back with its own; ``swarm_round``: the
         round the neighbour that answered was at (None if nobody did)."""
-        period = peer.core.trigger.period
         if model is not None:
             set_params(peer.params, model)
-            peer.steps = start * period
-        peer.core.start_at(start, peer.flat(), took_model=model is not None)
+        peer.steps, peer.alone_until = late_steps(
+            peer.steps,
+            model is not None,
+            peer.started,
+            start,
+            swarm_round,
+            peer.core.trigger.period,
+        )
+        peer.core.start_at(start, peer.flat(), model is not None, swarm_round)
         if model is not None:
             peer.core.age = peer.steps
         peer.first_wait = self.config.startup_timeout  # the swarm gets there in its own time
         if peer.started:  # back after being dropped (``Peer._start_again``)
             peer.rejoins += 1
-            aligned = peer.core.round if swarm_round is None else swarm_round
-            peer.steps = max(peer.steps, aligned * period)  # the steps missed are not owed
-            peer.alone_until = peer.core.round * period
         peer.started = True
 
     def _after_round(self, peer: VirtualPeer) -> None:
