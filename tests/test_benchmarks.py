@@ -160,17 +160,26 @@ def test_codec_benchmark_reports_every_codec_with_its_keys(tmp_path: Path) -> No
     assert floor["copy_gb_s"] > 0 and floor["met"] == (not floor["over"])
 
 
+def test_convergence_benchmark_refuses_a_non_iid_setting_it_does_not_know(tmp_path: Path) -> None:
+    script = ROOT / "benchmarks" / "convergence.py"
+    done = run_script(
+        script, "--quick", "--non-iid-setting", "beer-sign,nope", cwd=tmp_path, timeout=120
+    )
+    assert done.returncode == 2 and "--non-iid-setting nope: choose from" in done.stderr
+
+
 def test_convergence_benchmark_compares_with_dense_and_plots(tmp_path: Path) -> None:
     result = run_benchmark(
         "convergence", tmp_path, "--quick", "--peers", "2", "--exponential-peers", "4",
         "--steps", "24", "--only", "dense,choco-topk,powergossip", "--jobs", "2",
-        "--non-iid-setting", "powergossip",
+        "--non-iid-setting", "powergossip,choco-topk",
         "--out", str(tmp_path / "c"),
     )  # fmt: skip
     rows = {(row["topology"], row["setting"], row["partition"]): row for row in result["rows"]}
     ring = [("ring", s, "iid") for s in ("dense", "choco-topk", "powergossip")]
     exponential = [("exponential", s, "iid") for s in ("dense", "choco-topk", "powergossip")]
-    assert list(rows) == [*ring, *exponential, ("ring", "powergossip", "dirichlet:0.1")]
+    non_iid = [("ring", s, "dirichlet:0.1") for s in ("choco-topk", "powergossip")]
+    assert list(rows) == [*ring, *exponential, *non_iid]
     for topology in ("ring", "exponential"):
         dense = rows[(topology, "dense", "iid")]
         assert dense["ratio"] == 1.0 and dense["gap_points"] == 0.0
@@ -403,13 +412,22 @@ def test_workloads_benchmark_measures_what_it_has_and_names_what_it_lacks(tmp_pa
 
 def test_convergence_divergence_verdict_needs_a_ring_run_not_dense(monkeypatch) -> None:
     """Without dense (``--only``) the other targets cannot be judged, but whether a ring run
-    diverged can; with no ring run at all nothing is claimed met."""
+    diverged can; with no ring run at all nothing is claimed met. A run whose models end
+    far apart diverged even if it still predicts, and its non-IID row meets nothing."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import convergence
 
-    def row(setting: str, accuracy: float, topology: str = "ring") -> dict:
-        return {"setting": setting, "name": setting, "topology": topology, "partition": "iid",
-                "accuracy": accuracy, "gap_points": None, "ratio_to_target": None}  # fmt: skip
+    def row(
+        setting: str,
+        accuracy: float,
+        topology: str = "ring",
+        distance: float = 0.5,
+        partition: str = "iid",
+        gap: float | None = None,
+    ) -> dict:
+        return {"setting": setting, "name": setting, "topology": topology,
+                "partition": partition, "accuracy": accuracy, "gap_points": gap,
+                "ratio_to_target": None, "consensus_distance": distance}  # fmt: skip
 
     key = next(k for k in convergence.verdicts([]) if "diverged" in k)
     assert convergence.verdicts([])[key] == []
@@ -418,6 +436,13 @@ def test_convergence_divergence_verdict_needs_a_ring_run_not_dense(monkeypatch) 
         "all 2 ring runs"
     ]
     assert convergence.verdicts([row("choco-topk", 0.6), row("beer-topk", 0.05)])[key] == []
+    drifted = row("beer-sign", 0.68, distance=1.2e5)
+    assert convergence.verdicts([row("choco-topk", 0.6), drifted])[key] == []
+    non_iid = next(k for k in convergence.verdicts([]) if "non-IID" in k)
+    for distance, met in ((0.56, ["beer-sign"]), (1.2e5, [])):
+        shards = row("beer-sign", 0.677, distance=distance, partition="dirichlet:0.1", gap=0.0)
+        rows = [row("beer-sign", 0.687, gap=-1.0), shards]
+        assert convergence.verdicts(rows)[non_iid] == met
 
 
 def test_byzantine_reference_runs_the_liars_killed_at_the_start(monkeypatch) -> None:
