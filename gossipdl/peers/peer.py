@@ -422,10 +422,9 @@ class Peer:
 
     def _start_round(self, stepped: bool = False) -> None:
         """Start this step's round on the round thread (``overlap``); ``stepped``: after a
-        local step (see :meth:`_gossip`)."""
+        local step (see :meth:`_round_due`)."""
         assert self._rounds is not None
-        self._rejoin_if_dropped()
-        if stepped and self.steps <= self._alone_until:  # let in late: alone to its first round
+        if not self._round_due(stepped):
             return
         x, ready = self._flat(), None
         if self._stream is not None:  # the round's stream starts once x is written
@@ -482,16 +481,14 @@ class Peer:
 
     @torch.no_grad()
     def _gossip(self, stepped: bool) -> None:
-        """:meth:`gossip`; ``stepped``: after a local step (:meth:`step`), where a peer let
-        in late trains alone to its first round (a caller of :meth:`gossip` alone counts no
-        steps: its rounds go on at once)."""
+        """:meth:`gossip`; ``stepped``: after a local step (:meth:`step`; see
+        :meth:`_round_due`)."""
         self.settle()
         if self._rounds is not None:  # overlap: the round thread runs it, taken at once
             self._start_round(stepped)
             self.settle()
             return
-        self._rejoin_if_dropped()
-        if stepped and self.steps <= self._alone_until:  # let in late: alone to its first round
+        if not self._round_due(stepped):
             return
         if not self.reduces_gradients:  # gradients were averaged before the local step
             x = self._flat()
@@ -502,6 +499,14 @@ class Peer:
                 self.core.advance(time.monotonic())
                 if not self.reduces_gradients:  # the core's rounds published theirs
                     self.core.published = (self.round, new)
+
+    def _round_due(self, stepped: bool) -> bool:
+        """Before a round: back in first if we were dropped (:meth:`_rejoin_if_dropped`), then
+        whether the round runs. After a local step (``stepped``) a peer let in late trains
+        alone to its first round (:meth:`_start_at`); a caller of :meth:`gossip` alone counts
+        no steps, so its rounds go on at once."""
+        self._rejoin_if_dropped()
+        return not (stepped and self.steps <= self._alone_until)
 
     def _rejoin_if_dropped(self) -> None:
         """Before a round: back in with a new id if ours was lost, or through the member

@@ -416,7 +416,13 @@ class Simulation:
             self._after_round(peer)
         elif peer.core.rejoin_via is not None:  # a member says we were dropped
             self._rejoin(peer)
-        elif peer.steps <= peer.alone_until:  # let in late: alone to its first round
+        else:
+            self._round_or_alone(peer)
+
+    def _round_or_alone(self, peer: VirtualPeer) -> None:
+        """The step's round; for a peer let in late, short of its first round, the next step
+        alone instead (``Peer._round_due``)."""
+        if peer.steps <= peer.alone_until:
             self._after_round(peer)
         else:
             self._open_round(peer)
@@ -466,10 +472,7 @@ class Simulation:
 
         def then() -> None:
             core.rejoin_via = None
-            if peer.steps <= peer.alone_until:  # let in late: alone to its first round
-                self._after_round(peer)
-            else:
-                self._open_round(peer)
+            self._round_or_alone(peer)
 
         def failed(why: str, welcomed: bool) -> None:
             if welcomed:  # in the new table, but never aligned: the real peer stops too
