@@ -85,7 +85,7 @@ def auto_gamma(codec: Codec, numel: int, self_weight: float) -> float:
     share = 1.0 - self_weight  # the row's weight on the neighbours
     if share <= 0:
         bound = 1.0
-    elif isinstance(codec, SparseCodec) and isinstance(codec.sparsifier, RandomK):
+    elif codec.contraction_is_exact():
         bound = RANDOM_K_STEP * delta / share  # what every message keeps: γ* ≈ δ / (1 − W_ii)
     else:
         bound = unbiased**OMEGA_EXPONENT * delta**GAMMA_EXPONENT / share

@@ -171,6 +171,13 @@ class Codec(ABC):
         automatic γ grows with it (``averaging.choco.auto_gamma``)."""
         return 0.01 if self.lossy else 1.0
 
+    def contraction_is_exact(self) -> bool:
+        """Whether :meth:`contraction` is what every message keeps (a random subset), not a
+        floor that real vectors beat (top-k: their largest entries hold more than their
+        share). CHOCO's automatic step is then bounded by δ itself
+        (``averaging.choco.auto_gamma``)."""
+        return False
+
     def omega(self, numel: int) -> float:
         """ω of the codec's unbiased random stage on a vector of ``numel`` values:
         ``E‖Q(x) − x‖² ≤ ω‖x‖²`` (0 when nothing in it is an unbiased random rounding).

@@ -129,6 +129,9 @@ class Sparsifier(ABC):
 
     spec: str = ""
     sends_indices = True
+    # Whether every message keeps exactly ``share`` of a vector's energy in expectation (a
+    # random subset) rather than at least that (the largest entries hold more than their share)
+    exact_share = False
     meta_keys: dict[str, type] = {}  # noqa: RUF012 (read-only class default)
 
     def count(self, numel: int) -> int | None:
@@ -288,6 +291,7 @@ class RandomK(Sparsifier):
     """
 
     sends_indices = False
+    exact_share = True
     meta_keys = {"seed": int}  # noqa: RUF012
 
     def __init__(self, ratio: float, scaled: bool = True, seed: int = 0) -> None:
@@ -402,6 +406,10 @@ class SparseCodec(Codec):
         """The share of entries kept times what the value codec keeps of them."""
         count = self.sparsifier.count(numel)
         return self.sparsifier.share(numel) * self.values.contraction(count or numel)
+
+    def contraction_is_exact(self) -> bool:
+        """Exact for a random subset, a floor for top-k (:meth:`Codec.contraction_is_exact`)."""
+        return self.sparsifier.exact_share
 
     def omega(self, numel: int) -> float:
         """The value codec's ω on the kept values (scaled random-k's own variance,
