@@ -90,7 +90,7 @@ class Config:
         default="none",
         metadata={
             "help": "Byzantine-robust combining for dense gossip: none, clip[:BAD], "
-            "trimmed[:TRIM], median, balance[:GAMMA]"
+            "trimmed[:TRIM], median, balance[:GAMMA[:RHO]]"
         },
     )
     evict_after: int = field(

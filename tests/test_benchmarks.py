@@ -143,6 +143,35 @@ def test_byzantine_benchmark_pits_attacks_against_defences(tmp_path: Path) -> No
     assert result["meta"]["targets"]["defence_cost"]["ring/iid"]["met"] in (True, False)
 
 
+def test_byzantine_benchmark_refuses_a_defence_setting_it_cannot_parse(tmp_path: Path) -> None:
+    script = ROOT / "benchmarks" / "byzantine.py"
+    done = run_script(
+        script, "--quick", "--defences", "clip,balance:0.5:0.8", cwd=tmp_path, timeout=120
+    )
+    assert done.returncode == 2 and "--defences: defence = 'balance:0.5:0.8'" in done.stderr
+    assert "RHO is 0, off, or at least 1" in done.stderr
+
+
+def test_byzantine_verdicts_count_the_defences_that_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A defence given by its setting (``balance:0.5:2.5``) is a defence like the named ones:
+    the best one per attack and the dearest one without an attack come from the rows."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import byzantine
+
+    def row(attack: str, liars: int, defence: str, accuracy: float) -> dict:
+        return {"topology": "exponential", "partition": "iid", "attack": attack,
+                "byzantine": liars, "defence": defence, "accuracy": accuracy}  # fmt: skip
+
+    rows = [row("none", 0, "none", 0.90), row("none", 0, "balance", 0.895),
+            row("none", 0, "balance:0.5:2.5", 0.885), row("label-flip", 2, "balance", 0.77),
+            row("label-flip", 2, "balance:0.5:2.5", 0.89)]  # fmt: skip
+    judged = byzantine.verdicts(rows)
+    best = judged["best_within"]["exponential/iid"]
+    assert best["gaps_points"] == {"label-flip": pytest.approx(1.0)} and best["met"]
+    cost = judged["defence_cost"]["exponential/iid"]
+    assert cost["cost_points"]["balance:0.5:2.5"] == pytest.approx(1.5) and not cost["met"]
+
+
 def test_codec_benchmark_reports_every_codec_with_its_keys(tmp_path: Path) -> None:
     result = run_benchmark("codecs", tmp_path, "--quick")
     rows = {row["codec"]: row for row in result["rows"]}

@@ -53,7 +53,7 @@ def test_clipping_counts_the_share_of_a_pull_it_clipped_away() -> None:
     x = torch.zeros(3)
     neighbours = torch.tensor([[1.0, 0, 0], [2.0, 0, 0], [8.0, 0, 0]])
     weights = torch.full((3,), 0.25, dtype=torch.float64)
-    _, gaps, aside = robust.Defence("clip", 1).judge(x, neighbours, weights, 0.25)
+    _, gaps, aside, _ = robust.Defence("clip", 1).judge(x, neighbours, weights, 0.25)
     torch.testing.assert_close(gaps, torch.tensor([1.0, 2.0, 8.0], dtype=torch.float64))
     torch.testing.assert_close(aside, torch.tensor([0.0, 0.0, 0.75], dtype=torch.float64))
 
@@ -117,6 +117,56 @@ def test_balance_rejects_a_far_neighbour_and_averages_the_rest() -> None:
     late, late_accepted = robust.balance(x, honest * 1.5, weights[:4], progress=1.0, gamma=0.5)
     assert not bool(late_accepted.any())  # the filter tightens: nobody is close enough,
     assert any(torch.equal(late, h) for h in honest * 1.5)  # but they agree: x is the odd one
+
+
+def test_balance_with_rho_rejects_a_neighbour_that_far_beyond_the_median_one() -> None:
+    """``balance:GAMMA:RHO``: a neighbour RHO times as far as the median neighbour is rejected
+    though well inside γ‖x‖ (a model trained on flipped labels, on iid shards), but that
+    counts for nothing towards evicting it (an honest outlier of non-IID shards draws it
+    too); without RHO it counts. Two neighbours have no median to go by, so both count; of four, two
+    may be far (the lower middle distance is the median)."""
+    x = torch.full((100,), 10.0)  # γ‖x‖ = 50
+    near = torch.stack([x + 0.1 * k for k in (1.0, 1.1, 0.9)])  # 1.0, 1.1, 0.9 away
+    neighbours = torch.cat([near, (x + 0.25).unsqueeze(0)])  # 2.5 away: 2.4x the median
+    weights = torch.full((4,), 0.2)
+    judged = {}
+    for spec in ("balance", "balance:0.5:2", "balance:0.5:3"):
+        defence = robust.parse_defence(spec)
+        assert defence is not None
+        _, gaps, aside, evidence = defence.judge(x, neighbours, weights, 0.2)
+        judged[spec] = aside.tolist()
+        assert evidence.tolist() == [0.0] * 4  # RHO's rejection is no ground for eviction
+    expected = torch.tensor([1.0, 1.1, 0.9, 2.5], dtype=torch.float64)
+    torch.testing.assert_close(gaps, expected, rtol=1e-5, atol=0)
+    assert judged == {
+        "balance": [0.0] * 4,
+        "balance:0.5:2": [0.0, 0.0, 0.0, 1.0],
+        "balance:0.5:3": [0.0] * 4,
+    }
+    two = robust.parse_defence("balance:0.5:2")
+    assert two is not None
+    assert two.judge(x, neighbours[2:], weights[2:], 0.6)[2].tolist() == [0.0, 0.0]
+    # two far ones of four: the median is the second nearest (1.0), not halfway to them
+    halves = torch.stack([x + 0.1, x + 0.09, x + 0.25, x + 0.26])
+    assert two.judge(x, halves, weights, 0.2)[2].tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_a_neighbour_rejected_by_rho_alone_is_never_accused() -> None:
+    """Round after round a neighbour 2.5x as far as the median one is set aside by
+    ``balance:0.5:2`` (its metrics say so) but never becomes a suspect; one beyond γ‖x‖ is."""
+    from gossipdl.averaging import Arrival, Round, build_averager
+
+    x = torch.full((100,), 10.0)  # γ‖x‖ = 50
+    for far, suspect in ((0.25, []), (6.0, [4])):  # 2.5 away; 60 away
+        averager = build_averager("dense", defence="balance:0.5:2")
+        for t in range(6):
+            moved = 1e-3 * t  # every model moves, as a live one does
+            models = {1: x + 0.1 + moved, 2: x + 0.11 + moved, 3: x + 0.09 + moved,
+                      4: x + far + moved}  # fmt: skip
+            arrivals = {j: Arrival(0.2, m, t) for j, m in models.items()}
+            averager.incoming(x, Round(t, dict.fromkeys(models, 0.2), 0.2), arrivals, [])
+        assert averager.metrics()["neighbours"]["4"]["filtered"] == 1.0
+        assert averager.suspects(5) == suspect
 
 
 def test_balance_allows_the_drift_of_the_steps_since_the_peer_last_judged() -> None:
@@ -254,8 +304,11 @@ def test_a_defence_is_named_and_checked_in_the_config() -> None:
 
     assert load_config(None, defence="clip:2").defence == "clip:2"
     assert robust.parse_defence("balance:0.3") == robust.Defence("balance", 0.3)
+    assert robust.parse_defence("balance::2") == robust.Defence("balance", 0.5, 2.0)
     for bad, says in (
         ("clip:1.5", "count"),
+        ("balance:0.5:0.8", "RHO is 0, off, or at least 1"),
+        ("clip:1:2", "use one of"),
         ("median:3", "use one of"),
         ("shield", "use one of"),
     ):

@@ -24,8 +24,9 @@ to tell a model that moved from one that did not (an honest model moves every ro
 
 EVICT_SHARE = 0.5
 """A round counts against a neighbour (:meth:`DenseGossip.suspects`) when the defence set
-aside at least this share of its model: BALANCE rejected it, its model did not move, or
-clipping cut its pull to at most half (it sat at least twice the radius away)."""
+aside at least this share of its model: BALANCE rejected it (beyond γ‖x‖: not by RHO
+alone, see ``Defence.judge``), its model did not move, or clipping cut its pull to at most
+half (it sat at least twice the radius away)."""
 
 
 def fingerprint(model: torch.Tensor) -> torch.Tensor:
@@ -104,6 +105,7 @@ class DenseGossip(Averager):
         self._last_judged = rnd.index
         fresh = {j: a for j, a in arrived.items() if j not in stale}
         shares: dict[int, float] = dict.fromkeys(stale, 1.0)
+        evidence = dict(shares)  # what counts against each one (eviction)
         gaps: dict[int, float] = {}
         if not fresh:  # nothing new arrived: the peer keeps its own model
             model = x.clone()
@@ -113,11 +115,11 @@ class DenseGossip(Averager):
             weights *= 1.0 + sum(arrived[j].weight for j in stale) / float(weights.sum())
             kept = rnd.self_weight + sum(rnd.weights.values()) - float(weights.sum())
             neighbours = torch.stack([a.value for a in got])
-            model, fresh_gaps, aside = self.defence.judge(
-                x, neighbours, weights, kept, steps=rounds * rnd.period
-            )
-            gaps.update(zip(fresh, fresh_gaps.tolist(), strict=True))
-            shares.update(zip(fresh, aside.tolist(), strict=True))
+            judged = self.defence.judge(x, neighbours, weights, kept, steps=rounds * rnd.period)
+            model = judged.model
+            gaps.update(zip(fresh, judged.gaps.tolist(), strict=True))
+            shares.update(zip(fresh, judged.aside.tolist(), strict=True))
+            evidence.update(zip(fresh, judged.evidence.tolist(), strict=True))
         if stale:
             gaps.update(
                 zip(
@@ -127,11 +129,11 @@ class DenseGossip(Averager):
                 )
             )
         for j in arrived:
-            judged = self._judged.setdefault(j, [0.0, 0.0, 0.0])
-            judged[0] += 1
-            judged[1] += gaps[j]
-            judged[2] += shares[j]
-            self._streaks[j] = self._streaks.get(j, 0) + 1 if shares[j] >= EVICT_SHARE else 0
+            record = self._judged.setdefault(j, [0.0, 0.0, 0.0])
+            record[0] += 1
+            record[1] += gaps[j]
+            record[2] += shares[j]
+            self._streaks[j] = self._streaks.get(j, 0) + 1 if evidence[j] >= EVICT_SHARE else 0
         return model
 
     def suspects(self, rounds: int) -> list[int]:

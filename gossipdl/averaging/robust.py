@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -116,6 +117,7 @@ def balance(
     gamma: float = 0.5,
     kappa: float = 1.0,
     gaps: torch.Tensor | None = None,
+    limit: float = math.inf,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BALANCE's distance filter (Fang, Zhang, Yuan, Li and Gong 2024): a neighbour's model
     is accepted when ``‖x − x_j‖ ≤ γ · exp(−κ · progress) · ‖x‖`` (``progress`` runs from
@@ -147,9 +149,11 @@ def balance(
     ``c W_ij γ ‖x‖``. Taking a neighbour's model needs every neighbour that sent to agree,
     so bad neighbours decide it only where they are all a peer hears. Cost: the k distances
     (``gaps``, where the caller has them) and one norm; when all are rejected, the k²
-    distances between the neighbours."""
+    distances between the neighbours.
+
+    ``limit`` caps the threshold (``Defence``'s RHO times the median neighbour's distance)."""
     factor = gamma * math.exp(-kappa * progress)
-    threshold = factor * float(torch.linalg.vector_norm(x.double()))
+    threshold = min(limit, factor * float(torch.linalg.vector_norm(x.double())))
     accepted = (distances(x, neighbours) if gaps is None else gaps) <= threshold
     if not bool(accepted.any()):
         nearest = agreed(neighbours, factor)
@@ -179,19 +183,39 @@ def agreed(neighbours: torch.Tensor, gamma: float) -> int | None:
     return nearest if bool((gaps <= limit).all()) else None
 
 
-DEFENCES = "none, clip[:BAD], trimmed[:TRIM], median, balance[:GAMMA]"
+DEFENCES = "none, clip[:BAD], trimmed[:TRIM], median, balance[:GAMMA[:RHO]]"
 EVICTING_RULES = ("clip", "balance")
 """The defences eviction (``evict_after``) counts rounds under: they set a bad model's pull
 aside nearly whole, while the coordinate-wise rules set part of every model aside."""
 
 
+class Judgement(NamedTuple):
+    """What a defence made of one round's models (:meth:`Defence.judge`): the new model,
+    each neighbour's distance, the share of its model set aside, and the share that counts
+    against it (eviction)."""
+
+    model: torch.Tensor
+    gaps: torch.Tensor
+    aside: torch.Tensor
+    evidence: torch.Tensor
+
+
 @dataclass(frozen=True)
 class Defence:
     """A ``defence`` setting: which rule combines the neighbours' models, and its number
-    (clip: bad neighbours assumed; trimmed: values trimmed per side; balance: γ)."""
+    (clip: bad neighbours assumed; trimmed: values trimmed per side; balance: γ).
+
+    BALANCE's ``rho`` (``balance:GAMMA:RHO``; 0, the default, is off) also rejects a
+    neighbour more than RHO times as far as the median neighbour, however small that is
+    against γ‖x‖. A model trained on flipped labels stays well inside γ‖x‖, but on iid
+    shards it sits 2-4x as far from a peer as the median honest neighbour (honest ones
+    within 1.4x); on Dirichlet shards honest neighbours spread as far, so RHO rejects
+    honest ones there. Assumes fewer than half of a peer's neighbours bad (the median is
+    an honest one's) and three or more neighbours (with two it is not applied)."""
 
     rule: str
     param: float
+    rho: float = 0.0
 
     def judge(
         self,
@@ -200,15 +224,19 @@ class Defence:
         weights: torch.Tensor,
         kept: float,
         steps: int = 1,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> Judgement:
         """The new model from ``x`` and the neighbours' models that arrived (``[k, n]``, their
         mixing ``weights``; ``kept``: the row's weight left on the peer, a missing
         neighbour's included), each neighbour's :func:`distances` to ``x``, and how much of
         each one's model the rule set aside (``[k]``, 0..1: clipping the share of its pull
         clipped away, ``1 − τ/‖x_j − x‖``; BALANCE 1 for a model rejected; the
         coordinate-wise rules the share of its coordinates outside the values they kept),
-        which a peer records so a report can show which neighbour looks wrong. The
-        distances and the sort are done once for both.
+        which a peer records so a report can show which neighbour looks wrong; and how much
+        of it counts as evidence against the neighbour (eviction): the same, but for a
+        model BALANCE rejected by RHO alone, which on non-IID shards an honest outlier
+        draws (an exponential graph of 16, Dirichlet(0.3) shards, ``balance:0.5:3`` with
+        ``evict_after`` 10: an honest peer was evicted). The distances and the sort are
+        done once for all.
 
         Clipping and BALANCE use the weights; the coordinate-wise rules count every model
         alike. BALANCE runs without its schedule (progress 0): a peer does not know
@@ -224,17 +252,30 @@ class Defence:
         if self.rule == "clip":
             radius = auto_radius(gaps, int(self.param))
             model = clipped_mix(x, neighbours, weights, kept, radius=radius, gaps=gaps)
-            return model, gaps, (1.0 - radius / gaps.clamp_min(1e-30)).clamp_min(0.0)
+            aside = (1.0 - radius / gaps.clamp_min(1e-30)).clamp_min(0.0)
+            return Judgement(model, gaps, aside, aside)
         if self.rule == "balance":
             gamma = self.param * math.sqrt(steps)
-            model, accepted = balance(x, neighbours, weights, 0.0, gamma=gamma, gaps=gaps)
-            return model, gaps, (~accepted).double()
+            limit = self._relative_limit(gaps)
+            model, accepted = balance(
+                x, neighbours, weights, 0.0, gamma=gamma, gaps=gaps, limit=limit
+            )
+            beyond = gaps > gamma * float(torch.linalg.vector_norm(x.double()))
+            return Judgement(model, gaps, (~accepted).double(), (~accepted & beyond).double())
         count = neighbours.shape[0] + 1
         trim = self._trim(neighbours) if self.rule == "trimmed" else (count - 1) // 2
         ordered = torch.sort(torch.cat([x.unsqueeze(0), neighbours]), dim=0).values
         low, high = ordered[trim], ordered[count - 1 - trim]
         aside = ((neighbours < low) | (neighbours > high)).double().mean(1)
-        return _kept_mean(ordered, trim), gaps, aside
+        return Judgement(_kept_mean(ordered, trim), gaps, aside, aside)
+
+    def _relative_limit(self, gaps: torch.Tensor) -> float:
+        """BALANCE's second bound: RHO times the median neighbour's distance, the lower of
+        the two middle ones for an even count (three or more neighbours; none without RHO).
+        Of four neighbours two may then be bad: the second nearest is honest."""
+        if not self.rho or gaps.numel() < 3:
+            return math.inf
+        return self.rho * float(torch.sort(gaps).values[(gaps.numel() - 1) // 2])
 
     def _trim(self, neighbours: torch.Tensor) -> int:
         """The values a trimmed mean drops per side this round: TRIM, or fewer when too few
@@ -247,20 +288,27 @@ def parse_defence(spec: str) -> Defence | None:
 
     Example:
         >>> parse_defence("clip:2"), parse_defence("none")
-        (Defence(rule='clip', param=2.0), None)
+        (Defence(rule='clip', param=2.0, rho=0.0), None)
+        >>> parse_defence("balance:0.5:2")
+        Defence(rule='balance', param=0.5, rho=2.0)
     """
-    name, _, arg = spec.partition(":")
+    name, *args = spec.split(":")
     usage = f"defence = {spec!r}; use one of {DEFENCES}"
     defaults = {"clip": 1.0, "trimmed": 1.0, "median": 0.0, "balance": 0.5}
-    if name == "none" and not arg:
+    numbers = {"clip": 1, "trimmed": 1, "median": 0, "balance": 2}  # how many it takes
+    if name == "none" and not args:
         return None
-    if name not in defaults or (arg and name == "median"):
+    if name not in defaults or len(args) > numbers[name]:
         raise ValueError(usage)
+    number, relative = [*args, "", ""][:2]
     try:
-        value = float(arg) if arg else defaults[name]
+        value = float(number) if number else defaults[name]
+        rho = float(relative) if relative else 0.0
     except ValueError:
         raise ValueError(usage) from None
     whole = name in ("clip", "trimmed")
     if not math.isfinite(value) or value < 0 or (whole and not value.is_integer()):
         raise ValueError(f"{usage} ({name}'s number is a {'count' if whole else 'γ'} >= 0)")
-    return Defence(name, value)
+    if not (rho == 0 or (math.isfinite(rho) and rho >= 1)):
+        raise ValueError(f"{usage} (RHO is 0, off, or at least 1: the median neighbour passes)")
+    return Defence(name, value, rho)
