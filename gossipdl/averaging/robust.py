@@ -207,11 +207,13 @@ class Defence:
 
     BALANCE's ``rho`` (``balance:GAMMA:RHO``; 0, the default, is off) also rejects a
     neighbour more than RHO times as far as the median neighbour, however small that is
-    against γ‖x‖. A model trained on flipped labels stays well inside γ‖x‖, but on iid
-    shards it sits 2-4x as far from a peer as the median honest neighbour (honest ones
-    within 1.4x); on Dirichlet shards honest neighbours spread as far, so RHO rejects
-    honest ones there. Assumes fewer than half of a peer's neighbours bad (the median is
-    an honest one's) and three or more neighbours (with two it is not applied)."""
+    against γ‖x‖. A model trained on flipped labels stays well inside γ‖x‖, but once the
+    honest models agree it sits 5-90x as far from a peer as the median neighbour (16
+    peers, iid shards, from about step 900 of 1500; honest ones within 1.4x). On
+    Dirichlet shards an honest outlier spreads as far early on, and RHO 2 rejected honest
+    ones there (README *Misbehaving peers*). Assumes fewer than half of a peer's
+    neighbours bad (the median is an honest one's) and three or more neighbours (with
+    two it is not applied)."""
 
     rule: str
     param: float
@@ -271,8 +273,8 @@ class Defence:
 
     def _relative_limit(self, gaps: torch.Tensor) -> float:
         """BALANCE's second bound: RHO times the median neighbour's distance, the lower of
-        the two middle ones for an even count (three or more neighbours; none without RHO).
-        Of four neighbours two may then be bad: the second nearest is honest."""
+        the two middle ones for an even count (three or more neighbours; none without RHO):
+        two far liars of four are judged against the second nearest, an honest one."""
         if not self.rho or gaps.numel() < 3:
             return math.inf
         return self.rho * float(torch.sort(gaps).values[(gaps.numel() - 1) // 2])
