@@ -15,6 +15,7 @@ from gossipdl.config import ConfigError, load_config
 from gossipdl.peers.membership import Member, Membership
 from gossipdl.protocol.core import REFUSED, GossipCore, Settings
 from gossipdl.protocol.eviction import MAX_BANNED, Evictions
+from gossipdl.protocol.joining import REJOIN_TRIES
 from gossipdl.rundir import RunDir
 from gossipdl.transport import WireError
 from gossipdl.transport.wire import NONCE, decode, encode
@@ -143,7 +144,10 @@ def test_real_peer_processes_evict_a_blown_up_peer(tmp_path: Path) -> None:
     summary = launch(config, progress=False)
     runs = RunDir(config.out)
     refused = sum(list(runs.records(i))[-1]["dropped_reasons"].get("evicted", 0) for i in (0, 2, 3))
-    assert refused == 1  # it asked to rejoin, was refused for good and asked no more
+    # it asked to rejoin once, was refused for good and asked no more: one attempt, whose
+    # retries may go out before a slow refusal comes back (on a loaded machine: 2); asking
+    # again on every table, as it once did, drew a refusal every few rounds to the end
+    assert 1 <= refused <= REJOIN_TRIES
     for i in (0, 2, 3):  # at step 300, before the first to finish leaves
         late = next(r for r in runs.records(i) if r["step"] == 300)
         assert late["members"] == 3 and late["evicted"] == 1, (i, late)
