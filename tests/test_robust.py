@@ -123,8 +123,8 @@ def test_balance_with_rho_rejects_a_neighbour_that_far_beyond_the_median_one() -
     """``balance:GAMMA:RHO``: a neighbour RHO times as far as the median neighbour is rejected
     though well inside γ‖x‖ (a model trained on flipped labels, on iid shards), but that
     counts for nothing towards evicting it (an honest outlier of non-IID shards draws it
-    too); without RHO it counts. Two neighbours have no median to go by, so both count; of four, two
-    may be far (the lower middle distance is the median)."""
+    too); without RHO it counts. Two neighbours have no median to go by, so both count; two
+    of four that hold the peer's own model do not make the median 0."""
     x = torch.full((100,), 10.0)  # γ‖x‖ = 50
     near = torch.stack([x + 0.1 * k for k in (1.0, 1.1, 0.9)])  # 1.0, 1.1, 0.9 away
     neighbours = torch.cat([near, (x + 0.25).unsqueeze(0)])  # 2.5 away: 2.4x the median
@@ -146,9 +146,14 @@ def test_balance_with_rho_rejects_a_neighbour_that_far_beyond_the_median_one() -
     two = robust.parse_defence("balance:0.5:2")
     assert two is not None
     assert two.judge(x, neighbours[2:], weights[2:], 0.6)[2].tolist() == [0.0, 0.0]
-    # two far ones of four: the median is the second nearest (1.0), not halfway to them
-    halves = torch.stack([x + 0.1, x + 0.09, x + 0.25, x + 0.26])
-    assert two.judge(x, halves, weights, 0.2)[2].tolist() == [0.0, 0.0, 1.0, 1.0]
+    # two of four that hold the peer's own model cannot shut it in: the median of an even
+    # count is the mean of the middle two (halfway to the nearest other one), not zero
+    three = robust.parse_defence("balance:0.5:3")
+    assert three is not None
+    twins = torch.stack([x, x, x + 0.1, x + 0.14])  # 0, 0, 1.0, 1.4 away: limit 1.5
+    assert three.judge(x, twins, weights, 0.2)[2].tolist() == [0.0, 0.0, 0.0, 0.0]
+    twins[3] = x + 0.16  # 1.6 away
+    assert three.judge(x, twins, weights, 0.2)[2].tolist() == [0.0, 0.0, 0.0, 1.0]
 
 
 def test_a_neighbour_rejected_by_rho_alone_is_never_accused() -> None:
