@@ -118,6 +118,7 @@ def balance(
     kappa: float = 1.0,
     gaps: torch.Tensor | None = None,
     limit: float = math.inf,
+    x_norm: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BALANCE's distance filter (Fang, Zhang, Yuan, Li and Gong 2024): a neighbour's model
     is accepted when ``‖x − x_j‖ ≤ γ · exp(−κ · progress) · ‖x‖`` (``progress`` runs from
@@ -151,9 +152,12 @@ def balance(
     (``gaps``, where the caller has them) and one norm; when all are rejected, the k²
     distances between the neighbours.
 
-    ``limit`` caps the threshold (``Defence``'s RHO times the median neighbour's distance)."""
+    ``limit`` caps the threshold (``Defence``'s RHO times the median neighbour's distance);
+    ``x_norm`` is ``‖x‖``, where the caller has it."""
     factor = gamma * math.exp(-kappa * progress)
-    threshold = min(limit, factor * float(torch.linalg.vector_norm(x.double())))
+    if x_norm is None:
+        x_norm = float(torch.linalg.vector_norm(x.double()))
+    threshold = min(limit, factor * x_norm)
     accepted = (distances(x, neighbours) if gaps is None else gaps) <= threshold
     if not bool(accepted.any()):
         nearest = agreed(neighbours, factor)
@@ -258,11 +262,12 @@ class Defence:
             return Judgement(model, gaps, aside, aside)
         if self.rule == "balance":
             gamma = self.param * math.sqrt(steps)
+            x_norm = float(torch.linalg.vector_norm(x.double()))  # one pass, for both bounds
             limit = self._relative_limit(gaps)
             model, accepted = balance(
-                x, neighbours, weights, 0.0, gamma=gamma, gaps=gaps, limit=limit
+                x, neighbours, weights, 0.0, gamma=gamma, gaps=gaps, limit=limit, x_norm=x_norm
             )
-            beyond = gaps > gamma * float(torch.linalg.vector_norm(x.double()))
+            beyond = gaps > gamma * x_norm
             return Judgement(model, gaps, (~accepted).double(), (~accepted & beyond).double())
         count = neighbours.shape[0] + 1
         trim = self._trim(neighbours) if self.rule == "trimmed" else (count - 1) // 2
@@ -298,15 +303,15 @@ def parse_defence(spec: str) -> Defence | None:
     """
     name, *args = spec.split(":")
     usage = f"defence = {spec!r}; use one of {DEFENCES}"
-    defaults = {"clip": 1.0, "trimmed": 1.0, "median": 0.0, "balance": 0.5}
-    numbers = {"clip": 1, "trimmed": 1, "median": 0, "balance": 2}  # how many it takes
+    # each rule's default number and how many numbers it takes (balance: γ and RHO)
+    forms = {"clip": (1.0, 1), "trimmed": (1.0, 1), "median": (0.0, 0), "balance": (0.5, 2)}
     if name == "none" and not args:
         return None
-    if name not in defaults or len(args) > numbers[name]:
+    if name not in forms or len(args) > forms[name][1]:
         raise ValueError(usage)
     number, relative = [*args, "", ""][:2]
     try:
-        value = float(number) if number else defaults[name]
+        value = float(number) if number else forms[name][0]
         rho = float(relative) if relative else 0.0
     except ValueError:
         raise ValueError(usage) from None
