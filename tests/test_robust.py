@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -174,6 +175,67 @@ def test_a_neighbour_rejected_by_rho_alone_is_never_accused() -> None:
         assert averager.suspects(5) == suspect
 
 
+def test_descent_scores_say_whether_a_neighbour_lies_ahead_along_the_own_update() -> None:
+    before = torch.zeros(4)
+    update = torch.tensor([0.1, 0.0, 0.0, 0.0])
+    models = torch.tensor([[1.0, 0, 0, 0], [-1.0, 0, 0, 0], [0.0, 2, 0, 0], [1.0, 1, 0, 0]])
+    scores = robust.descent_scores(update, before, models)
+    torch.testing.assert_close(scores, torch.tensor([1.0, -1.0, 0.0, 0.5**0.5]).double())
+
+
+def _descending_rounds(
+    defence: str, rounds: int, contrary: tuple[int, ...], side: float = 0.05
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """A peer that steps 0.1 along e0 between rounds, and four neighbours ``side`` off to
+    a side each (and moving): those in ``contrary`` also 0.1 behind where the peer's last
+    mix left it along e0 (a model trained against the task), the rest 0.1 ahead, level
+    with the peer. Its last round's (x, new model, averager)."""
+    from gossipdl.averaging import Arrival, Round, build_averager
+
+    averager = build_averager("dense", defence=defence)
+    mixed = torch.full((100,), 10.0)  # γ‖x‖ = 50: BALANCE accepts every neighbour
+    for t in range(rounds):
+        x = mixed.clone()
+        x[0] += 0.1  # the own update
+        models = {}
+        for j in (1, 2, 3, 4):
+            offset = torch.zeros(100)
+            offset[0] = -0.1 if j in contrary else 0.1
+            offset[10 + j] = (0.0 if j in contrary else side) + 1e-3 * t
+            models[j] = mixed + offset
+        arrivals = {j: Arrival(0.2, m, t) for j, m in models.items()}
+        out = averager.incoming(x, Round(t, dict.fromkeys(models, 0.2), 0.2), arrivals, [])
+        mixed = out
+    return x, out, averager
+
+
+def test_descent_sets_aside_a_far_neighbour_that_keeps_undoing_the_own_descent() -> None:
+    """``balance+descent`` sets aside a neighbour that sits behind the peer along its own
+    update round after round, which plain BALANCE accepts (well within γ‖x‖); its running
+    score shows in the metrics, and it is never accused (eviction)."""
+    x, out, plain = _descending_rounds("balance", 8, contrary=(4,))
+    assert out[0] < x[0]  # pulled back along the own descent
+    assert plain.metrics()["neighbours"]["4"]["filtered"] == 0.0
+    x, out, averager = _descending_rounds("balance+descent", 8, contrary=(4,))
+    assert out[0] >= x[0]  # nobody pulls it back
+    judged = averager.metrics()["neighbours"]
+    assert judged["4"]["descent"] < -robust.DESCENT_TAU < 0 < judged["1"]["descent"]
+    assert 0 < judged["4"]["filtered"] < 1  # not in the first rounds: a running score
+    assert judged["1"]["filtered"] == 0.0
+    assert averager.suspects(2) == []
+
+
+def test_descent_keeps_a_contrary_neighbour_no_farther_than_the_median_one() -> None:
+    """A contrary neighbour nearer than the median one is kept (on non-IID shards honest
+    neighbours score as low at times): the rule sees the same models as without."""
+    _, out, _ = _descending_rounds("balance", 8, contrary=(4,), side=0.5)
+    _, with_descent, averager = _descending_rounds("balance+descent", 8, (4,), side=0.5)
+    torch.testing.assert_close(with_descent, out)
+    judged = averager.metrics()["neighbours"]
+    assert judged["4"]["descent"] < -robust.DESCENT_TAU
+    assert all(n["filtered"] == 0.0 for n in judged.values())
+
+
 def test_balance_allows_the_drift_of_the_steps_since_the_peer_last_judged() -> None:
     """γ grows as √steps: a neighbour 0.8‖x‖ away is rejected a step after the last
     judged round and accepted four steps after it, whether four rounds of one step passed
@@ -310,12 +372,18 @@ def test_a_defence_is_named_and_checked_in_the_config() -> None:
     assert load_config(None, defence="clip:2").defence == "clip:2"
     assert robust.parse_defence("balance:0.3") == robust.Defence("balance", 0.3)
     assert robust.parse_defence("balance::2") == robust.Defence("balance", 0.5, 2.0)
+    assert robust.parse_defence("clip+descent:0.2") == robust.Defence("clip", 1.0, 0.0, 0.2)
+    assert robust.parse_defence("median+descent").descent == robust.DESCENT_TAU
     for bad, says in (
         ("clip:1.5", "count"),
         ("balance:0.5:0.8", "RHO is 0, off, or at least 1"),
         ("clip:1:2", "use one of"),
         ("median:3", "use one of"),
         ("shield", "use one of"),
+        ("balance+descent:0", "a cosine in"),
+        ("balance+descent:1.5", "a cosine in"),
+        ("balance+desc", "use one of"),
+        ("none+descent", "goes after a rule"),
     ):
         with pytest.raises(ConfigError, match=says):
             load_config(None, defence=bad)
