@@ -71,8 +71,18 @@ from gossipdl.sim.engine import SimulationError
 ATTACKS = ("sign-flip", "scaled", "gaussian", "alie", "ipm", "dissensus", "stale", "label-flip")
 # balance:0.5:3 also rejects a neighbour 3x as far as the median one (a model trained on
 # flipped labels; a dissensus message): at 1500 steps it held label flipping within a point
-# on the exponential graph, where plain BALANCE lost 12 (README *Misbehaving peers*)
-DEFENCES = ("none", "clip", "trimmed", "median", "balance", "balance:0.5:3")
+# on the exponential graph, where plain BALANCE lost 12; +descent also sets aside a farther
+# than median neighbour whose model undoes the peer's own descent, which held label
+# flipping on Dirichlet shards too (README *Misbehaving peers*)
+DEFENCES = (
+    "none",
+    "clip",
+    "trimmed",
+    "median",
+    "balance",
+    "balance:0.5:3",
+    "balance:0.5:3+descent",
+)
 ABSENT = "absent"  # the reference: the liars killed at the start
 TOPOLOGIES = ("exponential", "random-regular:4")
 PARTITIONS = ("iid", "dirichlet:0.3")

@@ -90,7 +90,8 @@ class Config:
         default="none",
         metadata={
             "help": "Byzantine-robust combining for dense gossip: none, clip[:BAD], "
-            "trimmed[:TRIM], median, balance[:GAMMA[:RHO]]"
+            "trimmed[:TRIM], median, balance[:GAMMA[:RHO]], each +descent[:TAU] "
+            "(e.g. balance:0.5:3+descent)"
         },
     )
     evict_after: int = field(

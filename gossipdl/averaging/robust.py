@@ -182,9 +182,11 @@ def descent_scores(
     2021) that needs no evaluation: moving x by ``t·(x_j − x)`` changes the peer's loss by
     about ``t·⟨∇f, x_j − x⟩``, and the own update is a smoothed ``−∇f``. A model trained
     on flipped labels went the other way round after round, and sits behind the peer
-    along its descent however close it stays (16 peers, 4-regular, iid shards: a
-    label-flipping neighbour's mean score −0.35 to −0.68 over 150-step windows of the
-    first 600 steps, an honest one's −0.37 to +0.52). Cost: one pass over the
+    along its descent however close it stays. It is a noisy signal: 16 peers, 4-regular,
+    iid shards, two label flippers, mean scores over 150-step windows of the first 600
+    steps: a liar's −0.68 to −0.13 (below −0.4 in 23 of 32 windows), an honest
+    neighbour's −0.77 to +0.52 (below −0.4 in 52 of 224). Hence ``+descent`` sets aside
+    only neighbours that are also farther than the median one. Cost: one pass over the
     neighbours' models and the peer's last mixed model (kept by the caller)."""
     offsets = (neighbours - before).double()
     own = update.double()

@@ -108,8 +108,9 @@ class Peer:
     A lost message (a gap in a neighbour's sequence numbers) triggers a dense
     resync of the public copies two rounds later. ``loss`` drops that fraction
     of this peer's model messages on purpose, to test exactly that. ``defence``
-    (dense gossip: ``clip[:BAD]``, ``trimmed[:TRIM]``, ``median``, ``balance[:GAMMA[:RHO]]``)
-    combines the neighbours' models by a Byzantine-robust rule instead of averaging;
+    (dense gossip: ``clip[:BAD]``, ``trimmed[:TRIM]``, ``median``, ``balance[:GAMMA[:RHO]]``,
+    each with an optional ``+descent[:TAU]``) combines the neighbours' models by a
+    Byzantine-robust rule instead of averaging;
     with ``evict_after`` > 0 a neighbour it sets aside that many rounds in a row is
     accused, and one that most of its neighbours accuse is evicted
     (:mod:`~gossipdl.protocol.eviction`); ``attack``
