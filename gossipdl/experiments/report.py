@@ -234,16 +234,12 @@ def _default_out(directories: Sequence[Path]) -> Path:
 
 
 def _judged(rows: Sequence[dict[str, Any]]) -> str:
-    """The per-neighbour table: the suspects first, marked; with ``+descent``, each one's
-    latest descent score (negative: its model undoes its judges' own descent)."""
-    descent = any(r["descent"] is not None for r in rows)
+    """The per-neighbour table: the suspects first, marked."""
     table = markdown_table(
-        ["neighbour", "judged by", "rounds", "mean distance", "set aside",
-         *(["descent score"] if descent else []), ""],
+        ["neighbour", "judged by", "rounds", "mean distance", "set aside", ""],
         [
-            [r["id"], r["judged"], r["rounds"], f"{r['distance']:.4g}", f"{r['filtered']:.1%}",
-             *([_score(r["descent"])] if descent else []),
-             "**looks wrong**" if r["suspect"] else ""]
+            [r["id"], r["judged"], r["rounds"], f"{r['distance']:.4g}",
+             f"{r['filtered']:.1%}", "**looks wrong**" if r["suspect"] else ""]
             for r in rows
         ],
     )  # fmt: skip
@@ -254,10 +250,6 @@ def _judged(rows: Sequence[dict[str, Any]]) -> str:
         f"of its rounds and twice as often as the median, or at {SUSPECT_DISTANCE:g}x the "
         "median distance.\n\n" + table
     )
-
-
-def _score(value: float | None) -> str:
-    return "-" if value is None else f"{value:+.2f}"
 
 
 def _devices(devices: dict[str, list[dict[str, float]]]) -> str:

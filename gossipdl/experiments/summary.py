@@ -8,7 +8,6 @@ write their own), or a single :class:`~gossipdl.rundir.RunDir`.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -173,12 +172,10 @@ def judged_neighbours(lines: dict[int, list[dict[str, Any]]]) -> list[dict[str, 
     """What the peers' defences saw of each neighbour over the run (each peer's latest
     ``neighbours`` record): per neighbour ``id``, the peers that ``judged`` it, its
     ``rounds``, its mean ``distance`` to their models and the share ``filtered`` (set
-    aside), both weighted by rounds, ``descent``, the judges' latest running descent
-    scores (``+descent``) weighted alike (None where none had one), and ``suspect`` (see
-    :data:`SUSPECT_SHARE`). Most suspect first; empty when no peer ran a defence. Entries
-    that are not numbers are skipped: a reader of a live run directory takes what it can."""
-    # id -> [judges, rounds, Σ rounds·distance, Σ rounds·share, Σ rounds·descent, Σ rounds]
-    sums: dict[int, list[float]] = {}
+    aside), both weighted by rounds, and ``suspect`` (see :data:`SUSPECT_SHARE`). Most
+    suspect first; empty when no peer ran a defence. Entries that are not numbers are
+    skipped: a reader of a live run directory takes what it can."""
+    sums: dict[int, list[float]] = {}  # id -> [judges, rounds, Σ rounds·distance, Σ rounds·share]
     for records in lines.values():
         latest: dict[str, Any] = next(
             (r["neighbours"] for r in reversed(records) if isinstance(r.get("neighbours"), dict)),
@@ -191,20 +188,15 @@ def judged_neighbours(lines: dict[int, list[dict[str, Any]]]) -> list[dict[str, 
             except (KeyError, TypeError, ValueError):
                 continue
             if n > 0:
-                total = sums.setdefault(j, [0, 0.0, 0.0, 0.0, 0.0, 0.0])
+                total = sums.setdefault(j, [0, 0.0, 0.0, 0.0])
                 total[0] += 1
                 total[1] += n
                 total[2] += n * distance
                 total[3] += n * share
-                descent = seen.get("descent")
-                if isinstance(descent, (int, float)) and math.isfinite(descent):
-                    total[4] += n * descent
-                    total[5] += n
-    rows: list[dict[str, Any]] = [
-        {"id": j, "judged": int(k), "rounds": int(n), "distance": d / n, "filtered": f / n,
-         "descent": score / scored if scored else None}
-        for j, (k, n, d, f, score, scored) in sums.items()
-    ]  # fmt: skip
+    rows = [
+        {"id": j, "judged": int(k), "rounds": int(n), "distance": d / n, "filtered": f / n}
+        for j, (k, n, d, f) in sums.items()
+    ]
     if rows:
         share = statistics.median(r["filtered"] for r in rows)
         distance = statistics.median(r["distance"] for r in rows)
