@@ -271,14 +271,21 @@ def test_a_heterogeneous_batched_swarm_keeps_each_peers_clock(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize(
-    ("attack", "defence"), [("alie", "clip"), ("dissensus", "trimmed"), ("label-flip", "balance")]
+    ("attack", "defence"),
+    [
+        ("alie", "clip"),
+        ("dissensus", "trimmed"),
+        ("label-flip", "balance"),
+        ("label-flip", "balance:0.5:3+descent"),
+    ],
 )
 def test_batched_liars_and_defences_are_the_per_peer_engines(
     tmp_path: Path, attack: str, defence: str
 ) -> None:
     """A Byzantine peer and a defence on both simulators: every peer's final accuracy and
-    the defence's per-neighbour statistics are the per-peer engine's, and a dissenting
-    liar's neighbours see it set aside more than the others."""
+    the defence's per-neighbour statistics (with ``+descent`` its running scores too) are
+    the per-peer engine's, and a dissenting liar's neighbours see it set aside more than
+    the others."""
     finals = {}
     for batched in (False, True):
         config = small_config(
