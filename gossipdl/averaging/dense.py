@@ -64,8 +64,9 @@ class DenseGossip(Averager):
     model stays close enough to pass every distance test while it pulls its neighbours
     back, round after round, to where it stopped. With ``+descent`` a neighbour whose
     running descent score (:func:`~gossipdl.averaging.robust.descent_scores`) is below
-    −TAU is set aside the same way; that never counts towards an accusation
-    (:meth:`suspects`): on non-IID shards an honest neighbour can score as low.
+    −TAU, and that is farther than the median neighbour, is set aside the same way; that
+    never counts towards an accusation (:meth:`suspects`): on non-IID shards an honest
+    neighbour can score as low.
     """
 
     name = "dense"

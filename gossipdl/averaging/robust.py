@@ -218,8 +218,9 @@ DEFENCES = "none, clip[:BAD], trimmed[:TRIM], median, balance[:GAMMA[:RHO]], eac
 DESCENT_TAU = 0.4
 """``+descent``'s default: a neighbour farther than the median one is set aside while its
 running descent score is below −0.4. With −0.3 honest neighbours on Dirichlet(0.3) shards
-were set aside often enough to cost 1.8 and 2.6 points with no attack (0.4 and 1.0 at
-−0.4, which held label flipping as well)."""
+were set aside often enough to cost 1.8 and 2.6 points with no attack (exponential and
+4-regular graphs of 16); with −0.4, 0.4 and 1.0 in one run and 1.0 and 1.1 in the next,
+and it held label flipping as well."""
 EVICTING_RULES = ("clip", "balance")
 """The defences eviction (``evict_after``) counts rounds under: they set a bad model's pull
 aside nearly whole, while the coordinate-wise rules set part of every model aside."""
@@ -253,10 +254,10 @@ class Defence:
 
     ``descent`` (``+descent[:TAU]`` after any rule; 0, the default, is off) sets a
     neighbour aside while its running :func:`descent_scores` is below −TAU, before the rule
-    sees the models (its weight shared among the rest, as a stale model's): the peer that
-    keeps it (:class:`~gossipdl.averaging.dense.DenseGossip`)
-    remembers its model after each mix and each neighbour's score over the last rounds.
-    Only a neighbour farther than the median one is set aside. Assumes that an honest
+    sees the models (its weight shared among the rest, as a stale model's), but only one
+    farther than the median neighbour. The peer that keeps it
+    (:class:`~gossipdl.averaging.dense.DenseGossip`) remembers its model after each mix
+    and each neighbour's score over the last rounds. Assumes that an honest
     neighbour's model lies, on average, no further back along the peer's own descent than
     the peer itself; on Dirichlet(0.3) shards honest neighbours whose classes differ score
     as low as label flippers at times, and setting them aside slows mixing (README
@@ -344,7 +345,7 @@ def parse_defence(spec: str) -> Defence | None:
         >>> parse_defence("clip:2"), parse_defence("none")
         (Defence(rule='clip', param=2.0, rho=0.0, descent=0.0), None)
         >>> parse_defence("balance:0.5:2+descent")
-        Defence(rule='balance', param=0.5, rho=2.0, descent=0.3)
+        Defence(rule='balance', param=0.5, rho=2.0, descent=0.4)
     """
     usage = f"defence = {spec!r}; use one of {DEFENCES}"
     rule, plus, extra = spec.partition("+")
