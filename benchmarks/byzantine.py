@@ -30,6 +30,13 @@ Run
         --attacks scaled,dissensus --steps 600 --jobs 2
     python benchmarks/byzantine.py --topologies random-regular:4 --partitions dirichlet:0.3 \\
         --defences balance --liars 2 --evict-after 10 --steps 600   # eviction: per-peer engine
+    python benchmarks/byzantine.py --liars 2 --attacks label-flip --seeds 3 --jobs 2
+
+    ``--seeds N`` runs every swarm with seeds ``--seed`` .. ``--seed + N − 1`` (other
+    shards, graph and data order): one run of a Dirichlet cell is one draw of a chaotic
+    process, and its label-flip rows moved by 10 points between seeds. The table and the
+    targets then take each cell's mean over the seeds, and a note gives each defence's
+    widest spread.
 
     ``--evict-after N`` gives the clip and balance runs eviction (``evict_after``: a
     neighbour set aside N rounds in a row is accused; one most of its neighbours accuse
@@ -40,9 +47,9 @@ JSON (``--json FILE``): ``{"benchmark": "byzantine", "rows": [...], "meta": {...
 each row has ``attack`` ("none" for the attack-free runs, "absent" for the reference
 runs without the liars), ``defence``, ``byzantine``
 (how many lie), ``topology``, ``partition``, ``accuracy`` (the honest peers'),
-``evict_after``, ``engine`` and ``run_dir``; ``meta`` holds the settings, each target's verdict and,
-under ``targets.absent``, each reference run's accuracy and its points below the
-attack-free run.
+``seed``, ``evict_after``, ``engine`` and ``run_dir``; ``meta`` holds the settings, each
+target's verdict (over each cell's mean across seeds) and, under ``targets.absent``, each
+reference run's accuracy and its points below the attack-free run.
 """
 
 from __future__ import annotations
@@ -108,6 +115,7 @@ class Run:
     byzantine: int
     topology: str
     partition: str
+    seed: int = 0
 
 
 def _names(value: str) -> list[str]:
@@ -123,6 +131,7 @@ def config_for(args: argparse.Namespace, run: Run) -> Config:
     profiles = {"liars": {"peers": liars, "byzantine": run.attack}} if liars and not absent else {}
     faults = [{"at": 0, "kill": liars}] if absent else []
     name = f"{run.topology}-{run.partition}-{run.attack}-{run.byzantine}-{run.defence}"
+    name += f"-seed{run.seed}" if args.seeds > 1 else ""
     return load_config(
         args.config,
         peers=args.peers,
@@ -138,7 +147,7 @@ def config_for(args: argparse.Namespace, run: Run) -> Config:
         faults=faults,
         eval_every=0,
         log_every=max(1, args.steps // 10),
-        seed=args.seed,
+        seed=run.seed,
         threads=1,
         batched=args.engine == "batched" and not absent and not evict,
         out=str(args.out / name.replace(":", "_")),
@@ -168,6 +177,7 @@ def run_one(task: tuple[Run, Config]) -> dict[str, Any]:
         "topology": run.topology,
         "partition": run.partition,
         "accuracy": sum(honest) / len(honest) if honest else None,
+        "seed": run.seed,
         "evict_after": config.evict_after,
         "engine": "batched" if config.batched else "per-peer",
         "run_dir": config.out,
@@ -175,8 +185,9 @@ def run_one(task: tuple[Run, Config]) -> dict[str, Any]:
 
 
 def grid(args: argparse.Namespace) -> list[Run]:
-    """Every run: the attack-free ones, then each attack with each number of liars."""
-    runs = []
+    """Every run: the attack-free ones, then each attack with each number of liars; all of
+    them once per seed."""
+    runs: list[Run] = []
     for topology in args.topologies:
         for partition in args.partitions:
             runs += [Run("none", d, 0, topology, partition) for d in args.defences]
@@ -188,14 +199,32 @@ def grid(args: argparse.Namespace) -> list[Run]:
                 for liars in args.liars
                 for defence in args.defences
             ]
-    return runs
+    seeds = range(args.seed, args.seed + args.seeds)
+    return [replace(run, seed=seed) for seed in seeds for run in runs]
+
+
+Cell = tuple[str, str, str, int, str]  # topology, partition, attack, liars, defence
+
+
+def by_cell(rows: list[dict[str, Any]]) -> dict[Cell, list[float]]:
+    """Each cell's accuracies, one per seed that ran it (rows without one left out)."""
+    cells: dict[Cell, list[float]] = {}
+    for r in rows:
+        if r["accuracy"] is not None:
+            key = (r["topology"], r["partition"], r["attack"], r["byzantine"], r["defence"])
+            cells.setdefault(key, []).append(r["accuracy"])
+    return cells
+
+
+def seed_means(rows: list[dict[str, Any]]) -> dict[Cell, float]:
+    """Each cell's accuracy: the mean over the seeds that ran it."""
+    return {key: sum(values) / len(values) for key, values in by_cell(rows).items()}
 
 
 def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The two targets, per topology and partition: the worst gap of the best defence with
-    two liars, and the dearest defence without an attack."""
-    by_key = {(r["topology"], r["partition"], r["attack"], r["byzantine"], r["defence"]):
-              r["accuracy"] for r in rows}  # fmt: skip
+    two liars, and the dearest defence without an attack (each cell's mean over seeds)."""
+    by_key = seed_means(rows)
     out: dict[str, Any] = {"best_within": {}, "defence_cost": {}, "absent": {}}
     defences = sorted({r["defence"] for r in rows} - {"none"})  # whichever ran
     for topology, partition in {(r["topology"], r["partition"]) for r in rows}:
@@ -233,6 +262,21 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def spreads(rows: list[dict[str, Any]]) -> list[str]:
+    """Per defence, the widest spread of a cell's accuracy over its seeds (points), and
+    where: how far one run of this grid can be trusted."""
+    widest: dict[str, tuple[float, Cell]] = {}
+    for key, values in by_cell(rows).items():
+        spread = (max(values) - min(values)) * 100
+        if spread >= widest.get(key[4], (-1.0, key))[0]:
+            widest[key[4]] = (spread, key)
+    return [
+        f"{defence}: seeds differ by up to {spread:.1f} pts "
+        f"({topology}/{partition}, {attack} x{liars})"
+        for defence, (spread, (topology, partition, attack, liars, _)) in sorted(widest.items())
+    ]
+
+
 def main() -> None:
     parser = benchmark_parser(
         __doc__ or "", "8 peers, logistic on synthetic, ring, iid, 60 steps, 2 attacks"
@@ -258,7 +302,8 @@ def main() -> None:
         "--evict-after", type=int, default=0,
         help="rounds in a row set aside before clip and balance runs accuse (0: no eviction)",
     )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per swarm (means in the table)")
     parser.add_argument("--config", type=Path, default=None, help="base TOML config")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-byzantine"))
     args = parser.parse_args()
@@ -283,6 +328,8 @@ def main() -> None:
         parser.error(f"--evict-after {args.evict_after}: rounds, at least 0")
     if args.peers < 4:
         parser.error(f"--peers {args.peers}: the grid needs at least 4 (2 liars, 2 honest)")
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: at least 1")
     if not set(args.liars) <= set(LIAR_COUNTS) or args.jobs < 1:
         parser.error(f"--liars: each of {list(LIAR_COUNTS)}; --jobs N needs N >= 1")
 
@@ -298,13 +345,12 @@ def main() -> None:
         ),
     )
     table: dict[tuple[str, str, str, int], dict[str, Any]] = {}
-    for row in rows:
+    for (topology, partition, attack, liars, defence), accuracy in seed_means(rows).items():
         line = table.setdefault(
-            (row["topology"], row["partition"], row["attack"], row["byzantine"]),
-            {"topology": row["topology"], "partition": row["partition"],
-             "attack": row["attack"], "byzantine": row["byzantine"]},
-        )  # fmt: skip
-        line[row["defence"]] = row["accuracy"]
+            (topology, partition, attack, liars),
+            {"topology": topology, "partition": partition, "attack": attack, "byzantine": liars},
+        )
+        line[defence] = accuracy
     judged = verdicts(rows)
     columns = [
         Column("topology", "topology"),
@@ -329,6 +375,7 @@ def main() -> None:
             f"{mark(v['met'])} (dearest {max(v['cost_points'].values()):.1f} pts)"
             for where, v in sorted(judged["defence_cost"].items())
         ]
+        + (spreads(rows) if args.seeds > 1 else [])
     )
     meta = {
         "peers": args.peers,
@@ -337,6 +384,7 @@ def main() -> None:
         "model": args.model,
         "liars": {str(k): liar_ids(k, args.peers) for k in args.liars},
         "seed": args.seed,
+        "seeds": args.seeds,
         "evict_after": args.evict_after,
         "targets": judged,
     }

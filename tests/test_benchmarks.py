@@ -143,6 +143,27 @@ def test_byzantine_benchmark_pits_attacks_against_defences(tmp_path: Path) -> No
     assert result["meta"]["targets"]["defence_cost"]["ring/iid"]["met"] in (True, False)
 
 
+def test_byzantine_benchmark_runs_every_swarm_once_per_seed(tmp_path: Path) -> None:
+    """``--seeds 2``: each cell runs with seeds 0 and 1 (other shards: other accuracies),
+    and the targets judge each cell's mean over them."""
+    result = run_benchmark(
+        "byzantine", tmp_path, "--quick", "--attacks", "dissensus", "--defences", "none,clip",
+        "--seeds", "2", "--out", str(tmp_path / "b"),
+    )  # fmt: skip
+    cells: dict[tuple[str, int, str], dict[int, float]] = {}
+    for r in result["rows"]:
+        cells.setdefault((r["attack"], r["byzantine"], r["defence"]), {})[r["seed"]] = r["accuracy"]
+    assert len(cells) == 4 and all(set(seeds) == {0, 1} for seeds in cells.values())
+    clean, clipped = cells[("none", 0, "none")], cells[("none", 0, "clip")]
+    assert clean[0] != clean[1]
+    mean = (sum(clean.values()) - sum(clipped.values())) / 2 * 100
+    cost = result["meta"]["targets"]["defence_cost"]["ring/iid"]["cost_points"]["clip"]
+    assert cost == pytest.approx(mean) and result["meta"]["seeds"] == 2
+    script = ROOT / "benchmarks" / "byzantine.py"
+    done = run_script(script, "--quick", "--seeds", "0", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and "--seeds 0: at least 1" in done.stderr
+
+
 def test_byzantine_benchmark_refuses_a_defence_setting_it_cannot_parse(tmp_path: Path) -> None:
     script = ROOT / "benchmarks" / "byzantine.py"
     done = run_script(
@@ -483,7 +504,7 @@ def test_byzantine_reference_runs_the_liars_killed_at_the_start(monkeypatch) -> 
     import byzantine
 
     args = argparse.Namespace(
-        config=None, peers=16, dataset="synthetic", model="logistic", steps=10, seed=0,
+        config=None, peers=16, dataset="synthetic", model="logistic", steps=10, seed=0, seeds=1,
         engine="batched", out=Path("/nonexistent"), defences=["none"], liars=[1, 2],
         attacks=["alie"], topologies=["ring"], partitions=["iid"],
     )  # fmt: skip
