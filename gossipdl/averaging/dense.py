@@ -9,7 +9,13 @@ from typing import Any
 import torch
 
 from gossipdl.averaging.base import Arrival, Averager, Round, mix
-from gossipdl.averaging.robust import Defence, descent_scores, distances, nearest_to_rest
+from gossipdl.averaging.robust import (
+    Defence,
+    descent_scores,
+    distances,
+    median_gap,
+    nearest_to_rest,
+)
 from gossipdl.compression import Payload
 
 LATE_ROUNDS = 4
@@ -118,24 +124,27 @@ class DenseGossip(Averager):
         self._marks.update(marks)
         rounds = 1 if self._last_judged is None else max(1, rnd.index - self._last_judged)
         self._last_judged = rnd.index
-        # one neighbour at a time: no stack of every arrival beside the fresh ones' below
+        # one neighbour at a time: no stack of the stale ones beside the others' below
         gaps = {j: float(distances(x, a.value.unsqueeze(0))) for j, a in arrived.items()}
-        contrary = self._contrary(
-            x, {j: (a.value, gaps[j]) for j, a in arrived.items() if j not in stale}
-        )
+        moving = [j for j in arrived if j not in stale]
+        stacked = torch.stack([arrived[j].value for j in moving]) if moving else None
+        contrary = self._contrary(x, moving, stacked, gaps)
         aside = stale + contrary
-        fresh = [j for j in arrived if j not in aside]
+        fresh = [j for j in moving if j not in contrary]
         shares: dict[int, float] = dict.fromkeys(aside, 1.0)
         evidence = dict.fromkeys(aside, 0.0) | dict.fromkeys(stale, 1.0)  # counts for eviction
         if not fresh:  # nothing new arrived: the peer keeps its own model
             model = x.clone()
         else:
+            assert stacked is not None
+            if contrary:  # the rows of the neighbours the rule sees
+                stacked = stacked[[moving.index(j) for j in fresh]]
             weights = torch.tensor([arrived[j].weight for j in fresh], dtype=torch.float64)
             weights *= 1.0 + sum(arrived[j].weight for j in aside) / float(weights.sum())
             kept = rnd.self_weight + sum(rnd.weights.values()) - float(weights.sum())
             judged = self.defence.judge(
                 x,
-                torch.stack([arrived[j].value for j in fresh]),
+                stacked,
                 weights,
                 kept,
                 steps=rounds * rnd.period,
@@ -155,25 +164,29 @@ class DenseGossip(Averager):
         return model
 
     def _contrary(
-        self, x: torch.Tensor, fresh: Mapping[int, tuple[torch.Tensor, float]]
+        self,
+        x: torch.Tensor,
+        moving: list[int],
+        models: torch.Tensor | None,
+        gaps: Mapping[int, float],
     ) -> list[int]:
-        """With ``+descent``, the fresh neighbours (their models and distances to ``x``) farther
-        than the median one whose running descent score (updated with this round's,
-        :data:`DESCENT_MEMORY`) is below −TAU; none before the peer has mixed once. Farther
-        only: on Dirichlet(0.3) shards honest neighbours score as low at times, and setting
-        aside the nearer half of them too cost 2.6 points with no attack (label flippers sit
-        1.3-2x as far as the median neighbour there)."""
+        """With ``+descent``, of the neighbours whose models moved (``moving``, their models
+        stacked as ``models``; ``gaps``: distances to ``x``), those farther than the
+        :func:`~gossipdl.averaging.robust.median_gap` whose running descent score (updated
+        with this round's, :data:`DESCENT_MEMORY`) is below −TAU; none before the peer has
+        mixed once. Farther only: on Dirichlet(0.3) shards honest neighbours score as low at
+        times, and setting aside the nearer half of them too cost 2.6 points with no attack
+        (label flippers sit 1.3-2x as far as the median neighbour there)."""
         assert self.defence is not None
-        if not self.defence.descent or self._mixed is None or not fresh:
+        if not self.defence.descent or self._mixed is None or models is None:
             return []
-        models = torch.stack([model for model, _ in fresh.values()])
         scores = descent_scores(x - self._mixed, self._mixed, models).tolist()
-        for j, score in zip(fresh, scores, strict=True):
+        for j, score in zip(moving, scores, strict=True):
             previous = self._scores.get(j, 0.0)
             self._scores[j] = previous + DESCENT_MEMORY * (score - previous)
-        middle = float(torch.tensor([gap for _, gap in fresh.values()]).quantile(0.5))
+        middle = median_gap(torch.tensor([gaps[j] for j in moving], dtype=torch.float64))
         limit = -self.defence.descent
-        return [j for j, (_, gap) in fresh.items() if self._scores[j] < limit and gap > middle]
+        return [j for j in moving if self._scores[j] < limit and gaps[j] > middle]
 
     def suspects(self, rounds: int) -> list[int]:
         """Neighbours the defence set aside (:data:`EVICT_SHARE`) in each of their last

@@ -194,6 +194,15 @@ def descent_scores(
     return (offsets @ own) / lengths.clamp_min(1e-30)
 
 
+def median_gap(gaps: torch.Tensor) -> float:
+    """The median neighbour's distance, the mean of the two middle ones for an even count:
+    what RHO and ``+descent`` measure a neighbour against. The lower middle one instead let
+    two neighbours whose models had become the peer's own (distance 0) reject every other
+    under RHO: on a 4-regular graph with Dirichlet(0.3) shards, three honest peers shut
+    themselves in for good."""
+    return float(gaps.quantile(0.5))
+
+
 def nearest_to_rest(models: torch.Tensor) -> tuple[int, torch.Tensor]:
     """The row of ``models`` ``[k, n]`` with the least summed distance to the others (the
     medoid: a few far rows cannot move it), and its distances to each row (float64)."""
@@ -323,14 +332,11 @@ class Defence:
         return Judgement(_kept_mean(ordered, trim), gaps, aside, aside)
 
     def _relative_limit(self, gaps: torch.Tensor) -> float:
-        """BALANCE's second bound: RHO times the median neighbour's distance, the mean of the
-        two middle ones for an even count (three or more neighbours; none without RHO). The
-        lower middle one instead let two neighbours whose models had become the peer's own
-        (distance 0) reject every other: on a 4-regular graph with Dirichlet(0.3) shards,
-        three honest peers shut themselves in for good."""
+        """BALANCE's second bound: RHO times the :func:`median_gap` (three or more
+        neighbours; none without RHO)."""
         if not self.rho or gaps.numel() < 3:
             return math.inf
-        return self.rho * float(gaps.quantile(0.5))
+        return self.rho * median_gap(gaps)
 
     def _trim(self, neighbours: torch.Tensor) -> int:
         """The values a trimmed mean drops per side this round: TRIM, or fewer when too few
