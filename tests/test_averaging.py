@@ -23,7 +23,9 @@ from gossipdl.rundir import RunDir
 from gossipdl.sim.engine import Simulation
 
 
-def simulation(tmp_path: Path, faults: list[dict[str, Any]], steps: int = 40) -> Simulation:
+def simulation(
+    tmp_path: Path, faults: list[dict[str, Any]], steps: int = 40, checkpoint_every: int = 0
+) -> Simulation:
     """Four peers on a ring, dense gossip every step and no training (the optimizers' steps
     do nothing), each starting from its own random model: whatever moves the average is
     the averaging."""
@@ -34,6 +36,7 @@ def simulation(tmp_path: Path, faults: list[dict[str, Any]], steps: int = 40) ->
         algorithm="dense",
         round_timeout=0.05,
         faults=faults,
+        checkpoint_every=checkpoint_every,
         profiles={"all": {"peers": "0-3", "step_time": "10ms"}},
     )
     run = RunDir(config.out)
@@ -92,13 +95,15 @@ def test_a_newcomer_catches_up_with_its_neighbours_models_and_a_defended_one_wit
     assert build_averager("choco", "topk:0.5", 0).catch_up(arrived) is None  # copies, no models
 
 
-def test_a_peer_restarted_without_a_checkpoint_starts_from_its_neighbours_models(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("checkpoint_every", [0, 2])
+def test_a_restarted_peer_starts_from_its_neighbours_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checkpoint_every: int
 ) -> None:
-    """It takes a neighbour's model when it is let in and starts a join margin (20 rounds)
-    later, that far behind (fault-search seeds 19122, 19203: BALANCE evicted it, or the
-    neighbour it pulled back). The first round that brings its neighbours' models ends on
-    their weighted mean, not on a mix with its own stale one."""
+    """Without a checkpoint it takes a neighbour's model when it is let in, with one it
+    resumes its own; either way it starts a join margin (20 rounds) later, that far behind
+    (fault-search seeds 19122, 19203, 31140: with BALANCE the stale models and the swarm's
+    rejected each other, and peers were evicted). The first round that brings its
+    neighbours' models ends on their weighted mean, not on a mix with its own stale one."""
     merges: list[tuple[torch.Tensor, dict[int, Any], torch.Tensor]] = []
     merge = GossipCore._merge
 
@@ -111,7 +116,7 @@ def test_a_peer_restarted_without_a_checkpoint_starts_from_its_neighbours_models
 
     monkeypatch.setattr(GossipCore, "_merge", record)
     faults = [{"at": "0.05s", "kill": "2"}, {"at": "0.1s", "restart": "2"}]
-    simulation(tmp_path, faults, steps=120).run()
+    simulation(tmp_path, faults, steps=120, checkpoint_every=checkpoint_every).run()
     ((own, arrived, out),) = merges
     total = sum(w for w, _ in arrived.values())
     mean = sum(w / total * v for w, v in arrived.values())

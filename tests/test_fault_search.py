@@ -103,6 +103,11 @@ FOUND = {
     "step 69, and at the heal two peers rejoined through it, took its round, finished at "
     "step 73 with 21 steps trained, and a peer restarted later found nobody (a newcomer now "
     "counts from its model's round and trains alone to its first round)",
+    31140: "BALANCE with eviction: two peers restarted from checkpoints of step 5 were let "
+    "back in (through a third, during a partition) 20 rounds ahead; they resumed their own "
+    "models, trained alone to that round, agreed with each other and rejected everyone "
+    "else, who rejected them, and both were evicted (a peer resumed from a checkpoint now "
+    "starts from its neighbours' models at its first round too, as a newcomer does)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

@@ -132,10 +132,10 @@ class Averager(ABC):
         self._dense = build_codec("none")  # resync copies and model replies travel uncompressed
 
     def catch_up(self, arrived: Mapping[int, Arrival]) -> torch.Tensor | None:
-        """The model a peer that took a neighbour's model when it was let in starts its first
-        round from, given what its neighbours sent for that round (None: its own). It took
-        that model a join margin before the round and trained it alone since, so its own
-        lacks that many rounds of the swarm's averaging."""
+        """The model a newcomer, or a peer resumed from a checkpoint, starts its first round
+        from, given what its neighbours sent for that round (None: its own). It trained
+        alone for a join margin before the round at least (a checkpoint's model is older
+        still), so its own lacks that many rounds of the swarm's averaging."""
         return None
 
     def own_draws(self, peer: int) -> None:

@@ -231,7 +231,7 @@ class GossipCore:
         self.reference = model.clone()  # the model agreed at the last sync (dynamic trigger)
         # (round, model at its start): what a model request gets, a tensor nobody writes to
         self.published: tuple[int, torch.Tensor] = (0, self.reference.clone())
-        self._catch_up = False  # our model is a neighbour's of a join margin ago (start_at)
+        self._catch_up = False  # our model missed the swarm's averaging (start_at)
         self.rejoin_via: int | None = None  # a member whose table says we were dropped
         self.rejoin_through: list[int] = []  # it, then the rest of its swarm: whom to ask
         self.rejoin_held_until = 0.0  # after a rejoin nobody answered (rejoin_failed)
@@ -407,12 +407,16 @@ class GossipCore:
     ) -> None:
         """Start at ``round`` of a running swarm with ``model`` (a newcomer or a peer back):
         it resyncs there, its mailboxes wait for that round, heartbeats vouch for none.
-        ``took_model``: a neighbour's, a join margin ago; the first round that brings
-        neighbours' models catches up (:meth:`~gossipdl.averaging.base.Averager.catch_up`).
+        ``took_model``: a neighbour's, a join margin ago. That one, or a checkpoint's this
+        process resumed (it ran no round yet), missed the swarm's averaging for a join
+        margin at least, so the first round that brings neighbours' models catches up
+        (:meth:`~gossipdl.averaging.base.Averager.catch_up`): with a defence, such a stale
+        model and the swarm's rejected each other for good (fault seeds 19122, 31140). A
+        peer back after a drop keeps its own: it averaged until it was cut off.
         ``aligned``: the round of the member that answered (None: nobody did); a model
         request gets ``model`` as of that round, not ``round``, which the swarm has not
         reached (a peer aligning with this one would take up steps nobody trained)."""
-        self._catch_up = took_model
+        self._catch_up = took_model or not self._round_times
         self.round = self.first_round = round
         self.reference = model.clone()
         self.published = (round if aligned is None else aligned, self.reference.clone())
