@@ -120,6 +120,26 @@ def test_balance_rejects_a_far_neighbour_and_averages_the_rest() -> None:
     assert any(torch.equal(late, h) for h in honest * 1.5)  # but they agree: x is the odd one
 
 
+@pytest.mark.parametrize("spec", ["balance:0.02", "clip:2"])
+def test_only_a_neighbour_far_beyond_the_neighbourhood_counts_towards_eviction(
+    spec: str,
+) -> None:
+    """Two neighbours sit beyond BALANCE's γ‖x‖ (and the clipping radius): one 3x as far as
+    the median of the peer and its neighbours (an honest outlier of skewed shards), one 20x
+    (a blown-up model). Both are set aside; only the second is evidence. With two
+    neighbours the peer's own distance, 0, still gives a median to go by."""
+    x = torch.full((100,), 10.0)  # γ‖x‖ = 2; clip:2's radius, the third largest gap, 1
+    offsets = (1.0, 1.0, 1.0, 3.0, 20.0)
+    neighbours = torch.stack([x + 0.1 * k for k in offsets])  # 1, 1, 1, 3 and 20 away
+    defence = robust.parse_defence(spec)
+    assert defence is not None
+    _, _, aside, evidence = defence.judge(x, neighbours, torch.full((5,), 0.15), 0.25)
+    assert aside[3] > 0.5 and aside[4] > 0.5
+    assert evidence[:4].tolist() == [0.0] * 4 and evidence[4] > 0.5
+    assert robust.outlying(torch.tensor([1.0, 7.0])).tolist() == [False, True]
+    assert robust.outlying(torch.tensor([1.0, 5.0])).tolist() == [False, False]
+
+
 def test_balance_with_rho_rejects_a_neighbour_that_far_beyond_the_median_one() -> None:
     """``balance:GAMMA:RHO``: a neighbour RHO times as far as the median neighbour is rejected
     though well inside γ‖x‖ (a model trained on flipped labels, on iid shards), but that

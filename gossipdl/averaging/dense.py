@@ -32,7 +32,8 @@ EVICT_SHARE = 0.5
 """A round counts against a neighbour (:meth:`DenseGossip.suspects`) when the defence set
 aside at least this share of its model: BALANCE rejected it (beyond γ‖x‖: not by RHO
 alone, see ``Defence.judge``), its model did not move, or clipping cut its pull to at most
-half (it sat at least twice the radius away)."""
+half (it sat at least twice the radius away); a model rejected or clipped must also sit
+far beyond the neighbourhood (:func:`~gossipdl.averaging.robust.outlying`)."""
 
 
 DESCENT_MEMORY = 0.1

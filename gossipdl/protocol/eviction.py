@@ -10,6 +10,12 @@ address and key are refused a rejoin for the rest of the run.
 
 The quorum is what keeps one neighbour, confused by its own skewed data or hostile, from
 evicting an honest peer: it must convince the suspect's other neighbours' defences too.
+That is not enough on skewed shards, where every neighbour of an honest peer holding one
+or two classes sets it aside round after round; so a round counts against a neighbour
+only when its model sits far beyond the neighbourhood
+(:func:`~gossipdl.averaging.robust.outlying`), as the attacks eviction is for do. An
+honest peer can still sit that far early in training on very skewed shards (README
+*Misbehaving peers*).
 It assumes that fewer than half of any peer's neighbours are bad (a peer with two
 neighbours, on a ring, needs both), and it takes two at least: a member with one
 neighbour is never evicted, so two peers alone cannot split their swarm. Only a neighbour
