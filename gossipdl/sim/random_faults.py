@@ -5,7 +5,8 @@ enough to run thousands of (3–12 peers, a logistic model on the synthetic
 blobs, 50–120 steps in 8–16 s of virtual time, a ring, an exponential or a complete graph,
 dense gossip, CHOCO, BEER or PowerGossip, every step, periodic or dynamic rounds, with or
 without checkpoints, rounds behind the next step's compute or not, dense gossip sometimes
-defended by BALANCE with eviction on) and a schedule of faults
+defended by BALANCE with eviction on, and then on iid or Dirichlet shards) and a schedule
+of faults
 in config form (``[[faults]]`` tables, so a case is an ordinary config that
 ``gossipdl simulate`` runs too). The faults
 come in episodes:
@@ -42,6 +43,8 @@ ROUNDS = (("dense", "none"), ("choco", "topk:0.1"), ("choco", "qsgd:16"))  # alg
 LATER_ROUNDS = (("beer", "topk:0.1"), ("powergossip", "powersgd:1"))  # since they were added
 LATER_SHARE = 0.3  # of the cases whose trigger allows them (not dynamic)
 EVICTING_SHARE = 0.5  # of the dense gossip cases: BALANCE with eviction (no peer lies)
+SKEWED_SHARE = 0.5  # of the defended cases: Dirichlet shards (honest outliers to evict)
+SKEWED = ("dirichlet:0.3", "dirichlet:0.1")
 TRIGGERS = ("always", "periodic:2", "periodic:3", "dynamic:1%:2")
 EPISODES = ("crash", "partition", "clogs", "leave")
 SETTLE_HEARTBEATS = 6  # heartbeats after dead_after in which the live peers must agree
@@ -105,6 +108,8 @@ def random_case(seed: int, out: str = "") -> Case:
         config = replace(config, algorithm=algorithm, codec=codec)
     if config.algorithm == "dense" and rng.random() < EVICTING_SHARE:  # drawn after those
         config = replace(config, defence="balance", evict_after=rng.choice((3, 5)))
+        if rng.random() < SKEWED_SHARE:  # drawn after all else, for the same reason
+            config = replace(config, partition=rng.choice(SKEWED))
     return Case(seed, config, quiet_at, settle_s)
 
 
