@@ -108,6 +108,11 @@ FOUND = {
     "models, trained alone to that round, agreed with each other and rejected everyone "
     "else, who rejected them, and both were evicted (a peer resumed from a checkpoint now "
     "starts from its neighbours' models at its first round too, as a newcomer does)",
+    2772: "BALANCE with eviction on Dirichlet(0.3) shards: a cut left a ring peer on the "
+    "larger side with both its neighbours on the other; it trained alone for 20 rounds, ahead "
+    "of the rest, and the two peers the rebuilt ring paired it with judged three of its "
+    "rounds at once and evicted it (a peer now accuses only a neighbour it has had for "
+    "GRACE_ROUNDS rounds)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

@@ -768,7 +768,8 @@ class GossipCore:
     def _accuse(self) -> list[Send]:
         """Accuse, to every member, the neighbours our defence set aside in each of their
         last ``evict_after`` rounds (:mod:`~gossipdl.protocol.eviction`), and count it;
-        neither in our own first ``GRACE_ROUNDS`` rounds nor in theirs."""
+        neither in our own first ``GRACE_ROUNDS`` rounds nor in theirs, nor in their first
+        as our neighbours."""
         if self.round < self.first_round + GRACE_ROUNDS:
             return []
         neighbours = self.mixing(self.round)[0]  # a suspect of an earlier life may be gone
@@ -790,9 +791,16 @@ class GossipCore:
         return sends
 
     def _past_grace(self, peer: int) -> bool:
-        """Whether member ``peer``'s life began ``GRACE_ROUNDS`` rounds ago or more."""
+        """Whether member ``peer``'s life began ``GRACE_ROUNDS`` rounds ago or more, and it
+        has been our neighbour in each of those rounds: a graph rebuilt after a death or a
+        cut pairs peers whose models never mixed (fault seed 2772: a peer whose two ring
+        neighbours were cut off trained alone for 20 rounds, and the two it was paired with
+        next evicted it three rounds later)."""
         member = self.membership.get(peer)
-        return member is not None and member.since + GRACE_ROUNDS <= self.round
+        if member is None or member.since + GRACE_ROUNDS > self.round:
+            return False
+        since = range(self.round - GRACE_ROUNDS + 1, self.round)
+        return all(peer in self.mixing(r)[0] for r in since)
 
     def _hear_accusation(self, accuser: int, suspect: int) -> list[Send]:
         """Count ``accuser``'s accusation of ``suspect``; once that makes a quorum of its

@@ -30,7 +30,8 @@ from collections import OrderedDict
 MAX_BANNED = 512  # addresses and keys refused a rejoin; the oldest are let go beyond it
 WINDOW_ROUNDS = 16  # an accuser must have been the suspect's neighbour this recently (at most)
 GRACE_ROUNDS = 10  # a life's first rounds (a newcomer's, or a peer's back from a restart):
-# its model is still catching up with the swarm's, so nobody accuses it, and it accuses nobody
+# its model is still catching up with the swarm's, so nobody accuses it, and it accuses nobody;
+# nor does anyone accuse a neighbour it has had for fewer rounds (a rebuilt graph's new pairs)
 
 
 MIN_ACCUSERS = 2  # a quorum is never one peer: two that disagree cannot evict each other
