@@ -799,8 +799,8 @@ class GossipCore:
         member = self.membership.get(peer)
         if member is None or member.since + GRACE_ROUNDS > self.round:
             return False
-        since = range(self.round - GRACE_ROUNDS + 1, self.round)
-        return all(peer in self.mixing(r)[0] for r in since)
+        lately = range(self.round - GRACE_ROUNDS + 1, self.round)  # this round's: the caller's
+        return all(peer in self.mixing(r)[0] for r in lately)
 
     def _hear_accusation(self, accuser: int, suspect: int) -> list[Send]:
         """Count ``accuser``'s accusation of ``suspect``; once that makes a quorum of its
