@@ -14,8 +14,10 @@ import torch
 from conftest import free_addresses, small_config
 from test_peer_api import OVERLAP_CASES, train_a_ring, two_steps_of_a_w
 from test_ring import check_shared_ring_runs_as_the_tcp_ring, ring_means_in_threads
+from test_robust import check_clipping_shrugs_off_a_byzantine_peer_process
 from test_shared_reduce import _in_threads, _values
 
+from gossipdl.averaging.robust import parse_defence
 from gossipdl.compression import CodecError, Payload, build_codec
 from gossipdl.compression._kernels import from_host, to_host
 from gossipdl.coordinator import RingGroup
@@ -204,3 +206,29 @@ def test_a_gpu_rank_and_a_host_rank_are_refused_naming_both() -> None:
     errors = _in_threads(groups, [torch.from_numpy(_values(0, 10)).cuda(), _values(1, 10)])
     messages = [str(e) for e in errors]
     assert any("(2, 10, 10, 120, 1)" in m and "(2, 10, 10, 120, 0)" in m for m in messages)
+
+
+@pytest.mark.parametrize("spec", ["clip:1", "trimmed:1", "median", "balance:0.5:3"])
+def test_a_defence_judges_on_the_gpu_as_on_the_host(spec: str) -> None:
+    """Each defence, given a peer's model and five neighbours' (one of them blown up) on
+    the GPU, returns the host's model, distances, shares set aside and evidence, and
+    leaves the model on the GPU."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(10_007, generator=g)
+    neighbours = x + 0.1 * torch.randn(5, 10_007, generator=g)
+    neighbours[2] *= 1e3
+    weights = torch.full((5,), 1 / 6, dtype=torch.float64)
+    defence = parse_defence(spec)
+    assert defence is not None
+    host = defence.judge(x, neighbours, weights, 1 / 6)
+    gpu = defence.judge(x.cuda(), neighbours.cuda(), weights.cuda(), 1 / 6)
+    assert gpu.model.is_cuda
+    assert host.aside[2] > 0.5 and host.evidence[2] > 0  # the bad one is set aside
+    for got, want in zip(gpu, host, strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_real_gpu_peers_with_clipping_shrug_off_a_byzantine_peer_process(tmp_path: Path) -> None:
+    """test_robust's four real peer processes, one of them Byzantine, with clipping, on the
+    GPU: the honest three train, name the liar, and every peer ran on a GPU."""
+    check_clipping_shrugs_off_a_byzantine_peer_process(tmp_path, device="auto")

@@ -506,16 +506,25 @@ def test_real_peers_with_clipping_shrug_off_a_byzantine_peer_process(tmp_path: P
     """Four real peer processes on a ring, peer 1 sends its model blown up ×100 over real
     sockets; with clipping the honest three train as without it, and their metrics name
     peer 1 as the neighbour set aside."""
+    check_clipping_shrugs_off_a_byzantine_peer_process(tmp_path)
+
+
+def check_clipping_shrugs_off_a_byzantine_peer_process(tmp_path: Path, device: str = "cpu") -> None:
+    """The real-process clipping check, its peers on ``device``; every peer's final line
+    names a device of that type."""
     from conftest import small_config
 
     from gossipdl.experiments.launcher import launch
 
     config = small_config(
-        tmp_path, peers=4, topology="ring", steps=60, defence="clip",
+        tmp_path, peers=4, topology="ring", steps=60, defence="clip", device=device,
         profiles={"liar": {"peers": "1", "byzantine": "scaled"}},
     )  # fmt: skip
     summary = launch(config, progress=False)
     assert summary["peers_finished"] == 4
     assert _honest_accuracy(summary, {1}) > 0.8, summary["peers"]
-    judged = list(RunDir(config.out).records(0))[-1]["neighbours"]
+    run = RunDir(config.out)
+    judged = list(run.records(0))[-1]["neighbours"]
     assert judged["1"]["filtered"] > 0.9 > 0.1 > judged["3"]["filtered"], judged
+    kind = "cpu" if device == "cpu" else "cuda"
+    assert all(list(run.records(i))[-1]["device"].startswith(kind) for i in range(4))

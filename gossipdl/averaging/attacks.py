@@ -27,6 +27,8 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from gossipdl.compression._kernels import beside
+
 Labels = TypeVar("Labels", torch.Tensor, np.ndarray)
 
 
@@ -88,7 +90,7 @@ def dissensus(
     consensus while sending nothing unusually large (He et al. 2022, §5)."""
     if byzantine_weight <= 0:
         raise ValueError("dissensus needs the Byzantine neighbours' weight in the row (> 0)")
-    pull = ((honest - victim) * honest_weights.to(victim.dtype).unsqueeze(1)).sum(0)
+    pull = ((honest - victim) * beside(honest_weights, victim).unsqueeze(1)).sum(0)
     return victim - pull * (epsilon / byzantine_weight)
 
 

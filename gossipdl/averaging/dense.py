@@ -118,15 +118,9 @@ class DenseGossip(Averager):
         neighbour slowed its neighbours' mixing for the rest of the run); so is one whose
         running descent score is below −TAU (``+descent``), which is not evidence."""
         assert self.defence is not None
-        marks = {j: fingerprint(a.value) for j, a in arrived.items()}
-        stale = [
-            j for j, mark in marks.items() if j in self._marks and torch.equal(self._marks[j], mark)
-        ]
-        self._marks.update(marks)
+        gaps, stale, x_norm = self._measure(x, arrived)
         rounds = 1 if self._last_judged is None else max(1, rnd.index - self._last_judged)
         self._last_judged = rnd.index
-        # one neighbour at a time: no stack of the stale ones beside the others' below
-        gaps = {j: float(distances(x, a.value.unsqueeze(0))) for j, a in arrived.items()}
         moving = [j for j in arrived if j not in stale]
         stacked = torch.stack([arrived[j].value for j in moving]) if moving else None
         contrary = self._contrary(x, moving, stacked, gaps)
@@ -150,10 +144,12 @@ class DenseGossip(Averager):
                 kept,
                 steps=rounds * rnd.period,
                 gaps=torch.tensor([gaps[j] for j in fresh], dtype=torch.float64),
+                x_norm=x_norm,
             )
             model = judged.model
-            shares.update(zip(fresh, judged.aside.tolist(), strict=True))
-            evidence.update(zip(fresh, judged.evidence.tolist(), strict=True))
+            aside_now, evidence_now = torch.stack([judged.aside, judged.evidence]).tolist()
+            shares.update(zip(fresh, aside_now, strict=True))
+            evidence.update(zip(fresh, evidence_now, strict=True))
         for j in arrived:
             record = self._judged.setdefault(j, [0.0, 0.0, 0.0])
             record[0] += 1
@@ -163,6 +159,31 @@ class DenseGossip(Averager):
         if self.defence.descent:
             self._mixed = model.clone()
         return model
+
+    def _measure(
+        self, x: torch.Tensor, arrived: Mapping[int, Arrival]
+    ) -> tuple[dict[int, float], list[int], float | None]:
+        """Each arrival's distance to ``x``, the neighbours whose model has not changed since
+        their last message (:func:`fingerprint`), and for BALANCE ``‖x‖``: worked out where
+        ``x`` is and read in one go (on a GPU one wait a round, not two per neighbour). One
+        neighbour at a time: no stack of a stale model beside the others'."""
+        assert self.defence is not None
+        ids = list(arrived)
+        marks = [fingerprint(arrived[j].value) for j in ids]
+        numbers = [distances(x, arrived[j].value.unsqueeze(0))[0] for j in ids]
+        new = torch.zeros((), dtype=torch.float64, device=x.device)
+        numbers += [  # 1 for a model that did not move
+            (self._marks[j] == mark).all().double() if j in self._marks else new
+            for j, mark in zip(ids, marks, strict=True)
+        ]
+        self._marks.update(zip(ids, marks, strict=True))
+        if self.defence.rule == "balance":
+            numbers.append(torch.linalg.vector_norm(x.double()))
+        read = torch.stack(numbers).tolist()
+        k = len(ids)
+        stale = [j for j, flag in zip(ids, read[k : 2 * k], strict=True) if flag]
+        x_norm = read[2 * k] if len(read) > 2 * k else None
+        return dict(zip(ids, read[:k], strict=True)), stale, x_norm
 
     def _contrary(
         self,

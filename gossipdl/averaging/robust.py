@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+from gossipdl.compression._kernels import beside
+
 
 def distances(x: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
     """Each neighbour's Euclidean distance to ``x`` (``[k]``, float64 sums): what the rules
@@ -70,8 +72,8 @@ def clipped_mix(
     gaps = distances(x, neighbours) if gaps is None else gaps
     if radius is None:
         radius = auto_radius(gaps, bad)
-    scale = torch.where(gaps > radius, radius / gaps.clamp_min(1e-30), 1.0).to(x.dtype)
-    pull = ((neighbours - x) * (weights.to(x.dtype) * scale).unsqueeze(1)).sum(0)
+    scale = beside(torch.where(gaps > radius, radius / gaps.clamp_min(1e-30), 1.0), x)
+    pull = ((neighbours - x) * (beside(weights, x) * scale).unsqueeze(1)).sum(0)
     kept = self_weight + float(weights.sum())
     return x * kept + pull
 
@@ -165,7 +167,7 @@ def balance(
     if not bool(accepted.any()):
         nearest = agreed(neighbours, factor)
         return (x if nearest is None else neighbours[nearest]).clone(), accepted
-    share = weights.to(x.dtype) * accepted.to(x.dtype)
+    share = beside(weights, x) * beside(accepted, x)
     share *= weights.sum() / share.sum()
     return x + share @ (neighbours - x), accepted
 
@@ -312,6 +314,7 @@ class Defence:
         kept: float,
         steps: int = 1,
         gaps: torch.Tensor | None = None,
+        x_norm: float | None = None,
     ) -> Judgement:
         """The new model from ``x`` and the neighbours' models that arrived (``[k, n]``, their
         mixing ``weights``; ``kept``: the row's weight left on the peer, a missing
@@ -336,7 +339,8 @@ class Defence:
         is small and the steps large, γ alone rejected every honest neighbour of a dynamic
         trigger's syncs 14 steps apart, and one was evicted. When neighbours are
         missing, a trimmed mean trims what it can (:meth:`_trim`) rather than fail the
-        round. ``gaps``: the neighbours' :func:`distances`, where the caller has them."""
+        round. ``gaps``: the neighbours' :func:`distances`, and ``x_norm``: ``‖x‖``, where
+        the caller has them."""
         gaps = distances(x, neighbours) if gaps is None else gaps
         if self.rule == "clip":
             radius = auto_radius(gaps, int(self.param))
@@ -345,7 +349,8 @@ class Defence:
             return Judgement(model, gaps, aside, aside * outlying(gaps))
         if self.rule == "balance":
             gamma = self.param * math.sqrt(steps)
-            x_norm = float(torch.linalg.vector_norm(x.double()))  # one pass, for both bounds
+            if x_norm is None:  # one pass, for both bounds
+                x_norm = float(torch.linalg.vector_norm(x.double()))
             limit = self._relative_limit(gaps)
             model, accepted = balance(
                 x, neighbours, weights, 0.0, gamma=gamma, gaps=gaps, limit=limit, x_norm=x_norm

@@ -207,6 +207,15 @@ def from_host(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(a).to(device)
 
 
+def beside(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``t`` (a few numbers, often on the host) on ``x``'s device in ``x``'s dtype; up to a
+    GPU through pinned memory without a wait (:func:`from_host`), where ``.to(x)`` from
+    pageable memory makes the host wait for the GPU's queue."""
+    if t.device.type == "cpu" and x.device.type == "cuda":
+        return from_host(t.detach().to(x.dtype).numpy(), x.device)
+    return t.to(x)
+
+
 _TORCH_DTYPES: dict[type, torch.dtype] = {
     np.float32: torch.float32, np.float16: torch.float16, np.float64: torch.float64,
     np.int8: torch.int8, np.uint8: torch.uint8, np.int16: torch.int16, np.uint16: torch.uint16,
