@@ -1,15 +1,17 @@
 """GPU syncs: where a training step and a gossip round make the host wait for the GPU.
 
 What it measures
-    Two peers in one process, each a real protocol core (:class:`GossipCore`) with its
-    model, SGD with momentum and averager on ``--device``, trade the real wire frames
-    (as bytes, as the simulator does) for ``--steps`` steps: forward, backward and the
-    optimizer step (the loss kept as a tensor, as a peer does between metrics lines),
-    the parameters flattened, the round opened, the neighbour's message taken in, the
-    round polled and the new model written back. Every operation that makes the host
-    wait for the GPU is reported by ``torch.cuda.set_sync_debug_mode("warn")``; each is
-    counted by the gossipdl line that called it, per step, after ``--warmup`` steps
-    (the first round's vouch and the warm-up's one-off work are left out). The same
+    ``--peers`` peers on a ring (2 by default) in one process, each a real protocol core
+    (:class:`GossipCore`) with its model, SGD with momentum and averager on ``--device``,
+    trade the real wire frames (as bytes, as the simulator does) for ``--steps`` steps:
+    forward, backward and the optimizer step (the loss kept as a tensor, as a peer does
+    between metrics lines), the parameters flattened, the round opened, the neighbours'
+    messages taken in, the round polled and the new model written back. Every operation
+    that makes the host wait for the GPU is reported by
+    ``torch.cuda.set_sync_debug_mode("warn")``; each is counted by the gossipdl line that
+    called it, per step of the whole ring, after ``--warmup`` steps (the first round's
+    vouch and the warm-up's one-off work are left out). The ``dense-<defence>`` settings
+    audit the Byzantine-robust rules (run them with ``--peers 4``: two neighbours). The same
     run checks that every tensor the averager keeps (public copies, sums, residuals) is
     on the peer's device.
 
@@ -19,6 +21,7 @@ What it measures
 Run
     python benchmarks/gpu_syncs.py --device cuda
     python benchmarks/gpu_syncs.py --device cuda --json runs/bench-gpu-syncs.json
+    python benchmarks/gpu_syncs.py --device cuda --peers 4 --only dense-clip,dense-balance
     python benchmarks/gpu_syncs.py --quick       # on a CPU: the path runs, no syncs to count
 
 JSON (``--json FILE``): ``{"benchmark": "gpu_syncs", "rows": [...], "meta": {...}}``; one
@@ -48,12 +51,15 @@ from gossipdl.peers.device import pick_device
 from gossipdl.protocol.core import GossipCore, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
 
-SETTINGS = {  # name: (algorithm, codec, trigger)
-    "dense": ("dense", "none", "always"),
-    "choco-topk": ("choco", "topk:0.01", "always"),
-    "choco-sign": ("choco", "sign", "always"),
-    "choco-qsgd": ("choco", "qsgd:16", "always"),
-    "dense-fp16-dynamic": ("dense", "fp16", "dynamic:0.01:4"),
+SETTINGS = {  # name: (algorithm, codec, trigger, defence)
+    "dense": ("dense", "none", "always", "none"),
+    "choco-topk": ("choco", "topk:0.01", "always", "none"),
+    "choco-sign": ("choco", "sign", "always", "none"),
+    "choco-qsgd": ("choco", "qsgd:16", "always", "none"),
+    "dense-fp16-dynamic": ("dense", "fp16", "dynamic:0.01:4", "none"),
+    "dense-clip": ("dense", "none", "always", "clip"),
+    "dense-trimmed": ("dense", "none", "always", "trimmed:1"),
+    "dense-balance": ("dense", "none", "always", "balance:0.5:3"),
 }
 PACKAGE = str(Path(__file__).resolve().parents[1] / "gossipdl")
 
@@ -71,17 +77,19 @@ def _site(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
 class _Peer:
     """One peer's model, optimizer and protocol core."""
 
-    def __init__(self, me: int, model: torch.nn.Module, setting: tuple[str, str, str]) -> None:
-        algorithm, codec, trigger = setting
+    def __init__(
+        self, me: int, peers: int, model: torch.nn.Module, setting: tuple[str, str, str, str]
+    ) -> None:
+        algorithm, codec, trigger, defence = setting
         self.model = model
         self.params = list(model.parameters())
         self.optimizer = torch.optim.SGD(self.params, lr=0.05, momentum=0.9)
         flat = parameters_to_vector(self.params).detach()
-        members = MemberTable([Member(i, f"inproc://{i}", 0) for i in range(2)], 16)
+        members = MemberTable([Member(i, f"inproc://{i}", 0) for i in range(peers)], 16)
         self.core = GossipCore(
             me,
             members,
-            averager=build_averager(algorithm, codec, seed=0),
+            averager=build_averager(algorithm, codec, seed=0, defence=defence),
             trigger=parse_trigger(trigger),
             settings=Settings(topology="ring"),
             model=flat,
@@ -123,16 +131,17 @@ def _placement(peer: _Peer) -> dict[str, str]:
 
 
 def audit(
-    name: str, device: torch.device, steps: int, warmup: int, width: int
+    name: str, device: torch.device, steps: int, warmup: int, width: int, count: int = 2
 ) -> tuple[Counter[str], dict[str, str], dict[str, str]]:
-    """Syncs by call site over ``steps`` steps of setting ``name``; their warning texts;
-    where peer 0's tensors live at the end."""
+    """Syncs by call site over ``steps`` steps of setting ``name`` on a ring of ``count``
+    peers (all of them together); their warning texts; where peer 0's tensors live at the
+    end."""
     torch.manual_seed(0)
     template = torch.nn.Sequential(
         torch.nn.Linear(40, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
         torch.nn.ReLU(), torch.nn.Linear(width, 10),
     ).to(device)  # fmt: skip
-    peers = [_Peer(i, copy.deepcopy(template), SETTINGS[name]) for i in range(2)]
+    peers = [_Peer(i, count, copy.deepcopy(template), SETTINGS[name]) for i in range(count)]
     for peer in peers:
         peer.core.sync_at_step(warmup + steps)
     data = [(torch.randn(32, 40, device=device), torch.randint(0, 10, (32,), device=device))]
@@ -190,6 +199,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps counted")
     parser.add_argument("--warmup", type=int, default=3, help="steps first, not counted")
     parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden width")
+    parser.add_argument(
+        "--peers", type=int, default=2, help="peers on the ring (a defence's rules want 3+)"
+    )
     add_only_option(parser, list(SETTINGS))
     args = parser.parse_args()
     if args.quick:
@@ -201,7 +213,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     placement: dict[str, dict[str, str]] = {}
     for name in args.only or list(SETTINGS):
-        sites, texts, placed = audit(name, device, args.steps, args.warmup, args.width)
+        sites, texts, placed = audit(name, device, args.steps, args.warmup, args.width, args.peers)
         placement[name] = placed
         if not sites:
             rows.append({"setting": name, "site": "-", "per_step": 0.0, "what": ""})
@@ -219,7 +231,7 @@ def main() -> None:
     ]
     report(
         "gpu_syncs",
-        f"Host syncs per step on {device} (2 peers, one process, sync debug mode)",
+        f"Host syncs per step on {device} ({args.peers} peers, one process, sync debug mode)",
         columns,
         rows,
         {
@@ -227,6 +239,7 @@ def main() -> None:
             "steps": args.steps,
             "warmup": args.warmup,
             "width": args.width,
+            "peers": args.peers,
             "placement": placement,
             "off_device": off,
         },
