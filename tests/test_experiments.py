@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from conftest import gossipdl_cmd
 from PIL import Image
 from typer.testing import CliRunner
@@ -98,7 +99,7 @@ def test_a_peer_offline_in_its_window_sends_and_hears_nothing_then_rejoins(
     assert min(accuracies) >= max(accuracies) - 0.05, accuracies
     # summary.json says what produced the run, with start-up apart from training.
     summary = json.loads(run.summary.read_text())
-    assert summary["provenance"]["devices"] == ["cpu"]
+    assert summary["provenance"]["devices"] == ["cuda:0" if torch.cuda.is_available() else "cpu"]
     assert summary["provenance"]["command"][1:3] == ["experiment", "churn.toml"]
     assert summary["startup_s"] > 0  # forming the swarm takes time, on one clock
     assert summary["startup_s"] + summary["training_s"] == pytest.approx(summary["wall_time_s"])
