@@ -113,6 +113,10 @@ FOUND = {
     "of the rest, and the two peers the rebuilt ring paired it with judged three of its "
     "rounds at once and evicted it (a peer now accuses only a neighbour it has had for "
     "GRACE_ROUNDS rounds)",
+    24418: "a ring of four: peer 2 dropped and let back in from round 41 (its old life kept "
+    "to then) died before that round, and nobody declared it dead (its new life had not "
+    "begun); peer 3, restarted, got a table without the old life and had another ring in "
+    "round 33 (a replaced life now travels with its entry, and silence counts in it)",
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",

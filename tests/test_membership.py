@@ -58,7 +58,8 @@ def test_merging_keeps_the_newest_life_and_the_earliest_end_in_any_order() -> No
         table = Membership()
         for entry in order:
             table.merge([entry])
-        assert table.get(1) == Member(1, "tcp://b:2", 40)
+        # the new life keeps the rounds of the one it replaced, to its earliest end
+        assert table.get(1) == Member(1, "tcp://b:2", 40, before=(0, 25))
     table = Membership([Member(0, "tcp://a:1", 0), Member(1, "tcp://a:2", 0)])
     table.merge([Member(1, "tcp://a:2", 0, until=30)])
     table.merge([Member(1, "tcp://a:2", 0, until=25)])
@@ -93,6 +94,9 @@ def test_member_lists_from_the_wire_are_checked() -> None:
         [[0, "tcp://h:1", 5, 5]],  # ends before it starts
         [[0, "tcp://h:1", 0, "soon"]],
         [[True, "tcp://h:1", 0]],
+        [[0, "tcp://h:1", 9, None, "", 0, [5, 4]]],  # a replaced life that ends before it starts
+        [[0, "tcp://h:1", 9, None, "", 0, [5]]],
+        [[0, "tcp://h:1", 9, None, "", 0, "0-5"]],
     ):
         with pytest.raises(WireError, match="member"):
             parse_members(bad)
@@ -408,6 +412,49 @@ def test_resume_without_a_checkpoint_fails_clearly(
     assert "no checkpoint at" in " ".join(done.stderr.split())
     done = CliRunner().invoke(cli.app, ["peer", "--resume", str(out)])
     assert done.exit_code == 2 and "--resume needs --rank" in " ".join(done.stderr.split())
+
+
+def test_a_newcomer_counts_the_rounds_of_a_replaced_life_as_the_members_do() -> None:
+    """Fault seed 24418: peer 2 of a ring of four was dropped and let back in from round 41,
+    its old life kept to then; peer 3, restarted, got a table that named only the new life,
+    and in round 33 had a ring without peer 2 while the others had one with it. The
+    replaced life travels with the entry, and every table merged in any order counts it."""
+    old = [Member(i, f"tcp://h:{10 + i}", 0) for i in range(4)]
+    member = Membership(old)
+    member.end(2, 41)
+    member.merge([Member(2, "tcp://h:12", 41)])  # back in, from the round its old life ends
+    newcomer = Membership(parse_members(member.wire()))
+    for round in (33, 40, 41):
+        assert newcomer.active(round) == member.active(round) == [0, 1, 2, 3], round
+    assert newcomer.spans() == member.spans()
+    for order in (old[::-1], old):  # old news after the new life: the same table
+        late = Membership(parse_members(member.wire()))
+        late.merge(order)
+        assert late.wire() == member.wire()
+    member.end(2, 30)  # then it died: both lives end
+    newcomer.merge(parse_members(member.wire()))
+    assert newcomer.wire() == member.wire() and newcomer.get(2).before == (0, 30)  # type: ignore[union-attr]
+    assert member.active(29) == [0, 1, 2, 3] and member.active(30) == [0, 1, 3]
+
+
+def test_a_peer_that_dies_before_its_new_life_begins_is_declared_dead() -> None:
+    """Seed 24418 again: peer 2, back in from round 41 and its old life still in, died at
+    round 12. Its new life had not begun, and nobody sentenced it: every round to 41 had
+    it. Silence now counts once either life has begun, from the news of the new life (a
+    restarted process is not blamed for its old one's silence)."""
+    from gossipdl.protocol.failure import FailureDetector
+
+    table = Membership([Member(0, "tcp://h:10", 0), Member(2, "tcp://h:12", 0)])
+    detector = FailureDetector(heartbeat=0.25, dead_after=1.5, forget_after=60.0)
+    detector.check(0.0, 0, table.members(), 0, sentence=True, left=lambda j: False)
+    detector.heard(2, 5.0)
+    table.merge([Member(2, "tcp://h:12", 41)])  # its new life is news at 6 s
+    said = detector.check(6.0, 0, table.members(), 12, sentence=True, left=lambda j: False)
+    assert said.dead == []  # silent since 5 s, but its new life is news of now
+    said = detector.check(7.0, 0, table.members(), 12, sentence=True, left=lambda j: False)
+    assert said.dead == []
+    said = detector.check(7.6, 0, table.members(), 13, sentence=True, left=lambda j: False)
+    assert [j for j, _ in said.dead] == [2]
 
 
 def test_a_round_does_not_wait_for_a_life_that_a_later_one_replaced() -> None:

@@ -27,6 +27,8 @@ class MemberView(Protocol):
     @property
     def until(self) -> int | None: ...
 
+    def begun(self, round: int) -> bool: ...
+
 
 @dataclass
 class Verdicts:
@@ -47,7 +49,9 @@ class FailureDetector:
         self.forget_after = forget_after
         self.heard_at: dict[int, float] = {}  # id -> when its last accepted message came
         self.sent_at: dict[int, float] = {}  # id -> when we last sent it anything
-        self._known_at: dict[int, float] = {}  # id -> when we first saw it in the table
+        # id -> (its life, when we first saw that life in the table): a restarted peer's
+        # silence counts from the news of its new life, not from its old process's death
+        self._known_at: dict[int, tuple[int, float]] = {}
         self._away_until = 0.0  # the last moment our device was offline: it heard nothing
 
     def heard(self, peer: int, now: float) -> None:
@@ -83,7 +87,10 @@ class FailureDetector:
         verdicts = Verdicts()
         for member in members:
             j = member.id
-            known = self._known_at.setdefault(j, now)
+            life, known = self._known_at.get(j, (member.since, now))
+            if life != member.since:
+                known = now
+            self._known_at[j] = (member.since, known)
             if j == me:
                 continue
             ended = member.until is not None
@@ -98,6 +105,6 @@ class FailureDetector:
             if now - known >= self.heartbeat and now - self.sent_at.get(j, 0.0) >= every:
                 self.sent_at[j] = now
                 verdicts.heartbeats.append(j)
-            if sentence and not ended and member.since <= round and silent > self.dead_after:
+            if sentence and not ended and member.begun(round) and silent > self.dead_after:
                 verdicts.dead.append((j, silent))
         return verdicts

@@ -7,9 +7,10 @@ switches to the topology over the remaining members at the same round.
 
 Entries are merged so that peers hearing announcements in any order agree: a
 later life of a peer (larger ``since``, after it rejoined) replaces an earlier
-one (whose rounds the table keeps, so that every member still computes those
-rounds' topologies alike), and within one life the earliest announced ``until``
-wins. Two newcomers
+one, and within one life the earliest announced ``until`` wins. The entry keeps
+the rounds of the life it replaced (``before``) and carries them on the wire,
+so that every member, a newcomer too, computes those rounds' topologies alike;
+spans of it merge by the same two rules. Two newcomers
 let in at the same moment by different members can get the same id and
 ``since``; then the entry with the smaller address keeps the id everywhere,
 and the other newcomer joins again (see ``Peer``).
@@ -49,10 +50,21 @@ class Member:
     # which process on that address asked for this life (drawn at its start; 0: not known):
     # a join from another one is a restarted peer, not the same join sent again
     incarnation: int = 0
+    # the rounds [since, until) of the life this one replaced, in which that life still
+    # takes part (None: no earlier life; an empty span: one that ended before it began)
+    before: tuple[int, int] | None = None
 
     def takes_part(self, round: int) -> bool:
-        """Whether the member is in the topology of ``round``."""
+        """Whether the member, in this life or the one it replaced, is in the topology of
+        ``round``."""
+        if self.before is not None and self.before[0] <= round < self.before[1]:
+            return True
         return self.since <= round and (self.until is None or round < self.until)
+
+    def begun(self, round: int) -> bool:
+        """Whether the member took part in some round up to ``round`` (this life or the one
+        it replaced): from then on its silence means it died."""
+        return self.since <= round or (self.before is not None and self.before[0] <= round)
 
     def newer_than(self, other: Member) -> bool:
         """Whether this entry should replace ``other`` (same id) when the two are merged."""
@@ -67,10 +79,51 @@ def _round(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _span(value: Any) -> bool:
+    """A wire entry's ``before``: None, or ``[since, until]`` with since <= until."""
+    return value is None or (
+        isinstance(value, list) and len(value) == 2 and all(map(_round, value))
+        and value[0] <= value[1]
+    )  # fmt: skip
+
+
+def later_span(a: tuple[int, int] | None, b: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Two peers' spans of the life an entry replaced, merged as entries are: the later life
+    (larger start) wins, and of one life the earliest end (None: a peer that knows of no
+    earlier life adds nothing). One answer in any order."""
+    if a is None or b is None:
+        return a if b is None else b
+    if a[0] != b[0]:
+        return a if a[0] > b[0] else b
+    return a[0], min(a[1], b[1])
+
+
+def _until(old: Member, since: int) -> tuple[int, int]:
+    """The rounds of life ``old`` that a later life from round ``since`` leaves it: it ended
+    by the time the new one starts."""
+    until = since if old.until is None else min(old.until, since)
+    return old.since, max(old.since, until)
+
+
+def combined(known: Member | None, new: Member) -> Member:
+    """The entry a table keeps for ``known`` (None: none yet) merged with an announced ``new``
+    one of the same id: a later life replaces an earlier one and keeps its rounds
+    (``before``, :func:`later_span`), news of an earlier life goes to ``before`` the same
+    way, and within one life :meth:`Member.newer_than` picks."""
+    if known is None:
+        return new
+    if new.since > known.since:
+        return replace(new, before=later_span(new.before, _until(known, new.since)))
+    if new.since < known.since:
+        return replace(known, before=later_span(known.before, _until(new, known.since)))
+    keep = new if new.newer_than(known) else known
+    return replace(keep, before=later_span(known.before, new.before))
+
+
 def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
     """Validate a member list received on the wire (``[[id, address, since, until, key,
-    incarnation], ...]``; ``until`` may be left out or ``None``, ``key`` left out or ``""``,
-    ``incarnation`` left out or 0): at most
+    incarnation, before], ...]``; ``until`` may be left out or ``None``, ``key`` left out or
+    ``""``, ``incarnation`` left out or 0, ``before`` left out or ``None``): at most
     ``limit`` entries, ids up to ``MAX_ID``, addresses a peer may dial."""
     if not isinstance(value, list):
         raise WireError("bad_meta", f"member list is {type(value).__name__}, expected a list")
@@ -82,7 +135,7 @@ def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
     for entry in value:
         if not (
             isinstance(entry, list)
-            and len(entry) in (3, 4, 5, 6)
+            and 3 <= len(entry) <= 7
             and _round(entry[0])
             and entry[0] <= MAX_ID
             and address_problem(entry[1]) is None
@@ -90,17 +143,25 @@ def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
             and (len(entry) == 3 or entry[3] is None or (_round(entry[3]) and entry[3] > entry[2]))
             and (len(entry) < 5 or (isinstance(entry[4], str) and len(entry[4]) in (0, 40)))
             and (len(entry) < 6 or (_round(entry[5]) and entry[5] <= MAX_INCARNATION))
+            and (len(entry) < 7 or _span(entry[6]))
         ):
             raise WireError(
                 "bad_meta", f"member entry {entry!r} is not [id, tcp://address, since, until]"
             )
-        members.append(Member(*entry))
+        member = Member(*entry[:6])
+        if len(entry) == 7 and entry[6] is not None:
+            member = replace(member, before=(entry[6][0], entry[6][1]))
+        members.append(member)
     return members
 
 
 def _wire(members: list[Member]) -> list[list[Any]]:
-    """Entries as the wire carries them: ``[id, address, since, until, key, incarnation]``."""
-    return [[m.id, m.address, m.since, m.until, m.key, m.incarnation] for m in members]
+    """Entries as the wire carries them: ``[id, address, since, until, key, incarnation,
+    before]`` (``before``: ``[since, until]`` or None)."""
+    return [
+        [m.id, m.address, m.since, m.until, m.key, m.incarnation, m.before and list(m.before)]
+        for m in members
+    ]
 
 
 class MemberTable:
@@ -119,9 +180,6 @@ class MemberTable:
         self._left: dict[int, str] = {}  # id -> why it stopped, as it announced
         self._forgotten: OrderedDict[int, int] = OrderedDict()  # id -> until of its last life
         self._digest: int | None = None  # of the entries, until they change
-        # id -> the rounds [since, until) of the life a later one replaced: it still takes
-        # part in those rounds' topologies (every member computes them alike)
-        self._before: dict[int, tuple[int, int]] = {}
         if members:
             self.merge(members)
 
@@ -139,23 +197,16 @@ class MemberTable:
                 )
             for member in fresh:
                 known = self._members.get(member.id)
-                if known is None or member.newer_than(known):
-                    if known is not None and member.since > known.since:
+                entry = combined(known, member)
+                if entry != known:
+                    if known is not None and entry.since > known.since:
                         self._left.pop(member.id, None)  # a new life: it is back
-                        self._replaced(known, member)
                     self._forgotten.pop(member.id, None)
-                    self._members[member.id] = member
-                    changed.append(member)
+                    self._members[member.id] = entry
+                    changed.append(entry)
             if changed:
                 self._digest = None
         return changed
-
-    def _replaced(self, old: Member, new: Member) -> None:
-        """Keep the rounds of life ``old`` that life ``new`` replaces (lock held): the old one
-        ended by the time the new one starts."""
-        until = new.since if old.until is None else min(old.until, new.since)
-        if until > old.since:
-            self._before[old.id] = (old.since, until)
 
     def _stale(self, member: Member) -> bool:
         """Whether ``member`` is a life that ended before we forgot it (lock held)."""
@@ -171,9 +222,9 @@ class MemberTable:
             for m in ours.values():
                 known = self._members.get(m.id)
                 if (known is None or m.since > known.since) and len(self._members) < self.limit:
-                    self._members[m.id] = m
+                    self._members[m.id] = combined(known, m)
                 elif known is not None and known.since > m.since:
-                    self._replaced(m, known)
+                    self._members[m.id] = combined(m, known)
             self._digest = None
             self._left = {i: why for i, why in self._left.items() if i in self._members}
             for i in self._members:
@@ -187,7 +238,6 @@ class MemberTable:
             if member is None or member.until is None:
                 return None
             del self._members[peer_id]
-            self._before.pop(peer_id, None)
             self._digest = None
             self._left.pop(peer_id, None)
             self._forgotten[peer_id] = member.until
@@ -196,14 +246,19 @@ class MemberTable:
             return member
 
     def end(self, peer_id: int, until: int) -> Member | None:
-        """Take ``peer_id`` out of the topology from round ``until``; returns the changed
-        entry, or None if it was already out by then."""
+        """Take ``peer_id`` out of the topology from round ``until`` (the life it replaced
+        too); returns the changed entry, or None if it was already out by then."""
         with self._lock:
             known = self._members.get(peer_id)
             if known is None:
                 return None
             ended = replace(known, until=max(until, known.since + 1))
             if not ended.newer_than(known):
+                ended = known
+            if known.before is not None:
+                start, end = known.before
+                ended = replace(ended, before=(start, max(start, min(end, until))))
+            if ended == known:
                 return None
             self._members[peer_id] = ended
             self._digest = None
@@ -223,20 +278,16 @@ class MemberTable:
         """Sorted ids of the members in the topology of ``round`` (one that left without
         ending yet included: ``gone`` tells)."""
         with self._lock:
-            before = self._before
-            return sorted(
-                i
-                for i, m in self._members.items()
-                if m.takes_part(round) or (i in before and before[i][0] <= round < before[i][1])
-            )
+            return sorted(i for i, m in self._members.items() if m.takes_part(round))
 
     def spans(self) -> list[tuple[int, int | None]]:
         """The rounds ``[since, until)`` of every life the table knows (``until`` None: still
         in), a life a later one replaced included: where the topology changes."""
         with self._lock:
-            return [(m.since, m.until) for m in self._members.values()] + list(
-                self._before.values()
-            )
+            lives = list(self._members.values())
+            return [(m.since, m.until) for m in lives] + [
+                m.before for m in lives if m.before is not None and m.before[0] < m.before[1]
+            ]
 
     def mark_left(self, peer_id: int, reason: str = "") -> None:
         """Record that a peer stopped training (and why, if it said); nobody waits for it."""
