@@ -78,7 +78,8 @@ def test_a_welcome_keeps_the_lives_its_table_has_not_heard_of() -> None:
     table back must not lose it, or it is a member nobody else knows."""
     table = MemberTable([*swarm(3), Member(3, address(3), since=40)])
     table.replace_all([*swarm(2), Member(2, address(2), until=20), Member(3, address(3), 0, 20)])
-    assert table.get(3) == Member(3, address(3), since=40)  # a later life than the welcome's
+    # a later life than the welcome's, which it keeps as the one it replaced
+    assert table.get(3) == Member(3, address(3), since=40, before=(0, 20))
     assert table.get(2) == Member(2, address(2), until=20)  # the welcomer's word on 2's life
 
 
