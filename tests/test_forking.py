@@ -3,6 +3,7 @@ their arguments, environment, directory, output, exit codes and signals."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -109,8 +110,9 @@ def test_the_fork_server_has_imported_what_a_peer_would_import_when_it_starts() 
     fork, not per peer; torch._dynamo (1.1–1.6 s) does not come at all: only torch.optim's
     steps import it, and peers step with gossipdl's SGD (test_local_optimizer)."""
     names = ["typer._adapters", "gossipdl.peers.runner", "torch._dynamo"]
+    adapters = importlib.util.find_spec("typer._adapters") is not None  # not in older typers
     with forking.context().Pool(1) as pool:
-        assert pool.apply(_imported, (names,)) == [True, True, False]
+        assert pool.apply(_imported, (names,)) == [adapters, True, False]
 
 
 def test_only_a_launching_gossipdl_command_starts_the_fork_server_early(
