@@ -250,7 +250,7 @@ class DeltaGolomb(IndexCoder):
         native = native_kernels(torch.device("cpu"))
         b = zeros = 0  # the Rice parameter, and Σ q_j: the unary stream's zeros
         if count:
-            guess = int(np.log2(max(float(gaps.mean()), 1.0)))
+            guess = rice_guess(int(indices[-1]) + 1 - count, count)
             first = max(0, guess - 1)
             candidates = range(first, guess + 2)
             sums = (
@@ -291,7 +291,8 @@ class DeltaGolomb(IndexCoder):
         if not count:
             return super().layouts(rows, numel)
         gaps = np.diff(rows.astype(np.int64, copy=False), axis=1, prepend=-1) - 1
-        guess = np.log2(np.maximum(gaps.mean(axis=1), 1.0)).astype(np.int64)
+        means = np.maximum((rows[:, -1].astype(np.int64) + 1 - count) // count, 1)
+        guess = np.count_nonzero(means[:, None] >> np.arange(63) > 0, axis=1) - 1  # rice_guess
         # encode's candidates: guess − 1 (not below 0), guess, guess + 1; the first cheapest
         candidates = np.stack([np.maximum(guess - 1, 0), guess, guess + 1], axis=1)
         quotients = np.stack([(gaps >> c[:, None]).sum(axis=1) for c in candidates.T], axis=1)
@@ -354,13 +355,20 @@ class DeltaGolomb(IndexCoder):
         return _from_gaps(gaps, numel, "delta-golomb")
 
 
+def rice_guess(total: int, count: int) -> int:
+    """Where ``delta-golomb`` looks for ``b``: ⌊log2⌋ of the mean of ``count`` gaps summing to
+    ``total`` (at least 0), in integers, so that the host, its batched layouts and a GPU
+    agree to the bit (the mean's floor has the same power of two)."""
+    return max(total // count, 1).bit_length() - 1
+
+
 def golomb_streams(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``delta-golomb``'s unary and remainder streams (uint8, on ``indices``' device) and
     its ``b`` for strictly increasing ``indices`` below ``numel`` (< 2^56), byte for byte
-    :meth:`DeltaGolomb.encode`'s, built where the indices lie: on a GPU, two scalar reads
-    (the last index, which gives the gaps' mean, and the quotient sums of three ``b``)
-    instead of the indices' copy down and the host's pass over them. Every bit lands in
-    its byte by a scatter-add of disjoint bits, which is their OR."""
+    :meth:`DeltaGolomb.encode`'s, built where the indices lie: on a GPU, one read of two
+    numbers (``b``, chosen there from the quotient sums of three, and its sum: the
+    streams' sizes) instead of the indices' copy down and the host's pass over them.
+    Every bit lands in its byte by a scatter-add of disjoint bits, which is their OR."""
     device = indices.device
     idx = indices.to(torch.int64)
     count = idx.numel()
@@ -368,14 +376,15 @@ def golomb_streams(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, tor
         empty = torch.zeros(0, dtype=torch.uint8, device=device)
         return empty, empty, 0
     gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1
-    total = int(idx[-1]) - (count - 1)  # Σ gaps: they telescope
-    guess = int(np.log2(max(total / count, 1.0)))
-    first = max(0, guess - 1)
-    candidates = range(first, guess + 2)
-    sums = torch.stack([(gaps >> c).sum() for c in candidates]).tolist()
-    b = min(candidates, key=lambda c: count * c + sums[c - first])
+    mean = ((idx[-1] + 1 - count) // count).clamp_min(1)  # Σ gaps telescopes to the last index
+    guess = ((mean >> torch.arange(63, device=device)) > 0).sum() - 1  # rice_guess, there
+    # encode's candidates guess − 1 (not below 0), guess, guess + 1; the first cheapest
+    candidates = (guess + torch.arange(-1, 2, device=device)).clamp_min(0)
+    sums = (gaps[None, :] >> candidates[:, None]).sum(1)
+    best = torch.argmin(count * candidates + sums)
+    b, zeros = torch.stack([candidates[best], sums[best]]).tolist()
     ones = torch.cumsum((gaps >> b) + 1, 0) - 1  # each quotient's closing one bit
-    unary = torch.zeros((sums[b - first] + count + 7) // 8, dtype=torch.int32, device=device)
+    unary = torch.zeros((zeros + count + 7) // 8, dtype=torch.int32, device=device)
     unary.scatter_add_(0, ones >> 3, (1 << (ones & 7)).to(torch.int32))
     unary = unary.to(torch.uint8)
     if not b:
@@ -387,10 +396,10 @@ def golomb_streams(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, tor
     byte = (start >> 3)[:, None] + torch.arange(spans, device=device)
     pieces = (shifted[:, None] >> (8 * torch.arange(spans, device=device))) & 255
     size = (count * b + 7) // 8
-    keep = byte < size  # the last remainder's spare span
-    rest = torch.zeros(size, dtype=torch.int32, device=device)
-    rest.scatter_add_(0, byte[keep], pieces[keep].to(torch.int32))
-    return unary, rest.to(torch.uint8), b
+    # room for the last remainder's spare span (zeros): a mask would make the host wait
+    rest = torch.zeros(size + spans, dtype=torch.int32, device=device)
+    rest.scatter_add_(0, byte.reshape(-1), pieces.reshape(-1).to(torch.int32))
+    return unary, rest[:size].to(torch.uint8), b
 
 
 def _planes(indices: np.ndarray, numel: int) -> bytes:
