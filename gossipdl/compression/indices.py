@@ -381,8 +381,8 @@ def golomb_streams(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, tor
     # encode's candidates guess − 1 (not below 0), guess, guess + 1; the first cheapest
     candidates = (guess + torch.arange(-1, 2, device=device)).clamp_min(0)
     sums = (gaps[None, :] >> candidates[:, None]).sum(1)
-    best = torch.argmin(count * candidates + sums)
-    b, zeros = torch.stack([candidates[best], sums[best]]).tolist()
+    best = torch.argmin(count * candidates + sums).view(1)  # a tensor index reads it: select
+    b, zeros = torch.stack([candidates, sums]).index_select(1, best).view(2).tolist()
     ones = torch.cumsum((gaps >> b) + 1, 0) - 1  # each quotient's closing one bit
     unary = torch.zeros((zeros + count + 7) // 8, dtype=torch.int32, device=device)
     unary.scatter_add_(0, ones >> 3, (1 << (ones & 7)).to(torch.int32))
