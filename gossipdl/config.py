@@ -473,6 +473,20 @@ def _toml_key(key: str) -> str:
     return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
+def cautions(c: Config) -> list[str]:
+    """Settings that are valid but known to go wrong where they meet, each a warning to give
+    before the run starts (the README says what was measured)."""
+    found = []
+    if c.evict_after and c.partition != "iid" and not c.partition.startswith("powerlaw"):
+        found.append(
+            f"evict_after = {c.evict_after} with partition = {c.partition!r}: on label-skewed "
+            "shards honest peers whose classes differ sit far from their neighbours round "
+            "after round, and the fault search has seen them evicted (README, Misbehaving "
+            "peers); leave eviction off there unless liars are the likelier fault"
+        )
+    return found
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)

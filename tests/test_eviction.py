@@ -101,6 +101,28 @@ def test_evict_after_is_checked_in_the_config() -> None:
             load_config(None, **changes)
 
 
+def test_eviction_on_label_skewed_shards_is_a_warning_before_the_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Valid, but the fault search has seen honest peers of skewed shards evicted: the run
+    says so before it starts (not for iid labels, nor without eviction)."""
+    from gossipdl.config import cautions
+    from gossipdl.experiments.launcher import fresh_run
+
+    base = load_config(None, defence="balance", evict_after=5)
+    for partition in ("dirichlet:0.3", "shards:2", "natural"):
+        (said,) = cautions(base.replace(partition=partition))
+        assert f"partition = {partition!r}" in said and "evicted" in said
+    assert cautions(base) == cautions(base.replace(partition="powerlaw:1.5")) == []
+    assert cautions(base.replace(partition="dirichlet:0.1", evict_after=0)) == []
+    skewed = base.replace(partition="dirichlet:0.1")
+    with caplog.at_level("WARNING", logger="gossipdl"):
+        fresh_run(skewed.replace(out=str(tmp_path / "search")), caution=False)  # a fault search
+        assert "label-skewed" not in caplog.text
+        fresh_run(skewed.replace(out=str(tmp_path / "run")))
+    assert "label-skewed" in caplog.text
+
+
 def test_a_simulated_ring_evicts_a_blown_up_peer_and_closes_over_it(tmp_path: Path) -> None:
     """Eight simulated peers on a ring, peer 3 sending its model ×100, BALANCE with
     ``evict_after`` 5: its neighbours accuse it, every honest peer ends it, the ring

@@ -68,7 +68,7 @@ def check_seed(seed: int, root: str) -> Outcome:
     directory is removed when every invariant held."""
     started = time.perf_counter()
     case = random_case(seed, out=str(Path(root) / f"seed-{seed}"))
-    run, config = fresh_run(case.config)
+    run, config = fresh_run(case.config, caution=False)
     violation = WatchedSimulation(case, config, run).watch()
     if violation is None:
         shutil.rmtree(run.root, ignore_errors=True)

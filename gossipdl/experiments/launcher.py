@@ -26,7 +26,7 @@ from typing import IO, Any
 
 from rich.console import Console
 
-from gossipdl.config import ADVERTISE_ENV, Config, ConfigError, resolved, to_toml
+from gossipdl.config import ADVERTISE_ENV, Config, ConfigError, cautions, resolved, to_toml
 from gossipdl.data import DataError
 from gossipdl.experiments import forking
 from gossipdl.experiments.display import LiveProgress
@@ -61,9 +61,11 @@ class Interrupted(KeyboardInterrupt):
         self.exit_code = 128 + signum
 
 
-def fresh_run(config: Config) -> tuple[RunDir, Config]:
+def fresh_run(config: Config, caution: bool = True) -> tuple[RunDir, Config]:
     """The run directory ``config`` names (default ``runs/<timestamp>``), created, with the
-    resolved config in its ``config.toml`` (what ran); ConfigError if it holds a run."""
+    resolved config in its ``config.toml`` (what ran); ConfigError if it holds a run. With
+    ``caution`` its :func:`~gossipdl.config.cautions` are logged as warnings (the fault
+    search draws such settings on purpose)."""
     run = RunDir(config.out or default_run_dir())
     if run.peer_ids() or run.summary.exists():
         raise ConfigError(
@@ -73,6 +75,8 @@ def fresh_run(config: Config) -> tuple[RunDir, Config]:
     run.create()
     config = resolved(config.replace(out=str(run.root)))
     run.config.write_text(to_toml(config))
+    for text in cautions(config) if caution else []:
+        log.warning("%s", text)
     return run, config
 
 
