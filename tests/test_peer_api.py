@@ -30,9 +30,11 @@ def make_swarm(
     values: list[float],
     width: int = 3,
     device: str = "cpu",
+    links: dict[int, LinkProfile] | None = None,
     **kwargs: Any,
 ) -> list[Peer]:
-    """``n`` Peers in this process, formed through peer 0; peer i's weights all equal values[i]."""
+    """``n`` Peers in this process, formed through peer 0; peer i's weights all equal values[i]
+    (peer i's emulated link: ``links[i]``, if given)."""
     models = []
     for value in values:
         model = torch.nn.Linear(width, 2, device=device)
@@ -49,9 +51,10 @@ def make_swarm(
         listening.set()
 
     def start(i: int) -> None:
+        own = {**kwargs, **({"link": links[i]} if links and i in links else {})}
         if i == 0:
             peers[0] = Peer(
-                models[0], topology=topology, min_peers=n, on_listening=on_listening, **kwargs
+                models[0], topology=topology, min_peers=n, on_listening=on_listening, **own
             )
         else:
             listening.wait(30)
@@ -61,7 +64,7 @@ def make_swarm(
                 bootstrap=founder_address[0],
                 topology=topology,
                 min_peers=n,
-                **kwargs,
+                **own,
             )
 
     errors = in_threads(start, range(n))
@@ -116,6 +119,42 @@ def test_one_round_is_exactly_w_times_x(topology: str) -> None:
         for p in peers:
             assert p.stats()["messages_dropped"] == {}
             assert p.neighbour_misses == 0
+    finally:
+        for p in peers:
+            p.close()
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+def test_a_neighbour_gets_the_rounds_model_though_training_writes_it_at_once(codec: str) -> None:
+    """Peer 0's messages leave 0.5 s late (its link) while peer 1's come at once, so peer 0
+    ends its round, and writes its parameters, before its model is sent: peer 1 must
+    still mix the round's model. Uncompressed, a payload is the round model's own memory,
+    so the round runs on a copy of the parameters; with a codec (a payload of its own) it
+    reads the live parameter vector itself. Values 0 and 10 are exact in fp16."""
+    peers = make_swarm(
+        2,
+        "complete",
+        [0.0, 10.0],
+        algorithm="dense",
+        codec=codec,
+        links={0: LinkProfile(latency_s=0.5)},
+    )
+    try:
+        founder = next(p for p in peers if p.id == 0)
+
+        def work(peer: Peer) -> None:
+            peer.gossip()
+            if peer is founder:
+                with torch.no_grad():
+                    for p in peer.params:
+                        p.fill_(1e6)  # the next step, before the round's model went out
+
+        errors = in_threads(work, peers)
+        assert not errors, errors
+        other = next(p for p in peers if p is not founder)
+        assert value_of(other) == 5.0
+        assert all(p.flat.live() is not None for p in peers)  # still views of one vector
+        assert (founder._round_model() is founder.flat.live()) == (codec != "none")
     finally:
         for p in peers:
             p.close()

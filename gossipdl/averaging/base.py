@@ -151,8 +151,13 @@ class Averager(ABC):
     @abstractmethod
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload | Mapping[int, Payload]:
         """The payload every neighbour gets this round, or one per neighbour (by id).
-        ``x`` is the round's model, which the caller does not write afterwards: a
-        payload may share its memory until it is sent."""
+        A payload may share ``x``'s memory only where :meth:`sends_memory_of` says so."""
+
+    def sends_memory_of(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`outgoing` sends ``x``'s own memory, without a copy: the caller
+        must then hand it a round's model that nothing writes afterwards, not the live
+        parameters (no averager keeps ``x`` past its round otherwise)."""
+        return False
 
     def metrics(self) -> dict[str, Any]:
         """The averager's own part of a metrics line (nothing, but for a defended one)."""

@@ -219,10 +219,13 @@ class DenseGossip(Averager):
         """The whole parameter vector, encoded (:meth:`encoded`)."""
         return self.encoded(x)
 
+    def sends_memory_of(self, x: torch.Tensor) -> bool:
+        """Uncompressed on a CPU, the payload is ``x``'s own memory: no copy, no estimate."""
+        return self.codec.spec == "none" and x.device.type == "cpu"
+
     def encoded(self, x: torch.Tensor) -> Payload:
-        """``x`` as sent; uncompressed, the payload is ``x``'s own memory on a CPU (the
-        round's model, which nobody writes: no copy, no estimate)."""
-        if self.codec.spec == "none" and x.device.type == "cpu":
+        """``x`` as sent (:meth:`sends_memory_of`: its own memory, which nobody writes)."""
+        if self.sends_memory_of(x):
             return Payload((x.detach().numpy(),), {})
         payload, _ = self.codec.encode(x)
         return payload

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from gossipdl.compression._kernels import empty_on
+
 
 @torch.no_grad()
 def set_params(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
@@ -16,3 +18,75 @@ def set_params(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
         n = p.numel()
         p.copy_(flat[offset : offset + n].view_as(p))
         offset += n
+
+
+class FlatParameters:
+    """A model's parameters as views into one persistent float32 vector, as DDP's buckets
+    hold gradients: a round reads the model as a vector without gathering it and writes
+    the result back in one contiguous copy.
+
+    Built once, before training (it rebinds each parameter's ``.data``; the optimizer
+    holds the same ``Parameter`` objects, so its state is untouched). Parameters that
+    cannot share one vector (several devices, another dtype, memory shared between two
+    of them) keep their own, and so do parameters something later moved (``model.to``):
+    the vector is then gathered each time, as before.
+
+    >>> model = torch.nn.Linear(2, 1)
+    >>> flat = FlatParameters(list(model.parameters()))
+    >>> live = flat.live()
+    >>> live.numel(), model.weight.data_ptr() == live.data_ptr()
+    (3, True)
+    >>> flat.load_(torch.zeros(3)); model.bias.tolist()
+    [0.0]
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.device = self.params[0].device
+        self._vector: torch.Tensor | None = None
+        self._pointers: list[int] = []
+        storages = {p.untyped_storage().data_ptr() for p in self.params}
+        if len(storages) < len(self.params) or any(
+            p.device != self.device or p.dtype != torch.float32 for p in self.params
+        ):
+            return
+        vector = torch.empty(self.numel, device=self.device)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                view = vector[offset : offset + p.numel()].view(p.shape)
+                view.copy_(p)
+                p.data = view
+                offset += p.numel()
+        self._vector = vector
+        self._pointers = [p.data_ptr() for p in self.params]
+
+    def live(self) -> torch.Tensor | None:
+        """The vector the parameters are views of (writing it writes the model), or None
+        when they are not (any more)."""
+        vector = self._vector
+        if vector is None or any(
+            p.data_ptr() != at for p, at in zip(self.params, self._pointers, strict=True)
+        ):
+            return None
+        return vector
+
+    @torch.no_grad()
+    def copy(self) -> torch.Tensor:
+        """A copy of the parameters as one vector, in recycled memory on a CPU (a fresh
+        43 MB vector every step pays its page faults)."""
+        out = empty_on(self.device, self.numel)
+        vector = self.live()
+        if vector is not None:
+            return out.copy_(vector)
+        return torch.cat([p.reshape(-1) for p in self.params], out=out)
+
+    @torch.no_grad()
+    def load_(self, new: torch.Tensor) -> None:
+        """Write vector ``new`` into the parameters (one copy into the live vector)."""
+        vector = self.live()
+        if vector is None:
+            set_params(self.params, new)
+        elif new.data_ptr() != vector.data_ptr():
+            vector.copy_(new)

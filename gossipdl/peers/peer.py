@@ -40,7 +40,7 @@ from gossipdl.coordinator.ring import (
 )
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
 from gossipdl.coordinator.shared_reduce import on_this_host
-from gossipdl.models.parameters import set_params
+from gossipdl.models.parameters import FlatParameters
 from gossipdl.peers.membership import MAX_MEMBERS, Member, Membership, parse_members
 from gossipdl.protocol.core import CORE_KINDS, GossipCore, Send, Settings
 from gossipdl.protocol.joining import (
@@ -240,8 +240,9 @@ class Peer:
         self.params = [p for p in model.parameters()]
         if not self.params:
             raise ValueError("the model has no parameters to average")
-        self.numel = sum(p.numel() for p in self.params)
-        self.device = self.params[0].device
+        self.flat = FlatParameters(self.params)  # the parameters become views of one vector
+        self.numel = self.flat.numel
+        self.device = self.flat.device
         ring = algorithm == "allreduce"
         if ring:
             check_ring_codec(codec)
@@ -327,7 +328,7 @@ class Peer:
             averager=self.averager,
             trigger=self.trigger,
             settings=settings,
-            model=self._flat(),
+            model=self.flat.copy(),
             stream=rank or 0,
         )
         self.core.behind = self._rounds is not None  # idle: a step's wait in settle()
@@ -427,7 +428,7 @@ class Peer:
         assert self._rounds is not None
         if not self._round_due(stepped):
             return
-        x, ready = self._flat(), None
+        x, ready = self.flat.copy(), None  # training goes on beside the round
         if self._stream is not None:  # the round's stream starts once x is written
             ready = torch.cuda.Event()
             ready.record()
@@ -447,7 +448,7 @@ class Peer:
         if done is not None:  # training's stream goes on once the round's work is done
             torch.cuda.current_stream().wait_event(done)
             new.record_stream(torch.cuda.current_stream())
-        set_params(self.params, new)
+        self.flat.load_(new)
 
     def _round_behind(
         self, x: torch.Tensor, ready: torch.cuda.Event | None
@@ -492,9 +493,9 @@ class Peer:
         if not self._round_due(stepped):
             return
         if not self.reduces_gradients:  # gradients were averaged before the local step
-            x = self._flat()
+            x = self._round_model()
             new = self._ring_round(x) if self.ring else self._core_round(x)
-            set_params(self.params, new)
+            self.flat.load_(new)
         if self.ring:
             with self._core:
                 self.core.advance(time.monotonic())
@@ -577,7 +578,7 @@ class Peer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self.params if p.grad is not None]
-        vector_to_parameters(self._reducer().allreduce_mean_(self._flat(grads)), grads)
+        vector_to_parameters(self._reducer().allreduce_mean_(self._flat_gradients(grads)), grads)
 
     def _ring_round(self, x: torch.Tensor) -> torch.Tensor:
         """The mean of the parameters; low-rank: the mean change since the last round."""
@@ -978,13 +979,12 @@ class Peer:
         the step count :func:`late_steps` gives (``aligned``: the answering member's round);
         until that count reaches ``start``'s, :meth:`step` trains alone."""
         if model is not None:
-            with torch.no_grad():
-                set_params(self.params, model)
+            self.flat.load_(model)
         self.steps, self._alone_until = late_steps(
             self.steps, model is not None, self.started, start, aligned, self.trigger.period
         )
         with self._core:
-            self.core.start_at(start, self._flat(), model is not None, aligned)
+            self.core.start_at(start, self.flat.copy(), model is not None, aligned)
             if model is not None:
                 self.core.age = self.steps
         self.started = True
@@ -1039,12 +1039,20 @@ class Peer:
         )
 
     # ----------------------------------------------------------------- helpers
-    def _flat(self, tensors: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        """A copy of the parameters (or of ``tensors``, shaped as they are: their
-        gradients) as one vector, in recycled memory on a CPU (a fresh 43 MB vector
-        every step pays its page faults)."""
+    def _round_model(self) -> torch.Tensor:
+        """The model a synchronous round starts from: the live parameter vector itself,
+        which nothing writes while the round runs, unless the round keeps it past its end
+        (a ring all-reduce's, or a payload sent from its memory); then a copy."""
+        live = None if self.ring else self.flat.live()
+        if live is None or self.averager.sends_memory_of(live):
+            return self.flat.copy()
+        return live
+
+    def _flat_gradients(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A copy of the gradients as one vector, in recycled memory on a CPU (a fresh
+        43 MB vector every step pays its page faults)."""
         with torch.no_grad():
-            views = [t.reshape(-1) for t in (self.params if tensors is None else tensors)]
+            views = [g.reshape(-1) for g in grads]
             return torch.cat(views, out=empty_on(self.device, self.numel))
 
     def _send(

@@ -275,7 +275,9 @@ class GossipCore:
     ) -> list[Send]:
         """The local steps of a round are done with model ``x``, the last at learning rate
         ``lr``: send what the round sends. Its messages are waited for ``timeout`` seconds
-        (default ``round_timeout``)."""
+        (default ``round_timeout``). ``x`` stays the engine's: it may be the live model,
+        which training writes once the round is over, so nothing keeps it past the round
+        (a round that leaves the model as it was publishes a copy)."""
         assert self._phase is _Phase.IDLE, "a round is already open"
         self._now = now
         t = self.round
@@ -380,6 +382,8 @@ class GossipCore:
         assert self._open is not None
         if not self.behind:
             self.counters.idle_s += now - self._open[2]
+        if new.data_ptr() == self._open[1].data_ptr():  # x is the engine's (its live model)
+            new = new.clone()
         self.advance(now)
         self.published = (self.round, new)
         self._phase, self._open, self.deadline = _Phase.IDLE, None, None

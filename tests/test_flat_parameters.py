@@ -1,0 +1,116 @@
+"""The parameters as views of one vector (issue 25's flat buffer): what training, a
+round and the protocol core may and may not do with it."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from gossipdl.averaging import build_averager
+from gossipdl.averaging.triggers import parse_trigger
+from gossipdl.models.parameters import FlatParameters
+from gossipdl.peers.membership import Member, Membership
+from gossipdl.protocol.core import GossipCore, Settings
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+
+
+def test_the_parameters_become_views_of_one_vector_and_train_as_before() -> None:
+    """The same model flattened and not, each with SGD and momentum built before the
+    flattening (as a peer is handed them): the same losses and parameters, and the vector
+    is the model throughout, a step's writes and a round's included."""
+    plain, flat_model = _mlp(), _mlp()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, flat_model)]
+    flat = FlatParameters(list(flat_model.parameters()))
+    live = flat.live()
+    assert live is not None and live.numel() == 5 * 7 + 7 + 7 * 3 + 3
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+    for model, opt in zip((plain, flat_model), opts, strict=True):
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    for a, b in zip(plain.parameters(), flat_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert flat.live() is live  # still views after the optimizer's steps
+    gathered = torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
+    assert torch.equal(live, gathered) and torch.equal(flat.copy(), gathered)
+    copied = flat.copy()
+    copied.add_(1.0)  # a copy is not the model
+    assert torch.equal(live, gathered)
+    flat.load_(copied)
+    assert torch.equal(flat_model[2].bias.detach(), plain[2].bias.detach() + 1.0)
+
+
+def _gathered(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in params])
+
+
+@pytest.mark.parametrize("case", ["mixed dtypes", "shared memory", "rebound later"])
+def test_parameters_that_cannot_share_one_vector_are_gathered_as_before(case: str) -> None:
+    """No vector where parameters differ in dtype or share memory; and a parameter
+    something rebinds later (``model.to``, a user's own ``.data =``) ends the vector's
+    use: the parameters are gathered and written one by one, still right."""
+    model = _mlp()
+    params = list(model.parameters())
+    if case == "mixed dtypes":
+        model[2].bias.data = model[2].bias.data.double()
+    elif case == "shared memory":
+        model[2].bias.data = model[0].bias.data[:3]
+    flat = FlatParameters(params)
+    if case == "rebound later":
+        assert flat.live() is not None
+        model[0].weight.data = model[0].weight.data.clone()
+    assert flat.live() is None
+    assert torch.equal(flat.copy(), _gathered(params))
+    new = torch.arange(float(flat.numel))
+    flat.load_(new)
+    if case == "shared memory":  # the last write of a shared value wins, as with set_params
+        new[5 * 7 : 5 * 7 + 3] = new[-3:]
+    assert torch.equal(_gathered(params), new)
+
+
+def test_the_core_never_publishes_the_engines_model() -> None:
+    """A round that hands the model back unchanged (gossip learning with nobody to walk
+    to) publishes a copy: the engine's x may be its live parameters, which training
+    writes next, and a joining member must get the round's model, not a torn one."""
+    me = Membership([Member(0, "tcp://h:10", 0)])
+    core = GossipCore(
+        0,
+        me,
+        averager=build_averager("gossip-learning", "none", 0),
+        trigger=parse_trigger("always"),
+        settings=Settings(),
+        model=torch.zeros(4),
+    )
+    x = torch.full((4,), 3.0)
+    core.open_round(0.0, x)
+    progress = core.poll(0.0)
+    assert progress.model is not None and torch.equal(progress.model, x)
+    _, published = core.published
+    assert published.data_ptr() != x.data_ptr()
+    x.fill_(-1.0)  # training's next step
+    assert torch.equal(published, torch.full((4,), 3.0))
+
+
+def test_a_checkpoint_of_a_flattened_model_loads_into_one_and_keeps_it_flat() -> None:
+    """A state dict saved from the views and loaded into another flattened model (a
+    peer resuming from its checkpoint) gives the same parameters, still one vector."""
+    saved, resumed = (
+        _mlp(),
+        torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3)),
+    )
+    FlatParameters(list(saved.parameters()))
+    flat = FlatParameters(list(resumed.parameters()))
+    buffer = io.BytesIO()
+    torch.save(saved.state_dict(), buffer)
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    live = flat.live()
+    assert live is not None
+    assert torch.equal(live, _gathered(list(saved.parameters())))
