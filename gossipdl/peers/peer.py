@@ -98,7 +98,9 @@ class Peer:
     Call ``step()`` where you would call ``optimizer.step()``: it applies the
     local update, sends the model to this round's neighbours, waits for theirs
     (at most ``round_timeout`` seconds) and replaces the parameters by the
-    weighted average. Peers find each other either from a fixed address list
+    weighted average. The model's parameters become views of one flat vector
+    (:class:`~gossipdl.models.parameters.FlatParameters`, ``peer.flat``), which a round
+    reads without gathering it. Peers find each other either from a fixed address list
     (``peers`` + ``rank``) or by joining through any member (``bootstrap``);
     a peer with neither founds a swarm that others join. Training starts once
     ``min_peers`` members are known and every neighbour has said it is ready.
