@@ -4,15 +4,19 @@ round and the protocol core may and may not do with it."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import small_config
 
 from gossipdl.averaging import build_averager
 from gossipdl.averaging.triggers import parse_trigger
 from gossipdl.models.parameters import FlatParameters
 from gossipdl.peers.membership import Member, Membership
 from gossipdl.protocol.core import GossipCore, Settings
+from gossipdl.rundir import RunDir
+from gossipdl.sim.engine import Simulation
 
 
 def _mlp() -> torch.nn.Module:
@@ -114,3 +118,44 @@ def test_a_checkpoint_of_a_flattened_model_loads_into_one_and_keeps_it_flat() ->
     live = flat.live()
     assert live is not None
     assert torch.equal(live, _gathered(list(saved.parameters())))
+
+
+def test_a_round_starts_from_the_live_vector_unless_it_sends_that_memory() -> None:
+    """What both engines hand a synchronous round: the live vector, or a copy of it where
+    the round's payload is the model's own memory (dense gossip, uncompressed)."""
+    flat = FlatParameters(list(_mlp().parameters()))
+    live = flat.live()
+    assert live is not None and flat.round_input(lambda v: False) is live
+    copied = flat.round_input(lambda v: True)
+    assert copied.data_ptr() != live.data_ptr() and torch.equal(copied, live)
+
+
+@pytest.mark.parametrize(("algorithm", "codec"), [("choco", "topk:0.1"), ("dense", "none")])
+def test_simulated_peers_round_on_their_live_vectors_through_a_restart(
+    tmp_path: Path, algorithm: str, codec: str
+) -> None:
+    """The simulator's peers hold their parameters as the real ones do, through a kill
+    and a restart (a new model, flattened anew): at the end every peer's parameters are
+    still views of one vector, and what its core publishes for a joiner is not that
+    vector (training would write it)."""
+    config = small_config(
+        tmp_path,
+        peers=4,
+        steps=80,
+        algorithm=algorithm,
+        codec=codec,
+        heartbeat=0.25,
+        dead_after=1.0,
+        round_timeout=0.5,
+        faults=[{"at": "0.5s", "kill": "2"}, {"at": "1.5s", "restart": "2"}],
+        profiles={"all": {"peers": "0-3", "step_time": "20ms"}},
+    )
+    run = RunDir(config.out)
+    run.create()
+    simulation = Simulation(config, run)
+    simulation.run()
+    assert not simulation.failures and all(p.steps == 80 for p in simulation.peers)
+    for peer in simulation.peers:
+        live = peer.flat_params.live()
+        assert live is not None, f"peer {peer.id}'s parameters are no longer one vector"
+        assert peer.core.published[1].data_ptr() != live.data_ptr()

@@ -128,7 +128,7 @@ LocalOptimizer: TypeAlias = torch.optim.Optimizer | SGD
 
 def mask_momentum(
     optimizer: LocalOptimizer | None,
-    params: Sequence[torch.nn.Parameter],
+    params: Sequence[torch.Tensor],
     mask: torch.Tensor | None,
 ) -> None:
     """Zero the optimizer's momentum where ``mask`` (a flat bool vector over ``params``, in

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -71,6 +71,17 @@ class FlatParameters:
         ):
             return None
         return vector
+
+    def round_input(self, sends_memory_of: Callable[[torch.Tensor], bool]) -> torch.Tensor:
+        """The model a synchronous round starts from: the live vector itself, which nothing
+        writes while the round runs, unless the round sends its memory as it is
+        (``sends_memory_of(live)``: dense gossip's payload), which the next step would
+        write before it left; then a copy. Both engines ask this, so the simulator runs
+        the rounds on the vectors the real peers do."""
+        live = self.live()
+        if live is None or sends_memory_of(live):
+            return self.copy()
+        return live
 
     @torch.no_grad()
     def copy(self) -> torch.Tensor:

@@ -1042,13 +1042,11 @@ class Peer:
 
     # ----------------------------------------------------------------- helpers
     def _round_model(self) -> torch.Tensor:
-        """The model a synchronous round starts from: the live parameter vector itself,
-        which nothing writes while the round runs, unless the round keeps it past its end
-        (a ring all-reduce's, or a payload sent from its memory); then a copy."""
-        live = None if self.ring else self.flat.live()
-        if live is None or self.averager.sends_memory_of(live):
+        """The model a synchronous round starts from (:meth:`FlatParameters.round_input`);
+        a ring all-reduce, which reduces into the vector it is given, gets a copy."""
+        if self.ring:
             return self.flat.copy()
-        return live
+        return self.flat.round_input(self.averager.sends_memory_of)
 
     def _flat_gradients(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """A copy of the gradients as one vector, in recycled memory on a CPU (a fresh

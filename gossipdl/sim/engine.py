@@ -45,7 +45,7 @@ from gossipdl.averaging.local_optimizer import LocalOptimizer, current_lr, mask_
 from gossipdl.conditions import DeviceProfile, Drift, device_of
 from gossipdl.config import Config, to_dict
 from gossipdl.data import BatchSampler, Dataset, evaluation_inputs
-from gossipdl.models.parameters import set_params
+from gossipdl.models.parameters import FlatParameters
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
 from gossipdl.protocol.joining import REJOIN_TRIES, late_steps, rejoin_retry
 from gossipdl.protocol.membership import Member, MemberTable
@@ -142,20 +142,26 @@ class VirtualPeer:
     stepped: bool = False  # the step's compute is done; it waits for the round behind it
     stepped_at: float = 0.0  # since when (local time): the wait counts as idle
 
-    _params: tuple[torch.nn.Module | None, list[torch.nn.Parameter]] = (None, [])
+    _flat: tuple[torch.nn.Module | None, FlatParameters | None] = (None, None)
 
     @property
-    def params(self) -> list[torch.nn.Parameter]:
-        """The model's parameters (listed once per model: a restart brings a new one)."""
-        model, params = self._params
-        if model is not self.model:
-            params = list(self.model.parameters())
-            self._params = (self.model, params)
-        return params
+    def flat_params(self) -> FlatParameters:
+        """The model's parameters as views of one vector, as a real peer's are (made once
+        per model: a restart brings a new one)."""
+        model, flat = self._flat
+        if model is not self.model or flat is None:
+            flat = FlatParameters(list(self.model.parameters()))
+            self._flat = (self.model, flat)
+        return flat
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The model's parameters."""
+        return self.flat_params.params
 
     def flat(self) -> torch.Tensor:
-        """The parameters as one new vector (``parameters_to_vector``, without its checks)."""
-        return torch.cat([p.detach().reshape(-1) for p in self.params])
+        """A copy of the parameters as one vector."""
+        return self.flat_params.copy()
 
 
 def _own(config: Config, dataset: Dataset, peer_id: int) -> torch.Tensor | None:
@@ -345,7 +351,7 @@ class Simulation:
                 peer.core.counters.idle_s += self.local(peer) - peer.stepped_at
                 self._stepped(peer)
         elif progress.model is not None:
-            set_params(peer.params, progress.model)
+            peer.flat_params.load_(progress.model)
             self._after_round(peer)
         elif peer.core.deadline is not None and peer.core.deadline != peer.timer_at:
             deadline = peer.timer_at = peer.core.deadline  # one timer per wait, not per message
@@ -406,7 +412,7 @@ class Simulation:
         """The step ends: the round behind it merged in (``Peer.settle``), the optimizer step
         with the gradients computed before, then a round if the trigger says."""
         if peer.held is not None:
-            set_params(peer.params, peer.held)
+            peer.flat_params.load_(peer.held)
         peer.behind, peer.held = False, None
         peer.optimizer.step()
         peer.steps += 1
@@ -429,11 +435,16 @@ class Simulation:
 
     def _open_round(self, peer: VirtualPeer) -> None:
         """The local steps of a round are done: send what the round sends, then wait."""
-        flat = peer.flat()
+        averager = peer.core.averager
+        flat = (  # with overlap the next step trains beside the round
+            peer.flat()
+            if self.config.overlap
+            else peer.flat_params.round_input(averager.sends_memory_of)
+        )
         wait, peer.first_wait = peer.first_wait or None, 0.0
         now = self.local(peer)
         self._send(peer, peer.core.open_round(now, flat, wait, current_lr(peer.optimizer)))
-        mask_momentum(peer.optimizer, peer.params, peer.core.averager.sent_mask())
+        mask_momentum(peer.optimizer, peer.params, averager.sent_mask())
         if peer.leaving:  # a graceful leave during the round's sync
             self._finish(peer)
             return
@@ -508,7 +519,7 @@ class Simulation:
         with ``model`` (its neighbour's), a peer back with its own; ``swarm_round``: the
         round the neighbour that answered was at (None if nobody did)."""
         if model is not None:
-            set_params(peer.params, model)
+            peer.flat_params.load_(model)
         peer.steps, peer.alone_until = late_steps(
             peer.steps,
             model is not None,

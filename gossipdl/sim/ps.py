@@ -30,7 +30,6 @@ from typing import Any
 
 from gossipdl.averaging import Averager, build_averager
 from gossipdl.config import Config
-from gossipdl.models.parameters import set_params
 from gossipdl.protocol.core import Send
 from gossipdl.protocol.ps_server import HEARTBEAT_S, TICK_S, ShardServer
 from gossipdl.protocol.ps_worker import WorkerCore
@@ -220,7 +219,7 @@ class PsSimulation(Simulation):
         pick this worker) or go on."""
         worker = self.workers[peer.id]
         adopted = worker.core.adopt(self.clock.now)
-        set_params(peer.params, adopted.model)
+        peer.flat_params.load_(adopted.model)
         peer.steps = worker.core.steps
         if adopted.fresh_round:  # McMahan et al. 2017, Algorithm 1: ClientUpdate
             peer.optimizer.state.clear()

@@ -27,7 +27,6 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from gossipdl.averaging import Averager, build_averager
 from gossipdl.config import Config
-from gossipdl.models.parameters import set_params
 from gossipdl.protocol.ring import RING_CHECKS_FINITE, RingCore, RingFailure
 from gossipdl.protocol.ring_powersgd import LowRankMean, LowRankRing
 from gossipdl.rundir import RunDir
@@ -161,9 +160,9 @@ class RingSimulation(Simulation):
         def averaged() -> None:
             if self.low_rank:
                 reference.add_(delta)
-                set_params(peer.params, reference.clone())
+                peer.flat_params.load_(reference)
             else:
-                set_params(peer.params, delta)
+                peer.flat_params.load_(delta)
             self._next_round(peer)
 
         self._reduce(peer, delta, averaged)
