@@ -120,6 +120,16 @@ def test_a_checkpoint_of_a_flattened_model_loads_into_one_and_keeps_it_flat() ->
     assert torch.equal(live, _gathered(list(saved.parameters())))
 
 
+def test_a_model_flattened_before_keeps_its_vector() -> None:
+    """A second FlatParameters on one model (a second Peer built on it) takes the vector
+    the parameters already are instead of finding them sharing memory and gathering."""
+    model = _mlp()
+    first = FlatParameters(list(model.parameters())).live()
+    second = FlatParameters(list(model.parameters())).live()
+    assert first is not None and second is not None
+    assert second.data_ptr() == first.data_ptr() and second.numel() == first.numel()
+
+
 def test_a_round_starts_from_the_live_vector_unless_it_sends_that_memory() -> None:
     """What both engines hand a synchronous round: the live vector, or a copy of it where
     the round's payload is the model's own memory (dense gossip, uncompressed)."""

@@ -46,19 +46,20 @@ class FlatParameters:
         self.device = self.params[0].device
         self._vector: torch.Tensor | None = None
         self._pointers: list[int] = []
-        storages = {p.untyped_storage().data_ptr() for p in self.params}
-        if len(storages) < len(self.params) or any(
-            p.device != self.device or p.dtype != torch.float32 for p in self.params
-        ):
+        if any(p.device != self.device or p.dtype != torch.float32 for p in self.params):
             return
-        vector = torch.empty(self.numel, device=self.device)
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                view = vector[offset : offset + p.numel()].view(p.shape)
-                view.copy_(p)
-                p.data = view
-                offset += p.numel()
+        vector = _consecutive(self.params)  # flattened before (a second Peer on one model)
+        if vector is None:
+            if len({p.untyped_storage().data_ptr() for p in self.params}) < len(self.params):
+                return  # parameters sharing memory: one vector would part them
+            vector = torch.empty(self.numel, device=self.device)
+            offset = 0
+            with torch.no_grad():
+                for p in self.params:
+                    view = vector[offset : offset + p.numel()].view(p.shape)
+                    view.copy_(p)
+                    p.data = view
+                    offset += p.numel()
         self._vector = vector
         self._pointers = [p.data_ptr() for p in self.params]
 
@@ -101,3 +102,19 @@ class FlatParameters:
             set_params(self.params, new)
         elif new.data_ptr() != vector.data_ptr():
             vector.copy_(new)
+
+
+def _consecutive(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The vector ``params`` already are, in order, contiguous views of one after another
+    in one storage (a model some :class:`FlatParameters` flattened before), or None."""
+    first = params[0]
+    storage, start = first.untyped_storage(), first.storage_offset()
+    end = start
+    for p in params:
+        same = p.untyped_storage().data_ptr() == storage.data_ptr()
+        if not same or p.storage_offset() != end or not p.is_contiguous():
+            return None
+        end += p.numel()
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+        storage, start, (end - start,), (1,)
+    )
