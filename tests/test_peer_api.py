@@ -153,8 +153,8 @@ def test_a_neighbour_gets_the_rounds_model_though_training_writes_it_at_once(cod
         assert not errors, errors
         other = next(p for p in peers if p is not founder)
         assert value_of(other) == 5.0
-        assert all(p.flat.live() is not None for p in peers)  # still views of one vector
-        assert (founder._round_model() is founder.flat.live()) == (codec != "none")
+        assert all(p.flat_params.live() is not None for p in peers)  # still views of one vector
+        assert (founder._round_model() is founder.flat_params.live()) == (codec != "none")
     finally:
         for p in peers:
             p.close()

@@ -99,7 +99,7 @@ class Peer:
     local update, sends the model to this round's neighbours, waits for theirs
     (at most ``round_timeout`` seconds) and replaces the parameters by the
     weighted average. The model's parameters become views of one flat vector
-    (:class:`~gossipdl.models.parameters.FlatParameters`, ``peer.flat``), which a round
+    (:class:`~gossipdl.models.parameters.FlatParameters`, ``peer.flat_params``), which a round
     reads without gathering it. Peers find each other either from a fixed address list
     (``peers`` + ``rank``) or by joining through any member (``bootstrap``);
     a peer with neither founds a swarm that others join. Training starts once
@@ -242,9 +242,9 @@ class Peer:
         self.params = [p for p in model.parameters()]
         if not self.params:
             raise ValueError("the model has no parameters to average")
-        self.flat = FlatParameters(self.params)  # the parameters become views of one vector
-        self.numel = self.flat.numel
-        self.device = self.flat.device
+        self.flat_params = FlatParameters(self.params)  # the parameters become views of one vector
+        self.numel = self.flat_params.numel
+        self.device = self.flat_params.device
         ring = algorithm == "allreduce"
         if ring:
             check_ring_codec(codec)
@@ -330,7 +330,7 @@ class Peer:
             averager=self.averager,
             trigger=self.trigger,
             settings=settings,
-            model=self.flat.copy(),
+            model=self.flat_params.copy(),
             stream=rank or 0,
         )
         self.core.behind = self._rounds is not None  # idle: a step's wait in settle()
@@ -430,7 +430,7 @@ class Peer:
         assert self._rounds is not None
         if not self._round_due(stepped):
             return
-        x, ready = self.flat.copy(), None  # training goes on beside the round
+        x, ready = self.flat_params.copy(), None  # training goes on beside the round
         if self._stream is not None:  # the round's stream starts once x is written
             ready = torch.cuda.Event()
             ready.record()
@@ -450,7 +450,7 @@ class Peer:
         if done is not None:  # training's stream goes on once the round's work is done
             torch.cuda.current_stream().wait_event(done)
             new.record_stream(torch.cuda.current_stream())
-        self.flat.load_(new)
+        self.flat_params.load_(new)
 
     def _round_behind(
         self, x: torch.Tensor, ready: torch.cuda.Event | None
@@ -497,7 +497,7 @@ class Peer:
         if not self.reduces_gradients:  # gradients were averaged before the local step
             x = self._round_model()
             new = self._ring_round(x) if self.ring else self._core_round(x)
-            self.flat.load_(new)
+            self.flat_params.load_(new)
         if self.ring:
             with self._core:
                 self.core.advance(time.monotonic())
@@ -981,12 +981,12 @@ class Peer:
         the step count :func:`late_steps` gives (``aligned``: the answering member's round);
         until that count reaches ``start``'s, :meth:`step` trains alone."""
         if model is not None:
-            self.flat.load_(model)
+            self.flat_params.load_(model)
         self.steps, self._alone_until = late_steps(
             self.steps, model is not None, self.started, start, aligned, self.trigger.period
         )
         with self._core:
-            self.core.start_at(start, self.flat.copy(), model is not None, aligned)
+            self.core.start_at(start, self.flat_params.copy(), model is not None, aligned)
             if model is not None:
                 self.core.age = self.steps
         self.started = True
@@ -1045,8 +1045,8 @@ class Peer:
         """The model a synchronous round starts from (:meth:`FlatParameters.round_input`);
         a ring all-reduce, which reduces into the vector it is given, gets a copy."""
         if self.ring:
-            return self.flat.copy()
-        return self.flat.round_input(self.averager.sends_memory_of)
+            return self.flat_params.copy()
+        return self.flat_params.round_input(self.averager.sends_memory_of)
 
     def _flat_gradients(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """A copy of the gradients as one vector, in recycled memory on a CPU (a fresh
