@@ -24,6 +24,10 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
 
 
+def _gathered(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in params])
+
+
 def test_the_parameters_become_views_of_one_vector_and_train_as_before() -> None:
     """The same model flattened and not, each with SGD and momentum built before the
     flattening (as a peer is handed them): the same losses and parameters, and the vector
@@ -42,17 +46,13 @@ def test_the_parameters_become_views_of_one_vector_and_train_as_before() -> None
     for a, b in zip(plain.parameters(), flat_model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert flat.live() is live  # still views after the optimizer's steps
-    gathered = torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
+    gathered = _gathered(list(plain.parameters()))
     assert torch.equal(live, gathered) and torch.equal(flat.copy(), gathered)
     copied = flat.copy()
     copied.add_(1.0)  # a copy is not the model
     assert torch.equal(live, gathered)
     flat.load_(copied)
     assert torch.equal(flat_model[2].bias.detach(), plain[2].bias.detach() + 1.0)
-
-
-def _gathered(params: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in params])
 
 
 @pytest.mark.parametrize("case", ["mixed dtypes", "shared memory", "rebound later"])
