@@ -5,9 +5,10 @@ What it measures
     (:class:`GossipCore`) with its model, SGD with momentum and averager on ``--device``,
     trade the real wire frames (as bytes, as the simulator does) for ``--steps`` steps:
     forward, backward and the optimizer step (the loss kept as a tensor, as a peer does
-    between metrics lines), the parameters flattened, the round opened, the neighbours'
-    messages taken in, the round polled and the new model written back. Every operation
-    that makes the host wait for the GPU is reported by
+    between metrics lines), the round opened on the parameters' vector (held as a ``Peer``
+    holds it: :class:`FlatParameters`), the neighbours' messages taken in, the round
+    polled and the new model written back. Every operation that makes the host wait for
+    the GPU is reported by
     ``torch.cuda.set_sync_debug_mode("warn")``; each is counted by the gossipdl line that
     called it, per step of the whole ring, after ``--warmup`` steps (the first round's
     vouch and the warm-up's one-off work are left out). The ``dense-<defence>`` settings
@@ -42,11 +43,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _common import Column, add_only_option, benchmark_parser, report, run_script
-from torch.nn.utils import parameters_to_vector
 
 from gossipdl.averaging import build_averager, parse_trigger
 from gossipdl.averaging.local_optimizer import current_lr, mask_momentum
-from gossipdl.models.parameters import set_params
+from gossipdl.models.parameters import FlatParameters
 from gossipdl.peers.device import pick_device
 from gossipdl.protocol.core import GossipCore, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
@@ -82,9 +82,9 @@ class _Peer:
     ) -> None:
         algorithm, codec, trigger, defence = setting
         self.model = model
-        self.params = list(model.parameters())
-        self.optimizer = torch.optim.SGD(self.params, lr=0.05, momentum=0.9)
-        flat = parameters_to_vector(self.params).detach()
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        self.flat_params = FlatParameters(list(model.parameters()))  # as a Peer holds them
+        self.params = self.flat_params.params
         members = MemberTable([Member(i, f"inproc://{i}", 0) for i in range(peers)], 16)
         self.core = GossipCore(
             me,
@@ -92,7 +92,7 @@ class _Peer:
             averager=build_averager(algorithm, codec, seed=0, defence=defence),
             trigger=parse_trigger(trigger),
             settings=Settings(topology="ring"),
-            model=flat,
+            model=self.flat_params.copy(),
         )
 
     def train(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -101,9 +101,6 @@ class _Peer:
         loss.backward()
         self.optimizer.step()
         return loss.detach()
-
-    def flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.params])
 
 
 def _deliver(peers: list[_Peer], sender: int, sends: list[Send], now: float) -> None:
@@ -170,9 +167,10 @@ def audit(
                 opened = []
                 for i, peer in enumerate(peers):
                     if peer.core.trigger.ends_round(step):
-                        flat = peer.flat()
+                        averager = peer.core.averager
+                        flat = peer.flat_params.round_input(averager.sends_memory_of)
                         sends = peer.core.open_round(now, flat, None, current_lr(peer.optimizer))
-                        mask_momentum(peer.optimizer, peer.params, peer.core.averager.sent_mask())
+                        mask_momentum(peer.optimizer, peer.params, averager.sent_mask())
                         opened.append((i, sends))
                 for i, sends in opened:
                     _deliver(peers, i, sends, now)
@@ -184,7 +182,7 @@ def audit(
                     assert progress.model is not None, (
                         f"{name}: peer {i}'s round {step} did not end"
                     )
-                    set_params(peers[i].params, progress.model)
+                    peers[i].flat_params.load_(progress.model)
             finally:
                 if device.type == "cuda":
                     torch.cuda.set_sync_debug_mode("default")
