@@ -89,7 +89,7 @@ class Config:
     defence: str = field(
         default="none",
         metadata={
-            "help": "Byzantine-robust combining for dense gossip: none, clip[:BAD], "
+            "help": "Byzantine-robust combining for dense gossip and CHOCO: none, clip[:BAD], "
             "trimmed[:TRIM], median, balance[:GAMMA[:RHO]], each +descent[:TAU] "
             "(e.g. balance:0.5:3+descent)"
         },

@@ -407,8 +407,9 @@ def test_a_defence_is_named_and_checked_in_the_config() -> None:
     ):
         with pytest.raises(ConfigError, match=says):
             load_config(None, defence=bad)
-    with pytest.raises(ConfigError, match="use algorithm dense"):
-        load_config(None, defence="clip", algorithm="choco", codec="topk:0.1")
+    with pytest.raises(ConfigError, match="use algorithm dense or choco"):
+        load_config(None, defence="clip", algorithm="beer", codec="topk:0.1")
+    load_config(None, defence="clip", algorithm="choco", codec="topk:0.1")  # public copies
     with pytest.raises(ConfigError, match="mode 'ring'"):
         load_config(None, defence="median", mode="ring")
 
@@ -528,3 +529,107 @@ def check_clipping_shrugs_off_a_byzantine_peer_process(tmp_path: Path, device: s
     assert judged["1"]["filtered"] > 0.9 > 0.1 > judged["3"]["filtered"], judged
     kind = "cpu" if device == "cpu" else "cuda"
     assert all(list(run.records(i))[-1]["device"].startswith(kind) for i in range(4))
+
+
+def _choco_rounds(
+    averager: Any, x: torch.Tensor, copies: dict[int, torch.Tensor], updates: dict[int, Any]
+) -> torch.Tensor:
+    """A resync round that gives ``averager`` (a CHOCO peer, neighbours 1-3 at 0.25 each)
+    the neighbours' public ``copies``, then a round in which they send ``updates``; the
+    model the second round leaves."""
+    from gossipdl.averaging import Arrival, Round
+
+    weights = {j: 0.25 for j in copies}
+    resync = Round(0, weights, 0.25, resync=True)
+    averager.outgoing(x, resync)
+    dense = {j: Arrival(0.25, v, 0, dense=True) for j, v in copies.items()}
+    averager.incoming(x, resync, dense, [])
+    rnd = Round(1, weights, 0.25)
+    averager.outgoing(x, rnd)
+    arrived = {j: Arrival(0.25, q, 1) for j, q in updates.items()}
+    return averager.incoming(x, rnd, arrived, [])  # type: ignore[no-any-return]
+
+
+def test_choco_with_a_defence_bounds_a_bad_neighbours_public_copy() -> None:
+    """CHOCO mixes public copies, which a Byzantine neighbour steers with its updates: one
+    update of 1e6·x moves plain CHOCO's model by about γ·W·1e6‖x‖, and with each defence
+    by no more than γ times the honest neighbours' pull (each coordinate's largest honest
+    offset), and the metrics name it: set aside in the round it went bad."""
+    from gossipdl.averaging import Round, build_averager
+
+    x, honest = _swarm(11)
+    copies = {j: honest[j - 1] for j in (1, 2, 3)}
+    small = {j: 1e-3 * torch.ones(50) for j in (1, 2)}
+    updates = small | {3: 1e6 * x}
+    plain = build_averager("choco", "topk:0.5", gamma=0.5)
+    moved = float(torch.linalg.vector_norm(_choco_rounds(plain, x, copies, updates) - x))
+    assert moved > 1e3  # γ·W·1e6‖x‖ at the warm-up's share of γ
+    envelope = (honest[:3] - x).abs().max(0).values  # plus the honest updates' 1e-3
+    honest_pull = float(torch.linalg.vector_norm(envelope)) + 0.01
+    for defence in ("clip", "trimmed", "median", "balance"):
+        averager = build_averager("choco", "topk:0.5", gamma=0.5, defence=defence)
+        out = _choco_rounds(averager, x, copies, updates)
+        step = averager.step_size(Round(1, {}, 0.25))  # type: ignore[attr-defined]
+        assert float(torch.linalg.vector_norm(out - x)) <= step * honest_pull, defence
+        judged = averager.metrics()["neighbours"]
+        honest_aside = max(judged[j]["filtered"] for j in "12")  # rounds 0 (resync) and 1
+        assert judged["3"]["filtered"] > 0.49 and judged["3"]["filtered"] > honest_aside
+        assert judged["3"]["distance"] > 1e4 * judged["1"]["distance"], defence
+
+
+def test_a_byzantine_choco_peer_steers_its_public_copy_to_the_attacked_model() -> None:
+    """A CHOCO liar sends honest-looking compressed updates whose sum, the copy every
+    neighbour holds of it, converges to its attack on its model (scaled ×100 here); a
+    neighbour keeping copies holds exactly the liar's own public copy. Dissensus, a model
+    per neighbour, is refused for CHOCO with a reason."""
+    from gossipdl.averaging import Arrival, Choco, Round, build_averager
+    from gossipdl.averaging.attacks import parse_attack
+
+    x, honest = _swarm(12)
+    liar = build_averager("choco", "topk:0.5", attack=parse_attack("scaled"))
+    friend = Choco("topk:0.5", keep_copies=True)
+    cpu = torch.device("cpu")
+    for r in range(40):
+        rnd = Round(r, {1: 0.5}, 0.5, resync=r == 0)
+        friend.outgoing(honest[0], Round(r, {0: 0.5}, 0.5, resync=r == 0))
+        payload = liar.outgoing(x, rnd)
+        if r == 0:  # both start from their own model: the friend gets the liar's dense copy
+            value, dense = liar.public_copy(), True
+        else:
+            value, dense = payload, False
+        got = friend.decode(value, dense, 50, cpu)  # type: ignore[arg-type]
+        friend.incoming(honest[0], Round(r, {0: 0.5}, 0.5, resync=r == 0),
+                        {0: Arrival(0.5, got, r, dense=dense)}, [])  # fmt: skip
+    assert friend.copies is not None
+    torch.testing.assert_close(friend.copies[0], liar.x_hat)  # type: ignore[attr-defined]
+    error = torch.linalg.vector_norm(friend.copies[0] - 100 * x) / torch.linalg.vector_norm(100 * x)
+    assert float(error) < 1e-3
+    with pytest.raises(ValueError, match="one public copy of the sender"):
+        build_averager("choco", "topk:0.5", attack=parse_attack("dissensus"))
+
+
+def test_a_byzantine_choco_peer_wrecks_plain_choco_and_a_defence_holds_it_off(
+    tmp_path: Path,
+) -> None:
+    """Eight simulated CHOCO top-10% peers on a ring, peer 3 Byzantine, its public copy
+    steered to its model ×100: plain CHOCO's honest peers end below 50%; with clipping
+    and with BALANCE they stay within 3 points of the attack-free run, and the liar is
+    the neighbour their reports single out."""
+    from conftest import small_config
+
+    from gossipdl.experiments.simulated import simulate
+
+    def run(name: str, attack: str | None, defence: str) -> dict:
+        profiles = {"liar": {"peers": "3", "byzantine": attack}} if attack else {}
+        config = small_config(
+            tmp_path / name, peers=8, topology="ring", steps=80, defence=defence,
+            algorithm="choco", codec="topk:0.1", profiles=profiles,
+        )  # fmt: skip
+        return simulate(config, step_time=0.01)
+
+    clean = _honest_accuracy(run("clean", None, "none"), set())
+    assert _honest_accuracy(run("plain", "scaled", "none"), {3}) < 0.5
+    for defence in ("clip", "balance"):
+        summary = run(defence, "scaled", defence)
+        assert _honest_accuracy(summary, {3}) >= clean - 0.03, defence
+        assert summary["suspect_neighbours"] == [3], defence

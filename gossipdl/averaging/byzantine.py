@@ -1,5 +1,6 @@
-"""A Byzantine peer's averaging: dense gossip that sends an attacked model (issue 26's
-attacks, :mod:`gossipdl.averaging.attacks`, in both engines: they share this class).
+"""A Byzantine peer's averaging: dense gossip that sends an attacked model, or CHOCO whose
+public copy follows one (issue 26's attacks, :mod:`gossipdl.averaging.attacks`, in both
+engines: they share these classes).
 
 The attacker knows what a member knows: its own model and the models its neighbours
 sent it in the last round. ALIE and inner-product manipulation use those as the honest
@@ -19,9 +20,60 @@ import torch
 
 from gossipdl.averaging import attacks
 from gossipdl.averaging.base import Arrival, Round
+from gossipdl.averaging.choco import Choco, choco_step
 from gossipdl.averaging.dense import DenseGossip
 from gossipdl.averaging.robust import Defence
 from gossipdl.compression import Payload
+
+
+class Attacker:
+    """The model a Byzantine peer running ``attack`` puts in place of its own ``x``, from
+    what it saw of its neighbours (``seen``, ``[k, n]``: their last models or public
+    copies). Dissensus, which aims a model at each neighbour, is :func:`dissensus_for`."""
+
+    def __init__(self, attack: attacks.Attack, seed: int) -> None:
+        self.attack = attack
+        self._frozen: torch.Tensor | None = None
+        self._noise = torch.Generator().manual_seed(seed + 104729)
+
+    def target(self, x: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """The attacked model (a new tensor, but for ``stale``'s, which callers only read)."""
+        name, p = self.attack.name, float(self.attack.param or 0.0)
+        if name == "sign-flip":
+            return attacks.sign_flip(x)
+        if name == "scaled":
+            return attacks.scaled(x, p)
+        if name == "gaussian":
+            return attacks.gaussian(x, p, self._noise)
+        if name == "alie":
+            return attacks.alie(x, seen, p)
+        if name == "ipm":
+            return attacks.inner_product_manipulation(x, seen, p)
+        if name == "stale":
+            if self._frozen is None:
+                self._frozen = x.clone()
+            return self._frozen  # never written: the senders read it
+        if name == "dissensus":
+            raise ValueError("dissensus aims a model at each neighbour: use dissensus_for")
+        return x.clone()  # label-flip: the data is poisoned, the model sent as it is
+
+
+def dissensus_for(
+    attack: attacks.Attack,
+    x: torch.Tensor,
+    seen: Mapping[int, torch.Tensor],
+    victim: int,
+    rnd: Round,
+) -> torch.Tensor:
+    """What neighbour ``victim`` gets under dissensus: its last model (``seen``, by id) pushed
+    against the others' pull, with the attacker's row of the (symmetric) mixing matrix as
+    the victim's weights."""
+    own = seen.get(victim, x)
+    others = [j for j in seen if j != victim]
+    honest = torch.stack([seen[j] for j in others]) if others else x.unsqueeze(0)
+    weights = torch.tensor([rnd.weights.get(j, 0.0) for j in others] or [1.0])
+    epsilon = attack.param or 0.0
+    return attacks.dissensus(own, honest, weights, rnd.weights.get(victim) or 1.0, epsilon)
 
 
 class ByzantineGossip(DenseGossip):
@@ -36,42 +88,18 @@ class ByzantineGossip(DenseGossip):
     ) -> None:
         super().__init__(codec, seed, defence)
         self.attack = attack
+        self.attacker = Attacker(attack, seed)
         self._seen: dict[int, torch.Tensor] = {}  # neighbour -> the model it sent last
-        self._frozen: torch.Tensor | None = None
-        self._noise = torch.Generator().manual_seed(seed + 104729)
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload | Mapping[int, Payload]:
         """The attacked model (dissensus: one per neighbour)."""
-        attack, p = self.attack, self.attack.param
-        if attack.name == "dissensus":
-            return {v: self.encoded(self._dissensus(x, v, rnd)) for v in rnd.weights}
+        if self.attack.name == "dissensus":
+            return {
+                v: self.encoded(dissensus_for(self.attack, x, self._seen, v, rnd))
+                for v in rnd.weights
+            }
         seen = torch.stack(list(self._seen.values())) if self._seen else x.unsqueeze(0)
-        if attack.name == "sign-flip":
-            sent = attacks.sign_flip(x)
-        elif attack.name == "scaled":
-            sent = attacks.scaled(x, float(p or 0.0))
-        elif attack.name == "gaussian":
-            sent = attacks.gaussian(x, float(p or 0.0), self._noise)
-        elif attack.name == "alie":
-            sent = attacks.alie(x, seen, float(p or 0.0))
-        elif attack.name == "ipm":
-            sent = attacks.inner_product_manipulation(x, seen, float(p or 0.0))
-        elif attack.name == "stale":
-            if self._frozen is None:
-                self._frozen = x.clone()
-            sent = self._frozen
-        else:  # label-flip: the data is poisoned, the model sent as it is
-            sent = x.clone()
-        return self.encoded(sent)
-
-    def _dissensus(self, x: torch.Tensor, victim: int, rnd: Round) -> torch.Tensor:
-        """What neighbour ``victim`` gets: its last model pushed against the others' pull."""
-        own = self._seen.get(victim, x)
-        others = [j for j in self._seen if j != victim]
-        honest = torch.stack([self._seen[j] for j in others]) if others else x.unsqueeze(0)
-        weights = torch.tensor([rnd.weights.get(j, 0.0) for j in others] or [1.0])
-        epsilon = self.attack.param or 0.0
-        return attacks.dissensus(own, honest, weights, rnd.weights.get(victim) or 1.0, epsilon)
+        return self.encoded(self.attacker.target(x, seen))
 
     def incoming(
         self,
@@ -84,3 +112,42 @@ class ByzantineGossip(DenseGossip):
         """Remember what the neighbours sent (the next attack's crowd); average honestly."""
         self._seen = {j: a.value for j, a in arrived.items()}
         return super().incoming(x, rnd, arrived, missing, late)
+
+
+class ByzantineChoco(Choco):
+    """CHOCO whose public copy follows ``attack`` applied to its model: what it compresses
+    and sends each round is ``Q(a(x_i) − x̂_i)``, so its neighbours' copies of it converge
+    to the attacked model, within the codec's contraction, as an honest copy converges
+    to the model. Its crowd (ALIE, IPM) is its copies of its neighbours' public copies,
+    what a CHOCO member knows of them. Its own model mixes honestly with those copies,
+    ``x_i + γ Σ_j W_ij (x̂_j − x_i)`` (its public copy is the attacked one), so the
+    models it perturbs stay plausible. Dissensus is refused: it aims a model at each
+    neighbour, and a CHOCO sender has one public copy."""
+
+    def __init__(
+        self,
+        attack: attacks.Attack,
+        codec: str = "topk:0.01",
+        seed: int = 0,
+        gamma: float | None = None,
+        defence: Defence | None = None,
+    ) -> None:
+        if attack.name == "dissensus":
+            raise ValueError(
+                "byzantine 'dissensus' sends each neighbour a model of its own; CHOCO's "
+                "neighbours all hold one public copy of the sender: use algorithm dense"
+            )
+        super().__init__(codec, seed, gamma, defence, keep_copies=True)
+        self.attack = attack
+        self.attacker = Attacker(attack, seed)
+
+    def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
+        """CHOCO's update towards the attacked model (the first round as an honest one's)."""
+        if self.x_hat is None:
+            return super().outgoing(x, rnd)
+        seen = torch.stack(list(self.copies.values())) if self.copies else x.unsqueeze(0)
+        return super().outgoing(self.attacker.target(x, seen), rnd)
+
+    def gossip_step(self, x: torch.Tensor, rnd: Round) -> torch.Tensor:
+        """An honest pull towards the neighbours' copies, centred at its own model."""
+        return choco_step(x, self.neighbourhood(x, rnd), x, self.step_size(rnd))

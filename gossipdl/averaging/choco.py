@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-from gossipdl.averaging.base import Arrival, Averager, Round, after_rebuild, dense_payload
+from gossipdl.averaging.base import Arrival, Averager, Round, after_rebuild, dense_payload, mix
+from gossipdl.averaging.judging import Judge
+from gossipdl.averaging.robust import Defence
 from gossipdl.compression import Codec, Payload, stage_names
 from gossipdl.compression._kernels import empty_on, native_kernels
 from gossipdl.compression.sparse import RandomK, SparseCodec, SparseVector
@@ -163,13 +166,32 @@ class Choco(Averager):
     what it sends is scaled by ``1/(1 + ω)`` (``codec.omega``) on the sender's x̂ and
     in every receiver's s, a function of the spec and the vector's length alone, so
     both ends agree. γ ramps up over the first :data:`WARMUP_ROUNDS` rounds.
+
+    With a ``defence`` (:mod:`gossipdl.averaging.robust`) the peer keeps every neighbour's
+    public copy x̂_j apart (Algorithm 1's own form: one model-sized copy per neighbour, in
+    place of s_i) and its gossip step pulls by the rule's combination of them instead of
+    their weighted sum: ``x_i + γ (R(x̂_i; x̂_j) − x̂_i)``, with ``R`` the rule centred at
+    the own public copy (:class:`~gossipdl.averaging.judging.Judge`; clipping, for one,
+    gives ``Σ_j W_ij clip(x̂_j − x̂_i, τ)``). A Byzantine neighbour steers only its copy,
+    whatever updates it sends, so the rule bounds it as it bounds a model in dense
+    gossip. Costs k copies of the model (s_i's one) and a pass over them each round. The
+    stale-model test is off: a compressed update moves a copy in a few coordinates, so an
+    honest copy's fingerprint often stays the same; a frozen neighbour's copy stops where
+    its model stopped, and the distance rules see it fall behind.
     """
 
     name = "choco"
     arrivals_read_only = True  # s_i += W_ij q_j reads q_j
     sparse_arrivals = True  # a sparse q_j is added at its indices alone
 
-    def __init__(self, codec: Codec | str = "topk:0.01", seed: int = 0, gamma: float | None = None):
+    def __init__(
+        self,
+        codec: Codec | str = "topk:0.01",
+        seed: int = 0,
+        gamma: float | None = None,
+        defence: Defence | None = None,
+        keep_copies: bool = False,
+    ):
         super().__init__(codec, seed)
         check_choco_codec(self.codec)
         if gamma is not None and not 0 < gamma <= 1:
@@ -177,7 +199,12 @@ class Choco(Averager):
         self.given_gamma = gamma  # None: auto_gamma, every round (the row can change)
         self.gamma: float | None = gamma  # the step of the latest round
         self.x_hat: torch.Tensor | None = None
-        self.s: torch.Tensor | None = None
+        self.s: torch.Tensor | None = None  # Σ_j W_ij x̂_j, when the copies are not kept apart
+        self.judge = None if defence is None else Judge(defence, stale_test=False)
+        # neighbour -> its public copy x̂_j (with a defence, or ``keep_copies``), instead of s
+        self.copies: dict[int, torch.Tensor] | None = (
+            {} if defence is not None or keep_copies else None
+        )
         self.scale = 1.0  # 1/(1+ω), set when the vector's length is known
         self._synced_at: dict[int, int] = {}
         self._first: int | None = None  # the round of the first outgoing (the warm-up's start)
@@ -201,22 +228,24 @@ class Choco(Averager):
         self.gamma = round_gamma(self.given_gamma, self.codec, x.numel(), rnd)
         if self.x_hat is None:  # first round: the public copy starts at the starting model
             self.x_hat = self.start_copy(x)
-            self.s = self.x_hat * rnd.self_weight
+            self.s = None if self.copies is not None else self.x_hat * rnd.self_weight
             self.scale = 1.0 / (1.0 + self.codec.omega(x.numel()))
             self._first = rnd.index
             payload, _ = self.codec.encode(torch.zeros_like(x))
             return payload
-        assert self.s is not None
         d = torch.sub(x, self.x_hat, out=empty_on(x.device, x.numel()))
+        own = [(self.x_hat, self.scale)]
+        if self.s is not None:
+            own.append((self.s, rnd.self_weight * self.scale))
         if isinstance(self.codec, SparseCodec):  # add the kept values alone, in place
             payload, chosen, values = self.codec.encode_sparse(d)
             del d
-            self.x_hat.index_add_(0, chosen, values, alpha=self.scale)
-            self.s.index_add_(0, chosen, values, alpha=rnd.self_weight * self.scale)
+            for into, alpha in own:
+                into.index_add_(0, chosen, values, alpha=alpha)
             return payload
         payload, q = self.codec.encode(d)
-        self.x_hat.add_(q, alpha=self.scale)
-        self.s.add_(q, alpha=rnd.self_weight * self.scale)
+        for into, alpha in own:
+            into.add_(q, alpha=alpha)
         return payload
 
     def public_copy(self) -> Payload:
@@ -232,16 +261,20 @@ class Choco(Averager):
         missing: Sequence[int],
         late: Sequence[tuple[int, Arrival]] = (),
     ) -> torch.Tensor:
-        """Steps 3–4, or a rebuild of s_i from dense public copies in a resync round."""
-        assert self.x_hat is not None and self.s is not None
+        """Steps 3–4, or a rebuild of s_i (or of the copies) from dense public copies in a
+        resync round."""
+        assert self.x_hat is not None
         dense = self.vouched({j: a for j, a in arrived.items() if a.dense}, self.x_hat)
         if rnd.resync:
             self.needs_resync = set(dense) != set(rnd.weights)
             if not self.needs_resync:
-                self.s = self.x_hat * rnd.self_weight
-                for j, arrival in dense.items():
-                    self.s.add_(arrival.value, alpha=arrival.weight)
-                    self._synced_at[j] = rnd.index
+                if self.copies is not None:  # arrivals are read-only (a vouch's is x̂_i)
+                    self.copies = {j: a.value.clone() for j, a in dense.items()}
+                else:
+                    self.s = self.x_hat * rnd.self_weight
+                    for arrival in dense.values():
+                        self.s.add_(arrival.value, alpha=arrival.weight)
+                self._synced_at.update(dict.fromkeys(dense, rnd.index))
                 self.resynced = rnd.index
         for j, arrival in arrived.items():
             if not arrival.dense:
@@ -251,16 +284,51 @@ class Choco(Averager):
                 self._add(j, arrival)
         if not rnd.mix or self.resynced is None:  # no s to mix with until one full rebuild
             return x
-        return choco_step(x, self.s, self.x_hat, self.step_size(rnd))
+        return self.gossip_step(x, rnd)
+
+    def gossip_step(self, x: torch.Tensor, rnd: Round) -> torch.Tensor:
+        """Step 4, ``x_i + γ (s_i − x̂_i)``; with the copies kept apart s_i is their weighted
+        sum, or the defence's combination of them."""
+        assert self.x_hat is not None
+        return choco_step(x, self.neighbourhood(self.x_hat, rnd), self.x_hat, self.step_size(rnd))
+
+    def neighbourhood(self, centre: torch.Tensor, rnd: Round) -> torch.Tensor:
+        """s_i, or from the copies kept apart, the mix of ``centre`` with the copies of this
+        round's neighbours (a defence's, when there is one)."""
+        if self.copies is None:
+            assert self.s is not None
+            return self.s
+        copies = {
+            j: Arrival(w, self.copies[j], rnd.index)
+            for j, w in rnd.weights.items()
+            if j in self.copies
+        }
+        if self.judge is not None and copies:
+            return self.judge.judge(centre, rnd, copies)
+        return mix(centre, rnd, list(copies.values()))
+
+    def metrics(self) -> dict[str, Any]:
+        """With a defence, its statistics per neighbour (:meth:`Judge.metrics`)."""
+        return {} if self.judge is None else self.judge.metrics()
+
+    def suspects(self, rounds: int) -> list[int]:
+        """Neighbours the defence set aside in each of their last ``rounds`` judged rounds."""
+        return [] if self.judge is None else self.judge.suspects(rounds)
 
     def _add(self, sender: int, arrival: Arrival) -> None:
-        """s_i += W_ij q_j / (1+ω), unless a later dense resync already includes q_j (or, from a
-        neighbour of an earlier topology, left it out: s_i was rebuilt after it)."""
-        assert self.s is not None
+        """s_i += W_ij q_j / (1+ω) (or x̂_j += q_j / (1+ω) in the copy kept apart), unless a
+        later dense resync already includes q_j (or, from a neighbour of an earlier topology,
+        left it out: s_i was rebuilt after it)."""
         if not after_rebuild(sender, arrival.round, self._synced_at, self.resynced):
             return
-        q, alpha = arrival.value, arrival.weight * self.scale
-        if isinstance(q, SparseVector):
-            self.s.index_add_(0, q.indices, q.values, alpha=alpha)
+        if self.copies is not None:
+            into, alpha = self.copies.get(sender), self.scale
         else:
-            self.s.add_(q, alpha=alpha)
+            into, alpha = self.s, arrival.weight * self.scale
+        if into is None:  # no copy of a sender that was no neighbour at the last resync
+            return
+        q = arrival.value
+        if isinstance(q, SparseVector):
+            into.index_add_(0, q.indices, q.values, alpha=alpha)
+        else:
+            into.add_(q, alpha=alpha)

@@ -162,7 +162,7 @@ class Judge:
             numbers.append(torch.linalg.vector_norm(x.double()))
         read = torch.stack(numbers).tolist()
         k = len(ids)
-        flags = read[k : 2 * k] if self.stale_test else []
+        flags = read[k : 2 * k] if self.stale_test else [0.0] * k
         stale = [j for j, flag in zip(ids, flags, strict=True) if flag]
         x_norm = read[-1] if self.defence.rule == "balance" else None
         return dict(zip(ids, read[:k], strict=True)), stale, x_norm

@@ -8,13 +8,17 @@ from gossipdl.averaging.attacks import Attack
 from gossipdl.averaging.base import Averager
 from gossipdl.averaging.beer import Beer
 from gossipdl.averaging.broadcast import Broadcast
-from gossipdl.averaging.byzantine import ByzantineGossip
+from gossipdl.averaging.byzantine import ByzantineChoco, ByzantineGossip
 from gossipdl.averaging.choco import Choco
 from gossipdl.averaging.dense import DenseGossip
 from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.averaging.power_gossip import PowerGossip
 from gossipdl.averaging.robust import parse_defence
 from gossipdl.compression import build_codec
+
+ROBUST_ALGORITHMS = ("dense", "choco")
+"""The algorithms that take a defence and Byzantine peers: what they mix are models (dense
+gossip's) or replicas of models (CHOCO's public copies), which a robust rule can judge."""
 
 AveragerFactory = Callable[[str, int, "float | None"], Averager]
 
@@ -54,9 +58,9 @@ def build_averager(
     attack: Attack | None = None,
     peer: int | None = None,
 ) -> Averager:
-    """The averaging strategy ``name`` with codec ``codec`` (dense gossip: and ``defence``,
-    a Byzantine-robust rule, :func:`~gossipdl.averaging.robust.parse_defence`; a
-    Byzantine peer's ``attack``, :class:`~gossipdl.averaging.byzantine.ByzantineGossip`),
+    """The averaging strategy ``name`` with codec ``codec`` (dense gossip and CHOCO: and
+    ``defence``, a Byzantine-robust rule, :func:`~gossipdl.averaging.robust.parse_defence`;
+    a Byzantine peer's ``attack``, :mod:`gossipdl.averaging.byzantine`),
     for peer ``peer`` of a swarm seeded ``seed``: its codec draws its own random numbers
     (:meth:`~gossipdl.averaging.Averager.own_draws`); None: the swarm's seed's."""
     averager = _build(name, codec, seed, gamma, defence, attack)
@@ -76,15 +80,19 @@ def _build(
     """The averager :func:`build_averager` makes, before its own draws."""
     name = resolve_algorithm(name, codec)
     rule = parse_defence(defence)
-    if (rule is not None or attack is not None) and name != "dense":
+    if (rule is not None or attack is not None) and name not in ROBUST_ALGORITHMS:
         what = f"defence = {defence!r}" if attack is None else f"byzantine {attack.name!r}"
         raise ValueError(
-            f"{what} works on the models dense gossip sends; algorithm {name!r} sends "
-            "something else: use algorithm dense"
+            f"{what} works on the models dense gossip sends and on CHOCO's public copies; "
+            f"algorithm {name!r} sends something else: use algorithm dense or choco"
         )
     if attack is not None:
+        if name == "choco":
+            return ByzantineChoco(attack, codec, seed, gamma, rule)
         return ByzantineGossip(attack, codec, seed, rule)
     if rule is not None:
+        if name == "choco":
+            return Choco(codec, seed, gamma, rule)
         return DenseGossip(codec, seed, rule)
     try:
         factory = _ALGORITHMS[name]
