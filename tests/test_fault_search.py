@@ -196,6 +196,25 @@ def test_a_choco_that_adds_an_update_its_resync_holds_breaks_the_choco_invariant
     assert violation is not None and violation.invariant == "choco", violation
 
 
+def test_a_defended_choco_whose_copies_take_updates_a_resync_holds_breaks_the_invariant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same check for a CHOCO that keeps its neighbours' public copies apart (seed 99
+    draws one with BALANCE): adding every update to its copy, even one a dense resync
+    already includes, leaves a copy off the neighbour's public copy."""
+    assert random_case(99).config.defence == "balance"
+
+    def add_everything(self: Choco, sender: int, arrival: Arrival) -> None:
+        assert self.copies is not None
+        into, q = self.copies.get(sender), arrival.value
+        if into is not None:
+            into.index_add_(0, q.indices, q.values, alpha=self.scale)
+
+    monkeypatch.setattr(Choco, "_add", add_everything)
+    violation = fault_search.check_seed(99, str(tmp_path)).violation
+    assert violation is not None and violation.invariant == "choco", violation
+
+
 def test_a_range_that_holds_prints_one_line_and_exits_0(tmp_path: Path) -> None:
     result = CliRunner().invoke(
         cli.app,

@@ -264,9 +264,22 @@ class WatchedSimulation(Simulation):
     def _check_choco(self, peer: VirtualPeer, averager: Choco, index: int) -> None:
         """s_i rebuilt at round ``index`` equals the mix of the public copies of that round
         with the weights the round used (if the peer learnt better while it waited, it must
-        resync again)."""
-        assert averager.s is not None and averager.x_hat is not None
+        resync again); a peer that keeps the copies apart (a defence) must hold each one."""
+        assert averager.x_hat is not None
         (weights, self_weight), resyncs = self._used[peer.id]
+        s = averager.s
+        if averager.copies is not None:
+            if set(averager.copies) != set(weights):
+                self._record_violation(
+                    "choco",
+                    f"peer {peer.id} resynced at round {index} with neighbours "
+                    f"{sorted(weights)}, but holds copies of {sorted(averager.copies)}",
+                )
+                return
+            s = averager.x_hat * self_weight
+            for j, weight in weights.items():
+                s = s + weight * averager.copies[j]
+        assert s is not None
         if peer.core.mixing(index) != (weights, self_weight):
             self._stale[peer.id] = resyncs  # a resync asked since the round opened fixes it
         expected = averager.x_hat * self_weight
@@ -280,7 +293,7 @@ class WatchedSimulation(Simulation):
                 )
                 return
             expected = expected + weight * copy
-        error = float((averager.s - expected).abs().max())
+        error = float((s - expected).abs().max())
         if not error <= CHOCO_TOLERANCE:
             self._record_violation(
                 "choco",

@@ -43,6 +43,8 @@ ROUNDS = (("dense", "none"), ("choco", "topk:0.1"), ("choco", "qsgd:16"))  # alg
 LATER_ROUNDS = (("beer", "topk:0.1"), ("powergossip", "powersgd:1"))  # since they were added
 LATER_SHARE = 0.3  # of the cases whose trigger allows them (not dynamic)
 EVICTING_SHARE = 0.5  # of the dense gossip cases: BALANCE with eviction (no peer lies)
+DEFENDED_CHOCO_SHARE = 0.3  # of the CHOCO cases: a defence over the public copies
+DEFENDED_CHOCO = ("clip", "balance")
 SKEWED_SHARE = 0.5  # of the defended cases: Dirichlet shards (honest outliers to evict)
 SKEWED = ("dirichlet:0.3", "dirichlet:0.1")
 TRIGGERS = ("always", "periodic:2", "periodic:3", "dynamic:1%:2")
@@ -110,6 +112,8 @@ def random_case(seed: int, out: str = "") -> Case:
         config = replace(config, defence="balance", evict_after=rng.choice((3, 5)))
         if rng.random() < SKEWED_SHARE:  # drawn after all else, for the same reason
             config = replace(config, partition=rng.choice(SKEWED))
+    if config.algorithm == "choco" and rng.random() < DEFENDED_CHOCO_SHARE:  # drawn after all
+        config = replace(config, defence=rng.choice(DEFENDED_CHOCO))  # else (same reason)
     return Case(seed, config, quiet_at, settle_s)
 
 
