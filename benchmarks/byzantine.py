@@ -31,6 +31,15 @@ Run
     python benchmarks/byzantine.py --topologies random-regular:4 --partitions dirichlet:0.3 \\
         --defences balance --liars 2 --evict-after 10 --steps 600   # eviction: per-peer engine
     python benchmarks/byzantine.py --liars 2 --attacks label-flip --seeds 3 --jobs 2
+    python benchmarks/byzantine.py --algorithm choco --codec topk:0.1 --topologies exponential \
+        --partitions iid --liars 2 --defences none,clip,balance --jobs 2   # compressed
+
+    ``--algorithm choco`` runs the grid with CHOCO (``--codec``, default top-10%): the
+    defences judge each peer's copies of its neighbours' public copies, and a liar's
+    public copy follows its attack (README *Misbehaving peers*). It runs on the per-peer
+    engine (the batched one runs defences with dense gossip alone), and without
+    dissensus, which CHOCO refuses (a model per neighbour, where a CHOCO sender has one
+    public copy).
 
     ``--seeds N`` runs every swarm with seeds ``--seed`` .. ``--seed + N − 1`` (other
     shards, graph and data order): one run of a Dirichlet cell is one draw of a chaotic
@@ -45,7 +54,7 @@ Run
 
 JSON (``--json FILE``): ``{"benchmark": "byzantine", "rows": [...], "meta": {...}}``;
 each row has ``attack`` ("none" for the attack-free runs, "absent" for the reference
-runs without the liars), ``defence``, ``byzantine``
+runs without the liars), ``defence``, ``algorithm``, ``codec``, ``byzantine``
 (how many lie), ``topology``, ``partition``, ``accuracy`` (the honest peers'),
 ``seed``, ``evict_after``, ``engine`` and ``run_dir``; ``meta`` holds the settings, each
 target's verdict (over each cell's mean across seeds) and, under ``targets.absent``, each
@@ -140,7 +149,8 @@ def config_for(args: argparse.Namespace, run: Run) -> Config:
         dataset=args.dataset,
         model=args.model,
         steps=args.steps,
-        algorithm="dense",
+        algorithm=args.algorithm,
+        codec=args.codec,
         defence=run.defence,
         evict_after=evict,
         profiles=profiles,
@@ -149,7 +159,7 @@ def config_for(args: argparse.Namespace, run: Run) -> Config:
         log_every=max(1, args.steps // 10),
         seed=run.seed,
         threads=1,
-        batched=args.engine == "batched" and not absent and not evict,
+        batched=args.engine == "batched" and not absent and not evict and args.algorithm == "dense",
         out=str(args.out / name.replace(":", "_")),
     )
 
@@ -173,6 +183,8 @@ def run_one(task: tuple[Run, Config]) -> dict[str, Any]:
     return {
         "attack": run.attack,
         "defence": run.defence,
+        "algorithm": config.algorithm,
+        "codec": config.codec,
         "byzantine": run.byzantine,
         "topology": run.topology,
         "partition": run.partition,
@@ -302,6 +314,11 @@ def main() -> None:
         "--evict-after", type=int, default=0,
         help="rounds in a row set aside before clip and balance runs accuse (0: no eviction)",
     )  # fmt: skip
+    parser.add_argument(
+        "--algorithm", choices=("dense", "choco"), default="dense",
+        help="dense gossip (default) or CHOCO (per-peer engine, no dissensus)",
+    )  # fmt: skip
+    parser.add_argument("--codec", default=None, help="CHOCO's codec (default topk:0.1)")
     parser.add_argument("--seed", type=int, default=0, help="the first seed")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per swarm (means in the table)")
     parser.add_argument("--config", type=Path, default=None, help="base TOML config")
@@ -311,7 +328,14 @@ def main() -> None:
     args.peers = args.peers or (8 if quick else 16)
     args.steps = args.steps or (60 if quick else 1500)
     args.dataset, args.model = ("synthetic", "logistic") if quick else ("mnist1d", "cnn1d")
-    args.attacks = args.attacks or (["scaled", "dissensus"] if quick else list(ATTACKS))
+    choco = args.algorithm == "choco"
+    if args.codec is not None and not choco:
+        parser.error("--codec: dense gossip sends models uncompressed here; add --algorithm choco")
+    args.codec = args.codec or ("topk:0.1" if choco else "none")
+    every = [a for a in ATTACKS if not (choco and a == "dissensus")]
+    args.attacks = args.attacks or (
+        ["scaled", every[-1] if choco else "dissensus"] if quick else every
+    )
     args.defences = args.defences or (["none", "clip"] if quick else list(DEFENCES))
     args.topologies = args.topologies or (["ring"] if quick else list(TOPOLOGIES))
     args.partitions = args.partitions or (["iid"] if quick else list(PARTITIONS))
@@ -319,6 +343,8 @@ def main() -> None:
     unknown = sorted(set(args.attacks) - set(ATTACKS))
     if unknown:
         parser.error(f"--attacks: unknown {unknown}; known: {', '.join(ATTACKS)}")
+    if choco and "dissensus" in args.attacks:
+        parser.error("--attacks dissensus: a model per neighbour; CHOCO refuses it (use dense)")
     for spec in args.defences:  # any setting of a known rule: balance:0.5:2
         try:
             parse_defence(spec)
@@ -382,6 +408,8 @@ def main() -> None:
         "steps": args.steps,
         "dataset": args.dataset,
         "model": args.model,
+        "algorithm": args.algorithm,
+        "codec": args.codec,
         "liars": {str(k): liar_ids(k, args.peers) for k in args.liars},
         "seed": args.seed,
         "seeds": args.seeds,

@@ -164,6 +164,27 @@ def test_byzantine_benchmark_runs_every_swarm_once_per_seed(tmp_path: Path) -> N
     assert done.returncode == 2 and "--seeds 0: at least 1" in done.stderr
 
 
+def test_byzantine_benchmark_pits_a_choco_liar_against_defended_choco(tmp_path: Path) -> None:
+    """``--algorithm choco``: CHOCO top-10% peers on the per-peer engine; a liar steering its
+    public copy to its model ×100 wrecks plain CHOCO and not clipped CHOCO. Dissensus, a
+    model per neighbour, is refused."""
+    result = run_benchmark(
+        "byzantine", tmp_path, "--quick", "--algorithm", "choco", "--attacks", "scaled",
+        "--out", str(tmp_path / "b"),
+    )  # fmt: skip
+    rows = {(r["attack"], r["defence"]): r for r in result["rows"]}
+    assert {(r["algorithm"], r["codec"], r["engine"]) for r in rows.values()} == {
+        ("choco", "topk:0.1", "per-peer")
+    }
+    assert rows[("scaled", "none")]["accuracy"] < 0.5 < rows[("scaled", "clip")]["accuracy"]
+    script = ROOT / "benchmarks" / "byzantine.py"
+    done = run_script(
+        script, "--quick", "--algorithm", "choco", "--attacks", "dissensus", cwd=tmp_path,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "CHOCO refuses it" in done.stderr
+
+
 def test_byzantine_benchmark_refuses_a_defence_setting_it_cannot_parse(tmp_path: Path) -> None:
     script = ROOT / "benchmarks" / "byzantine.py"
     done = run_script(
