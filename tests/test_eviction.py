@@ -123,8 +123,12 @@ def test_eviction_on_label_skewed_shards_is_a_warning_before_the_run(
     assert "label-skewed" in caplog.text
 
 
-def test_a_simulated_ring_evicts_a_blown_up_peer_and_closes_over_it(tmp_path: Path) -> None:
-    """Eight simulated peers on a ring, peer 3 sending its model ×100, BALANCE with
+@pytest.mark.parametrize(("algorithm", "codec"), [("dense", "none"), ("choco", "topk:0.1")])
+def test_a_simulated_ring_evicts_a_blown_up_peer_and_closes_over_it(
+    tmp_path: Path, algorithm: str, codec: str
+) -> None:
+    """Eight simulated peers on a ring, peer 3 sending its model ×100 (with CHOCO: steering
+    its public copy there), BALANCE with
     ``evict_after`` 5: its neighbours accuse it, every honest peer ends it, the ring
     closes over 2–4 (they judge each other's models), its one attempt to rejoin is refused
     for good, and the honest peers train as well as an attack-free swarm does. Without an attack,
@@ -136,6 +140,7 @@ def test_a_simulated_ring_evicts_a_blown_up_peer_and_closes_over_it(tmp_path: Pa
         config = small_config(
             tmp_path / name, peers=8, topology="ring", steps=150, defence="balance",
             evict_after=5, profiles=profiles, partition=partition, log_every=150,
+            algorithm=algorithm, codec=codec,
         )  # fmt: skip
         return simulate(config, step_time=0.01)
 
