@@ -633,3 +633,24 @@ def test_a_byzantine_choco_peer_wrecks_plain_choco_and_a_defence_holds_it_off(
         summary = run(defence, "scaled", defence)
         assert _honest_accuracy(summary, {3}) >= clean - 0.03, defence
         assert summary["suspect_neighbours"] == [3], defence
+
+
+def test_defended_choco_sets_aside_a_neighbour_whose_copy_stopped_moving() -> None:
+    """A frozen CHOCO neighbour's updates shrink to nothing once its copy has caught up: a
+    round in which its update moved its copy by nothing is a stale round, and every
+    defence leaves it out as it leaves out a replayed model in dense gossip (its weight
+    shared among the fresh ones). Honest updates of any size pass."""
+    from gossipdl.averaging import build_averager
+
+    x, honest = _swarm(13)
+    copies = {1: honest[0], 2: honest[1], 3: honest[2]}  # near: no distance test sees it
+    moving = {1: 1e-3 * torch.ones(50), 2: -1e-6 * torch.ones(50)}
+    for defence in ("clip", "balance"):
+        averager = build_averager("choco", "topk:0.5", gamma=0.5, defence=defence)
+        _choco_rounds(averager, x, copies, moving | {3: torch.zeros(50)})
+        judged = averager.metrics()["neighbours"]
+        assert judged["3"]["filtered"] >= 0.5 and judged["3"]["rounds"] == 2, (defence, judged)
+        assert judged["2"]["filtered"] < 0.5, defence  # a small honest update is no stale one
+        alive = build_averager("choco", "topk:0.5", gamma=0.5, defence=defence)
+        _choco_rounds(alive, x, copies, moving | {3: 1e-3 * torch.ones(50)})
+        assert alive.metrics()["neighbours"]["3"]["filtered"] < 0.5, defence

@@ -115,6 +115,11 @@ RANDOM_K_STEP = 0.6
 :func:`auto_gamma`), as top-k's δ^0.85 is about 0.6 of its own."""
 
 
+STALE_MOVE = 1e-3
+"""A defended CHOCO peer sets a neighbour aside as stale in a round its updates moved its
+copy by at most this share of the median sender's (:meth:`Choco._stale`)."""
+
+
 WARMUP_ROUNDS = 20
 """With a lossy codec, γ ramps linearly from γ/WARMUP_ROUNDS to γ over a peer's first
 rounds: early updates are the largest and the public copies lag them most."""
@@ -174,10 +179,10 @@ class Choco(Averager):
     the own public copy (:class:`~gossipdl.averaging.judging.Judge`; clipping, for one,
     gives ``Σ_j W_ij clip(x̂_j − x̂_i, τ)``). A Byzantine neighbour steers only its copy,
     whatever updates it sends, so the rule bounds it as it bounds a model in dense
-    gossip. Costs k copies of the model (s_i's one) and a pass over them each round. The
-    stale-model test is off: a compressed update moves a copy in a few coordinates, so an
-    honest copy's fingerprint often stays the same; a frozen neighbour's copy stops where
-    its model stopped, and the distance rules see it fall behind.
+    gossip. Costs k copies of the model (s_i's one) and a pass over them each round. A
+    stale neighbour is one whose updates stopped moving its copy (:data:`STALE_MOVE`), not
+    one whose model's fingerprint did not change: a compressed update moves an honest
+    copy in a few coordinates, so its fingerprint often stays the same.
     """
 
     name = "choco"
@@ -205,6 +210,7 @@ class Choco(Averager):
         self.copies: dict[int, torch.Tensor] | None = (
             {} if defence is not None or keep_copies else None
         )
+        self._moved: dict[int, torch.Tensor] = {}  # sender -> ‖its updates‖ this round
         self.scale = 1.0  # 1/(1+ω), set when the vector's length is known
         self._synced_at: dict[int, int] = {}
         self._first: int | None = None  # the round of the first outgoing (the warm-up's start)
@@ -276,6 +282,7 @@ class Choco(Averager):
                         self.s.add_(arrival.value, alpha=arrival.weight)
                 self._synced_at.update(dict.fromkeys(dense, rnd.index))
                 self.resynced = rnd.index
+        self._moved = {}
         for j, arrival in arrived.items():
             if not arrival.dense:
                 self._add(j, arrival)
@@ -304,8 +311,20 @@ class Choco(Averager):
             if j in self.copies
         }
         if self.judge is not None and copies:
-            return self.judge.judge(centre, rnd, copies)
+            return self.judge.judge(centre, rnd, copies, self._stale())
         return mix(centre, rnd, list(copies.values()))
+
+    def _stale(self) -> list[int]:
+        """The neighbours whose updates this round moved their copy by less than
+        :data:`STALE_MOVE` of the median sender's: a frozen model's copy stops moving once
+        its updates have caught up (top-k: within 1/k rounds), an honest one moves every
+        round by about what its peer trained."""
+        if len(self._moved) < 2:
+            return []
+        senders = list(self._moved)
+        moves = torch.stack([self._moved[j] for j in senders]).double()
+        least = STALE_MOVE * float(moves.quantile(0.5))
+        return [j for j, move in zip(senders, moves.tolist(), strict=True) if move <= least]
 
     def metrics(self) -> dict[str, Any]:
         """With a defence, its statistics per neighbour (:meth:`Judge.metrics`)."""
@@ -328,7 +347,12 @@ class Choco(Averager):
         if into is None:  # no copy of a sender that was no neighbour at the last resync
             return
         q = arrival.value
+        values = q.values if isinstance(q, SparseVector) else q
         if isinstance(q, SparseVector):
             into.index_add_(0, q.indices, q.values, alpha=alpha)
         else:
             into.add_(q, alpha=alpha)
+        if self.judge is not None:  # how far the copy moved (read with the others, once)
+            move = torch.linalg.vector_norm(values.double())
+            earlier = self._moved.get(sender)
+            self._moved[sender] = move if earlier is None else earlier + move

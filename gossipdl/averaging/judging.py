@@ -10,7 +10,7 @@ a metrics line reports per neighbour, and the streaks eviction accuses by.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,8 +51,9 @@ class Judge:
     set aside first (:func:`fingerprint`): an honest peer's model moves every round, a
     crashed or replaying one's does not, and a stale model stays close enough to pass
     every distance test while it pulls its neighbours back, round after round, to where
-    it stopped. (CHOCO turns it off: a compressed update moves a public copy in a few
-    coordinates, so an honest copy's fingerprint often does not change.) With ``+descent``
+    it stopped. (CHOCO turns it off and finds its stale neighbours by how far their updates
+    moved their copies: a compressed update moves a public copy in a few coordinates, so
+    an honest copy's fingerprint often does not change.) With ``+descent``
     a neighbour whose running descent score
     (:func:`~gossipdl.averaging.robust.descent_scores`) is below −TAU, and that is farther
     than the median neighbour, is set aside the same way; that never counts towards an
@@ -91,14 +92,22 @@ class Judge:
         ``rounds`` judged rounds."""
         return sorted(j for j, streak in self._streaks.items() if streak >= rounds)
 
-    def judge(self, x: torch.Tensor, rnd: Round, arrived: Mapping[int, Arrival]) -> torch.Tensor:
+    def judge(
+        self,
+        x: torch.Tensor,
+        rnd: Round,
+        arrived: Mapping[int, Arrival],
+        stale: Sequence[int] = (),
+    ) -> torch.Tensor:
         """The defence's new model from ``x`` and the fresh ``arrived`` models; every
-        arrival's distance and set-aside share recorded. A stale one is set aside whole and
+        arrival's distance and set-aside share recorded. A stale one (the fingerprint's, or
+        one the caller found in ``stale``) is set aside whole and
         its weight shared among the fresh ones, as BALANCE shares a rejected one's (left
         with x, a crashed neighbour slowed its neighbours' mixing for the rest of the run);
         so is one whose running descent score is below −TAU (``+descent``), which is not
         evidence."""
-        gaps, stale, x_norm = self._measure(x, arrived)
+        gaps, unmoved, x_norm = self._measure(x, arrived)
+        stale = unmoved + [j for j in stale if j in arrived and j not in unmoved]
         rounds = 1 if self._last_judged is None else max(1, rnd.index - self._last_judged)
         self._last_judged = rnd.index
         moving = [j for j in arrived if j not in stale]
