@@ -315,7 +315,7 @@ class Choco(Averager):
         return mix(centre, rnd, list(copies.values()))
 
     def _stale(self) -> list[int]:
-        """The neighbours whose updates this round moved their copy by less than
+        """The neighbours whose updates this round moved their copy by at most
         :data:`STALE_MOVE` of the median sender's: a frozen model's copy stops moving once
         its updates have caught up (top-k: within 1/k rounds), an honest one moves every
         round by about what its peer trained."""
@@ -347,11 +347,12 @@ class Choco(Averager):
         if into is None:  # no copy of a sender that was no neighbour at the last resync
             return
         q = arrival.value
-        values = q.values if isinstance(q, SparseVector) else q
         if isinstance(q, SparseVector):
             into.index_add_(0, q.indices, q.values, alpha=alpha)
+            values = q.values
         else:
             into.add_(q, alpha=alpha)
+            values = q
         if self.judge is not None:  # how far the copy moved (read with the others, once)
             move = torch.linalg.vector_norm(values.double())
             earlier = self._moved.get(sender)
