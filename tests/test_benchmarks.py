@@ -527,7 +527,8 @@ def test_byzantine_reference_runs_the_liars_killed_at_the_start(monkeypatch) -> 
     args = argparse.Namespace(
         config=None, peers=16, dataset="synthetic", model="logistic", steps=10, seed=0, seeds=1,
         engine="batched", out=Path("/nonexistent"), defences=["none"], liars=[1, 2],
-        attacks=["alie"], topologies=["ring"], partitions=["iid"],
+        attacks=["alie"], topologies=["ring"], partitions=["iid"], algorithm="dense",
+        codec="none",
     )  # fmt: skip
     runs = byzantine.grid(args)
     absent = [r for r in runs if r.attack == byzantine.ABSENT]
