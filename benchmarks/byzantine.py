@@ -333,9 +333,8 @@ def main() -> None:
         parser.error("--codec: dense gossip sends models uncompressed here; add --algorithm choco")
     args.codec = args.codec or ("topk:0.1" if choco else "none")
     every = [a for a in ATTACKS if not (choco and a == "dissensus")]
-    args.attacks = args.attacks or (
-        ["scaled", every[-1] if choco else "dissensus"] if quick else every
-    )
+    smoke = ["scaled", "label-flip" if choco else "dissensus"]
+    args.attacks = args.attacks or (smoke if quick else every)
     args.defences = args.defences or (["none", "clip"] if quick else list(DEFENCES))
     args.topologies = args.topologies or (["ring"] if quick else list(TOPOLOGIES))
     args.partitions = args.partitions or (["iid"] if quick else list(PARTITIONS))
