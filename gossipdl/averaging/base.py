@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ import torch
 from gossipdl.compression import Codec, CodecError, Payload, build_codec
 from gossipdl.compression._kernels import empty_on
 from gossipdl.compression.sparse import SparseCodec
+
+if TYPE_CHECKING:  # judging builds on this module
+    from gossipdl.averaging.judging import Judge
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,9 @@ class Averager(ABC):
     sparse_arrivals: bool = False
     # The model the peer started from (:meth:`begin`).
     origin: torch.Tensor | None = None
+    # A defended averager's judge of its neighbours (dense gossip's and CHOCO's, with a
+    # defence): what :meth:`metrics` and :meth:`suspects` report.
+    judge: Judge | None = None
 
     def __init__(self, codec: Codec | str = "none", seed: int = 0) -> None:
         self.seed = seed  # the swarm's: what every peer draws alike derives from it
@@ -160,14 +166,15 @@ class Averager(ABC):
         return False
 
     def metrics(self) -> dict[str, Any]:
-        """The averager's own part of a metrics line (nothing, but for a defended one)."""
-        return {}
+        """The averager's own part of a metrics line: a defended one's statistics per
+        neighbour (:meth:`~gossipdl.averaging.judging.Judge.metrics`), else nothing."""
+        return {} if self.judge is None else self.judge.metrics()
 
     def suspects(self, rounds: int) -> list[int]:
         """Neighbours whose models this peer set aside in each of their last ``rounds``
         judged rounds (the protocol accuses them, ``evict_after``): none, but for a defended
         averager."""
-        return []
+        return [] if self.judge is None else self.judge.suspects(rounds)
 
     def sent_mask(self) -> torch.Tensor | None:
         """The coordinates the last :meth:`outgoing` sent, for DGC's momentum factor masking

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
@@ -325,14 +324,6 @@ class Choco(Averager):
         moves = torch.stack([self._moved[j] for j in senders]).double()
         least = STALE_MOVE * float(moves.quantile(0.5))
         return [j for j, move in zip(senders, moves.tolist(), strict=True) if move <= least]
-
-    def metrics(self) -> dict[str, Any]:
-        """With a defence, its statistics per neighbour (:meth:`Judge.metrics`)."""
-        return {} if self.judge is None else self.judge.metrics()
-
-    def suspects(self, rounds: int) -> list[int]:
-        """Neighbours the defence set aside in each of their last ``rounds`` judged rounds."""
-        return [] if self.judge is None else self.judge.suspects(rounds)
 
     def _add(self, sender: int, arrival: Arrival) -> None:
         """s_i += W_ij q_j / (1+ω) (or x̂_j += q_j / (1+ω) in the copy kept apart), unless a

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
@@ -44,18 +43,9 @@ class DenseGossip(Averager):
 
     def __init__(self, codec: str = "none", seed: int = 0, defence: Defence | None = None):
         super().__init__(codec, seed)
-        self.defence = defence
         self.judge = None if defence is None else Judge(defence)
         # round -> (own model of that round, neighbours whose model is still missing)
         self._held: OrderedDict[int, tuple[torch.Tensor, set[int]]] = OrderedDict()
-
-    def metrics(self) -> dict[str, Any]:
-        """With a defence, its statistics per neighbour (:meth:`Judge.metrics`)."""
-        return {} if self.judge is None else self.judge.metrics()
-
-    def suspects(self, rounds: int) -> list[int]:
-        """Neighbours the defence set aside in each of their last ``rounds`` judged rounds."""
-        return [] if self.judge is None else self.judge.suspects(rounds)
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload | Mapping[int, Payload]:
         """The whole parameter vector, encoded (:meth:`encoded`)."""
@@ -78,7 +68,7 @@ class DenseGossip(Averager):
         if not arrived:
             return None
         values = [a.value for a in arrived.values()]
-        if self.defence is not None:
+        if self.judge is not None:
             return values[nearest_to_rest(torch.stack(values))[0]].clone()
         total = sum(a.weight for a in arrived.values())
         mean = torch.zeros_like(values[0])
@@ -107,7 +97,7 @@ class DenseGossip(Averager):
                 waiting.discard(j)
                 if not waiting:
                     del self._held[arrival.round]
-        if missing and self.defence is None:
+        if missing and self.judge is None:
             self._held[rnd.index] = (x.clone(), set(missing))
             while len(self._held) > LATE_ROUNDS:
                 self._held.popitem(last=False)
