@@ -330,7 +330,8 @@ class Transport:
                     continue
                 arrival = self._link.send(size, time.monotonic(), address)
                 if arrival is None:  # it used the uplink, then the link lost it
-                    self._count_sent(frames)
+                    with self.stats.lock:
+                        self._count_sent(frames)
                     self.stats.drop("link_loss")
                     continue
                 destination.held += size
@@ -391,9 +392,16 @@ class Transport:
                 return
             self._open_sockets += 1
         destination.used = time.monotonic()
-        try:
-            tracker = _send_tracked(destination.socket, frames)
-        except zmq.Again:
+        # counted under the stats lock it is handed over in: whoever has seen the message
+        # arrive (or its answer) reads counters that include it
+        with self.stats.lock:
+            try:
+                tracker = _send_tracked(destination.socket, frames)
+            except zmq.Again:
+                tracker = None
+            else:
+                self._count_sent(frames)
+        if tracker is None:
             self.stats.drop("send_queue_full")
             if not destination.warned:
                 destination.warned = True
@@ -403,7 +411,6 @@ class Transport:
         if not tracker.done:
             destination.in_zmq.append((tracker, size))
             destination.in_zmq_bytes += size
-        self._count_sent(frames)
 
     def _make_room(self, destinations: OrderedDict[str, _Destination], keep: str) -> None:
         """Close the least recently used connections until one more fits ``max_sockets``."""
@@ -442,10 +449,10 @@ class Transport:
             self._open_sockets -= 1
 
     def _count_sent(self, frames: list[Any]) -> None:
-        with self.stats.lock:
-            self.stats.bytes_sent += frames_size(frames)
-            self.stats.header_bytes_sent += len(frames[0])
-            self.stats.messages_sent += 1
+        """Count one message sent (the caller holds the stats lock)."""
+        self.stats.bytes_sent += frames_size(frames)
+        self.stats.header_bytes_sent += len(frames[0])
+        self.stats.messages_sent += 1
 
     def _connect(self, address: str, server_key: str) -> zmq.Socket:
         dealer = self._ctx.socket(zmq.DEALER)
