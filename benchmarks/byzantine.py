@@ -36,8 +36,7 @@ Run
 
     ``--algorithm choco`` runs the grid with CHOCO (``--codec``, default top-10%): the
     defences judge each peer's copies of its neighbours' public copies, and a liar's
-    public copy follows its attack (README *Misbehaving peers*). It runs on the per-peer
-    engine (the batched one runs defences with dense gossip alone), and without
+    public copy follows its attack (README *Misbehaving peers*). It runs without
     dissensus, which CHOCO refuses (a model per neighbour, where a CHOCO sender has one
     public copy).
 
@@ -159,7 +158,7 @@ def config_for(args: argparse.Namespace, run: Run) -> Config:
         log_every=max(1, args.steps // 10),
         seed=run.seed,
         threads=1,
-        batched=args.engine == "batched" and not absent and not evict and args.algorithm == "dense",
+        batched=args.engine == "batched" and not absent and not evict,
         out=str(args.out / name.replace(":", "_")),
     )
 
@@ -316,7 +315,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--algorithm", choices=("dense", "choco"), default="dense",
-        help="dense gossip (default) or CHOCO (per-peer engine, no dissensus)",
+        help="dense gossip (default) or CHOCO (no dissensus)",
     )  # fmt: skip
     parser.add_argument("--codec", default=None, help="CHOCO's codec (default topk:0.1)")
     parser.add_argument("--seed", type=int, default=0, help="the first seed")

@@ -165,9 +165,10 @@ def test_byzantine_benchmark_runs_every_swarm_once_per_seed(tmp_path: Path) -> N
 
 
 def test_byzantine_benchmark_runs_its_grid_with_choco_peers(tmp_path: Path) -> None:
-    """``--algorithm choco``: CHOCO top-10% peers on the per-peer engine (what a liar does
-    to them, defended or not, is tests/test_robust.py's); each row names its algorithm and
-    codec. Dissensus, a model per neighbour, is refused."""
+    """``--algorithm choco``: CHOCO top-10% peers on the batched engine (what a liar does
+    to them, defended or not, is tests/test_robust.py's; that batched is the per-peer
+    engine, tests/test_sim_batched.py's); each row names its algorithm, codec and engine.
+    Dissensus, a model per neighbour, is refused."""
     result = run_benchmark(
         "byzantine", tmp_path, "--quick", "--algorithm", "choco", "--attacks", "scaled",
         "--defences", "clip", "--out", str(tmp_path / "b"),
@@ -175,7 +176,7 @@ def test_byzantine_benchmark_runs_its_grid_with_choco_peers(tmp_path: Path) -> N
     rows = {(r["attack"], r["defence"]): r for r in result["rows"]}
     assert set(rows) == {("none", "clip"), ("scaled", "clip")}
     assert {(r["algorithm"], r["codec"], r["engine"]) for r in rows.values()} == {
-        ("choco", "topk:0.1", "per-peer")
+        ("choco", "topk:0.1", "batched")
     }
     assert rows[("scaled", "clip")]["accuracy"] > 0.5 and result["meta"]["algorithm"] == "choco"
     script = ROOT / "benchmarks" / "byzantine.py"

@@ -271,26 +271,30 @@ def test_a_heterogeneous_batched_swarm_keeps_each_peers_clock(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize(
-    ("attack", "defence"),
+    ("attack", "defence", "algorithm"),
     [
-        ("alie", "clip"),
-        ("dissensus", "trimmed"),
-        ("label-flip", "balance"),
-        ("label-flip", "balance:0.5:3+descent"),
+        ("alie", "clip", "dense"),
+        ("dissensus", "trimmed", "dense"),
+        ("label-flip", "balance", "dense"),
+        ("label-flip", "balance:0.5:3+descent", "dense"),
+        ("scaled", "clip", "choco"),
+        ("stale", "balance", "choco"),
     ],
 )
 def test_batched_liars_and_defences_are_the_per_peer_engines(
-    tmp_path: Path, attack: str, defence: str
+    tmp_path: Path, attack: str, defence: str, algorithm: str
 ) -> None:
     """A Byzantine peer and a defence on both simulators: every peer's final accuracy and
     the defence's per-neighbour statistics (with ``+descent`` its running scores too) are
-    the per-peer engine's, and a dissenting liar's neighbours see it set aside more than
-    the others."""
+    the per-peer engine's, with CHOCO (its first round a vouch, its defence over the
+    public copies) as with dense gossip; a dissenting liar's neighbours see it set aside
+    more than the others, and so do a scaled CHOCO liar's."""
     finals = {}
     for batched in (False, True):
         config = small_config(
             tmp_path / str(batched), peers=8, steps=40, model="mlp", hidden=[16],
-            dataset="mnist1d", topology="exponential", algorithm="dense", defence=defence,
+            dataset="mnist1d", topology="exponential", algorithm=algorithm, codec=(
+                "topk:0.1" if algorithm == "choco" else "none"), defence=defence,
             profiles={"liar": {"peers": "3", "byzantine": attack}}, eval_every=0,
             batched=batched,
         )  # fmt: skip
@@ -302,8 +306,8 @@ def test_batched_liars_and_defences_are_the_per_peer_engines(
         assert ours["neighbours"].keys() == theirs["neighbours"].keys()
         for j, seen in ours["neighbours"].items():
             assert seen == pytest.approx(theirs["neighbours"][j], abs=1e-5)
-    if attack == "dissensus":  # ALIE hides in the spread; a label flipper looks honest a while
-        seen = finals[True][2]["neighbours"]
+    if attack in ("dissensus", "scaled"):  # ALIE hides in the spread; a label flipper and
+        seen = finals[True][2]["neighbours"]  # a stale one look honest a while
         assert seen["3"]["filtered"] > max(v["filtered"] for j, v in seen.items() if j != "3")
 
 

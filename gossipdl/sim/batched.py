@@ -11,12 +11,13 @@ neighbours' rows). It is the same synchronous algorithm the cores run when no me
 is late, so results equal the per-peer engine's up to float reordering. All of it runs
 on the config's ``device`` (``auto``: a GPU where there is one).
 
-Dense gossip with a defence or Byzantine peers (issue 26) runs here too: the training
-stays stacked, and every round each peer's own averaging rule (the per-peer engine's
-:class:`~gossipdl.averaging.DenseGossip` or
-:class:`~gossipdl.averaging.byzantine.ByzantineGossip`) sends, attacks and judges, one
-peer after another. A message that is not finite stops the run (a receiver would drop
-it, ``non_finite``, which only the per-peer engine models).
+Dense gossip and CHOCO with a defence or Byzantine peers (issue 26) run here too: the
+training stays stacked, and every round each peer's own averaging rule (the per-peer
+engine's :class:`~gossipdl.averaging.DenseGossip`, :class:`~gossipdl.averaging.Choco`
+or their Byzantine forms in :mod:`gossipdl.averaging.byzantine`) sends, attacks and
+judges, one peer after another; CHOCO's first round is a vouch for the model every peer
+starts from, as the protocol core sends it. A message that is not finite stops the run (a
+receiver would drop it, ``non_finite``, which only the per-peer engine models).
 
 A heterogeneous swarm (``profiles`` with their own ``step_time`` or links, ``slowdown``)
 runs here too: each peer keeps its own virtual clock, and a round ends for a peer when the
@@ -53,7 +54,14 @@ import torch
 
 from gossipdl.averaging import Averager, auto_gamma, parse_trigger
 from gossipdl.averaging.attacks import Attack, flip_labels
-from gossipdl.averaging.base import VOUCH, Arrival, Round, codec_seed, model_digest
+from gossipdl.averaging.base import (
+    VOUCH,
+    Arrival,
+    Round,
+    SharedDecodes,
+    codec_seed,
+    model_digest,
+)
 from gossipdl.averaging.choco import WARMUP_ROUNDS, check_choco_codec
 from gossipdl.compression import Codec, build_codec
 from gossipdl.compression.base import Layout, Payload
@@ -111,9 +119,6 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
     if parse_trigger(config.trigger).dynamic:
         problems.append(f"trigger {config.trigger!r} (batched runs always and periodic:H)")
     devices = devices_of(config)
-    robust = config.defence != "none" or any(device.byzantine for device in devices)
-    if robust and config.algorithm != "dense":
-        problems.append("a defence or Byzantine peers (batched runs them with algorithm dense)")
     if config.optimizer != "sgd":
         problems.append(f"optimizer {config.optimizer!r} (batched steps sgd)")
     for name in ("drift", "faults"):
@@ -278,6 +283,9 @@ class StackedGossip:
         attacks = attacks or {}
         if config.defence != "none" or attacks:
             self.rules = [averager_of(config, attacks.get(i), i) for i in range(count)]
+            for rule in self.rules:  # CHOCO's public copies start at the shared start
+                rule.begin(start)
+            self.decodes = SharedDecodes()
             period = parse_trigger(config.trigger).period
             self.neighbourhoods = [
                 Round(0, {int(j): float(mixing[i, j]) for j in np.flatnonzero(mixing[i]) if j != i},
@@ -329,28 +337,37 @@ class StackedGossip:
         return self.rules[peer].metrics() if self.rules else {}
 
     def _round_each(self, x: torch.Tensor, index: int) -> Messages:
-        """Dense gossip with a defence or Byzantine peers: every peer's own averaging rule
-        (the per-peer engine's objects) sends its message and judges its neighbours', one
-        peer after another; the stacked models are written once all have read them."""
+        """A defence or Byzantine peers: every peer's own averaging rule (the per-peer
+        engine's objects) sends its message and judges its neighbours', one peer after
+        another; the stacked models are written once all have read them. CHOCO's first
+        round is the protocol core's: a resync in which every peer vouches for its public
+        copy (the shared start) instead of sending it."""
         numel = x.shape[1]
-        rounds = [replace(rnd, index=index) for rnd in self.neighbourhoods]
+        decode = self.decodes.decode  # a payload all neighbours get is decoded once
+        first = index == 0 and self.rules[0].uses_public_copies
+        rounds = [replace(rnd, index=index, resync=first) for rnd in self.neighbourhoods]
         sent = [rule.outgoing(x[i], rounds[i]) for i, rule in enumerate(self.rules)]
+        if first:  # what was encoded is dropped, as the core drops it
+            sent = [rule.vouch() for rule in self.rules]
         for i, payload in enumerate(sent):
             if not all(all_finite(a) for p in _payloads(payload) for a in p.arrays):
                 raise _diverged(i, index)
         new = torch.empty_like(x)
         for i, (rule, rnd) in enumerate(zip(self.rules, rounds, strict=True)):
             arrived = {
-                j: Arrival(w, rule.decode(addressed(sent[j], i), False, numel, x.device), index)
+                j: Arrival(
+                    w, decode(rule, addressed(sent[j], i), first, numel, x.device), index, first
+                )
                 for j, w in rnd.weights.items()
             }
             new[i] = rule.incoming(x[i], rnd, arrived, [])
+        assert not any(rule.needs_resync for rule in self.rules), "a vouch for another start"
         x.copy_(new)
         # dissensus sends each neighbour its own model, all of one layout
         layouts = [
             addressed(sent[i], next(iter(rnd.weights))).layout() for i, rnd in enumerate(rounds)
         ]
-        return Messages("params", layouts)
+        return Messages("public" if first else "params", layouts)
 
     def _compress(self, d: torch.Tensor) -> torch.Tensor | SparseRows:
         """What every row of ``d`` sends: its kept entries, or its dense estimate."""
