@@ -654,3 +654,50 @@ def test_defended_choco_sets_aside_a_neighbour_whose_copy_stopped_moving() -> No
         alive = build_averager("choco", "topk:0.5", gamma=0.5, defence=defence)
         _choco_rounds(alive, x, copies, moving | {3: 1e-3 * torch.ones(50)})
         assert alive.metrics()["neighbours"]["3"]["filtered"] < 0.5, defence
+
+
+def test_two_scaled_choco_liars_make_no_honest_neighbour_stale() -> None:
+    """The stale test measures a neighbour's move against the peer's own, which no liar
+    can inflate: two of four neighbours whose updates are 100 times an honest one's (a
+    scaled model) leave the honest two fresh, and BALANCE mixes with them alone. Against
+    the median sender's move the honest two looked stale, the two liars agreed, and the
+    peer took their model (a 4-regular graph of 16: that peer ended at chance)."""
+    from gossipdl.averaging import Arrival, Round, build_averager
+
+    x, honest = _swarm(7)
+    averager = build_averager("choco", "topk:0.5", gamma=0.5, defence="balance")
+    weights = {j: 0.2 for j in (1, 2, 3, 4)}
+    resync = Round(0, weights, 0.2, resync=True)
+    averager.outgoing(x, resync)
+    copies = {1: honest[0], 2: honest[1], 3: honest[2], 4: honest[3]}
+    averager.incoming(x, resync, {j: Arrival(0.2, v, 0, dense=True) for j, v in copies.items()}, [])
+    g = torch.Generator().manual_seed(1)
+    stepped = x + 0.01 * torch.randn(50, generator=g)  # the peer's own local step
+    rnd = Round(1, weights, 0.2)
+    averager.outgoing(stepped, rnd)
+    updates = {j: 0.01 * torch.randn(50, generator=g) for j in (1, 2)}
+    updates |= {j: 100 * x - copies[j] for j in (3, 4)}  # both copies jump to 100·x
+    out = averager.incoming(stepped, rnd, {j: Arrival(0.2, q, 1) for j, q in updates.items()}, [])
+    judged = averager.metrics()["neighbours"]
+    assert judged["1"]["filtered"] == judged["2"]["filtered"] == 0.0, judged
+    assert judged["3"]["filtered"] == judged["4"]["filtered"] == 0.5, judged  # round 1 of 2
+    assert float((out - stepped).norm()) < float((honest - x).norm(dim=1).max())
+
+
+def test_balance_takes_no_agreed_model_once_a_neighbour_was_set_aside() -> None:
+    """BALANCE takes the model its neighbours agree on only when it rejects every one and
+    saw every one: with two honest neighbours set aside as stale (their models replayed),
+    two far liars that agree are all the rule sees, and the peer keeps its own model."""
+    from gossipdl.averaging import Arrival, Round, build_averager
+
+    x, honest = _swarm(3)
+    averager = build_averager("dense", defence="balance")
+    liars = (50 * x, 50 * x + 1e-3)
+    weights = {j: 0.2 for j in (1, 2, 3, 4)}
+    for t in (0, 1):
+        models = {1: honest[0], 2: honest[1], 3: liars[0] + t, 4: liars[1] + t}
+        arrived = {j: Arrival(0.2, m, t) for j, m in models.items()}
+        out = averager.incoming(x, Round(t, weights, 0.2), arrived, [])
+    torch.testing.assert_close(out, x)
+    judged = averager.metrics()["neighbours"]
+    assert judged["1"]["filtered"] == judged["2"]["filtered"] == 0.5  # stale in round 1

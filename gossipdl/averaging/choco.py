@@ -116,7 +116,8 @@ RANDOM_K_STEP = 0.6
 
 STALE_MOVE = 1e-3
 """A defended CHOCO peer sets a neighbour aside as stale in a round its updates moved its
-copy by at most this share of the median sender's (:meth:`Choco._stale`)."""
+copy by at most this share of what the peer's own update moved its own public copy
+(:meth:`Choco._stale`)."""
 
 
 WARMUP_ROUNDS = 20
@@ -210,6 +211,7 @@ class Choco(Averager):
             {} if defence is not None or keep_copies else None
         )
         self._moved: dict[int, torch.Tensor] = {}  # sender -> ‖its updates‖ this round
+        self._own_move: torch.Tensor | None = None  # ‖this peer's own update‖ this round
         self.scale = 1.0  # 1/(1+ω), set when the vector's length is known
         self._synced_at: dict[int, int] = {}
         self._first: int | None = None  # the round of the first outgoing (the warm-up's start)
@@ -247,10 +249,12 @@ class Choco(Averager):
             del d
             for into, alpha in own:
                 into.index_add_(0, chosen, values, alpha=alpha)
-            return payload
-        payload, q = self.codec.encode(d)
-        for into, alpha in own:
-            into.add_(q, alpha=alpha)
+        else:
+            payload, values = self.codec.encode(d)
+            for into, alpha in own:
+                into.add_(values, alpha=alpha)
+        if self.judge is not None:  # the stale test's yardstick (read with the others, once)
+            self._own_move = torch.linalg.vector_norm(values.double())
         return payload
 
     def public_copy(self) -> Payload:
@@ -315,15 +319,18 @@ class Choco(Averager):
 
     def _stale(self) -> list[int]:
         """The neighbours whose updates this round moved their copy by at most
-        :data:`STALE_MOVE` of the median sender's: a frozen model's copy stops moving once
-        its updates have caught up (top-k: within 1/k rounds), an honest one moves every
-        round by about what its peer trained."""
-        if len(self._moved) < 2:
+        :data:`STALE_MOVE` of what this peer's own update moved its public copy: a frozen
+        model's copy stops moving once its updates have caught up (top-k: within 1/k
+        rounds), an honest one moves every round by about what its peer trained, as this
+        peer's does. The yardstick is the peer's own, which no neighbour can move: the
+        median sender's, used first, let two scaled liars among four neighbours (a random
+        4-regular graph of 16) make both honest ones look stale, and BALANCE then took the
+        liars' model (the two agreed); that peer ended at chance."""
+        if self._own_move is None or not self._moved:
             return []
         senders = list(self._moved)
-        moves = torch.stack([self._moved[j] for j in senders]).double()
-        least = STALE_MOVE * float(moves.quantile(0.5))
-        return [j for j, move in zip(senders, moves.tolist(), strict=True) if move <= least]
+        own, *moves = torch.stack([self._own_move, *self._moved.values()]).tolist()
+        return [j for j, move in zip(senders, moves, strict=True) if move <= STALE_MOVE * own]
 
     def _add(self, sender: int, arrival: Arrival) -> None:
         """s_i += W_ij q_j / (1+ω) (or x̂_j += q_j / (1+ω) in the copy kept apart), unless a

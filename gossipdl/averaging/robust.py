@@ -124,6 +124,7 @@ def balance(
     gaps: torch.Tensor | None = None,
     limit: float = math.inf,
     x_norm: float | None = None,
+    adopt: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BALANCE's distance filter (Fang, Zhang, Yuan, Li and Gong 2024): a neighbour's model
     is accepted when ``‖x − x_j‖ ≤ γ · exp(−κ · progress) · ‖x‖`` (``progress`` runs from
@@ -147,7 +148,10 @@ def balance(
     was let in and then waited a join margin for the swarm to reach its round. The paper
     keeps ``x`` then, and the peer and its neighbours reject each other for the rest of the
     run; here the peer takes the model of the neighbour nearest the rest, and is accepted
-    again the next round.
+    again the next round. Not with ``adopt`` False: the caller set neighbours aside
+    before the rule saw the rest (stale, or ``+descent``), so those that agree need not be
+    all the peer hears (two scaled liars agreed, beside two honest neighbours wrongly
+    found stale, and the peer took their model).
 
     Assumes: honest neighbours stay within the threshold of the peer (IID-ish data, or a
     γ large enough for the heterogeneity); any number of bad neighbours is survived, since
@@ -165,7 +169,7 @@ def balance(
     threshold = min(limit, factor * x_norm)
     accepted = (distances(x, neighbours) if gaps is None else gaps) <= threshold
     if not bool(accepted.any()):
-        nearest = agreed(neighbours, factor)
+        nearest = agreed(neighbours, factor) if adopt else None
         return (x if nearest is None else neighbours[nearest]).clone(), accepted
     share = beside(weights, x) * beside(accepted, x)
     share *= weights.sum() / share.sum()
@@ -315,6 +319,7 @@ class Defence:
         steps: int = 1,
         gaps: torch.Tensor | None = None,
         x_norm: float | None = None,
+        adopt: bool = True,
     ) -> Judgement:
         """The new model from ``x`` and the neighbours' models that arrived (``[k, n]``, their
         mixing ``weights``; ``kept``: the row's weight left on the peer, a missing
@@ -340,7 +345,8 @@ class Defence:
         trigger's syncs 14 steps apart, and one was evicted. When neighbours are
         missing, a trimmed mean trims what it can (:meth:`_trim`) rather than fail the
         round. ``gaps``: the neighbours' :func:`distances`, and ``x_norm``: ``‖x‖``, where
-        the caller has them."""
+        the caller has them. ``adopt``: no neighbour was set aside before the rule saw
+        these, so BALANCE may take the model they agree on (:func:`balance`)."""
         gaps = distances(x, neighbours) if gaps is None else gaps
         if self.rule == "clip":
             radius = auto_radius(gaps, int(self.param))
@@ -353,8 +359,9 @@ class Defence:
                 x_norm = float(torch.linalg.vector_norm(x.double()))
             limit = self._relative_limit(gaps)
             model, accepted = balance(
-                x, neighbours, weights, 0.0, gamma=gamma, gaps=gaps, limit=limit, x_norm=x_norm
-            )
+                x, neighbours, weights, 0.0, gamma=gamma, gaps=gaps, limit=limit,
+                x_norm=x_norm, adopt=adopt,
+            )  # fmt: skip
             beyond = (gaps > gamma * x_norm) & outlying(gaps)
             return Judgement(model, gaps, (~accepted).double(), (~accepted & beyond).double())
         count = neighbours.shape[0] + 1
