@@ -197,6 +197,6 @@ class Judge:
         for j, score in zip(moving, scores, strict=True):
             previous = self._scores.get(j, 0.0)
             self._scores[j] = previous + DESCENT_MEMORY * (score - previous)
-        middle = median_gap(torch.tensor([gaps[j] for j in moving], dtype=torch.float64))
+        middle = median_gap([gaps[j] for j in moving])
         limit = -self.defence.descent
         return [j for j in moving if self._scores[j] < limit and gaps[j] > middle]

@@ -20,6 +20,7 @@ tensor. What a rule assumes is in its docstring: how many bad neighbours a peer 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -200,13 +201,27 @@ def descent_scores(
     return (offsets @ own) / lengths.clamp_min(1e-30)
 
 
-def median_gap(gaps: torch.Tensor) -> float:
+def median_gap(gaps: torch.Tensor | Sequence[float]) -> float:
     """The median neighbour's distance, the mean of the two middle ones for an even count:
     what RHO and ``+descent`` measure a neighbour against. The lower middle one instead let
     two neighbours whose models had become the peer's own (distance 0) reject every other
     under RHO: on a 4-regular graph with Dirichlet(0.3) shards, three honest peers shut
-    themselves in for good."""
-    return float(gaps.quantile(0.5))
+    themselves in for good.
+
+    Worked out on the host, to the bit what ``torch.quantile(gaps, 0.5)`` gives (its
+    interpolation, ``hi − (hi − lo)·0.5``; NaN if any is): a handful of values, where
+    ``quantile`` took a tenth of a defended batched round (0.2 ms a call).
+
+    Example:
+        >>> median_gap([3.0, 1.0, 2.0, 10.0]), median_gap(torch.tensor([4.0, 1.0, 9.0]))
+        (2.5, 4.0)
+    """
+    values = gaps.tolist() if isinstance(gaps, torch.Tensor) else list(gaps)
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    values.sort()
+    low, high = values[(len(values) - 1) // 2], values[len(values) // 2]
+    return high - (high - low) * 0.5
 
 
 EVICT_RATIO = 6.0
@@ -232,7 +247,7 @@ def outlying(gaps: torch.Tensor) -> torch.Tensor:
         >>> outlying(torch.tensor([1.0, 1.2, 9.0])).tolist()
         [False, False, True]
     """
-    middle = median_gap(torch.cat([gaps.new_zeros(1), gaps]))
+    middle = median_gap([0.0, *gaps.tolist()])
     return gaps > EVICT_RATIO * middle
 
 
