@@ -58,6 +58,7 @@ from rich.progress import Progress
 from simulate import run_simulated
 
 from gossipdl.config import load_config
+from gossipdl.experiments.plots import pyplot
 from gossipdl.peers.device import pick_device
 
 PEERS = (16, 64, 256, 1000, 4000, 10000)
@@ -187,11 +188,7 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Seconds per step against peers (log-log) on the exponential graph."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in rows:

@@ -17,16 +17,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # write files; never open a window (headless machines, CI)
-
-import matplotlib.pyplot as plt
-from matplotlib.ticker import MaxNLocator
-
 Curve = Sequence[Mapping[str, float]]
 Records = Sequence[Mapping[str, Any]]
 AXES_KEY = "gossipdl-axes"
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only backend (never a window: headless machines,
+    CI), imported on first use: 1.3 s of imports that a process which never plots does not
+    pay (a benchmark's forked workers import its script, and so this module, again)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,7 @@ def save_figure(fig: Any, path: Path) -> Path:
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, metadata={AXES_KEY: json.dumps(axes)})
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -98,7 +103,7 @@ def plot_curves(
     get a shaded band of ± one standard deviation around the line. On a log
     axis, points at x <= 0 (nothing sent yet) are left out.
     """
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), dpi=120)
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(7 * len(panels), 4.5), dpi=120)
     for ax, panel in zip([axes] if len(panels) == 1 else axes, panels, strict=True):
         for n, (label, points) in enumerate(curves.items()):
             shown = [p for p in points if not panel.log_x or p[panel.x] > 0]
@@ -144,6 +149,9 @@ def plot_timeline(
     time before a resumed life's first line it was away (dead). The first
     ``startup_s`` seconds (forming the swarm) are shaded in every panel.
     """
+    plt = pyplot()
+    from matplotlib import ticker
+
     fig, (up, busy, sent) = plt.subplots(
         3, 1, figsize=(10, 8), dpi=120, sharex=True, layout="constrained"
     )
@@ -172,7 +180,7 @@ def plot_timeline(
         if len(records) <= MAX_LABELLED_PEERS:
             ax.set_yticks(sorted(records))
         else:  # hundreds of simulated peers: a few integer ticks, not one label each
-            ax.yaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
+            ax.yaxis.set_major_locator(ticker.MaxNLocator(nbins=10, integer=True))
     if startup_s > 0:
         for ax in (up, busy, sent):
             label = f"start-up ({startup_s:.1f} s)"
