@@ -152,9 +152,10 @@ def plot_timeline(
     plt = pyplot()
     from matplotlib import ticker
 
-    fig, (up, busy, sent) = plt.subplots(
-        3, 1, figsize=(10, 8), dpi=120, sharex=True, layout="constrained"
-    )
+    fig, (up, busy, sent) = plt.subplots(3, 1, figsize=(10, 8), dpi=120, sharex=True)
+    # a fixed layout (the panels' labels are fixed): matplotlib's constrained layout took
+    # a third of drawing it
+    fig.subplots_adjust(left=0.09, right=0.86, bottom=0.07, top=0.91, hspace=0.3)
     colormap = plt.get_cmap("viridis")
     for peer_id, lines in sorted(records.items()):
         spans = [(a, b) for a, b in itertools.pairwise(lines) if b["time"] > a["time"]]
@@ -185,7 +186,8 @@ def plot_timeline(
         for ax in (up, busy, sent):
             label = f"start-up ({startup_s:.1f} s)"
             ax.axvspan(0, startup_s, color="tab:orange", alpha=0.15, gid=STARTUP, label=label)
-    fig.colorbar(plt.cm.ScalarMappable(cmap=colormap), ax=(up, busy, sent), label="busy share")
+    scale = fig.add_axes((0.88, 0.07, 0.02, 0.84), label="<colorbar>")  # not a panel
+    fig.colorbar(plt.cm.ScalarMappable(cmap=colormap), cax=scale, label="busy share")
     sent.set_title("bytes sent")
     sent.set_xlabel("time since the swarm started (s; simulated seconds for gossipdl simulate)")
     sent.set_ylabel("bytes sent (MB)")
