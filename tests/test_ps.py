@@ -8,6 +8,7 @@ simulator."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -24,7 +25,6 @@ from conftest import gossipdl_cmd, last_record, peer_pids, small_config, wait_fo
 from gossipdl.config import ConfigError, load_config
 from gossipdl.coordinator import ServerWorker, ShardServer, Staleness, fedavg_pick, serve
 from gossipdl.coordinator.ring import chunk_bounds
-from gossipdl.experiments import forking
 from gossipdl.experiments.launcher import launch
 from gossipdl.transport import Message, WireError
 
@@ -78,7 +78,7 @@ def test_ps_sync_every_step_is_sgd_on_the_global_batch() -> None:
     a sync shard a worker too slow to wait for, under the parallel suite)."""
     shards = 2
     servers = [_free_address() for _ in range(shards)]
-    ctx = forking.context()  # forked from the preloaded server: no torch import each
+    ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_serve_shard, args=(k, shards, a)) for k, a in enumerate(servers)]
     procs += [ctx.Process(target=_work, args=(r, servers, results)) for r in range(WORKERS)]

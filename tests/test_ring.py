@@ -8,6 +8,7 @@ ring checks the simulator against real peers."""
 from __future__ import annotations
 
 import itertools
+import multiprocessing as mp
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,6 @@ from gossipdl.coordinator import (
     chunk_bounds,
 )
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
-from gossipdl.experiments import forking
 from gossipdl.experiments.launcher import launch
 from gossipdl.transport import Message, WireError
 
@@ -102,7 +102,7 @@ def test_ring_allreduce_over_real_processes() -> None:
       naming it (the protocol's timeouts and notices are in test_sim_ring)."""
     rings = [(n, codec, numel, free_addresses(n)) for n, codec in RINGS for numel in SIZES]
     low_rank, silent = free_addresses(3), free_addresses(3)
-    ctx = forking.context()  # forked from the preloaded server: no torch import each
+    ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_rank_main, args=(r, rings, low_rank, silent, results)) for r in range(3)

@@ -5,6 +5,7 @@ checked (the GPU path itself: tests/test_gpu.py)."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import struct
 import time
@@ -19,7 +20,6 @@ from conftest import free_addresses, in_threads
 from gossipdl.coordinator import RingError, RingGroup
 from gossipdl.coordinator.cuda_ipc import CudaIpcError, open_shared
 from gossipdl.coordinator.shared_reduce import SharedAllReduce, SharedReduceError
-from gossipdl.experiments import forking
 
 SIZES = (100_003, 5, 2)  # not divisible by the ranks or the piece; 2 < N leaves shares empty
 PIECE = 4_001  # many pieces, alternating halves of the region
@@ -71,7 +71,7 @@ def test_ranks_on_one_host_average_through_shared_memory_and_name_one_that_dies(
     every rank ends with the exact mean of every size (the same values on each), and when
     one crashes the others stop at once with an error naming it, not at their timeout."""
     addresses = free_addresses(3)
-    ctx = forking.context()  # forked from the preloaded server: no torch import each
+    ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, addresses, results, dies)) for r in range(3)]
     for p in procs:
