@@ -52,7 +52,9 @@ def _rank_main(rank: int, addresses: list[str], results: Any, dies: int) -> None
         results.put(("mean", rank, numel, small.allreduce_mean_(_values(rank, numel))))
         small.close()
     group.allreduce_mean_(torch.ones(max(SIZES)))
-    if rank == dies:
+    if rank == dies:  # what it put must reach the test first: os._exit skips the queue's flush
+        results.close()
+        results.join_thread()
         os._exit(3)  # a crash: no close, the kernel drops its sockets and mapping
     started = time.monotonic()
     try:
