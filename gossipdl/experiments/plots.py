@@ -150,8 +150,6 @@ def plot_timeline(
     ``startup_s`` seconds (forming the swarm) are shaded in every panel.
     """
     plt = pyplot()
-    from matplotlib import ticker
-
     fig, (up, busy, sent) = plt.subplots(3, 1, figsize=(10, 8), dpi=120, sharex=True)
     # a fixed layout (the panels' labels are fixed): matplotlib's constrained layout took
     # a third of drawing it
@@ -181,7 +179,7 @@ def plot_timeline(
         if len(records) <= MAX_LABELLED_PEERS:
             ax.set_yticks(sorted(records))
         else:  # hundreds of simulated peers: a few integer ticks, not one label each
-            ax.yaxis.set_major_locator(ticker.MaxNLocator(nbins=10, integer=True))
+            ax.yaxis.set_major_locator(plt.MaxNLocator(nbins=10, integer=True))
     if startup_s > 0:
         for ax in (up, busy, sent):
             label = f"start-up ({startup_s:.1f} s)"
