@@ -180,12 +180,13 @@ def test_gossipdl_run_carries_on_when_an_async_worker_dies(tmp_path: Path) -> No
     """The launcher stops a gossip swarm when a peer dies; an async parameter server drops the
     dead worker instead, and the run ends normally with the other finished (real processes:
     the launcher, the shard and two workers; every rule's dead worker is in test_sim_ps)."""
-    out = tmp_path / "run"
+    out = tmp_path / "run"  # 20 ms a step, idling: the kill lands mid-run on any host
     proc = subprocess.Popen(
         gossipdl_cmd(
             "run", "--mode", "ps", "--ps", "async", "--peers", "2", "--dataset", "synthetic",
-            "--model", "logistic", "--steps", "1000", "--eval-every", "0", "--threads", "1",
-            "--slowdown", "0:20,1:20", "--round-timeout", "3", "--out", str(out),
+            "--model", "logistic", "--steps", "300", "--eval-every", "0", "--threads", "1",
+            "--set", 'profiles={paced = {peers = "*", step_time = "20ms"}}',
+            "--round-timeout", "3", "--out", str(out),
             "--no-progress",
         ),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
