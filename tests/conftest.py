@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import socket
 import subprocess
@@ -197,6 +198,78 @@ def _script_main(script: str, args: list[str], cwd: str, out: str, err: str) -> 
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).parent))
     runpy.run_path(script, run_name="__main__")
+
+
+class ForkedRanks:
+    """The processes of one real-process test (ranks, shards, workers), forked from this
+    worker's preloaded server rather than spawned (a spawned one imports torch: 2.5-4 s of
+    CPU each), with one result queue. Each child's stderr goes to a file of its own in
+    ``logs``, and a result that never comes fails the test with every child's exit code and
+    log, at once if they have all ended (a forked child's traceback would otherwise land in
+    the fork server's stderr, in no test's report)."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self._context = forking.context()
+        self.results: Any = self._context.Queue()
+        self._processes: list[Any] = []
+
+    def start(self, target: Callable[..., None], *args: Any) -> None:
+        """Run ``target(*args)`` in a new child (``results`` may be among ``args``)."""
+        log = self.logs / f"process-{len(self._processes)}.log"
+        process = self._context.Process(target=_logged, args=(str(log), target, args))
+        process.start()
+        self._processes.append(process)
+
+    def get(self, timeout: float) -> Any:
+        """The next result; fails naming every child after ``timeout`` seconds, or as soon as
+        all of them have ended without one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ended = all(p.exitcode is not None for p in self._processes)
+            try:
+                return self.results.get(timeout=1.0)
+            except queue.Empty:
+                if ended or time.monotonic() > deadline:
+                    why = "every process ended" if ended else f"none in {timeout}s"
+                    pytest.fail(f"a result was missing ({why}):\n{self.report()}")
+
+    def join(self, timeout: float) -> list[int | None]:
+        """Wait for every child (``timeout`` seconds each); their exit codes, killing any
+        left running (None)."""
+        codes = []
+        for process in self._processes:
+            process.join(timeout)
+            codes.append(process.exitcode)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        return codes
+
+    def report(self) -> str:
+        """Every child's exit code and stderr, for a failure message."""
+        logs = [(self.logs / f"process-{k}.log").read_text() for k in range(len(self._processes))]
+        return "\n".join(
+            f"--- process {k} (exit code {p.exitcode}):\n{log}"
+            for k, (p, log) in enumerate(zip(self._processes, logs, strict=True))
+        )
+
+
+def _logged(log: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:
+    """A :class:`ForkedRanks` child: its stderr (fd 2 and ``sys.stderr``, which take an
+    uncaught exception's traceback) into ``log``, then the target."""
+    with open(log, "w") as stream:
+        os.dup2(stream.fileno(), 2)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
+    target(*args)
+
+
+@pytest.fixture
+def forked_ranks(tmp_path: Path) -> Iterator[ForkedRanks]:
+    """A :class:`ForkedRanks` whose children are killed if the test leaves any running."""
+    ranks = ForkedRanks(tmp_path)
+    yield ranks
+    ranks.join(0)
 
 
 def last_record(path: Path) -> dict[str, Any] | None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
-import sys
 from pathlib import Path
+
+from conftest import in_threads, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,27 +35,25 @@ def free_base_port(count: int) -> int:
     raise RuntimeError("no free port range")
 
 
-def test_peer_api_example_trains_two_processes() -> None:
+def test_peer_api_example_trains_two_processes(tmp_path: Path) -> None:
+    """Each rank runs the script as ``python examples/peer_api.py RANK WORLD PORT`` would, in
+    a process of its own (forked from the preloaded server: no torch import each)."""
     world = 2  # the smallest ring: the example's code path is the same for any world size
     base = free_base_port(world)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    script = str(ROOT / "examples" / "peer_api.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(rank), str(world), str(base)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in range(world)
-    ]
+    script = ROOT / "examples" / "peer_api.py"
+    done: dict[int, subprocess.CompletedProcess[str]] = {}
+
+    def run(rank: int) -> None:
+        (tmp_path / str(rank)).mkdir()
+        args = (str(rank), str(world), str(base))
+        done[rank] = run_script(script, *args, cwd=tmp_path / str(rank), timeout=180)
+
+    assert not in_threads(run, range(world))
     accuracies = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
-        found = re.search(r"test accuracy ([0-9.]+)", out)
-        assert found, out
+    for rank in range(world):
+        assert done[rank].returncode == 0, done[rank].stderr
+        found = re.search(r"test accuracy ([0-9.]+)", done[rank].stdout)
+        assert found, done[rank].stdout
         accuracies.append(float(found.group(1)))
     assert min(accuracies) > 0.85, accuracies
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import gossipdl_cmd, small_config, write_config
+from conftest import small_config, write_config
 
+from gossipdl.experiments.forking import ForkedCommand
 from gossipdl.peers.launch_env import LaunchEnvError, first_host, from_environment
 
 TORCHRUN = {"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "6000"}
@@ -91,9 +91,8 @@ def test_peers_started_like_torchrun_or_srun_form_one_swarm(launcher: str, tmp_p
         for name in ("RANK", "SLURM_PROCID", "WORLD_SIZE", "SLURM_NTASKS"):
             if name not in extra:
                 env.pop(name, None)
-        log = (tmp_path / f"{rank}.log").open("w")
-        cmd = gossipdl_cmd("peer", "--config", str(path), "--out", str(tmp_path / "run"))
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log))
+        args = ["peer", "--config", str(path), "--out", str(tmp_path / "run")]
+        procs.append(ForkedCommand(args, env, tmp_path / f"{rank}.log"))  # as the launcher does
     try:
         for rank, proc in enumerate(procs):
             code = proc.wait(timeout=120)

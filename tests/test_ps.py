@@ -8,7 +8,6 @@ simulator."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import gossipdl_cmd, last_record, peer_pids, small_config, wait_for
+from conftest import ForkedRanks, gossipdl_cmd, last_record, peer_pids, small_config, wait_for
 
 from gossipdl.config import ConfigError, load_config
 from gossipdl.coordinator import ServerWorker, ShardServer, Staleness, fedavg_pick, serve
@@ -71,23 +70,19 @@ def _work(rank: int, servers: list[str], results: Any) -> None:
     results.put((rank, torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()))
 
 
-def test_ps_sync_every_step_is_sgd_on_the_global_batch() -> None:
+def test_ps_sync_every_step_is_sgd_on_the_global_batch(forked_ranks: ForkedRanks) -> None:
     """Averaging parameters after every local SGD step (momentum, weight decay) is linear, so it
     equals one process taking the same steps on all workers' batches at once. Two shards and
     three workers, each its own process over real sockets (threads of one process once gave
     a sync shard a worker too slow to wait for, under the parallel suite)."""
     shards = 2
     servers = [_free_address() for _ in range(shards)]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_serve_shard, args=(k, shards, a)) for k, a in enumerate(servers)]
-    procs += [ctx.Process(target=_work, args=(r, servers, results)) for r in range(WORKERS)]
-    for p in procs:
-        p.start()
-    finals = dict(results.get(timeout=180) for _ in range(WORKERS))
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    for k, address in enumerate(servers):
+        forked_ranks.start(_serve_shard, k, shards, address)
+    for rank in range(WORKERS):
+        forked_ranks.start(_work, rank, servers, forked_ranks.results)
+    finals = dict(forked_ranks.get(timeout=180) for _ in range(WORKERS))
+    assert forked_ranks.join(60) == [0] * (shards + WORKERS), forked_ranks.report()
     model = _model()
     optimizer = _optimizer(model)
     for step in range(STEPS):

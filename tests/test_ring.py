@@ -8,14 +8,13 @@ ring checks the simulator against real peers."""
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import free_addresses, in_threads, small_config
+from conftest import ForkedRanks, free_addresses, in_threads, small_config
 
 from gossipdl.config import ConfigError, load_config
 from gossipdl.coordinator import (
@@ -92,7 +91,7 @@ def _rank_main(
             group.transport.close(flush_timeout=0.5)
 
 
-def test_ring_allreduce_over_real_processes() -> None:
+def test_ring_allreduce_over_real_processes(forked_ranks: ForkedRanks) -> None:
     """Three real processes, real sockets, the threaded driver on the wall clock:
 
     - the exact mean for rings of 2 and 3 (float32, and fp16 on the wire), with pieces
@@ -102,21 +101,14 @@ def test_ring_allreduce_over_real_processes() -> None:
       naming it (the protocol's timeouts and notices are in test_sim_ring)."""
     rings = [(n, codec, numel, free_addresses(n)) for n, codec in RINGS for numel in SIZES]
     low_rank, silent = free_addresses(3), free_addresses(3)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, rings, low_rank, silent, results)) for r in range(3)
-    ]
-    for p in procs:
-        p.start()
+    for rank in range(3):
+        forked_ranks.start(_rank_main, rank, rings, low_rank, silent, forked_ranks.results)
     expected_count = sum(n for n, *_ in rings) + 3 + 2
     got: dict[str, list[Any]] = {"mean": [], "low_rank": [], "silent": []}
     for _ in range(expected_count):
-        kind, item = results.get(timeout=120)
+        kind, item = forked_ranks.get(timeout=120)
         got[kind].append(item)
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    assert forked_ranks.join(30) == [0, 0, 0], forked_ranks.report()
 
     means: dict[tuple[int, str, int], dict[int, np.ndarray]] = {}
     for n, codec, numel, rank, mean in got["mean"]:

@@ -5,7 +5,6 @@ checked (the GPU path itself: tests/test_gpu.py)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import struct
 import time
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import free_addresses, in_threads
+from conftest import ForkedRanks, free_addresses, in_threads
 
 from gossipdl.coordinator import RingError, RingGroup
 from gossipdl.coordinator.cuda_ipc import CudaIpcError, open_shared
@@ -67,24 +66,20 @@ def _rank_main(rank: int, addresses: list[str], results: Any, dies: int) -> None
 
 @pytest.mark.parametrize("dies", [2, 0])
 def test_ranks_on_one_host_average_through_shared_memory_and_name_one_that_dies(
-    dies: int,
+    dies: int, forked_ranks: ForkedRanks
 ) -> None:
     """Three real processes on loopback addresses: their ring group takes shared memory;
     every rank ends with the exact mean of every size (the same values on each), and when
     one crashes the others stop at once with an error naming it, not at their timeout."""
     addresses = free_addresses(3)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, addresses, results, dies)) for r in range(3)]
-    for p in procs:
-        p.start()
+    for rank in range(3):
+        forked_ranks.start(_rank_main, rank, addresses, forked_ranks.results, dies)
     got: dict[str, list[Any]] = {"shared": [], "mean": [], "after": []}
     for _ in range(3 + 3 * len(SIZES) + 2):
-        kind, *item = results.get(timeout=120)
+        kind, *item = forked_ranks.get(timeout=120)
         got[kind].append(item)
-    for p in procs:
-        p.join(30)
-    assert sorted(p.exitcode for p in procs) == [0, 0, 3]
+    codes = forked_ranks.join(30)
+    assert codes == [3 if r == dies else 0 for r in range(3)], forked_ranks.report()
     assert all(shared for _, shared in got["shared"])
     for numel in SIZES:
         exact = np.mean([_values(r, numel).astype(np.float64) for r in range(3)], 0)
