@@ -29,7 +29,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: two workers per core. The tests that start real peers wait on sockets,
     paced steps and timeouts much of the time, and, forked from a preloaded server, no
     longer spend seconds of CPU importing torch; the spare workers fill the waits (on 2
-    cores: 413 s with 3 workers using the CPU 74%, 379 s with 4)."""
+    cores, full suites taking turns on 2026-11-29: 290 and 279 s with 4 workers, 263
+    and 290 s with 3, 338 s with 2)."""
     return 2 * (os.cpu_count() or 1)
 
 
