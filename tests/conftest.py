@@ -257,11 +257,10 @@ class ForkedRanks:
 
 
 def _logged(log: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:
-    """A :class:`ForkedRanks` child: its stderr (fd 2 and ``sys.stderr``, which take an
-    uncaught exception's traceback) into ``log``, then the target."""
+    """A :class:`ForkedRanks` child: its stderr (where an uncaught exception's traceback
+    goes) into ``log``, then the target."""
     with open(log, "w") as stream:
         os.dup2(stream.fileno(), 2)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
     target(*args)
 
 
