@@ -120,6 +120,13 @@ FOUND = {
     423: "the CHOCO check compared a resync with the weights the peer learnt of later: a member "
     "back during the round; the check now takes the weights the round used and requires "
     "the peer to resync again, which it does",
+    63045: "a newcomer let in asked a member dead since before its welcome for a model, 10 s "
+    "each, then the two others, killed meanwhile; not started, it declared nobody dead and "
+    "refused the joins of the two restarted peers for 30 s (a peer let in now judges "
+    "silence as any member does, and with no member left starts with its own model)",
+    65469: "a newcomer cut off just after its welcome was declared dead by the others; "
+    "not started, it ignored their tables that said so (a peer let in now acts on them: "
+    "a newcomer joins again, one that keeps its model starts and then rejoins)",
 }
 
 

@@ -33,6 +33,7 @@ from gossipdl.config import ConfigError
 from gossipdl.coordinator.server import serve
 from gossipdl.peers.membership import parse_members
 from gossipdl.peers.peer import MAX_ANSWER_RATE, PeerError
+from gossipdl.protocol.joining import MODEL_WAIT_S
 from gossipdl.protocol.kinds import MAX_RESYNCS_PER_SENDER
 from gossipdl.protocol.ps_server import ShardServer
 from gossipdl.transport import Transport, encode
@@ -637,3 +638,85 @@ def test_a_peer_dials_only_tcp_addresses_of_one_machine(address: Any, ok: bool) 
     from gossipdl.transport.addresses import address_problem
 
     assert (address_problem(address) is None) == ok
+
+
+# ------------------------------------------------ a scripted member: a newcomer that waits
+def let_in_at(hostile: Hostile, since: int) -> tuple[str, dict[str, Any]]:
+    """Answer the next join as member 0 of a running swarm: the joiner is peer 1 from round
+    ``since``; returns its address and the model request it sends next."""
+    request = hostile.receive(10)
+    assert request is not None and request["kind"] == "join"
+    joiner = request["meta"]["address"]
+    table = [[0, hostile.address, 0, None, ""], [1, joiner, since, None, ""]]
+    meta = {"id": 1, "members": table, "config": {}, NONCE: request["meta"][NONCE]}
+    hostile.send(joiner, encode("welcome", 0, 0, since - 2, meta=meta))
+    while True:
+        header = hostile.receive(10)
+        assert header is not None, "no model request after the welcome"
+        if header["kind"] == "model_request":
+            return joiner, header
+
+
+def joining(**kwargs: Any) -> tuple[threading.Thread, list[Peer], list[BaseException]]:
+    """A Peer joining through ``bootstrap`` in a thread: the Peer once in, or the error."""
+    made: list[Peer] = []
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            made.append(Peer(torch.nn.Linear(3, 2), **kwargs))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    return thread, made, errors
+
+
+def test_a_newcomer_whose_every_source_dies_declares_it_dead_and_starts_with_its_own_model(
+    hostile: Hostile,
+) -> None:
+    """Let in, a newcomer is a member: its only source, silent (dead), is declared dead in
+    ``dead_after``, not asked for its model ``MODEL_WAIT_S`` long; with nobody left, the
+    newcomer carries the swarm on from its first round with the model it has."""
+    thread, made, errors = joining(bootstrap=hostile.address, heartbeat=0.2, dead_after=1.0)
+    try:
+        let_in_at(hostile, since=5)
+        welcomed = time.monotonic()
+        thread.join(MODEL_WAIT_S)
+        took = time.monotonic() - welcomed
+        assert not errors and made, errors
+        peer = made[0]
+        assert took < MODEL_WAIT_S / 2, f"{took:.1f} s to give up on a silent source"
+        assert peer.started and peer.round == 5 and peer.membership.gone(0)
+    finally:
+        thread.join(30)
+        for peer in made:
+            peer.close()
+
+
+def test_a_newcomer_told_it_was_dropped_while_it_waits_joins_again(hostile: Hostile) -> None:
+    """A table that says a waiting newcomer was dropped (cut off as it was let in) sends it
+    back to join through the member that said so, as a new life of the same id; it neither
+    keeps asking for a model meanwhile nor starts."""
+    thread, made, errors = joining(bootstrap=hostile.address, startup_timeout=20)
+    try:
+        joiner, _ = let_in_at(hostile, since=5)
+        dropped_at = [[0, hostile.address, 0, None, ""], [1, joiner, 5, 6, ""]]
+        hostile.send(joiner, encode("dropped", 0, 1, 3, meta={"members": dropped_at}))
+        while True:
+            header = hostile.receive(10)
+            assert header is not None, "no second join after the table that dropped it"
+            if header["kind"] == "join":
+                break
+            assert header["kind"] in ("model_request", "alive"), header["kind"]
+        assert header["meta"]["rejoin"] is True and header["meta"]["want_id"] is None
+        assert not made, "a newcomer told it was dropped started"
+        meta = {"error": "not now", "members": [], NONCE: header["meta"][NONCE]}
+        hostile.send(joiner, encode("welcome", 0, 0, 0, meta=meta))
+        thread.join(20)
+        assert len(errors) == 1 and "refused to let us join: not now" in str(errors[0])
+    finally:
+        thread.join(30)
+        for peer in made:
+            peer.close()

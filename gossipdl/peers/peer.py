@@ -44,6 +44,7 @@ from gossipdl.models.parameters import FlatParameters
 from gossipdl.peers.membership import MAX_MEMBERS, Member, Membership, parse_members
 from gossipdl.protocol.core import CORE_KINDS, GossipCore, Send, Settings
 from gossipdl.protocol.joining import (
+    MODEL_WAIT_S,
     RETRY_S,
     Admission,
     Refusal,
@@ -338,6 +339,7 @@ class Peer:
         self.steps = resume_step or 0
         self.core.age = self.steps
         self.started = False
+        self._aligning = False  # let in, waiting for a member's model (:meth:`_start_late`)
         # The swarm's identity and clock: a founder's, which a welcome hands on (a fixed
         # address list names its swarm by the list). Run directories of one swarm written on
         # several machines carry the same id; every peer's metrics time counts from the start.
@@ -763,9 +765,10 @@ class Peer:
                 [Member(self.id, self.address, key=self._key, incarnation=self.incarnation)]
             )
         else:
-            while True:  # again if our id goes to another newcomer meanwhile
+            via, rejoin = bootstrap, self._resuming
+            while True:  # again if our id goes to another newcomer meanwhile, or we are dropped
                 self.id, self.started = -1, False
-                welcome = self._join(bootstrap, rank, rejoin=self._resuming)
+                welcome = self._join(via, rank, rejoin=rejoin)
                 self.id = welcome.meta["id"]  # checked with the welcome
                 self._adopt_swarm(welcome)
                 self._merge(parse_members(welcome.meta["members"], self.membership.limit))
@@ -774,6 +777,9 @@ class Peer:
                     self._await_formation(min_peers or 2)
                 else:
                     self._start_late(me.since, take_model=not self._resuming)
+                if self._rejoin_via is not None and not self.started:  # dropped while let in
+                    via, rejoin, self._rejoin_via = self._rejoin_via, True, None
+                    continue
                 if not self._lost_id():
                     return
         self._await_formation(min_peers or 2)
@@ -930,51 +936,91 @@ class Peer:
     def _start_late(self, since: int, take_model: bool = True) -> None:
         """Start at round ``since`` of a running swarm, aligned with a neighbour's round (or,
         if none answers, another member's); a newcomer takes that model, a restarted peer
-        keeps its own (and starts at ``since`` if nobody is left to align with: the others
-        may have finished)."""
+        keeps its own. Let in, we are a member: the silent are declared dead meanwhile, and
+        a source is asked until it answers, refuses, is declared dead or ``MODEL_WAIT_S``
+        pass, then the next (in turn, again). With no member left to align with (dead or
+        finished) we start at ``since`` with the model we have; nobody answering within
+        ``MODEL_WAIT_S`` per neighbour ends a newcomer (a peer that keeps its model
+        starts). A table that says we were dropped meanwhile (``_rejoin_via``) returns a
+        newcomer unstarted, to join again; one that keeps its model starts, and rejoins
+        from there as a started peer does (the simulator's ``sim.joins`` does the same)."""
+        with self._core:
+            neighbours = len(self.core.neighbours(since))
+        deadline = time.monotonic() + MODEL_WAIT_S * max(1, neighbours)
         asked: set[int] = set()
-        while True:
-            with self._core:  # again each time: a member may have been declared dead since
-                sources = [j for j in self.core.model_sources(since) if j not in asked]
-            member = self.membership.get(sources[0]) if sources else None
-            if member is None and not take_model:
-                log.warning("peer %d: no member sent its round; in at round %d", self.id, since)
-                self._start_at(since, None, None)
-                return
-            if member is None:
-                break
-            j = member.id
-            asked.add(j)
-            try:
-                reply = self._request(
-                    member.address, "model_request", {}, "model", timeout=10.0, key=member.key
-                )
-                refused = self.core.model_refused(reply)
-                if refused is not None:
-                    log.info("peer %d: neighbour %d has no model yet: %s", self.id, j, refused)
-                    continue
-                model = self.core.decode_model(reply) if take_model else None
-            except PeerError as exc:
-                if self._lost_id():
-                    return  # the caller asks for another id
-                log.warning("peer %d: neighbour %d did not send its model: %s", self.id, j, exc)
-                continue
-            except WireError as exc:
-                exc.sender = j
-                self.transport.refused(exc)
-                continue
-            self._start_at(max(since, reply.round), model, reply.round)
-            log.info(
-                "peer %d: %s at round %d %s peer %d (round %d)",
-                self.id,
-                "joined" if take_model else "back in",
-                self.round,
-                "with the model of" if take_model else "keeping its model, aligned with",
-                j,
-                reply.round,
+        self._aligning = True
+        try:
+            while True:
+                dropped = self._rejoin_via is not None
+                if dropped and take_model:
+                    return
+                with self._core:  # again each time: a member may have been declared dead since
+                    sources = self.core.model_sources(since)
+                fresh = [j for j in sources if j not in asked]
+                if sources and not fresh:  # each asked once: in turn again
+                    asked, fresh = set(), sources
+                late = time.monotonic() >= deadline
+                if late and take_model:
+                    raise PeerError(f"peer {self.id}: no member answered with its model")
+                if dropped or late or not fresh:
+                    why = (
+                        "dropped meanwhile; rejoins from its first round"
+                        if dropped
+                        else "no member left to align with"
+                        if not fresh
+                        else "no member answered"
+                    )
+                    log.warning(
+                        "peer %d: %s; in at round %d with its own model", self.id, why, since
+                    )
+                    self._start_at(since, None, None)
+                    return
+                j = fresh[0]
+                asked.add(j)
+                if self._take_model_of(j, since, take_model, deadline):
+                    return
+        finally:
+            self._aligning = False
+
+    def _take_model_of(self, j: int, since: int, take_model: bool, deadline: float) -> bool:
+        """Ask member ``j`` for its model (and round) and start with it (:meth:`_start_late`):
+        True once started, or once our id went to another newcomer (the caller asks for
+        another); False if ``j`` did not answer with a model (ask the next)."""
+        member = self.membership.get(j)
+        assert member is not None
+
+        def give_up() -> bool:  # declared dead, or we were dropped: ask it no longer
+            return self.membership.gone(j) or self._rejoin_via is not None
+
+        wait = min(MODEL_WAIT_S, deadline - time.monotonic())
+        try:
+            reply = self._request(
+                member.address, "model_request", {}, "model", wait, key=member.key, give_up=give_up
             )
-            return
-        raise PeerError(f"peer {self.id}: no member answered with its model")
+            refused = self.core.model_refused(reply)
+            if refused is not None:
+                log.info("peer %d: neighbour %d has no model yet: %s", self.id, j, refused)
+                return False
+            model = self.core.decode_model(reply) if take_model else None
+        except PeerError as exc:
+            if not self._lost_id():  # else the caller asks for another id
+                log.warning("peer %d: neighbour %d did not send its model: %s", self.id, j, exc)
+            return self._lost_id()
+        except WireError as exc:
+            exc.sender = j
+            self.transport.refused(exc)
+            return False
+        self._start_at(max(since, reply.round), model, reply.round)
+        log.info(
+            "peer %d: %s at round %d %s peer %d (round %d)",
+            self.id,
+            "joined" if take_model else "back in",
+            self.round,
+            "with the model of" if take_model else "keeping its model, aligned with",
+            j,
+            reply.round,
+        )
+        return True
 
     def _start_at(self, start: int, model: torch.Tensor | None, aligned: int | None) -> None:
         """Start at round ``start`` of the running swarm, with ``model`` if we take one, from
@@ -1003,22 +1049,24 @@ class Peer:
         try_keys: bool = False,
         key: str = "",
         retry: float = RETRY_S,
+        give_up: Callable[[], bool] = lambda: False,
     ) -> Message:
         """Send ``kind`` to ``address`` every ``retry`` seconds until a ``reply`` arrives over
         ``key`` (the member's CURVE key, "" without CURVE). With CURVE and ``try_keys`` (a bootstrap
         address, whose key we do not know yet), each try uses the next key of the allow-list:
         only the right one gets through the handshake. Each try carries a fresh nonce; only
-        a reply that echoes one of ours counts (:class:`Asked`)."""
+        a reply that echoes one of ours counts (:class:`Asked`). ``give_up()`` true ends the
+        wait early (PeerError), as the timeout does."""
         deadline = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
         rotate = self.curve if try_keys else None
         nonces: list[str] = []
 
         def done() -> bool:
             answered = self._asked.answer(nonces) is not None
-            return answered or self._lost_id() or self._failure is not None
+            return answered or self._lost_id() or self._failure is not None or give_up()
 
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not give_up():
                 if rotate is not None:
                     key = listed_key(rotate, len(nonces))
                     self.transport.set_key(address, key)
@@ -1036,6 +1084,8 @@ class Peer:
                     raise PeerError(f"peer {self.id}: our id went to another newcomer")
         finally:
             self._asked.close(nonces)
+        if give_up():
+            raise PeerError(f"no {reply!r} from {address} yet; asked no longer")
         raise PeerError(
             f"no {reply!r} from {address} within the timeout; is a gossipdl peer listening there?"
         )
@@ -1152,7 +1202,8 @@ class Peer:
             tick = self.core.tick(
                 now,
                 online=self.transport.online,  # away (churn): silence is ours
-                sentence=self.started and not self.ring,  # a ring names its dead on timeout
+                # let in, a member judges silence (a ring names its dead on its timeout)
+                sentence=(self.started or self._aligning) and not self.ring,
             )
         for member, silent in tick.forgotten:
             self.transport.forget(member.address)
@@ -1184,7 +1235,8 @@ class Peer:
             self._merge(members)
         elif verdict is Verdict.REJOIN:
             held = not self.core.may_rejoin(time.monotonic())  # a failed rejoin's backoff
-            if not self.started or self._closed or self._rejoin_via is not None or held:
+            let_in = self.started or self._aligning
+            if not let_in or self._closed or self._rejoin_via is not None or held:
                 return
             log.warning(
                 "peer %d: peer %d says we were dropped; rejoining through it", self.id, sender
@@ -1249,6 +1301,10 @@ class Peer:
             # Told we were dropped: our table is the cut-off side's, and a joiner let in by
             # it would be lost when we take the swarm's table back. The asker retries.
             raise WireError("not_member_yet", "a join while this peer rejoins the swarm")
+        if msg.kind == "join" and self._aligning and not self.started:
+            # Let in, not at our round yet: we could not say from which round the joiner is
+            # in (the simulator's core refuses the same). The asker asks the next member.
+            raise WireError("not_member_yet", "a join while this peer aligns with the swarm")
         if msg.kind == "join":
             self._on_join(msg)
             return

@@ -675,11 +675,14 @@ class GossipCore:
         )
         return [Send(j, kind, frames)]
 
-    def receive(self, now: float, frames: Sequence[Any], started: bool = True) -> list[Send]:
+    def receive(
+        self, now: float, frames: Sequence[Any], started: bool = True, aligning: bool = False
+    ) -> list[Send]:
         """The simulator's way in: a message's frames arrived; decode, check and take it in,
         and return what it answers. ``started``: this peer is in a formed swarm (it lets
-        others in and tells the dropped). A message the protocol refuses raises
-        :class:`WireError` (the engine counts it)."""
+        others in and tells the dropped); ``aligning``: let in, it waits for a member's
+        model (a table that says it was dropped sends it back to join). A message the
+        protocol refuses raises :class:`WireError` (the engine counts it)."""
         msg = decode(frames, self.settings.max_message_bytes)
         self._now = now
         if msg.kind == "join":
@@ -701,7 +704,8 @@ class GossipCore:
         self.detector.heard(msg.sender, now)
         sends: list[Send] = []
         if msg.kind in ("members", "dropped", "ready"):
-            self.hear_table(msg.sender, parse_members(msg.meta.get("members")), started)
+            members = parse_members(msg.meta.get("members"))
+            self.hear_table(msg.sender, members, started or aligning)
         elif msg.kind == "model_request":
             sends = self.answer_model_request(msg, started)
         else:
@@ -853,14 +857,14 @@ class GossipCore:
         ``evict_after`` rounds, at most ``WINDOW_ROUNDS``."""
         return max(0, self.round - min(self.settings.evict_after, WINDOW_ROUNDS))
 
-    def hear_table(self, sender: int, members: list[Member], started: bool = True) -> Verdict:
+    def hear_table(self, sender: int, members: list[Member], let_in: bool = True) -> Verdict:
         """Take in member ``sender``'s table as :func:`~gossipdl.protocol.joining.hear_table`
         says: merge it, or note that we must rejoin through the sender (``rejoin_via``, once
-        ``started``); returns the verdict."""
+        ``let_in``: started, or let in and waiting for a model); returns the verdict."""
         verdict = hear_table(self.membership, self.id, sender, members)
         if verdict is Verdict.MERGE:
             self.merge(members)
-        elif verdict is Verdict.REJOIN and started and self.may_rejoin(self._now):
+        elif verdict is Verdict.REJOIN and let_in and self.may_rejoin(self._now):
             self.notes.append(f"peer {sender} says we were dropped; rejoining through it")
             self.rejoin_via = sender
             rest = [m.id for m in members if m.until is None and m.id not in (sender, self.id)]

@@ -31,6 +31,9 @@ from gossipdl.transport.wire import Message, WireError, meta_int
 
 SWARM_ID = re.compile(r"[0-9a-f]{1,32}")  # a swarm id in a welcome
 RETRY_S = 1.0  # a request unanswered this long is sent again
+# A member asked for its model this long without an answer (nor a refusal, nor a death
+# sentence) makes a welcomed peer ask the next; it gives up after this long per neighbour.
+MODEL_WAIT_S = 10.0
 # A rejoin asks this many times within its timeout (a round timeout): the member asked may
 # be rejoining itself a moment longer (it refuses joins until it is in), or its welcome lost.
 REJOIN_TRIES = 4

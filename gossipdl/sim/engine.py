@@ -52,7 +52,7 @@ from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
 from gossipdl.sim.clock import Scheduler
 from gossipdl.sim.faults import GOSSIP_ONLY, Restart, parse_faults, schedule
-from gossipdl.sim.joins import Join, answered, cancel_join, start_join
+from gossipdl.sim.joins import Join, aligning, answered, cancel_join, dropped, start_join
 from gossipdl.sim.network import SimNetwork
 from gossipdl.training import (
     AWAY_POLL_S,
@@ -294,13 +294,16 @@ class Simulation:
                 return
             now = self.local(peer)
             try:
-                sends = peer.core.receive(now, frames, peer.started and not peer.done)
+                started = peer.started and not peer.done
+                sends = peer.core.receive(now, frames, started, aligning(peer))
             except WireError as exc:
                 self.network.stats(peer.id).drop(exc.reason)
                 return
             self._send(peer, sends)
             if peer.core.answers:
                 answered(self, peer)
+            if peer.core.rejoin_via is not None and aligning(peer):
+                dropped(self, peer)
             if peer.core.waiting and not peer.done:
                 self._progress(peer, peer.core.poll(now, self._online(peer)))
 
@@ -369,11 +372,13 @@ class Simulation:
             self._progress(peer, peer.core.poll(now, self._online(peer)))
 
     def _tick(self, peer: VirtualPeer) -> None:
-        """Heartbeats and death sentences every half heartbeat, while the peer runs."""
+        """Heartbeats and death sentences every half heartbeat, while the peer runs (once let
+        in: a member's silence is judged as much while we wait for a model as after)."""
         if peer.done or peer.dead:
             return
         online = self.network.online(peer.id)
-        tick = peer.core.tick(self.local(peer), online, self.sentences and peer.started)
+        sentence = self.sentences and (peer.started or aligning(peer))
+        tick = peer.core.tick(self.local(peer), online, sentence)
         for j, silent, until in tick.dead:
             log.debug(
                 "peer %d at %.3fs: peer %d silent %.2f s, declared dead (out from round %d)",
@@ -481,8 +486,7 @@ class Simulation:
         assert core.rejoin_via is not None
         core.sent_round = -1  # our heartbeats no longer vouch for rounds counted anew
 
-        def then() -> None:
-            core.rejoin_via = None
+        def then() -> None:  # the welcome ended the rejoin; a table since may ask another
             self._round_or_alone(peer)
 
         def failed(why: str, welcomed: bool) -> None:
@@ -490,6 +494,7 @@ class Simulation:
                 self._stop(peer, why)
                 return
             log.warning("peer %d could not rejoin: %s", peer.id, why)
+            core.rejoin_via = None
             core.rejoin_failed(self.local(peer))
             then()
 

@@ -21,9 +21,9 @@ import torch
 
 from gossipdl.averaging.choco import Choco
 from gossipdl.config import Config, tomllib
+from gossipdl.protocol.joining import MODEL_WAIT_S
 from gossipdl.rundir import RunDir
 from gossipdl.sim.engine import Simulation, SimulationError, VirtualPeer
-from gossipdl.sim.joins import MODEL_WAIT_S
 from gossipdl.sim.random_faults import Case
 
 INVARIANTS = {

@@ -11,19 +11,26 @@ welcome, the announcement, the model) is the protocol core's
 (:meth:`~gossipdl.protocol.core.GossipCore.answer_join`); this module is the joiner's:
 ``join`` to a member until a welcome comes, then ``model_request`` to each neighbour of
 its first round (then any other member) until one answers, then the round it starts at.
-A peer that keeps its own model and finds nobody to align with starts at its
-welcome's round (the others may have finished); a newcomer without a model fails.
+
+Once let in, the peer is a member: it declares the silent dead as any member does, so a
+source that died stops being asked (in ``dead_after``, not ``MODEL_WAIT_S``), and a
+table that says it was dropped meanwhile sends a newcomer back to join through its
+sender (a peer that keeps its model starts, then rejoins as a started one does). A peer
+left with no member to align with starts at its welcome's round with the model it has:
+the others died or finished, and it carries the swarm on. Nobody answering within
+``MODEL_WAIT_S`` per neighbour ends a newcomer; one that keeps its model starts.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gossipdl.protocol.core import JoinRefused
-from gossipdl.protocol.joining import RETRY_S
+from gossipdl.protocol.joining import MODEL_WAIT_S, RETRY_S
 from gossipdl.sim.clock import Timer
 from gossipdl.transport.wire import Message, WireError
 
@@ -32,8 +39,8 @@ if TYPE_CHECKING:
 
     from gossipdl.sim.engine import Simulation, VirtualPeer
 
-MODEL_WAIT_S = 10.0  # how long a neighbour is asked for its model before the next one
 MODEL_TRIES = round(MODEL_WAIT_S / RETRY_S)  # model requests to one member before the next
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -111,15 +118,40 @@ def _ask(simulation: Simulation, peer: VirtualPeer) -> None:
         member = core.membership.get(sources[join.tries // MODEL_TRIES % len(sources)])
         assert member is not None
         send = core.ask("model_request", member.address, {}, _nonce(simulation, peer))
-    elif keeps_model:  # nobody left to align with (they finished): our welcome's round
+    else:  # nobody left to align with (dead or finished): our welcome's round, our model
+        if join.take_model:
+            log.warning(
+                "peer %d at %.3fs: no member left to take a model from; in at round %d "
+                "with its own", peer.id, now, join.since,
+            )  # fmt: skip
         _start(simulation, peer, join.since, None)
         return
-    # else nobody to ask now: a member may be back before we give up
     join.tries += 1
     if send is not None:
         simulation.network.send(peer.id, simulation.node_at(send.address), send.frames)
     wait = join.every if join.phase == "welcome" else RETRY_S
     join.timer = simulation.clock.after(wait, lambda: _retry(simulation, peer, join))
+
+
+def aligning(peer: VirtualPeer) -> bool:
+    """Whether the peer was let in and waits for a member's model (or round)."""
+    return peer.join is not None and peer.join.phase == "model"
+
+
+def dropped(simulation: Simulation, peer: VirtualPeer) -> None:
+    """A member's table said the aligning peer was dropped (the core set ``rejoin_via``):
+    a newcomer asks to be let in again, through the sender first; a peer that keeps its
+    model starts at its welcome's round and rejoins from there as a started one does."""
+    join, core = peer.join, peer.core
+    assert join is not None and core.rejoin_via is not None
+    if not join.take_model:
+        _start(simulation, peer, join.since, None)
+        return
+    _cancel(join)
+    join.via = core.rejoin_through or [core.rejoin_via]
+    join.phase, join.tries, join.rejoin = "welcome", 0, True
+    join.give_up_at = simulation.clock.now + simulation.config.startup_timeout
+    _ask(simulation, peer)
 
 
 def _retry(simulation: Simulation, peer: VirtualPeer, join: Join) -> None:
