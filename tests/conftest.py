@@ -187,14 +187,10 @@ def _script_main(script: str, args: list[str], cwd: str, out: str, err: str) -> 
     """The child of :func:`run_script`: its streams into files, ``sys.argv``, ``sys.path``,
     the working directory and SIGINT as ``python SCRIPT`` has them, then the script."""
     import runpy
-    import signal
 
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    for fd, path in ((1, out), (2, err)):
-        with open(path, "w") as stream:
-            os.dup2(stream.fileno(), fd)
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(write_through=True)  # type: ignore[union-attr]
+    forking.redirect(1, out)
+    forking.redirect(2, err)
+    forking.as_a_fresh_interpreter()
     os.chdir(cwd)
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).parent))
@@ -259,8 +255,7 @@ class ForkedRanks:
 def _logged(log: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:
     """A :class:`ForkedRanks` child: its stderr (where an uncaught exception's traceback
     goes) into ``log``, then the target."""
-    with open(log, "w") as stream:
-        os.dup2(stream.fileno(), 2)
+    forking.redirect(2, log)
     target(*args)
 
 

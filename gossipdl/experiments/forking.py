@@ -67,6 +67,23 @@ def warm_up_for(argv: list[str]) -> None:
         warm_up()
 
 
+def redirect(fd: int, path: str, mode: str = "w") -> None:
+    """Point a forked child's file descriptor ``fd`` (1: stdout, 2: stderr, where an
+    uncaught exception's traceback goes) at the file ``path``: what the child writes
+    lands in its own file, not in the fork server's streams."""
+    with open(path, mode) as stream:
+        os.dup2(stream.fileno(), fd)
+
+
+def as_a_fresh_interpreter() -> None:
+    """What a forked child needs to behave as ``python ...`` would: SIGINT unblocked (the
+    server blocks it for its children) and Python's streams writing through (a fresh
+    interpreter's would flush before it is stopped)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(write_through=True)  # type: ignore[union-attr]
+
+
 def _run(
     args: list[str],
     env: dict[str, str],
@@ -78,13 +95,10 @@ def _run(
     """The child: stdout into ``out``, stderr into the log, ``env`` (its ``PYTHONPATH``
     on ``sys.path`` too, its ``OMP_NUM_THREADS`` as torch's threads), ``cwd`` and SIGINT
     as a fresh interpreter would have them, then ``gossipdl ARGS``."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.dup2(out.fileno(), 1)
     out.close()
-    with open(log_path, log_mode) as log:
-        os.dup2(log.fileno(), 2)
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(write_through=True)  # type: ignore[union-attr]
+    redirect(2, log_path, log_mode)
+    as_a_fresh_interpreter()
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
