@@ -19,8 +19,11 @@ from gossipdl.experiments import fault_search
 from gossipdl.experiments.fault_search import SearchError, parse_seeds, search
 from gossipdl.experiments.launcher import fresh_run
 from gossipdl.protocol.core import GossipCore
+from gossipdl.sim import engine
+from gossipdl.sim.engine import Simulation, VirtualPeer
 from gossipdl.sim.faults import parse_faults
 from gossipdl.sim.invariants import WatchedSimulation
+from gossipdl.sim.joins import dropped
 from gossipdl.sim.random_faults import PEERS, STEPS, Case, random_case
 
 CI_SEEDS = range(0, 60)  # the search CI runs on every push (the README's command runs 2,000)
@@ -293,3 +296,22 @@ def test_a_newcomer_racing_its_announcement_is_in_every_table(tmp_path: Path) ->
     simulation = watch(tmp_path, faults, quiet_at=5.0)
     back = simulation.peers[2]
     assert back.steps == 150 and all(p.core.membership.get(2).since > 0 for p in simulation.peers)
+
+
+def test_a_peer_back_with_its_model_told_it_was_dropped_while_it_aligns_starts_then_rejoins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seed 302 (no bug found): peer 7, back from a checkpoint and let in, hears that it was
+    dropped before any member sent its round. It starts at its welcome's round with its
+    own model and rejoins from there, and every invariant holds."""
+    told: list[tuple[int, bool]] = []
+
+    def spy(simulation: Simulation, peer: VirtualPeer) -> None:
+        assert peer.join is not None
+        told.append((peer.id, peer.join.take_model))
+        dropped(simulation, peer)
+
+    monkeypatch.setattr(engine, "dropped", spy)
+    outcome = fault_search.check_seed(302, str(tmp_path))
+    assert outcome.violation is None, fault_search.report(outcome)
+    assert told == [(7, False)], "seed 302 no longer takes this path: pick another"
