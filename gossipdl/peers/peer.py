@@ -873,7 +873,9 @@ class Peer:
         except Unreachable as exc:
             raise PeerError(str(exc)) from None
         each = (timeout or self.startup_timeout) / max(1, len(candidates))
-        retry = rejoin_retry(each, 1) if rejoin else RETRY_S
+        # a rejoin asks REJOIN_TRIES times within its share at least, never more than RETRY_S
+        # apart (a restart's share of the startup timeout is long: one lost try cost 30 s)
+        retry = min(RETRY_S, rejoin_retry(each, 1)) if rejoin else RETRY_S
         for address in candidates:
             try:
                 welcome = self._request(
