@@ -871,6 +871,12 @@ class GossipCore:
             self.rejoin_through = [sender, *rest]  # the sender may not let us in: the others
         return verdict
 
+    def rejoin_order(self) -> list[int]:
+        """Whom a rejoin asks, in order: the member that said we were dropped, then the rest
+        of its swarm (the sender may not let us in)."""
+        assert self.rejoin_via is not None
+        return self.rejoin_through or [self.rejoin_via]
+
     def may_rejoin(self, now: float) -> bool:
         """Whether a table that says we were dropped starts a rejoin now: not while one runs,
         nor while the last failed one holds the next back (:meth:`rejoin_failed`), nor ever

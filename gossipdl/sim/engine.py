@@ -498,7 +498,7 @@ class Simulation:
             core.rejoin_failed(self.local(peer))
             then()
 
-        via = core.rejoin_through or [core.rejoin_via]
+        via = core.rejoin_order()
         timeout = self.config.round_timeout  # shared by the members asked, as Peer._join does
         start_join(
             self,

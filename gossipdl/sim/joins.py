@@ -142,16 +142,22 @@ def dropped(simulation: Simulation, peer: VirtualPeer) -> None:
     """A member's table said the aligning peer was dropped (the core set ``rejoin_via``):
     a newcomer asks to be let in again, through the sender first; a peer that keeps its
     model starts at its welcome's round and rejoins from there as a started one does."""
-    join, core = peer.join, peer.core
-    assert join is not None and core.rejoin_via is not None
+    join = peer.join
+    assert join is not None
     if not join.take_model:
         _start(simulation, peer, join.since, None)
         return
     _cancel(join)
-    join.via = core.rejoin_through or [core.rejoin_via]
-    join.phase, join.tries, join.rejoin = "welcome", 0, True
-    join.give_up_at = simulation.clock.now + simulation.config.startup_timeout
-    _ask(simulation, peer)
+    start_join(
+        simulation,
+        peer,
+        peer.core.rejoin_order(),
+        rejoin=True,
+        take_model=True,
+        timeout=simulation.config.startup_timeout,
+        then=join.then,
+        fail=join.fail,
+    )
 
 
 def _retry(simulation: Simulation, peer: VirtualPeer, join: Join) -> None:
