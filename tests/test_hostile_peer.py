@@ -373,21 +373,28 @@ def test_a_join_that_reaches_a_founder_before_it_founded_waits_for_it(hostile: H
             peer.close()
 
 
+def joining(**kwargs: Any) -> tuple[threading.Thread, list[Peer], list[BaseException]]:
+    """A Peer joining through ``bootstrap`` in a thread: the Peer once in, or the error."""
+    made: list[Peer] = []
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            made.append(Peer(torch.nn.Linear(3, 2), **kwargs))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    return thread, made, errors
+
+
 def test_a_spoofed_welcome_cannot_hijack_a_join(
     hostile: Hostile, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The asked member's answer (an error here) counts; a third party's welcome does not."""
     spoofer = Hostile()
-    outcome: list[BaseException] = []
-
-    def join() -> None:
-        try:
-            Peer(torch.nn.Linear(3, 2), bootstrap=hostile.address, startup_timeout=20)
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=join)
-    thread.start()
+    thread, _, outcome = joining(bootstrap=hostile.address, startup_timeout=20)
     try:
         request = hostile.receive(10)
         assert request is not None and request["kind"] == "join"
@@ -655,22 +662,6 @@ def let_in_at(hostile: Hostile, since: int) -> tuple[str, dict[str, Any]]:
         assert header is not None, "no model request after the welcome"
         if header["kind"] == "model_request":
             return joiner, header
-
-
-def joining(**kwargs: Any) -> tuple[threading.Thread, list[Peer], list[BaseException]]:
-    """A Peer joining through ``bootstrap`` in a thread: the Peer once in, or the error."""
-    made: list[Peer] = []
-    errors: list[BaseException] = []
-
-    def join() -> None:
-        try:
-            made.append(Peer(torch.nn.Linear(3, 2), **kwargs))
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=join)
-    thread.start()
-    return thread, made, errors
 
 
 def test_a_newcomer_whose_every_source_dies_declares_it_dead_and_starts_with_its_own_model(

@@ -1005,9 +1005,10 @@ class Peer:
                 return False
             model = self.core.decode_model(reply) if take_model else None
         except PeerError as exc:
-            if not self._lost_id():  # else the caller asks for another id
-                log.warning("peer %d: neighbour %d did not send its model: %s", self.id, j, exc)
-            return self._lost_id()
+            if self._lost_id():
+                return True  # the caller asks for another id
+            log.warning("peer %d: neighbour %d did not send its model: %s", self.id, j, exc)
+            return False
         except WireError as exc:
             exc.sender = j
             self.transport.refused(exc)
