@@ -636,7 +636,7 @@ def test_a_table_a_peer_sent_before_it_rejoined_ends_nobody() -> None:
             )
             old_life.disconnect(a[i])
         assert [[m.until for m in p.membership.members()] for p in peers[:2]] == [[None] * 4] * 2
-        assert all(p._rejoin_via is None for p in peers)
+        assert all(p.core.rejoin_via is None for p in peers)
     finally:
         for p in peers:
             p.close()

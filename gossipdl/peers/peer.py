@@ -50,7 +50,6 @@ from gossipdl.protocol.joining import (
     Refusal,
     Verdict,
     check_welcome,
-    hear_table,
     join_incarnation,
     late_steps,
     rejoin_retry,
@@ -361,8 +360,6 @@ class Peer:
         self._lock = threading.Lock()
         self._early: deque[tuple[float, Message]] = deque()  # tables from senders not known yet
         # -- handoffs: set once by the receive thread, acted on by the training thread --
-        self._rejoin_via: str | None = None  # a live member that says we were dropped; set
-        #                                      only while None, cleared once the rejoin is done
         self._failure: BaseException | None = None  # why the receive thread stopped: stop too
         # -- guarded by the lock next to them --
         self._ready_from: set[int] = set()  # _changed, which also wakes waits on the table
@@ -520,7 +517,7 @@ class Peer:
         self._check_failure()
         if self._lost_id():
             self._join_again()
-        elif self._rejoin_via is not None:
+        elif self.core.rejoin_via is not None:
             self._rejoin()
 
     def _core_round(self, x: torch.Tensor) -> torch.Tensor:
@@ -551,7 +548,7 @@ class Peer:
     def _away(self) -> bool:
         """Whether this peer waits for nobody: it must rejoin, is offline or broke."""
         return (
-            self._rejoin_via is not None
+            self.core.rejoin_via is not None
             or self._lost_id()
             or not self.transport.online
             or self._failure is not None
@@ -777,8 +774,10 @@ class Peer:
                     self._await_formation(min_peers or 2)
                 else:
                     self._start_late(me.since, take_model=not self._resuming)
-                if self._rejoin_via is not None and not self.started:  # dropped while let in
-                    via, rejoin, self._rejoin_via = self._rejoin_via, True, None
+                if self.core.rejoin_via is not None and not self.started:  # dropped, let in
+                    via, rejoin = self._rejoin_addresses(), True
+                    with self._core:  # a newcomer again, not a started peer's rejoin
+                        self.core.end_rejoin()
                     continue
                 if not self._lost_id():
                     return
@@ -894,8 +893,7 @@ class Peer:
     def _rejoin(self) -> None:
         """Back into the swarm after a live member said we were dropped (a partition, or a
         pause longer than ``dead_after``): its table, its round and step count, our own model."""
-        address = self._rejoin_via  # kept set until done: notices meanwhile are ignored
-        assert address is not None
+        address = self._rejoin_addresses()  # set until welcomed: notices meanwhile are ignored
         with self._core:
             self.core.sent_round = -1  # our heartbeats no longer vouch for rounds counted anew
         try:
@@ -906,8 +904,6 @@ class Peer:
             with self._core:
                 self.core.rejoin_failed(time.monotonic())
             return
-        finally:
-            self._rejoin_via = None
         self._start_again(welcome)
 
     def _join_again(self) -> None:
@@ -943,7 +939,7 @@ class Peer:
         pass, then the next (in turn, again). With no member left to align with (dead or
         finished) we start at ``since`` with the model we have; nobody answering within
         ``MODEL_WAIT_S`` per neighbour ends a newcomer (a peer that keeps its model
-        starts). A table that says we were dropped meanwhile (``_rejoin_via``) returns a
+        starts). A table that says we were dropped meanwhile (``rejoin_via``) returns a
         newcomer unstarted, to join again; one that keeps its model starts, and rejoins
         from there as a started peer does (the simulator's ``sim.joins`` does the same)."""
         with self._core:
@@ -953,7 +949,7 @@ class Peer:
         self._aligning = True
         try:
             while True:
-                dropped = self._rejoin_via is not None
+                dropped = self.core.rejoin_via is not None
                 if dropped and take_model:
                     return
                 with self._core:  # again each time: a member may have been declared dead since
@@ -992,7 +988,7 @@ class Peer:
         assert member is not None
 
         def give_up() -> bool:  # declared dead, or we were dropped: ask it no longer
-            return self.membership.gone(j) or self._rejoin_via is not None
+            return self.membership.gone(j) or self.core.rejoin_via is not None
 
         wait = min(MODEL_WAIT_S, deadline - time.monotonic())
         try:
@@ -1125,15 +1121,13 @@ class Peer:
         self._carry_out(sends)
 
     def _merge(self, members: list[Member]) -> None:
+        """Merge entries into the member table (:meth:`GossipCore.merge`); learn the new
+        members' keys, and tell the owner of a live entry another address took."""
         before = {m.id: self.membership.get(m.id) for m in members}
-        changed = self.membership.merge(members)
+        with self._core:
+            changed = self.core.merge(members, time.monotonic())
         self._learn_keys(changed)
-        now = time.monotonic()
         for member in changed:
-            if member.until is None:  # new, or back: its rounds and its silence start over
-                with self._core:
-                    self.core.forget_rounds(member.id)
-                    self.core.detector.heard(member.id, now)
             old = before[member.id]
             if old is not None and old.until is None and old.address != member.address:
                 self._lost_to(old, member)
@@ -1231,26 +1225,24 @@ class Peer:
         self._carry_out(tick.sends)
 
     def _hear_table(self, sender: int, members: list[Member]) -> None:
-        """Take in a member table from ``sender`` as :func:`~gossipdl.protocol.joining.hear_table`
-        says: merge it, or rejoin through the sender (at the next round)."""
-        verdict = hear_table(self.membership, self.id, sender, members)
+        """Take in a member table from ``sender`` as the core judges it
+        (:meth:`GossipCore.judge_table`): merge it, or rejoin through the sender (at the
+        next round, or now while we align: :meth:`_start_late`)."""
+        let_in = (self.started or self._aligning) and not self._closed
+        with self._core:
+            was = self.core.rejoin_via
+            verdict = self.core.judge_table(time.monotonic(), sender, members, let_in)
+            rejoining = was is None and self.core.rejoin_via is not None
         if verdict is Verdict.MERGE:
             self._merge(members)
-        elif verdict is Verdict.REJOIN:
-            held = not self.core.may_rejoin(time.monotonic())  # a failed rejoin's backoff
-            let_in = self.started or self._aligning
-            if not let_in or self._closed or self._rejoin_via is not None or held:
-                return
-            log.warning(
-                "peer %d: peer %d says we were dropped; rejoining through it", self.id, sender
-            )
-            known = self.membership.get(sender)
-            assert known is not None  # REJOIN: the sender is in our table
-            said = next((m for m in members if m.id == sender), known)
-            # the sender first; if it does not let us in, the rest of its swarm
-            rest = [m.address for m in members if m.until is None and m.id not in (sender, self.id)]
-            self._rejoin_via = ",".join([said.address, *rest])
+        elif rejoining:
+            self._carry_out([])  # log the core's note
             self._wake()  # a round waiting on our old side ends now
+
+    def _rejoin_addresses(self) -> str:
+        """The addresses a rejoin asks in turn (:meth:`GossipCore.rejoin_order`)."""
+        with self._core:
+            return ",".join(m.address for m in self.core.rejoin_order())
 
     # ----------------------------------------------------------------- receive thread
     def _receive(self, msg: Message) -> None:
@@ -1300,7 +1292,7 @@ class Peer:
             # Not a member yet (a founder that has not founded, a joiner not yet welcomed):
             # an answer now would hand out a table without us in it. The asker retries.
             raise WireError("not_member_yet", f"{msg.kind} before this peer is in a swarm")
-        if msg.kind == "join" and self._rejoin_via is not None:
+        if msg.kind == "join" and self.core.rejoin_via is not None:
             # Told we were dropped: our table is the cut-off side's, and a joiner let in by
             # it would be lost when we take the swarm's table back. The asker retries.
             raise WireError("not_member_yet", "a join while this peer rejoins the swarm")

@@ -233,7 +233,7 @@ class GossipCore:
         self.published: tuple[int, torch.Tensor] = (0, self.reference.clone())
         self._catch_up = False  # our model missed the swarm's averaging (start_at)
         self.rejoin_via: int | None = None  # a member whose table says we were dropped
-        self.rejoin_through: list[int] = []  # it, then the rest of its swarm: whom to ask
+        self.rejoin_through: list[Member] = []  # it, then the rest of its swarm: whom to ask
         self.rejoin_held_until = 0.0  # after a rejoin nobody answered (rejoin_failed)
         self.evicted: str | None = None  # why the swarm refuses us back for good (refusal)
         self._asked: dict[str, str] = {}  # nonce of a request of ours -> the answer's kind
@@ -858,24 +858,40 @@ class GossipCore:
         return max(0, self.round - min(self.settings.evict_after, WINDOW_ROUNDS))
 
     def hear_table(self, sender: int, members: list[Member], let_in: bool = True) -> Verdict:
-        """Take in member ``sender``'s table as :func:`~gossipdl.protocol.joining.hear_table`
-        says: merge it, or note that we must rejoin through the sender (``rejoin_via``, once
-        ``let_in``: started, or let in and waiting for a model); returns the verdict."""
-        verdict = hear_table(self.membership, self.id, sender, members)
+        """Take in member ``sender``'s table (:meth:`judge_table`), merging it when that is
+        the verdict; returns the verdict."""
+        verdict = self.judge_table(self._now, sender, members, let_in)
         if verdict is Verdict.MERGE:
-            self.merge(members)
-        elif verdict is Verdict.REJOIN and let_in and self.may_rejoin(self._now):
-            self.notes.append(f"peer {sender} says we were dropped; rejoining through it")
-            self.rejoin_via = sender
-            rest = [m.id for m in members if m.until is None and m.id not in (sender, self.id)]
-            self.rejoin_through = [sender, *rest]  # the sender may not let us in: the others
+            self.merge(members, self._now)
         return verdict
 
-    def rejoin_order(self) -> list[int]:
-        """Whom a rejoin asks, in order: the member that said we were dropped, then the rest
-        of its swarm (the sender may not let us in)."""
-        assert self.rejoin_via is not None
-        return self.rejoin_through or [self.rejoin_via]
+    def judge_table(self, now: float, sender: int, members: list[Member], let_in: bool) -> Verdict:
+        """What member ``sender``'s table says to do
+        (:func:`~gossipdl.protocol.joining.hear_table`); a verdict to rejoin starts one
+        through the sender (``rejoin_via``) once ``let_in`` (started, or let in and waiting
+        for a model) and :meth:`may_rejoin`. The caller merges on ``MERGE`` (the real peer
+        learns keys and lost ids as it does)."""
+        verdict = hear_table(self.membership, self.id, sender, members)
+        if verdict is Verdict.REJOIN and let_in and self.may_rejoin(now):
+            self.notes.append(f"peer {sender} says we were dropped; rejoining through it")
+            said = {m.id: m for m in members}
+            via = said.get(sender) or self.membership.get(sender)  # REJOIN: a member of ours
+            assert via is not None
+            rest = [m for m in members if m.until is None and m.id not in (sender, self.id)]
+            self.rejoin_via = sender
+            self.rejoin_through = [via, *rest]  # the sender may not let us in: the others
+        return verdict
+
+    def rejoin_order(self) -> list[Member]:
+        """Whom a rejoin asks, in order, at the addresses the sender's table gives: the member
+        that said we were dropped, then the rest of its swarm (the sender may not let us in)."""
+        assert self.rejoin_via is not None and self.rejoin_through
+        return self.rejoin_through
+
+    def end_rejoin(self) -> None:
+        """The rejoin is over (welcomed, failed, or a newcomer asks to be let in anew): a
+        table that says we were dropped may start another."""
+        self.rejoin_via, self.rejoin_through = None, []
 
     def may_rejoin(self, now: float) -> bool:
         """Whether a table that says we were dropped starts a rejoin now: not while one runs,
@@ -884,21 +900,23 @@ class GossipCore:
         return self.rejoin_via is None and now >= self.rejoin_held_until and not self.evicted
 
     def rejoin_failed(self, now: float) -> None:
-        """A rejoin got no welcome within its timeout: hold the next back for a drawn part of
-        ``REJOIN_BACKOFF`` round timeouts. Members that each rejoin through another at once
-        (a partition in three heals) refuse one another's joins while they rejoin; without
-        the draw they fail and start again in step for ever (fault-search seed 17708)."""
+        """A rejoin got no welcome within its timeout: it ends, and the next is held back for
+        a drawn part of ``REJOIN_BACKOFF`` round timeouts. Members that each rejoin through
+        another at once (a partition in three heals) refuse one another's joins while they
+        rejoin; without the draw they fail and start again in step for ever (fault-search
+        seed 17708)."""
+        self.end_rejoin()
         backoff = self._rejoin_rng.uniform(0.0, REJOIN_BACKOFF)
         self.rejoin_held_until = now + backoff * self.settings.round_timeout
 
-    def merge(self, members: list[Member]) -> list[Member]:
-        """Merge entries into the member table; a member new or back starts over (its rounds
-        and its silence). Returns the entries that changed."""
+    def merge(self, members: list[Member], now: float) -> list[Member]:
+        """Merge entries into the member table; a member new or back starts over (its rounds,
+        and its silence from ``now``). Returns the entries that changed."""
         changed = self.membership.merge(members)
         for member in changed:
             if member.until is None:
                 self.forget_rounds(member.id)
-                self.detector.heard(member.id, self._now)
+                self.detector.heard(member.id, now)
         return changed
 
     # ----------------------------------------------------------------- joining
@@ -927,7 +945,7 @@ class GossipCore:
         assert isinstance(decision, Admission)
         member = decision.member
         if not decision.again:
-            self.merge([member])
+            self.merge([member], self._now)
             self.notes.append(
                 f"{address} {'rejoined' if decision.rejoined else 'joined'} as peer {member.id} "
                 f"from round {member.since}"
@@ -1034,7 +1052,7 @@ class GossipCore:
         if me is None or me.until is not None:
             raise WireError("bad_meta", f"a welcome as peer {peer_id}, not in its own table")
         self.id = peer_id
-        self.rejoin_via, self.rejoin_through = None, []  # our table is the swarm's again
+        self.end_rejoin()  # our table is the swarm's again
         self.membership.replace_all(members)
         for m in members:  # silent while apart
             self.detector.heard(m.id, now)

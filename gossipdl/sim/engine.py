@@ -494,11 +494,10 @@ class Simulation:
                 self._stop(peer, why)
                 return
             log.warning("peer %d could not rejoin: %s", peer.id, why)
-            core.rejoin_via = None
             core.rejoin_failed(self.local(peer))
             then()
 
-        via = core.rejoin_order()
+        via = [m.id for m in core.rejoin_order()]
         timeout = self.config.round_timeout  # shared by the members asked, as Peer._join does
         start_join(
             self,

@@ -151,7 +151,7 @@ def dropped(simulation: Simulation, peer: VirtualPeer) -> None:
     start_join(
         simulation,
         peer,
-        peer.core.rejoin_order(),
+        [m.id for m in peer.core.rejoin_order()],
         rejoin=True,
         take_model=True,
         timeout=simulation.config.startup_timeout,
