@@ -198,6 +198,8 @@ def test_real_peer_processes_evict_a_blown_up_peer(tmp_path: Path) -> None:
     # retries may go out before a slow refusal comes back (on a loaded machine: 2); asking
     # again on every table, as it once did, drew a refusal every few rounds to the end
     assert 1 <= refused <= REJOIN_TRIES
+    # the refusal says why, as the simulator's does: the evicted peer stops asking for good
+    assert "refused back for good" in (Path(config.out) / "peers" / "1.log").read_text()
     for i in (0, 2, 3):  # at step 300, before the first to finish leaves
         late = next(r for r in runs.records(i) if r["step"] == 300)
         assert late["members"] == 3 and late["evicted"] == 1, (i, late)

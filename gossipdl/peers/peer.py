@@ -46,11 +46,8 @@ from gossipdl.protocol.core import CORE_KINDS, GossipCore, Send, Settings
 from gossipdl.protocol.joining import (
     MODEL_WAIT_S,
     RETRY_S,
-    Admission,
-    Refusal,
     Verdict,
     check_welcome,
-    join_incarnation,
     late_steps,
     rejoin_retry,
 )
@@ -903,6 +900,7 @@ class Peer:
             log.warning("peer %d: could not rejoin through %s: %s", self.id, address, exc)
             with self._core:
                 self.core.rejoin_failed(time.monotonic())
+            self._carry_out([])  # log what the refusal told the core (evicted: for good)
             return
         self._start_again(welcome)
 
@@ -1391,44 +1389,17 @@ class Peer:
 
     def _on_join(self, msg: Message) -> None:
         """Let a newcomer in, or a member back in (``rejoin``: restarted, or dropped while
-        it was away), as :func:`~gossipdl.protocol.joining.admit` decides: a new entry from
-        a few rounds ahead, announced to everyone."""
-        if msg.meta.get("key", "") != msg.key:
-            raise WireError("wrong_key", "the key a join names is not the one it connected with")
-        address = self._reply_address(msg, "joiner address")
-        nonce = self._answer_token(msg)
-        rejoin = msg.meta.get("rejoin", False) is True
-        want, incarnation = msg.meta.get("want_id"), join_incarnation(msg.meta)
+        it was away), as the core decides (:meth:`GossipCore.answer_join`); our welcome
+        also hands on the swarm's config, id and clock."""
+        self._answer_token(msg)  # over the answer rate, nothing is done for it
+        swarm = {"config": self.swarm_config, "swarm": self.swarm_id}
         with self._core:
-            swarm = self.core.swarm_state(self.started, ring=self.ring)
-            decision = self.core.decide_join(swarm, address, msg.key, want, rejoin, incarnation)
-        if isinstance(decision, Refusal):
-            members = self.membership.wire()
-            self._reply(address, "welcome", error=decision.error, members=members, nonce=nonce)
-            if decision.limit is not None:  # answered, and counted: a limit was reached
-                raise WireError(decision.limit, f"join from {address} refused: {decision.error}")
-            return
-        assert isinstance(decision, Admission)
-        member = decision.member
-        if not decision.again:
-            self._merge([member])
-            log.info(
-                "peer %d: %s %s as peer %d from round %d",
-                self.id,
-                address,
-                "rejoined" if decision.rejoined else "joined",
-                member.id,
-                member.since,
-            )
-        self._reply(
-            address,
-            "welcome",
-            id=member.id,
-            members=self.membership.wire(),
-            config=self.swarm_config,
-            nonce=nonce,
-            swarm=self.swarm_id,
-            swarm_start=self.swarm_start,
-        )
-        if not decision.again:  # after the welcome, so the newcomer has our table first
-            self._announce()
+            answer = self.core.answer_join(
+                time.monotonic(), msg, self.started, self.ring,
+                {**swarm, "swarm_start": self.swarm_start},
+            )  # fmt: skip
+        self._reply_address(msg, "joiner address")  # its key, to reach it (CURVE)
+        if answer.admitted is not None:
+            self._learn_keys([answer.admitted])
+            self._members_changed()
+        self._carry_out(answer.sends)

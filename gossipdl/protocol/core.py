@@ -129,6 +129,15 @@ class Tick:
 
 
 @dataclass
+class JoinAnswer:
+    """What a join made a member do: the welcome or refusal, then (for a new entry) the new
+    table to every member; and the entry it let in, if new."""
+
+    sends: list[Send]
+    admitted: Member | None = None
+
+
+@dataclass
 class Counters:
     """What a peer counts for its metrics lines (the real engine's names)."""
 
@@ -690,7 +699,7 @@ class GossipCore:
                 raise WireError("not_member_yet", "a join before this peer is in a swarm")
             if self.rejoin_via is not None:  # our table is the dropped side's: the asker retries
                 raise WireError("not_member_yet", "a join while this peer rejoins the swarm")
-            return self.answer_join(now, msg, started)
+            return self.answer_join(now, msg, started).sends
         if msg.kind in ("welcome", "model"):
             nonce = msg.meta.get(NONCE)
             if not isinstance(nonce, str) or self._asked.get(nonce) != msg.kind:
@@ -925,23 +934,36 @@ class GossipCore:
         formed, its last round."""
         return SwarmState(self.round, self.join_margin(), started, self.final_round, ring)
 
-    def answer_join(self, now: float, msg: Message, started: bool) -> list[Send]:
+    def answer_join(
+        self,
+        now: float,
+        msg: Message,
+        started: bool,
+        ring: bool = False,
+        welcome: dict[str, Any] | None = None,
+    ) -> JoinAnswer:
         """Let a joiner in (or back in) as :func:`~gossipdl.protocol.joining.admit` decides,
-        or refuse it: the welcome to its address, then the new table to every member. A
-        refusal a limit made is also counted (:attr:`dropped`)."""
+        or refuse it: the welcome (with ``welcome``'s entries too: the real peer's swarm
+        config, id and clock) to its address, then the new table to every member. A refusal
+        a limit made is counted (:attr:`dropped`) and says which (``REFUSED``: an evicted
+        joiner asks no more). WireError for a join naming another key than the one it came
+        over (CURVE), or no address."""
         self._now = now
+        if msg.meta.get("key", "") != msg.key:
+            raise WireError("wrong_key", "the key a join names is not the one it connected with")
         address = check_address(msg.meta.get("address"), "joiner address")
         nonce = echoed_nonce(msg.meta)
         rejoin = msg.meta.get("rejoin", False) is True
         want, incarnation = msg.meta.get("want_id"), join_incarnation(msg.meta)
-        swarm = self.swarm_state(started)
+        swarm = self.swarm_state(started, ring)
         decision = self.decide_join(swarm, address, msg.key, want, rejoin, incarnation)
         if isinstance(decision, Refusal):
             meta: dict[str, Any] = {"error": decision.error, "members": self.membership.wire()}
             if decision.limit is not None:
                 self.dropped.append(WireError(decision.limit, f"join from {address} refused"))
+                self.notes.append(f"join from {address} refused: {decision.error}")
                 meta[REFUSED] = decision.limit
-            return [self._reply(address, "welcome", {**meta, NONCE: nonce})]
+            return JoinAnswer([self._reply(address, "welcome", {**meta, NONCE: nonce})])
         assert isinstance(decision, Admission)
         member = decision.member
         if not decision.again:
@@ -950,9 +972,11 @@ class GossipCore:
                 f"{address} {'rejoined' if decision.rejoined else 'joined'} as peer {member.id} "
                 f"from round {member.since}"
             )
-        meta = {"id": member.id, "members": self.membership.wire(), NONCE: nonce}
+        meta = {"id": member.id, "members": self.membership.wire(), NONCE: nonce, **(welcome or {})}
         sends = [self._reply(address, "welcome", meta)]
-        return sends if decision.again else sends + self.announce()
+        if decision.again:  # its welcome was lost: the same entry, nothing new to announce
+            return JoinAnswer(sends)
+        return JoinAnswer(sends + self.announce(), member)  # the joiner has our table first
 
     def decide_join(
         self,
