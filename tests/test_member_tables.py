@@ -102,3 +102,21 @@ def test_a_joiner_asks_its_neighbours_then_any_member_and_never_the_dead() -> No
     ours.membership.end(0, 1)
     ours.membership.end(2, 1)
     assert ours.model_sources(0) == [3, 4]  # both neighbours died as we joined
+
+
+def test_a_table_longer_than_the_members_limit_is_refused_whole() -> None:
+    """The core reads a table with its own ``max_members``, as the real peer does: one with
+    more entries is dropped (``too_many_members``), and our table stays as it was."""
+    ours = GossipCore(
+        0,
+        MemberTable(swarm(3), limit=4),
+        averager=build_averager("dense", "none", 0),
+        trigger=parse_trigger("always"),
+        settings=Settings(),
+        model=torch.zeros(4),
+    )
+    table = MemberTable(swarm(6)).wire()
+    with pytest.raises(WireError, match="the limit is 4") as refused:
+        ours.receive(1.0, frames("members", 1, members=table))
+    assert refused.value.reason == "too_many_members"
+    assert [m.id for m in ours.membership.members()] == [0, 1, 2]

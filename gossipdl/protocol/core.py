@@ -713,7 +713,7 @@ class GossipCore:
         self.detector.heard(msg.sender, now)
         sends: list[Send] = []
         if msg.kind in ("members", "dropped", "ready"):
-            members = parse_members(msg.meta.get("members"))
+            members = parse_members(msg.meta.get("members"), self.membership.limit)
             self.hear_table(msg.sender, members, started or aligning)
         elif msg.kind == "model_request":
             sends = self.answer_model_request(msg, started)
