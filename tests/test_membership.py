@@ -188,8 +188,9 @@ def _core(me: int, table: Membership) -> GossipCore:
 
 def test_the_core_lets_a_joiner_in_and_takes_only_the_answers_it_asked_for() -> None:
     """The member's side answers a join with a welcome to the joiner's address and the new
-    table to its members; the joiner's side takes that welcome (it asked, with a nonce), and
-    refuses a welcome or model nobody asked for, whatever its nonce looks like."""
+    table to its members; the joiner's side takes that welcome (it asked, with a nonce),
+    ignores a second answer to it (a retry's), and refuses a welcome or model nobody asked
+    for, whatever its nonce looks like (``unsolicited``, as the real peer's ``Asked``)."""
     member = _core(0, Membership([Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0)]))
     joiner = _core(-1, Membership())
     request = joiner.ask("join", "tcp://h:10", {"address": "tcp://h:5", "want_id": None}, "n1")
@@ -200,10 +201,13 @@ def test_the_core_lets_a_joiner_in_and_takes_only_the_answers_it_asked_for() -> 
     joiner.receive(0.1, welcome.frames)
     me = joiner.welcomed(0.1, joiner.answers.pop())
     assert (joiner.id, me.id, len(joiner.membership.members())) == (2, 2, 3)
-    for nonce in ("n1", "other", ["unhashable"]):  # answered already / never asked / malformed
+    again = encode("welcome", 0, 0, 0, meta={"id": 3, "members": [], NONCE: "n1"})
+    assert joiner.receive(0.2, again) == [] and joiner.answers == []  # answered: ignored
+    for nonce in ("other", ["unhashable"]):  # never asked / malformed: refused, as for real
         forged = encode("welcome", 0, 0, 0, meta={"id": 3, "members": [], NONCE: nonce})
-        with pytest.raises(WireError, match="unexpected"):
+        with pytest.raises(WireError, match="answers no request") as refused:
             joiner.receive(0.2, forged)
+        assert refused.value.reason == "unsolicited"
     ask = member.ask("join", "tcp://h:9", {"address": "tcp://h:10"}, "n2")
     refusal = encode("welcome", 9, 0, 0, meta={"error": "full", "members": [], NONCE: "n2"})
     member.receive(0.3, refusal)

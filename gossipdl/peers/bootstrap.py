@@ -8,7 +8,7 @@ from typing import Any
 
 from gossipdl.peers.peer import PeerError
 from gossipdl.transport import Message, Transport, WireError, encode
-from gossipdl.transport.asked import NONCE, Asked
+from gossipdl.transport.asked import NONCE, SharedAsked
 from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
 from gossipdl.transport.probe import CONNECT_WAIT_S, Unreachable, reachable
 
@@ -34,7 +34,7 @@ def fetch_swarm_info(
         reachable([address], secure=curve is not None, wait=min(timeout, CONNECT_WAIT_S))
     except Unreachable as exc:
         raise PeerError(str(exc)) from None
-    asked = Asked()
+    asked = SharedAsked()
     nonces: list[str] = []
     arrived = threading.Event()
 

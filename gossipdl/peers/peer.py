@@ -53,7 +53,7 @@ from gossipdl.protocol.joining import (
 )
 from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.addresses import check_address
-from gossipdl.transport.asked import NONCE, Asked
+from gossipdl.transport.asked import NONCE, SharedAsked
 from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
 from gossipdl.transport.probe import CONNECT_WAIT_S, Unreachable, reachable
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
@@ -304,10 +304,10 @@ class Peer:
         # resyncs, failure detection, sequence numbers, counters) is guarded by ``_core``, a
         # condition that also wakes a round waiting for messages. Every other field is owned
         # by one thread, guarded by the lock named next to it, or an object with a lock of its
-        # own (Membership, Asked, the transport's stats). References other threads only read
+        # own (Membership, SharedAsked, the transport's stats). References other threads only read
         # (started) are written whole by their owner.
         self.membership = Membership(limit=max_members)  # own lock
-        self._asked = Asked()  # own lock: nonces of our requests and their answers
+        self._asked = SharedAsked()  # own lock: nonces of our requests and their answers
         self._core = threading.Condition(threading.RLock())
         settings = Settings(
             topology=self.topology_spec,

@@ -44,6 +44,7 @@ from gossipdl.averaging.base import dense_payload
 from gossipdl.averaging.gossip_learning import GossipLearning
 from gossipdl.averaging.triggers import Trigger
 from gossipdl.compression import CodecError, Payload, build_codec
+from gossipdl.protocol.asked import Asked
 from gossipdl.protocol.eviction import GRACE_ROUNDS, WINDOW_ROUNDS, Evictions
 from gossipdl.protocol.failure import FailureDetector
 from gossipdl.protocol.joining import (
@@ -245,7 +246,7 @@ class GossipCore:
         self.rejoin_through: list[Member] = []  # it, then the rest of its swarm: whom to ask
         self.rejoin_held_until = 0.0  # after a rejoin nobody answered (rejoin_failed)
         self.evicted: str | None = None  # why the swarm refuses us back for good (refusal)
-        self._asked: dict[str, str] = {}  # nonce of a request of ours -> the answer's kind
+        self._asked = Asked(MAX_ASKED)  # requests of ours, kept as the real peer keeps them
         self._told: dict[int, float] = {}  # member -> when it last got our table (tell_table)
         self.answers: list[Message] = []  # answers to our requests, for the engine to take
         self._walks: deque[tuple[torch.Tensor, int]] = deque()
@@ -701,11 +702,9 @@ class GossipCore:
                 raise WireError("not_member_yet", "a join while this peer rejoins the swarm")
             return self.answer_join(now, msg, started).sends
         if msg.kind in ("welcome", "model"):
-            nonce = msg.meta.get(NONCE)
-            if not isinstance(nonce, str) or self._asked.get(nonce) != msg.kind:
-                raise WireError("unexpected", f"a {msg.kind} that answers no request of ours")
-            del self._asked[nonce]
-            self.answers.append(msg)
+            if self._asked.take(msg):  # a repeat (a retry's, or duplicated) is ignored
+                self._asked.close([msg.meta[NONCE]])  # taken: the engine holds it now
+                self.answers.append(msg)
             return []
         sender = self.membership.get(msg.sender)
         if sender is None:
@@ -997,9 +996,7 @@ class GossipCore:
     def ask(self, kind: str, address: str, meta: dict[str, Any], nonce: str) -> Send:
         """A request (``join``, ``model_request``) to ``address``; its answer, which must echo
         ``nonce`` (the engine draws it), is kept in :attr:`answers` when it arrives."""
-        self._asked[nonce] = REPLY_TO[kind]
-        while len(self._asked) > MAX_ASKED:
-            del self._asked[next(iter(self._asked))]
+        self._asked.ask(REPLY_TO[kind], "", nonce)
         return self._reply(address, kind, {**meta, NONCE: nonce})
 
     def _reply(self, address: str, kind: str, meta: dict[str, Any]) -> Send:
