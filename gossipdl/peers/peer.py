@@ -762,19 +762,13 @@ class Peer:
             via, rejoin = bootstrap, self._resuming
             while True:  # again if our id goes to another newcomer meanwhile, or we are dropped
                 self.id, self.started = -1, False
-                welcome = self._join(via, rank, rejoin=rejoin)
-                self.id = welcome.meta["id"]  # checked with the welcome
-                self._adopt_swarm(welcome)
-                self._merge(parse_members(welcome.meta["members"], self.membership.limit))
-                me = self.membership.get(self.id)
-                if me is None or me.since == 0:
+                me = self._take_welcome(self._join(via, rank, rejoin=rejoin))
+                if me.since == 0:
                     self._await_formation(min_peers or 2)
                 else:
                     self._start_late(me.since, take_model=not self._resuming)
-                if self.core.rejoin_via is not None and not self.started:  # dropped, let in
-                    via, rejoin = self._rejoin_addresses(), True
-                    with self._core:  # a newcomer again, not a started peer's rejoin
-                        self.core.end_rejoin()
+                if self.core.rejoin_via is not None and not self.started:  # dropped, let in:
+                    via, rejoin = self._rejoin_addresses(), True  # the welcome ends it
                     continue
                 if not self._lost_id():
                     return
@@ -918,6 +912,14 @@ class Peer:
     def _start_again(self, welcome: Message) -> None:
         """Take up the id, table, round and step count a member's welcome gives a peer that
         trained before; it keeps its model."""
+        me = self._take_welcome(welcome)
+        self.rejoins += 1
+        self._start_late(me.since, take_model=False)
+
+    def _take_welcome(self, welcome: Message) -> Member:
+        """Take up the id, table and round a member's welcome gives
+        (:meth:`GossipCore.welcomed`, as the simulator does), the swarm's id and clock, and
+        the members' keys; returns our entry."""
         try:
             with self._core:
                 me = self.core.welcomed(time.monotonic(), welcome)
@@ -926,8 +928,7 @@ class Peer:
         self._adopt_swarm(welcome)
         self._learn_keys(self.membership.members())
         self._members_changed()
-        self.rejoins += 1
-        self._start_late(me.since, take_model=False)
+        return me
 
     def _start_late(self, since: int, take_model: bool = True) -> None:
         """Start at round ``since`` of a running swarm, aligned with a neighbour's round (or,
