@@ -84,25 +84,28 @@ def test_trimmed_mean_and_median_stay_between_honest_values(
         robust.trimmed_mean(x, neighbours[:1], trim=1)
 
 
-def test_balance_rejecting_every_neighbour_takes_theirs_only_when_they_agree() -> None:
-    """A peer whose model went stale (back from a restart) rejects every neighbour, and they
-    all reject it: when two or more neighbours agree with one another, it takes the model
-    of the one nearest the rest; when they disagree (one of them a liar), or only one
-    sent, it keeps its own, as the paper does."""
+def test_balance_lets_the_odd_peer_back_by_the_median_only_while_it_hears_most() -> None:
+    """A peer far from every neighbour (a stale model, or an honest outlier of skewed
+    shards) is beyond γ‖x‖ of all of them: it accepts those within twice the median
+    distance and moves most of the way to them in one round. Not without ``majority``
+    (some neighbours unheard or set aside, so liars may be most of what arrived), and not
+    one beyond twice the median: a liar far from the rest stays out."""
     torch.manual_seed(0)
     swarm = torch.randn(100) * 5
-    x = swarm + 10.0  # stale: far from all of them
-    agree = torch.stack([swarm + 0.1 * torch.randn(100) for _ in range(3)])
+    x = swarm + 10.0  # stale: 100 from each of them, γ‖x‖ about 60
+    crowd = torch.stack([swarm + 0.1 * torch.randn(100) for _ in range(3)])
     weights = torch.full((3,), 0.25)
-    out, accepted = robust.balance(x, agree, weights, 0.0)
-    assert not bool(accepted.any())
-    nearest = int(torch.cdist(agree.double(), agree.double()).sum(1).argmin())
-    torch.testing.assert_close(out, agree[nearest])
-    assert robust.agreed(agree, 0.5) == nearest
-    split = torch.stack([agree[0], agree[1] * -100.0])  # one of the two is a liar
-    assert robust.agreed(split, 0.5) is None
-    torch.testing.assert_close(robust.balance(x, split, weights[:2], 0.0)[0], x)
-    torch.testing.assert_close(robust.balance(x, agree[:1], weights[:1], 0.0)[0], x)
+    out, accepted = robust.balance(x, crowd, weights, 0.0)
+    assert bool(accepted.all())
+    torch.testing.assert_close(out, x + (0.25 * (crowd - x)).sum(0))
+    assert float((out - crowd.mean(0)).norm()) < 0.3 * float((x - crowd.mean(0)).norm())
+    alone, none = robust.balance(x, crowd, weights, 0.0, majority=False)
+    assert not bool(none.any())
+    torch.testing.assert_close(alone, x)  # γ‖x‖ alone: it keeps its own, as the paper does
+    liar = (x + (x - swarm) * 30).unsqueeze(0)  # 3000 away: over twice the median
+    out, accepted = robust.balance(x, torch.cat([crowd, liar]), torch.full((4,), 0.2), 0.0)
+    assert accepted.tolist() == [True, True, True, False]
+    torch.testing.assert_close(out, x + (0.8 / 3 * (crowd - x)).sum(0))  # its weight shared
 
 
 def test_balance_rejects_a_far_neighbour_and_averages_the_rest() -> None:
@@ -116,9 +119,11 @@ def test_balance_rejects_a_far_neighbour_and_averages_the_rest() -> None:
     torch.testing.assert_close(out, 0.25 * x + 0.1875 * honest.sum(0))  # 0.75 over four
     everyone, _ = robust.balance(x, honest, weights[:4], progress=0.0, gamma=0.5)
     torch.testing.assert_close(everyone, x + 0.15 * (honest - x).sum(0))  # plain gossip
-    late, late_accepted = robust.balance(x, honest * 1.5, weights[:4], progress=1.0, gamma=0.5)
-    assert not bool(late_accepted.any())  # the filter tightens: nobody is close enough,
-    assert any(torch.equal(late, h) for h in honest * 1.5)  # but they agree: x is the odd one
+    late, late_accepted = robust.balance(
+        x, honest * 1.5, weights[:4], progress=1.0, gamma=0.5, majority=False
+    )
+    assert not bool(late_accepted.any())  # the filter tightens: nobody is close enough
+    torch.testing.assert_close(late, x)
 
 
 @pytest.mark.parametrize("spec", ["balance:0.02", "clip:2"])
@@ -700,10 +705,10 @@ def test_two_scaled_choco_liars_make_no_honest_neighbour_stale() -> None:
     assert float((out - stepped).norm()) < float((honest - x).norm(dim=1).max())
 
 
-def test_balance_takes_no_agreed_model_once_a_neighbour_was_set_aside() -> None:
-    """BALANCE takes the model its neighbours agree on only when it rejects every one and
-    saw every one: with two honest neighbours set aside as stale (their models replayed),
-    two far liars that agree are all the rule sees, and the peer keeps its own model."""
+def test_balance_goes_by_the_median_only_when_no_neighbour_was_set_aside() -> None:
+    """With two honest neighbours set aside as stale (their models replayed), two far liars
+    that agree are all BALANCE sees: their median would accept them, so only γ‖x‖ counts
+    then, and the peer keeps its own model (it once took theirs, and ended at chance)."""
     from gossipdl.averaging import Arrival, Round, build_averager
 
     x, honest = _swarm(3)

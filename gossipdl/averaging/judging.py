@@ -134,7 +134,7 @@ class Judge:
                 steps=rounds * rnd.period,
                 gaps=torch.tensor([gaps[j] for j in fresh], dtype=torch.float64),
                 x_norm=x_norm,
-                adopt=not aside,  # the rule sees every neighbour that sent
+                majority=not aside and 2 * len(fresh) > len(rnd.weights),  # most of the row
             )
             model = judged.model
             aside_now, evidence_now = torch.stack([judged.aside, judged.evidence]).tolist()
