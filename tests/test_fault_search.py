@@ -130,6 +130,11 @@ FOUND = {
     65469: "a newcomer cut off just after its welcome was declared dead by the others; "
     "not started, it ignored their tables that said so (a peer let in now acts on them: "
     "a newcomer joins again, one that keeps its model starts and then rejoins)",
+    82598: "BALANCE on Dirichlet(0.1) shards, no liar: two honest peers holding one class "
+    "each rejected every neighbour (beyond γ‖x‖), trained alone, drifted further and were "
+    "evicted (BALANCE now also accepts a neighbour within twice the median distance)",
+    83262: "the same on a ring after a partition in three healed: the outlier's two "
+    "neighbours disagreed with each other, so it never took theirs and was evicted",
 }
 
 
