@@ -928,11 +928,6 @@ class GossipCore:
         return changed
 
     # ----------------------------------------------------------------- joining
-    def swarm_state(self, started: bool, ring: bool = False) -> SwarmState:
-        """What a join is decided on: our round, the notice a change gets, whether the swarm
-        formed, its last round."""
-        return SwarmState(self.round, self.join_margin(), started, self.final_round, ring)
-
     def answer_join(
         self,
         now: float,
@@ -954,8 +949,10 @@ class GossipCore:
         nonce = echoed_nonce(msg.meta)
         rejoin = msg.meta.get("rejoin", False) is True
         want, incarnation = msg.meta.get("want_id"), join_incarnation(msg.meta)
-        swarm = self.swarm_state(started, ring)
-        decision = self.decide_join(swarm, address, msg.key, want, rejoin, incarnation)
+        # what a join is decided on: our round, the notice a change gets, whether the swarm
+        # formed, its last round
+        swarm = SwarmState(self.round, self.join_margin(), started, self.final_round, ring)
+        decision = self._decide_join(swarm, address, msg.key, want, rejoin, incarnation)
         if isinstance(decision, Refusal):
             meta: dict[str, Any] = {"error": decision.error, "members": self.membership.wire()}
             if decision.limit is not None:
@@ -977,7 +974,7 @@ class GossipCore:
             return JoinAnswer(sends)
         return JoinAnswer(sends + self.announce(), member)  # the joiner has our table first
 
-    def decide_join(
+    def _decide_join(
         self,
         swarm: SwarmState,
         address: str,
