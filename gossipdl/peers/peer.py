@@ -1234,8 +1234,7 @@ class Peer:
             rejoining = was is None and self.core.rejoin_via is not None
         if verdict is Verdict.MERGE:
             self._merge(members)
-        elif rejoining:
-            self._carry_out([])  # log the core's note
+        elif rejoining:  # the core's note is logged once the message is handled
             self._wake()  # a round waiting on our old side ends now
 
     def _rejoin_addresses(self) -> str:
@@ -1393,12 +1392,13 @@ class Peer:
         it was away), as the core decides (:meth:`GossipCore.answer_join`); our welcome
         also hands on the swarm's config, id and clock."""
         self._answer_token(msg)  # over the answer rate, nothing is done for it
-        swarm = {"config": self.swarm_config, "swarm": self.swarm_id}
+        welcome = {
+            "config": self.swarm_config,
+            "swarm": self.swarm_id,
+            "swarm_start": self.swarm_start,
+        }
         with self._core:
-            answer = self.core.answer_join(
-                time.monotonic(), msg, self.started, self.ring,
-                {**swarm, "swarm_start": self.swarm_start},
-            )  # fmt: skip
+            answer = self.core.answer_join(time.monotonic(), msg, self.started, self.ring, welcome)
         self._reply_address(msg, "joiner address")  # its key, to reach it (CURVE)
         if answer.admitted is not None:
             self._learn_keys([answer.admitted])
