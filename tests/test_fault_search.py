@@ -87,7 +87,7 @@ FOUND = {
     20115: "BALANCE with eviction under a dynamic trigger on a ring of 8: syncs came 14 "
     "steps apart, honest models drifted further apart than γ‖x‖ between them, every peer "
     "rejected its neighbours, and one was evicted with no fault needed (γ now grows as "
-    "√steps since the peer last judged)",
+    "√steps since the peer last mixed)",
     21000: "a ring of 4 split in three and healed; two peers rejoined through a third from "
     "round 26 while it was at about round 6, took up the steps of round 26 (40 of the run's "
     "50) at once and finished; the one restarted later found no live member (a rejoin now "
@@ -135,6 +135,10 @@ FOUND = {
     "evicted (BALANCE now also accepts a neighbour within twice the median distance)",
     83262: "the same on a ring after a partition in three healed: the outlier's two "
     "neighbours disagreed with each other, so it never took theirs and was evicted",
+    62783: "the same on a ring of 6 cut 5 against 1: the lone peer's neighbours heard one "
+    "model a round, too few for a median, rejected it by γ‖x‖ round after round, trained "
+    "alone and were evicted (γ's steps now count from the last round a peer took a "
+    "neighbour's model in, not the last it judged one)",
 }
 
 

@@ -277,10 +277,12 @@ def test_descent_keeps_a_contrary_neighbour_no_farther_than_the_median_one() -> 
     assert all(n["filtered"] == 0.0 for n in judged.values())
 
 
-def test_balance_allows_the_drift_of_the_steps_since_the_peer_last_judged() -> None:
-    """γ grows as √steps: a neighbour 0.8‖x‖ away is rejected a step after the last
-    judged round and accepted four steps after it, whether four rounds of one step passed
-    (a dynamic trigger's rounds without a sync) or one round of four (periodic:4)."""
+def test_balance_allows_the_drift_of_the_steps_since_the_peer_last_mixed() -> None:
+    """γ grows as √steps, the steps since the peer last took a neighbour's model in: a
+    neighbour 0.8‖x‖ away is rejected one and two steps after that and accepted three
+    after it, whether rounds of one step passed in which it was rejected (the peer trained
+    alone, as it does through rounds without a sync) or one round of three (periodic:3);
+    then rejected again a step later."""
     from gossipdl.averaging import Arrival, Averager, Round, build_averager
 
     x = torch.ones(100)
@@ -296,10 +298,11 @@ def test_balance_allows_the_drift_of_the_steps_since_the_peer_last_judged() -> N
 
     every_step = build_averager("dense", defence="balance")
     assert not accepted(0, 1, every_step) and not accepted(1, 1, every_step)
-    assert accepted(5, 1, every_step)  # four rounds later
-    assert not accepted(6, 1, every_step)  # and then one again
+    assert accepted(2, 1, every_step)  # three steps alone: 0.5·√3 > 0.8
+    assert not accepted(3, 1, every_step)  # and then one again
+    assert accepted(6, 1, every_step)  # two rounds without a sync, one rejected
     periodic = build_averager("dense", defence="balance")
-    assert accepted(0, 4, periodic) and accepted(1, 4, periodic)
+    assert accepted(0, 3, periodic) and accepted(1, 3, periodic)
     assert not accepted(2, 1, periodic)
 
 

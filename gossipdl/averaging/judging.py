@@ -66,7 +66,7 @@ class Judge:
         self._judged: dict[int, list[float]] = {}  # sender -> [rounds, Σ distance, Σ set aside]
         self._marks: dict[int, torch.Tensor] = {}  # sender -> fingerprint of its last model
         self._streaks: dict[int, int] = {}  # sender -> judged rounds in a row it was set aside
-        self._last_judged: int | None = None  # the round this peer last judged models in
+        self._last_mixed: int | None = None  # the round this peer last took a neighbour's model in
         self._mixed: torch.Tensor | None = None  # +descent: the model the last judged round left
         self._scores: dict[int, float] = {}  # +descent: sender -> running descent score
 
@@ -108,8 +108,9 @@ class Judge:
         evidence."""
         gaps, unmoved, x_norm = self._measure(x, arrived)
         stale = unmoved + [j for j in stale if j in arrived and j not in unmoved]
-        rounds = 1 if self._last_judged is None else max(1, rnd.index - self._last_judged)
-        self._last_judged = rnd.index
+        if self._last_mixed is None:  # its first judged round: as if it mixed the one before
+            self._last_mixed = rnd.index - 1
+        rounds = max(1, rnd.index - self._last_mixed)
         moving = [j for j in arrived if j not in stale]
         stacked = torch.stack([arrived[j].value for j in moving]) if moving else None
         contrary = self._contrary(x, moving, stacked, gaps)
@@ -140,6 +141,8 @@ class Judge:
             aside_now, evidence_now = torch.stack([judged.aside, judged.evidence]).tolist()
             shares.update(zip(fresh, aside_now, strict=True))
             evidence.update(zip(fresh, evidence_now, strict=True))
+            if min(aside_now) < 1.0:  # a neighbour's model taken in, some of it at least
+                self._last_mixed = rnd.index
         for j in arrived:
             record = self._judged.setdefault(j, [0.0, 0.0, 0.0])
             record[0] += 1

@@ -352,16 +352,22 @@ class Defence:
         Clipping and BALANCE use the weights; the coordinate-wise rules count every model
         alike. BALANCE runs without its schedule (progress 0): a peer does not know
         how long training lasts. Its γ grows as √``steps``, the local steps since the
-        peer last judged models: honest models drift apart between mixings (a ring of 8,
+        peer last took a neighbour's model in: honest models drift apart between mixings,
+        and a round in which it rejected every model is none (a ring of 8,
         fault seed 20115's job, at its end: 0.19 apart syncing every step, 0.46 every 3rd,
         0.78 every 6th, 1.29 every 12th, against γ‖x‖ = 3.3). Early in training, when ‖x‖
         is small and the steps large, γ alone rejected every honest neighbour of a dynamic
-        trigger's syncs 14 steps apart, and one was evicted. When neighbours are
-        missing, a trimmed mean trims what it can (:meth:`_trim`) rather than fail the
-        round. ``gaps``: the neighbours' :func:`distances`, and ``x_norm``: ``‖x‖``, where
-        the caller has them. ``majority``: these are most of the peer's neighbours and none
-        was set aside before the rule saw them, so BALANCE may go by their median
-        (:func:`balance`)."""
+        trigger's syncs 14 steps apart, and one was evicted. Counted from its last
+        judged round instead, a ring peer that heard one neighbour of two a round (during a
+        partition: too few for the median) rejected it by γ‖x‖ round after round, trained
+        alone on a one-class shard and was evicted (fault seed 62783). The cost: a liar
+        that is all a peer hears is taken in once γ√s‖x‖ reaches it, a sign-flipped model
+        (2‖x‖ away, γ 0.5) after 16 such rounds, a scaled one (×100) after 40,000. When
+        neighbours are missing, a trimmed mean trims what it can (:meth:`_trim`) rather
+        than fail the round. ``gaps``: the neighbours' :func:`distances`, and ``x_norm``:
+        ``‖x‖``, where the caller has them. ``majority``: these are most of the peer's
+        neighbours and none was set aside before the rule saw them, so BALANCE may go by
+        their median (:func:`balance`)."""
         gaps = distances(x, neighbours) if gaps is None else gaps
         if self.rule == "clip":
             radius = auto_radius(gaps, int(self.param))
