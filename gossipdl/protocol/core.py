@@ -849,7 +849,10 @@ class GossipCore:
             self.notes.append(f"peer {suspect} {reason}")
             return []  # a table ended it before the accusations made a quorum here
         self.notes.append(f"peer {suspect} {reason}; out of the topology from round {until}")
-        return self.announce()
+        # the suspect too, which the announcement skips (it has ended): it learns now that it
+        # is out, not when its next message draws our table, which a table told just before
+        # held back a heartbeat, past the end of a short run (the real-process test's flake)
+        return self.announce() + self._table_for(suspect, "members")
 
     def _neighbourhood(self, suspect: int) -> set[int]:
         """The suspect's neighbours in any round since :meth:`_window` (one set on a static
@@ -1035,13 +1038,18 @@ class GossipCore:
         told = self._told.get(sender.id)
         if told is not None and self._now - told < self.settings.heartbeat:
             return []
-        self._told[sender.id] = self._now
+        return self._table_for(sender.id, kind)
+
+    def _table_for(self, j: int, kind: str) -> list[Send]:
+        """Our table for member ``j`` as a ``kind`` message, noted as told (:meth:`tell_table`
+        tells it again a heartbeat later at the soonest)."""
+        self._told[j] = self._now
         # no sequence number, no heartbeat skipped for it: a table is idempotent; its digest
         # lets the receiver answer with its own if they differ (a member whose welcome was
         # lost hears only "dropped" from us otherwise, and tells nobody its table: seed 977)
         meta = {"members": self.membership.wire(), TABLE: self.membership.digest()}
         frames = encode(kind, self.id, 0, self.round, meta=meta)
-        return [Send(sender.id, kind, frames)]
+        return [Send(j, kind, frames)]
 
     def refusal(self, welcome: Message) -> JoinRefused | None:
         """The refusal a (checked) welcome carries; None if it let us in. One that says we
