@@ -28,8 +28,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from gossipdl.averaging.base import Arrival, Averager, Round, after_rebuild, dense_payload, mix
+from gossipdl.averaging.base import Arrival, Averager, Round, after_rebuild, dense_payload
 from gossipdl.averaging.judging import Judge
+from gossipdl.averaging.replicas import Replicas
 from gossipdl.averaging.robust import Defence
 from gossipdl.compression import Codec, Payload, stage_names
 from gossipdl.compression._kernels import empty_on, native_kernels
@@ -114,12 +115,6 @@ RANDOM_K_STEP = 0.6
 :func:`auto_gamma`), as top-k's δ^0.85 is about 0.6 of its own."""
 
 
-STALE_MOVE = 1e-3
-"""A defended CHOCO peer sets a neighbour aside as stale in a round its updates moved its
-copy by at most this share of what the peer's own update moved its own public copy
-(:meth:`Choco._stale`)."""
-
-
 WARMUP_ROUNDS = 20
 """With a lossy codec, γ ramps linearly from γ/WARMUP_ROUNDS to γ over a peer's first
 rounds: early updates are the largest and the public copies lag them most."""
@@ -179,10 +174,9 @@ class Choco(Averager):
     the own public copy (:class:`~gossipdl.averaging.judging.Judge`; clipping, for one,
     gives ``Σ_j W_ij clip(x̂_j − x̂_i, τ)``). A Byzantine neighbour steers only its copy,
     whatever updates it sends, so the rule bounds it as it bounds a model in dense
-    gossip. Costs k copies of the model (s_i's one) and a pass over them each round. A
-    stale neighbour is one whose updates stopped moving its copy (:data:`STALE_MOVE`), not
-    one whose model's fingerprint did not change: a compressed update moves an honest
-    copy in a few coordinates, so its fingerprint often stays the same.
+    gossip. Costs k copies of the model (s_i's one) and a pass over them each round; a
+    stale neighbour is one whose updates stopped moving its copy
+    (:class:`~gossipdl.averaging.replicas.Replicas`).
     """
 
     name = "choco"
@@ -206,12 +200,8 @@ class Choco(Averager):
         self.x_hat: torch.Tensor | None = None
         self.s: torch.Tensor | None = None  # Σ_j W_ij x̂_j, when the copies are not kept apart
         self.judge = None if defence is None else Judge(defence, stale_test=False)
-        # neighbour -> its public copy x̂_j (with a defence, or ``keep_copies``), instead of s
-        self.copies: dict[int, torch.Tensor] | None = (
-            {} if defence is not None or keep_copies else None
-        )
-        self._moved: dict[int, torch.Tensor] = {}  # sender -> ‖its updates‖ this round
-        self._own_move: torch.Tensor | None = None  # ‖this peer's own update‖ this round
+        # each neighbour's public copy x̂_j (with a defence, or ``keep_copies``), instead of s
+        self.replicas = Replicas(self.judge) if defence is not None or keep_copies else None
         self.scale = 1.0  # 1/(1+ω), set when the vector's length is known
         self._synced_at: dict[int, int] = {}
         self._first: int | None = None  # the round of the first outgoing (the warm-up's start)
@@ -235,7 +225,7 @@ class Choco(Averager):
         self.gamma = round_gamma(self.given_gamma, self.codec, x.numel(), rnd)
         if self.x_hat is None:  # first round: the public copy starts at the starting model
             self.x_hat = self.start_copy(x)
-            self.s = None if self.copies is not None else self.x_hat * rnd.self_weight
+            self.s = None if self.replicas is not None else self.x_hat * rnd.self_weight
             self.scale = 1.0 / (1.0 + self.codec.omega(x.numel()))
             self._first = rnd.index
             payload, _ = self.codec.encode(torch.zeros_like(x))
@@ -253,9 +243,14 @@ class Choco(Averager):
             payload, values = self.codec.encode(d)
             for into, alpha in own:
                 into.add_(values, alpha=alpha)
-        if self.judge is not None:  # the stale test's yardstick (read with the others, once)
-            self._own_move = torch.linalg.vector_norm(values.double())
+        if self.replicas is not None:
+            self.replicas.own_update(values)
         return payload
+
+    @property
+    def copies(self) -> dict[int, torch.Tensor] | None:
+        """Each neighbour's public copy x̂_j by id, when they are kept apart (else None)."""
+        return None if self.replicas is None else self.replicas.copies
 
     def public_copy(self) -> Payload:
         """The dense x̂_i, for a neighbour that is rebuilding its s."""
@@ -277,15 +272,16 @@ class Choco(Averager):
         if rnd.resync:
             self.needs_resync = set(dense) != set(rnd.weights)
             if not self.needs_resync:
-                if self.copies is not None:  # arrivals are read-only (a vouch's is x̂_i)
-                    self.copies = {j: a.value.clone() for j, a in dense.items()}
+                if self.replicas is not None:
+                    self.replicas.rebuild({j: a.value for j, a in dense.items()})
                 else:
                     self.s = self.x_hat * rnd.self_weight
                     for arrival in dense.values():
                         self.s.add_(arrival.value, alpha=arrival.weight)
                 self._synced_at.update(dict.fromkeys(dense, rnd.index))
                 self.resynced = rnd.index
-        self._moved = {}
+        if self.replicas is not None:
+            self.replicas.new_round()
         for j, arrival in arrived.items():
             if not arrival.dense:
                 self._add(j, arrival)
@@ -305,32 +301,10 @@ class Choco(Averager):
     def neighbourhood(self, centre: torch.Tensor, rnd: Round) -> torch.Tensor:
         """s_i, or from the copies kept apart, the mix of ``centre`` with the copies of this
         round's neighbours (a defence's, when there is one)."""
-        if self.copies is None:
+        if self.replicas is None:
             assert self.s is not None
             return self.s
-        copies = {
-            j: Arrival(w, self.copies[j], rnd.index)
-            for j, w in rnd.weights.items()
-            if j in self.copies
-        }
-        if self.judge is not None and copies:
-            return self.judge.judge(centre, rnd, copies, self._stale())
-        return mix(centre, rnd, list(copies.values()))
-
-    def _stale(self) -> list[int]:
-        """The neighbours whose updates this round moved their copy by at most
-        :data:`STALE_MOVE` of what this peer's own update moved its public copy: a frozen
-        model's copy stops moving once its updates have caught up (top-k: within 1/k
-        rounds), an honest one moves every round by about what its peer trained, as this
-        peer's does. The yardstick is the peer's own, which no neighbour can move: the
-        median sender's, used first, let two scaled liars among four neighbours (a random
-        4-regular graph of 16) make both honest ones look stale, and BALANCE then took the
-        liars' model (the two agreed); that peer ended at chance."""
-        if self._own_move is None or not self._moved:
-            return []
-        senders = list(self._moved)
-        own, *moves = torch.stack([self._own_move, *self._moved.values()]).tolist()
-        return [j for j, move in zip(senders, moves, strict=True) if move <= STALE_MOVE * own]
+        return self.replicas.combine(centre, rnd)
 
     def _add(self, sender: int, arrival: Arrival) -> None:
         """s_i += W_ij q_j / (1+ω) (or x̂_j += q_j / (1+ω) in the copy kept apart), unless a
@@ -338,20 +312,13 @@ class Choco(Averager):
         left it out: s_i was rebuilt after it)."""
         if not after_rebuild(sender, arrival.round, self._synced_at, self.resynced):
             return
-        if self.copies is not None:
-            into, alpha = self.copies.get(sender), self.scale
-        else:
-            into, alpha = self.s, arrival.weight * self.scale
-        if into is None:  # no copy of a sender that was no neighbour at the last resync
+        if self.replicas is not None:
+            self.replicas.add(sender, arrival.value, self.scale)
             return
+        assert self.s is not None
         q = arrival.value
+        alpha = arrival.weight * self.scale
         if isinstance(q, SparseVector):
-            into.index_add_(0, q.indices, q.values, alpha=alpha)
-            values = q.values
+            self.s.index_add_(0, q.indices, q.values, alpha=alpha)
         else:
-            into.add_(q, alpha=alpha)
-            values = q
-        if self.judge is not None:  # how far the copy moved (read with the others, once)
-            move = torch.linalg.vector_norm(values.double())
-            earlier = self._moved.get(sender)
-            self._moved[sender] = move if earlier is None else earlier + move
+            self.s.add_(q, alpha=alpha)
