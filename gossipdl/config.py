@@ -89,8 +89,8 @@ class Config:
     defence: str = field(
         default="none",
         metadata={
-            "help": "Byzantine-robust combining for dense gossip and CHOCO: none, clip[:BAD], "
-            "trimmed[:TRIM], median, balance[:GAMMA[:RHO]], each +descent[:TAU] "
+            "help": "Byzantine-robust combining for dense gossip, CHOCO and BEER: none, "
+            "clip[:BAD], trimmed[:TRIM], median, balance[:GAMMA[:RHO]], each +descent[:TAU] "
             "(e.g. balance:0.5:3+descent)"
         },
     )

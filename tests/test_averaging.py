@@ -236,16 +236,18 @@ def test_a_sparse_broadcast_masks_the_momentum_it_sent(tmp_path: Path) -> None:
     assert DenseGossip().sent_mask() is None  # only a sparsifying broadcast masks
 
 
-def test_beer_tracks_the_mean_direction_and_moves_the_mean_model_by_it() -> None:
+@pytest.mark.parametrize("keep_copies", [False, True], ids=["sums", "copies"])
+def test_beer_tracks_the_mean_direction_and_moves_the_mean_model_by_it(keep_copies: bool) -> None:
     """Four BEER peers on a ring with top-10%, each pulled its own way every round, at a
     learning rate that anneals from 1 to 0.01 (each round's update is the rate times the
     peer's fixed direction): the mean of the trackers is the mean direction and the mean
     model moves by the rate times it, round after round (the public copies' sums cancel),
     and each peer follows the mean direction, not its own, so the models stay together; once
     the rate has annealed their spread shrinks with it (tracking updates instead, the
-    correction kept the size of the early steps and held the models apart)."""
+    correction kept the size of the early steps and held the models apart). The same with
+    each neighbour's copies kept apart, as a defended peer keeps them."""
     n, numel, rounds, cpu = 4, 200, 120, torch.device("cpu")
-    peers = [Beer("topk:0.1") for _ in range(n)]
+    peers = [Beer("topk:0.1", keep_copies=keep_copies) for _ in range(n)]
     start = torch.randn(numel, generator=torch.Generator().manual_seed(9))
     for p in peers:
         p.begin(start)

@@ -431,9 +431,10 @@ def test_a_defence_is_named_and_checked_in_the_config() -> None:
     ):
         with pytest.raises(ConfigError, match=says):
             load_config(None, defence=bad)
-    with pytest.raises(ConfigError, match="use algorithm dense or choco"):
-        load_config(None, defence="clip", algorithm="beer", codec="topk:0.1")
-    load_config(None, defence="clip", algorithm="choco", codec="topk:0.1")  # public copies
+    with pytest.raises(ConfigError, match="use algorithm dense, choco or beer"):
+        load_config(None, defence="clip", algorithm="powergossip", codec="powersgd:1")
+    for algorithm in ("choco", "beer"):  # public copies
+        load_config(None, defence="clip", algorithm=algorithm, codec="topk:0.1")
     with pytest.raises(ConfigError, match="mode 'ring'"):
         load_config(None, defence="median", mode="ring")
 
@@ -555,23 +556,28 @@ def check_clipping_shrugs_off_a_byzantine_peer_process(tmp_path: Path, device: s
     assert all(list(run.records(i))[-1]["device"].startswith(kind) for i in range(4))
 
 
-def _choco_rounds(
-    averager: Any, x: torch.Tensor, copies: dict[int, torch.Tensor], updates: dict[int, Any]
+def _rounds(
+    averager: Any, x: torch.Tensor, copies: dict[int, Any], updates: dict[int, Any]
 ) -> torch.Tensor:
-    """A resync round that gives ``averager`` (a CHOCO peer, neighbours 1-3 at 0.25 each)
-    the neighbours' public ``copies``, then a round in which they send ``updates``; the
-    model the second round leaves."""
-    from gossipdl.averaging import Arrival, Round
+    """A resync round that gives ``averager`` (a CHOCO or BEER peer, neighbours 1-3 at 0.25
+    each) the neighbours' public ``copies`` (BEER's: :class:`~gossipdl.averaging.beer.Pair`s
+    of model and tracker), then a round in which they send ``updates``; the model the
+    gossip step after them leaves (CHOCO's in that round's incoming, BEER's in the next
+    round's outgoing, a round in which nothing arrives). The peer's own model stays ``x``."""
+    from gossipdl.averaging import Arrival, Beer, Round
 
     weights = {j: 0.25 for j in copies}
-    resync = Round(0, weights, 0.25, resync=True)
-    averager.outgoing(x, resync)
+    rounds = [Round(t, weights, 0.25, resync=t == 0, lr=0.1) for t in range(3)]
+    averager.outgoing(x, rounds[0])
     dense = {j: Arrival(0.25, v, 0, dense=True) for j, v in copies.items()}
-    averager.incoming(x, resync, dense, [])
-    rnd = Round(1, weights, 0.25)
-    averager.outgoing(x, rnd)
+    averager.incoming(x, rounds[0], dense, [])
+    averager.outgoing(x, rounds[1])
     arrived = {j: Arrival(0.25, q, 1) for j, q in updates.items()}
-    return averager.incoming(x, rnd, arrived, [])  # type: ignore[no-any-return]
+    out = averager.incoming(x, rounds[1], arrived, [])
+    if isinstance(averager, Beer):
+        averager.outgoing(x, rounds[2])
+        out = averager.incoming(x, rounds[2], {}, [])
+    return out  # type: ignore[no-any-return]
 
 
 def test_choco_with_a_defence_bounds_a_bad_neighbours_public_copy() -> None:
@@ -586,13 +592,13 @@ def test_choco_with_a_defence_bounds_a_bad_neighbours_public_copy() -> None:
     small = {j: 1e-3 * torch.ones(50) for j in (1, 2)}
     updates = small | {3: 1e6 * x}
     plain = build_averager("choco", "topk:0.5", gamma=0.5)
-    moved = float(torch.linalg.vector_norm(_choco_rounds(plain, x, copies, updates) - x))
+    moved = float(torch.linalg.vector_norm(_rounds(plain, x, copies, updates) - x))
     assert moved > 1e3  # γ·W·1e6‖x‖ at the warm-up's share of γ
     envelope = (honest[:3] - x).abs().max(0).values  # plus the honest updates' 1e-3
     honest_pull = float(torch.linalg.vector_norm(envelope)) + 0.01
     for defence in ("clip", "trimmed", "median", "balance"):
         averager = build_averager("choco", "topk:0.5", gamma=0.5, defence=defence)
-        out = _choco_rounds(averager, x, copies, updates)
+        out = _rounds(averager, x, copies, updates)
         step = averager.step_size(Round(1, {}, 0.25))  # type: ignore[attr-defined]
         assert float(torch.linalg.vector_norm(out - x)) <= step * honest_pull, defence
         judged = averager.metrics()["neighbours"]
@@ -659,6 +665,91 @@ def test_a_byzantine_choco_peer_wrecks_plain_choco_and_a_defence_holds_it_off(
         assert summary["suspect_neighbours"] == [3], defence
 
 
+def test_beer_with_a_defence_bounds_a_bad_neighbours_model_and_leaves_out_its_tracker() -> None:
+    """BEER mixes two sets of public copies, the models' and the trackers', and a liar steers
+    its own copy of each: one update of 1e6 to both moves plain BEER's model by over 1e3.
+    With each defence the model moves by less than the honest neighbours' pull: the rule
+    sets the liar's model aside, and its tracker, which no rule judges, is left out of the
+    round with it, its weight left with the peer."""
+    from gossipdl.averaging import build_averager
+    from gossipdl.averaging.beer import Pair
+
+    x, honest = _swarm(11)
+    g = torch.Generator().manual_seed(12)
+    copies = {j: Pair(honest[j - 1], 0.1 * torch.randn(50, generator=g)) for j in (1, 2, 3)}
+    tiny = 1e-3 * torch.ones(50)
+    updates = {1: Pair(tiny, tiny), 2: Pair(tiny, tiny), 3: Pair(1e6 * x, 1e6 * torch.ones(50))}
+    plain = build_averager("beer", "topk:0.5", gamma=0.5)
+    assert float(torch.linalg.vector_norm(_rounds(plain, x, copies, updates) - x)) > 1e3
+    honest_pull = float(torch.linalg.vector_norm(honest[:3] - x, dim=1).max())
+    for defence in ("clip", "trimmed", "median", "balance"):
+        averager = build_averager("beer", "topk:0.5", gamma=0.5, defence=defence)
+        out = _rounds(averager, x, copies, updates)
+        assert float(torch.linalg.vector_norm(out - x)) < honest_pull, defence
+        judged = averager.metrics()["neighbours"]  # the model's judge
+        assert judged["3"]["filtered"] > max(judged[j]["filtered"] for j in "12"), defence
+        assert judged["3"]["distance"] > 1e4 * judged["1"]["distance"], defence
+
+
+def test_a_byzantine_beer_peer_steers_its_public_copies_to_the_attacked_model_and_tracker() -> None:
+    """A BEER liar's compressed updates add up, in every neighbour's copies of it, to its
+    attack on its next model and on its tracker (scaled ×100 here); a neighbour keeping
+    copies holds exactly the liar's own public copies. Dissensus is refused for BEER."""
+    from gossipdl.averaging import Arrival, Beer, Round, build_averager
+    from gossipdl.averaging.attacks import parse_attack
+
+    start, honest = _swarm(12)
+    x = start + 0.5
+    liar = build_averager("beer", "topk:0.5", attack=parse_attack("scaled"))
+    friend = Beer("topk:0.5", keep_copies=True)
+    for peer in (liar, friend):
+        peer.begin(start)
+    cpu = torch.device("cpu")
+    for r in range(40):
+        resync = r == 0
+        rnd = Round(r, {1: 0.5}, 0.5, resync=resync, lr=0.1)
+        friend.outgoing(honest[0], Round(r, {0: 0.5}, 0.5, resync=resync, lr=0.1))
+        payload = liar.outgoing(x, rnd)  # its own model stays x: it tracks (x − start)/lr
+        value = liar.vouch() if resync else payload
+        got = friend.decode(value, resync, 50, cpu)  # type: ignore[arg-type]
+        friend.incoming(honest[0], Round(r, {0: 0.5}, 0.5, resync=resync, lr=0.1),
+                        {0: Arrival(0.5, got, r, dense=resync)}, [])  # fmt: skip
+    assert friend.models is not None and friend.trackers is not None
+    h, g = liar.h, liar.g  # type: ignore[attr-defined]
+    torch.testing.assert_close(friend.models.copies[0], h)
+    torch.testing.assert_close(friend.trackers.copies[0], g)
+    for copy, attacked in ((h, 100 * x), (g, 100 * (x - start) / 0.1)):
+        error = torch.linalg.vector_norm(copy - attacked) / torch.linalg.vector_norm(attacked)
+        assert float(error) < 1e-3
+    with pytest.raises(ValueError, match="one public copy of the sender"):
+        build_averager("beer", "topk:0.5", attack=parse_attack("dissensus"))
+
+
+def test_a_byzantine_beer_peer_wrecks_plain_beer_and_balance_holds_it_off(
+    tmp_path: Path,
+) -> None:
+    """Eight simulated BEER top-10% peers on a ring, peer 3 sending its model and its tracker
+    scaled ×100: plain BEER's honest peers end below 50%; with BALANCE they stay within 2
+    points of the attack-free run, and peer 3 is the neighbour they single out."""
+    from conftest import small_config
+
+    from gossipdl.experiments.simulated import simulate
+
+    def run(name: str, attack: str | None, defence: str) -> dict:
+        profiles = {"liar": {"peers": "3", "byzantine": attack}} if attack else {}
+        config = small_config(
+            tmp_path / name, peers=8, topology="ring", steps=80, defence=defence,
+            algorithm="beer", codec="topk:0.1", profiles=profiles,
+        )  # fmt: skip
+        return simulate(config, step_time=0.01)
+
+    clean = _honest_accuracy(run("clean", None, "none"), set())
+    assert _honest_accuracy(run("plain", "scaled", "none"), {3}) < 0.5
+    summary = run("balance", "scaled", "balance")
+    assert _honest_accuracy(summary, {3}) >= clean - 0.02
+    assert summary["suspect_neighbours"] == [3]
+
+
 def test_defended_choco_sets_aside_a_neighbour_whose_copy_stopped_moving() -> None:
     """A frozen CHOCO neighbour's updates shrink to nothing once its copy has caught up: a
     round in which its update moved its copy by nothing is a stale round, and every
@@ -671,12 +762,12 @@ def test_defended_choco_sets_aside_a_neighbour_whose_copy_stopped_moving() -> No
     moving = {1: 1e-3 * torch.ones(50), 2: -1e-6 * torch.ones(50)}
     for defence in ("clip", "balance"):
         averager = build_averager("choco", "topk:0.5", gamma=0.5, defence=defence)
-        _choco_rounds(averager, x, copies, moving | {3: torch.zeros(50)})
+        _rounds(averager, x, copies, moving | {3: torch.zeros(50)})
         judged = averager.metrics()["neighbours"]
         assert judged["3"]["filtered"] >= 0.5 and judged["3"]["rounds"] == 2, (defence, judged)
         assert judged["2"]["filtered"] < 0.5, defence  # a small honest update is no stale one
         alive = build_averager("choco", "topk:0.5", gamma=0.5, defence=defence)
-        _choco_rounds(alive, x, copies, moving | {3: 1e-3 * torch.ones(50)})
+        _rounds(alive, x, copies, moving | {3: 1e-3 * torch.ones(50)})
         assert alive.metrics()["neighbours"]["3"]["filtered"] < 0.5, defence
 
 

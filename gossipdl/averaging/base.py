@@ -128,8 +128,8 @@ class Averager(ABC):
     sparse_arrivals: bool = False
     # The model the peer started from (:meth:`begin`).
     origin: torch.Tensor | None = None
-    # A defended averager's judge of its neighbours (dense gossip's and CHOCO's, with a
-    # defence): what :meth:`metrics` and :meth:`suspects` report.
+    # A defended averager's judge of its neighbours (dense gossip's, CHOCO's and BEER's, with
+    # a defence): what :meth:`metrics` and :meth:`suspects` report.
     judge: Judge | None = None
 
     def __init__(self, codec: Codec | str = "none", seed: int = 0) -> None:

@@ -1,6 +1,7 @@
-"""A Byzantine peer's averaging: dense gossip that sends an attacked model, or CHOCO whose
-public copy follows one (issue 26's attacks, :mod:`gossipdl.averaging.attacks`, in both
-engines: they share these classes).
+"""A Byzantine peer's averaging: dense gossip that sends an attacked model, CHOCO whose
+public copy follows one, or BEER whose public copies of model and tracker follow attacked
+ones (issue 26's attacks, :mod:`gossipdl.averaging.attacks`, in both engines: they share
+these classes).
 
 The attacker knows what a member knows: its own model and the models its neighbours
 sent it in the last round. ALIE and inner-product manipulation use those as the honest
@@ -20,6 +21,7 @@ import torch
 
 from gossipdl.averaging import attacks
 from gossipdl.averaging.base import Arrival, Round
+from gossipdl.averaging.beer import Beer
 from gossipdl.averaging.choco import Choco, choco_step
 from gossipdl.averaging.dense import DenseGossip
 from gossipdl.averaging.robust import Defence
@@ -56,6 +58,22 @@ class Attacker:
         if name == "dissensus":
             raise ValueError("dissensus aims a model at each neighbour: use dissensus_for")
         return x.clone()  # label-flip: the data is poisoned, the model sent as it is
+
+
+def crowd(copies: Mapping[int, torch.Tensor] | None, own: torch.Tensor) -> torch.Tensor:
+    """What an attacker saw of its neighbours, stacked (``[k, n]``): its copies of their public
+    copies, or its own ``own`` alone before it holds any."""
+    return torch.stack(list(copies.values())) if copies else own.unsqueeze(0)
+
+
+def refuse_dissensus(attack: attacks.Attack, algorithm: str) -> None:
+    """ValueError for dissensus on a public-copy ``algorithm``: it aims a model at each
+    neighbour, and every neighbour holds the one public copy of the sender."""
+    if attack.name == "dissensus":
+        raise ValueError(
+            f"byzantine 'dissensus' sends each neighbour a model of its own; {algorithm}'s "
+            "neighbours all hold one public copy of the sender: use algorithm dense"
+        )
 
 
 def dissensus_for(
@@ -132,11 +150,7 @@ class ByzantineChoco(Choco):
         gamma: float | None = None,
         defence: Defence | None = None,
     ) -> None:
-        if attack.name == "dissensus":
-            raise ValueError(
-                "byzantine 'dissensus' sends each neighbour a model of its own; CHOCO's "
-                "neighbours all hold one public copy of the sender: use algorithm dense"
-            )
+        refuse_dissensus(attack, "CHOCO")
         super().__init__(codec, seed, gamma, defence, keep_copies=True)
         self.attack = attack
         self.attacker = Attacker(attack, seed)
@@ -145,9 +159,46 @@ class ByzantineChoco(Choco):
         """CHOCO's update towards the attacked model (the first round as an honest one's)."""
         if self.x_hat is None:
             return super().outgoing(x, rnd)
-        seen = torch.stack(list(self.copies.values())) if self.copies else x.unsqueeze(0)
-        return super().outgoing(self.attacker.target(x, seen), rnd)
+        return super().outgoing(self.attacker.target(x, crowd(self.copies, x)), rnd)
 
     def gossip_step(self, x: torch.Tensor, rnd: Round) -> torch.Tensor:
         """An honest pull towards the neighbours' copies, centred at its own model."""
         return choco_step(x, self.neighbourhood(x, rnd), x, self.step_size(rnd))
+
+
+class ByzantineBeer(Beer):
+    """BEER whose public copies follow ``attack`` applied to its next model and, with a second
+    attacker, to its tracker: its neighbours' copies of it converge to the attacked model
+    and tracker as honest copies converge to the real ones. Its crowds (ALIE, IPM) are its
+    copies of its neighbours' public copies, h_j for the model and g_j for the tracker.
+    Its own model and tracker mix honestly with those copies, centred at themselves (its
+    public copies are the attacked ones), so what it perturbs stays plausible. Dissensus
+    is refused, as for CHOCO."""
+
+    def __init__(
+        self,
+        attack: attacks.Attack,
+        codec: str = "topk:0.01",
+        seed: int = 0,
+        gamma: float | None = None,
+        defence: Defence | None = None,
+    ) -> None:
+        refuse_dissensus(attack, "BEER")
+        super().__init__(codec, seed, gamma, defence, keep_copies=True)
+        self.attack = attack
+        self.attacker = Attacker(attack, seed)
+        self.tracker_attacker = Attacker(attack, seed + 1)
+
+    def centres(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its own model and tracker: their pulls are honest."""
+        assert self._last is not None and self.v is not None
+        return self._last, self.v
+
+    def targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attacked next model and tracker."""
+        model, tracker = super().targets()
+        assert self.models is not None and self.trackers is not None
+        return (
+            self.attacker.target(model, crowd(self.models.copies, model)),
+            self.tracker_attacker.target(tracker, crowd(self.trackers.copies, tracker)),
+        )

@@ -1,8 +1,10 @@
 """A defended peer's judge of its neighbours: applies a robust rule to each round's models
 and remembers, per neighbour, what it made of them (issue 26).
 
-Both averagers that take a defence hold one: dense gossip judges the models that arrived,
-CHOCO its replicas of the neighbours' public copies (:class:`~gossipdl.averaging.choco.Choco`).
+Every averager that takes a defence holds one: dense gossip judges the models that arrived,
+CHOCO its replicas of the neighbours' public copies (:class:`~gossipdl.averaging.choco.Choco`),
+BEER those of their models and, with a second judge, of their trackers
+(:class:`~gossipdl.averaging.beer.Beer`).
 The rules themselves are pure functions (:mod:`gossipdl.averaging.robust`); the judge adds
 what needs memory: a stale model set aside, ``+descent``'s running scores, the statistics
 a metrics line reports per neighbour, and the streaks eviction accuses by.
@@ -69,6 +71,7 @@ class Judge:
         self._last_mixed: int | None = None  # the round this peer last took a neighbour's model in
         self._mixed: torch.Tensor | None = None  # +descent: the model the last judged round left
         self._scores: dict[int, float] = {}  # +descent: sender -> running descent score
+        self.verdict: dict[int, float] = {}  # the last round's share set aside, per neighbour
 
     def metrics(self) -> dict[str, Any]:
         """``neighbours``: per neighbour id, the ``rounds`` its model was judged, its mean
@@ -143,6 +146,7 @@ class Judge:
             evidence.update(zip(fresh, evidence_now, strict=True))
             if min(aside_now) < 1.0:  # a neighbour's model taken in, some of it at least
                 self._last_mixed = rnd.index
+        self.verdict = shares
         for j in arrived:
             record = self._judged.setdefault(j, [0.0, 0.0, 0.0])
             record[0] += 1

@@ -8,7 +8,7 @@ from gossipdl.averaging.attacks import Attack
 from gossipdl.averaging.base import Averager
 from gossipdl.averaging.beer import Beer
 from gossipdl.averaging.broadcast import Broadcast
-from gossipdl.averaging.byzantine import ByzantineChoco, ByzantineGossip
+from gossipdl.averaging.byzantine import ByzantineBeer, ByzantineChoco, ByzantineGossip
 from gossipdl.averaging.choco import Choco
 from gossipdl.averaging.dense import DenseGossip
 from gossipdl.averaging.gossip_learning import GossipLearning
@@ -16,9 +16,10 @@ from gossipdl.averaging.power_gossip import PowerGossip
 from gossipdl.averaging.robust import parse_defence
 from gossipdl.compression import build_codec
 
-ROBUST_ALGORITHMS = ("dense", "choco")
+ROBUST_ALGORITHMS = ("dense", "choco", "beer")
 """The algorithms that take a defence and Byzantine peers: what they mix are models (dense
-gossip's) or replicas of models (CHOCO's public copies), which a robust rule can judge."""
+gossip's) or replicas of models (CHOCO's public copies; BEER's of models and trackers),
+which a robust rule can judge."""
 
 AveragerFactory = Callable[[str, int, "float | None"], Averager]
 
@@ -58,7 +59,7 @@ def build_averager(
     attack: Attack | None = None,
     peer: int | None = None,
 ) -> Averager:
-    """The averaging strategy ``name`` with codec ``codec`` (dense gossip and CHOCO: and
+    """The averaging strategy ``name`` with codec ``codec`` (dense gossip, CHOCO and BEER: and
     ``defence``, a Byzantine-robust rule, :func:`~gossipdl.averaging.robust.parse_defence`;
     a Byzantine peer's ``attack``, :mod:`gossipdl.averaging.byzantine`),
     for peer ``peer`` of a swarm seeded ``seed``: its codec draws its own random numbers
@@ -83,16 +84,21 @@ def _build(
     if (rule is not None or attack is not None) and name not in ROBUST_ALGORITHMS:
         what = f"defence = {defence!r}" if attack is None else f"byzantine {attack.name!r}"
         raise ValueError(
-            f"{what} works on the models dense gossip sends and on CHOCO's public copies; "
-            f"algorithm {name!r} sends something else: use algorithm dense or choco"
+            f"{what} works on the models dense gossip sends and on CHOCO's and BEER's public "
+            f"copies; algorithm {name!r} sends something else: use algorithm dense, choco "
+            "or beer"
         )
     if attack is not None:
         if name == "choco":
             return ByzantineChoco(attack, codec, seed, gamma, rule)
+        if name == "beer":
+            return ByzantineBeer(attack, codec, seed, gamma, rule)
         return ByzantineGossip(attack, codec, seed, rule)
     if rule is not None:
         if name == "choco":
             return Choco(codec, seed, gamma, rule)
+        if name == "beer":
+            return Beer(codec, seed, gamma, rule)
         return DenseGossip(codec, seed, rule)
     try:
         factory = _ALGORITHMS[name]

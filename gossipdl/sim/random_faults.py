@@ -5,7 +5,8 @@ enough to run thousands of (3–12 peers, a logistic model on the synthetic
 blobs, 50–120 steps in 8–16 s of virtual time, a ring, an exponential or a complete graph,
 dense gossip, CHOCO, BEER or PowerGossip, every step, periodic or dynamic rounds, with or
 without checkpoints, rounds behind the next step's compute or not, dense gossip sometimes
-defended by BALANCE with eviction on, and then on iid or Dirichlet shards) and a schedule
+defended by BALANCE with eviction on, and then on iid or Dirichlet shards, CHOCO and BEER
+sometimes by clipping or BALANCE over their public copies) and a schedule
 of faults
 in config form (``[[faults]]`` tables, so a case is an ordinary config that
 ``gossipdl simulate`` runs too). The faults
@@ -43,8 +44,8 @@ ROUNDS = (("dense", "none"), ("choco", "topk:0.1"), ("choco", "qsgd:16"))  # alg
 LATER_ROUNDS = (("beer", "topk:0.1"), ("powergossip", "powersgd:1"))  # since they were added
 LATER_SHARE = 0.3  # of the cases whose trigger allows them (not dynamic)
 EVICTING_SHARE = 0.5  # of the dense gossip cases: BALANCE with eviction (no peer lies)
-DEFENDED_CHOCO_SHARE = 0.3  # of the CHOCO cases: a defence over the public copies
-DEFENDED_CHOCO = ("clip", "balance")
+DEFENDED_SHARE = 0.3  # of the CHOCO and BEER cases: a defence over the public copies
+DEFENDED = ("clip", "balance")
 SKEWED_SHARE = 0.5  # of the defended cases: Dirichlet shards (honest outliers to evict)
 SKEWED = ("dirichlet:0.3", "dirichlet:0.1")
 TRIGGERS = ("always", "periodic:2", "periodic:3", "dynamic:1%:2")
@@ -112,8 +113,8 @@ def random_case(seed: int, out: str = "") -> Case:
         config = replace(config, defence="balance", evict_after=rng.choice((3, 5)))
         if rng.random() < SKEWED_SHARE:  # drawn after all else, for the same reason
             config = replace(config, partition=rng.choice(SKEWED))
-    if config.algorithm == "choco" and rng.random() < DEFENDED_CHOCO_SHARE:  # drawn after all
-        config = replace(config, defence=rng.choice(DEFENDED_CHOCO))  # else (same reason)
+    if config.algorithm in ("choco", "beer") and rng.random() < DEFENDED_SHARE:  # drawn after
+        config = replace(config, defence=rng.choice(DEFENDED))  # all else (same reason)
     return Case(seed, config, quiet_at, settle_s)
 
 
