@@ -33,11 +33,15 @@ Run
     python benchmarks/byzantine.py --liars 2 --attacks label-flip --seeds 3 --jobs 2
     python benchmarks/byzantine.py --algorithm choco --codec topk:0.1 --topologies exponential \
         --partitions iid --liars 2 --defences none,clip,balance --jobs 2   # compressed
+    python benchmarks/byzantine.py --algorithm beer --codec topk:0.1 --topologies exponential \
+        --partitions iid --liars 2 --defences none,balance --jobs 2   # BEER: per-peer engine
 
     ``--algorithm choco`` runs the grid with CHOCO (``--codec``, default top-10%): the
     defences judge each peer's copies of its neighbours' public copies, and a liar's
-    public copy follows its attack (README *Misbehaving peers*). It runs without
-    dissensus, which CHOCO refuses (a model per neighbour, where a CHOCO sender has one
+    public copy follows its attack (README *Misbehaving peers*). ``--algorithm beer`` does
+    the same with BEER, whose defences judge the copies of models and of trackers, and whose
+    liars attack both; it runs on the per-peer engine (the batched one has no BEER). Both
+    run without dissensus, which they refuse (a model per neighbour, where a sender has one
     public copy).
 
     ``--seeds N`` runs every swarm with seeds ``--seed`` .. ``--seed + N − 1`` (other
@@ -81,6 +85,7 @@ from _common import (
 from gossipdl.averaging.robust import EVICTING_RULES, parse_defence
 from gossipdl.config import Config, load_config
 from gossipdl.experiments.simulated import simulate
+from gossipdl.sim.batched import BATCHED_ALGORITHMS
 from gossipdl.sim.engine import SimulationError
 
 ATTACKS = ("sign-flip", "scaled", "gaussian", "alie", "ipm", "dissensus", "stale", "label-flip")
@@ -158,7 +163,10 @@ def config_for(args: argparse.Namespace, run: Run) -> Config:
         log_every=max(1, args.steps // 10),
         seed=run.seed,
         threads=1,
-        batched=args.engine == "batched" and not absent and not evict,
+        batched=args.engine == "batched"
+        and args.algorithm in BATCHED_ALGORITHMS
+        and not absent
+        and not evict,
         out=str(args.out / name.replace(":", "_")),
     )
 
@@ -314,10 +322,10 @@ def main() -> None:
         help="rounds in a row set aside before clip and balance runs accuse (0: no eviction)",
     )  # fmt: skip
     parser.add_argument(
-        "--algorithm", choices=("dense", "choco"), default="dense",
-        help="dense gossip (default) or CHOCO (no dissensus)",
+        "--algorithm", choices=("dense", "choco", "beer"), default="dense",
+        help="dense gossip (default), CHOCO or BEER (no dissensus)",
     )  # fmt: skip
-    parser.add_argument("--codec", default=None, help="CHOCO's codec (default topk:0.1)")
+    parser.add_argument("--codec", default=None, help="CHOCO's or BEER's codec (default topk:0.1)")
     parser.add_argument("--seed", type=int, default=0, help="the first seed")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per swarm (means in the table)")
     parser.add_argument("--config", type=Path, default=None, help="base TOML config")
@@ -327,12 +335,12 @@ def main() -> None:
     args.peers = args.peers or (8 if quick else 16)
     args.steps = args.steps or (60 if quick else 1500)
     args.dataset, args.model = ("synthetic", "logistic") if quick else ("mnist1d", "cnn1d")
-    choco = args.algorithm == "choco"
-    if args.codec is not None and not choco:
+    copies = args.algorithm != "dense"  # public copies: CHOCO's or BEER's
+    if args.codec is not None and not copies:
         parser.error("--codec: dense gossip sends models uncompressed here; add --algorithm choco")
-    args.codec = args.codec or ("topk:0.1" if choco else "none")
-    every = [a for a in ATTACKS if not (choco and a == "dissensus")]
-    smoke = ["scaled", "label-flip" if choco else "dissensus"]
+    args.codec = args.codec or ("topk:0.1" if copies else "none")
+    every = [a for a in ATTACKS if not (copies and a == "dissensus")]
+    smoke = ["scaled", "label-flip" if copies else "dissensus"]
     args.attacks = args.attacks or (smoke if quick else every)
     args.defences = args.defences or (["none", "clip"] if quick else list(DEFENCES))
     args.topologies = args.topologies or (["ring"] if quick else list(TOPOLOGIES))
@@ -341,8 +349,11 @@ def main() -> None:
     unknown = sorted(set(args.attacks) - set(ATTACKS))
     if unknown:
         parser.error(f"--attacks: unknown {unknown}; known: {', '.join(ATTACKS)}")
-    if choco and "dissensus" in args.attacks:
-        parser.error("--attacks dissensus: a model per neighbour; CHOCO refuses it (use dense)")
+    if copies and "dissensus" in args.attacks:
+        parser.error(
+            f"--attacks dissensus: a model per neighbour; {args.algorithm.upper()} refuses it "
+            "(use dense)"
+        )
     for spec in args.defences:  # any setting of a known rule: balance:0.5:2
         try:
             parse_defence(spec)

@@ -187,6 +187,28 @@ def test_byzantine_benchmark_runs_its_grid_with_choco_peers(tmp_path: Path) -> N
     assert done.returncode == 2 and "CHOCO refuses it" in done.stderr
 
 
+def test_byzantine_benchmark_runs_its_grid_with_beer_peers_on_the_per_peer_engine(
+    tmp_path: Path,
+) -> None:
+    """``--algorithm beer``: BEER top-10% peers, on the per-peer engine (the batched one has
+    no BEER); BALANCE keeps a scaled liar out, of the model and of the trackers."""
+    result = run_benchmark(
+        "byzantine", tmp_path, "--quick", "--algorithm", "beer", "--attacks", "scaled",
+        "--defences", "none,balance", "--out", str(tmp_path / "b"),
+    )  # fmt: skip
+    rows = {(r["attack"], r["defence"]): r for r in result["rows"]}
+    assert {(r["algorithm"], r["codec"], r["engine"]) for r in rows.values()} == {
+        ("beer", "topk:0.1", "per-peer")
+    }
+    assert rows[("scaled", "none")]["accuracy"] < 0.5 < rows[("scaled", "balance")]["accuracy"]
+    script = ROOT / "benchmarks" / "byzantine.py"
+    done = run_script(
+        script, "--quick", "--algorithm", "beer", "--attacks", "dissensus", cwd=tmp_path,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "BEER refuses it" in done.stderr
+
+
 def test_byzantine_benchmark_refuses_a_defence_setting_it_cannot_parse(tmp_path: Path) -> None:
     script = ROOT / "benchmarks" / "byzantine.py"
     done = run_script(
