@@ -39,8 +39,9 @@ Run
     ``--algorithm choco`` runs the grid with CHOCO (``--codec``, default top-10%): the
     defences judge each peer's copies of its neighbours' public copies, and a liar's
     public copy follows its attack (README *Misbehaving peers*). ``--algorithm beer`` does
-    the same with BEER, whose defences judge the copies of models and of trackers, and whose
-    liars attack both; it runs on the per-peer engine (the batched one has no BEER). Both
+    the same with BEER, whose defences judge the copies of the models (a tracker is left out
+    with its model), and whose liars attack both; it runs on the per-peer engine (the
+    batched one has no BEER). Both
     run without dissensus, which they refuse (a model per neighbour, where a sender has one
     public copy).
 

@@ -3,7 +3,7 @@ and remembers, per neighbour, what it made of them (issue 26).
 
 Every averager that takes a defence holds one: dense gossip judges the models that arrived,
 CHOCO its replicas of the neighbours' public copies (:class:`~gossipdl.averaging.choco.Choco`),
-BEER those of their models and, with a second judge, of their trackers
+BEER those of their models, its trackers following the judge's ``verdict``
 (:class:`~gossipdl.averaging.beer.Beer`).
 The rules themselves are pure functions (:mod:`gossipdl.averaging.robust`); the judge adds
 what needs memory: a stale model set aside, ``+descent``'s running scores, the statistics

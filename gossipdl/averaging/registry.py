@@ -18,8 +18,8 @@ from gossipdl.compression import build_codec
 
 ROBUST_ALGORITHMS = ("dense", "choco", "beer")
 """The algorithms that take a defence and Byzantine peers: what they mix are models (dense
-gossip's) or replicas of models (CHOCO's public copies; BEER's of models and trackers),
-which a robust rule can judge."""
+gossip's) or replicas of models (CHOCO's and BEER's public copies), which a robust rule
+can judge (BEER's trackers follow its verdict on the models)."""
 
 AveragerFactory = Callable[[str, int, "float | None"], Averager]
 
