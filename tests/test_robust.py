@@ -638,13 +638,18 @@ def test_a_byzantine_choco_peer_steers_its_public_copy_to_the_attacked_model() -
         build_averager("choco", "topk:0.5", attack=parse_attack("dissensus"))
 
 
-def test_a_byzantine_choco_peer_wrecks_plain_choco_and_a_defence_holds_it_off(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("algorithm", "defences", "within"),
+    [("choco", ("clip", "balance"), 0.03), ("beer", ("balance",), 0.02)],
+)
+def test_a_byzantine_public_copy_peer_wrecks_plain_gossip_and_a_defence_holds_it_off(
+    tmp_path: Path, algorithm: str, defences: tuple[str, ...], within: float
 ) -> None:
-    """Eight simulated CHOCO top-10% peers on a ring, peer 3 Byzantine, its public copy
-    steered to its model ×100: plain CHOCO's honest peers end below 50%; with clipping
-    and with BALANCE they stay within 3 points of the attack-free run, and the liar is
-    the neighbour their reports single out."""
+    """Eight simulated CHOCO or BEER top-10% peers on a ring, peer 3 Byzantine, its public
+    copies steered to its model (and BEER's tracker) ×100: the plain algorithm's honest
+    peers end below 50%; with each defence (CHOCO: clipping and BALANCE; BEER: BALANCE)
+    they stay within ``within`` of the attack-free run, and the liar is the neighbour
+    their reports single out."""
     from conftest import small_config
 
     from gossipdl.experiments.simulated import simulate
@@ -653,15 +658,15 @@ def test_a_byzantine_choco_peer_wrecks_plain_choco_and_a_defence_holds_it_off(
         profiles = {"liar": {"peers": "3", "byzantine": attack}} if attack else {}
         config = small_config(
             tmp_path / name, peers=8, topology="ring", steps=80, defence=defence,
-            algorithm="choco", codec="topk:0.1", profiles=profiles,
+            algorithm=algorithm, codec="topk:0.1", profiles=profiles,
         )  # fmt: skip
         return simulate(config, step_time=0.01)
 
     clean = _honest_accuracy(run("clean", None, "none"), set())
     assert _honest_accuracy(run("plain", "scaled", "none"), {3}) < 0.5
-    for defence in ("clip", "balance"):
+    for defence in defences:
         summary = run(defence, "scaled", defence)
-        assert _honest_accuracy(summary, {3}) >= clean - 0.03, defence
+        assert _honest_accuracy(summary, {3}) >= clean - within, defence
         assert summary["suspect_neighbours"] == [3], defence
 
 
@@ -723,31 +728,6 @@ def test_a_byzantine_beer_peer_steers_its_public_copies_to_the_attacked_model_an
         assert float(error) < 1e-3
     with pytest.raises(ValueError, match="one public copy of the sender"):
         build_averager("beer", "topk:0.5", attack=parse_attack("dissensus"))
-
-
-def test_a_byzantine_beer_peer_wrecks_plain_beer_and_balance_holds_it_off(
-    tmp_path: Path,
-) -> None:
-    """Eight simulated BEER top-10% peers on a ring, peer 3 sending its model and its tracker
-    scaled ×100: plain BEER's honest peers end below 50%; with BALANCE they stay within 2
-    points of the attack-free run, and peer 3 is the neighbour they single out."""
-    from conftest import small_config
-
-    from gossipdl.experiments.simulated import simulate
-
-    def run(name: str, attack: str | None, defence: str) -> dict:
-        profiles = {"liar": {"peers": "3", "byzantine": attack}} if attack else {}
-        config = small_config(
-            tmp_path / name, peers=8, topology="ring", steps=80, defence=defence,
-            algorithm="beer", codec="topk:0.1", profiles=profiles,
-        )  # fmt: skip
-        return simulate(config, step_time=0.01)
-
-    clean = _honest_accuracy(run("clean", None, "none"), set())
-    assert _honest_accuracy(run("plain", "scaled", "none"), {3}) < 0.5
-    summary = run("balance", "scaled", "balance")
-    assert _honest_accuracy(summary, {3}) >= clean - 0.02
-    assert summary["suspect_neighbours"] == [3]
 
 
 def test_defended_choco_sets_aside_a_neighbour_whose_copy_stopped_moving() -> None:
