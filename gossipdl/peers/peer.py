@@ -296,6 +296,7 @@ class Peer:
         self.incarnation = secrets.randbits(62) + 1
         self.swarm_config = swarm_config or {}
         self._on_members = on_members
+        self._publishing = threading.Lock()  # one report of the table at a time
         # Who owns what. Four threads touch a peer: training (step, gossip, forming), receive
         # (the transport's, running _on_message), watch (heartbeats, deaths) and send (the
         # transport's, owning the sockets). With overlap a fifth runs what training would:
@@ -1162,7 +1163,10 @@ class Peer:
         """Wake whoever waits on the member table (formation, rounds) and report it."""
         self._wake()
         if self._on_members is not None:
-            self._on_members(self.membership.members())
+            # Threads report in turn, each the table as it is then: a thread that read the
+            # table before another's change cannot write its older view last.
+            with self._publishing:
+                self._on_members(self.membership.members())
 
     def _wake(self) -> None:
         """Wake every wait (formation, requests, a round) to look again."""
