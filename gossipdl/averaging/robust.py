@@ -131,6 +131,7 @@ def balance(
     limit: float = math.inf,
     x_norm: float | None = None,
     majority: bool = True,
+    middle: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BALANCE's distance filter (Fang, Zhang, Yuan, Li and Gong 2024): a neighbour's model
     is accepted when ``‖x − x_j‖ ≤ γ · exp(−κ · progress) · ‖x‖`` (``progress`` runs from
@@ -171,14 +172,15 @@ def balance(
     k distances (``gaps``, where the caller has them) and one norm.
 
     ``limit`` caps the threshold (``Defence``'s RHO times the median neighbour's distance);
-    ``x_norm`` is ``‖x‖``, where the caller has it."""
+    ``x_norm`` is ``‖x‖`` and ``middle`` the neighbourhood's median distance (the peer's
+    0 among it), where the caller has them."""
     factor = gamma * math.exp(-kappa * progress)
     if x_norm is None:
         x_norm = float(torch.linalg.vector_norm(x.double()))
     gaps = distances(x, neighbours) if gaps is None else gaps
     near = 0.0
     if majority and gaps.numel() >= 2:
-        near = ACCEPT_RATIO * median_gap([0.0, *gaps.tolist()])
+        near = ACCEPT_RATIO * (median_gap([0.0, *gaps.tolist()]) if middle is None else middle)
     accepted = gaps <= min(limit, max(factor * x_norm, near))
     if not bool(accepted.any()):
         return x.clone(), accepted
@@ -239,10 +241,11 @@ EVICT_RATIO = 6.0
 set aside must sit for that round to count against it (eviction, :func:`outlying`)."""
 
 
-def outlying(gaps: torch.Tensor) -> torch.Tensor:
+def outlying(gaps: torch.Tensor, middle: float | None = None) -> torch.Tensor:
     """Which neighbours sit more than :data:`EVICT_RATIO` times as far from the peer as the
-    median of the neighbourhood, the peer itself (distance 0) among it: only those may be
-    evidence for eviction. Counting the peer keeps the test alive with two neighbours.
+    median of the neighbourhood, the peer itself (distance 0) among it (``middle``, where
+    the caller has it): only those may be evidence for eviction. Counting the peer keeps
+    the test alive with two neighbours.
 
     An absolute bound is not enough: on Dirichlet(0.1) shards honest peers holding one or
     two classes sit beyond BALANCE's γ‖x‖ and clipping's radius round after round, and
@@ -257,7 +260,8 @@ def outlying(gaps: torch.Tensor) -> torch.Tensor:
         >>> outlying(torch.tensor([1.0, 1.2, 9.0])).tolist()
         [False, False, True]
     """
-    middle = median_gap([0.0, *gaps.tolist()])
+    if middle is None:
+        middle = median_gap([0.0, *gaps.tolist()])
     return gaps > EVICT_RATIO * middle
 
 
@@ -369,11 +373,12 @@ class Defence:
         neighbours and none was set aside before the rule saw them, so BALANCE may go by
         their median (:func:`balance`)."""
         gaps = distances(x, neighbours) if gaps is None else gaps
+        middle = median_gap([0.0, *gaps.tolist()])  # the neighbourhood's, the peer among it
         if self.rule == "clip":
             radius = auto_radius(gaps, int(self.param))
             model = clipped_mix(x, neighbours, weights, kept, radius=radius, gaps=gaps)
             aside = (1.0 - radius / gaps.clamp_min(1e-30)).clamp_min(0.0)
-            return Judgement(model, gaps, aside, aside * outlying(gaps))
+            return Judgement(model, gaps, aside, aside * outlying(gaps, middle))
         if self.rule == "balance":
             gamma = self.param * math.sqrt(steps)
             if x_norm is None:  # one pass, for both bounds
@@ -381,9 +386,9 @@ class Defence:
             limit = self._relative_limit(gaps)
             model, accepted = balance(
                 x, neighbours, weights, 0.0, gamma=gamma, gaps=gaps, limit=limit,
-                x_norm=x_norm, majority=majority,
+                x_norm=x_norm, majority=majority, middle=middle,
             )  # fmt: skip
-            beyond = (gaps > gamma * x_norm) & outlying(gaps)
+            beyond = (gaps > gamma * x_norm) & outlying(gaps, middle)
             return Judgement(model, gaps, (~accepted).double(), (~accepted & beyond).double())
         count = neighbours.shape[0] + 1
         trim = self._trim(neighbours) if self.rule == "trimmed" else (count - 1) // 2
