@@ -23,9 +23,14 @@ What it measures
     * ``stacked-sign``, ``stacked``: the savings together, a message every 4th step
       (``periodic:4``) of 1-bit values (``sign``), or of top-1% with QSGD values and
       Golomb-coded indices (``topk:0.01+qsgd:16``);
+    * ``beer-stacked``: BEER's savings together, a message every 16th step of 1-bit
+      values of a random half of the coordinates (drawn from a seed both ends share, so
+      no indices travel), a scale per 4096 (``randomk:0.5:noscale+sign:4096``,
+      ``periodic:16``): sign's large γ keeps the peers together across 16 local steps,
+      where top-k's small one did not;
     * non-IID rows: each of ``--non-iid-setting`` (a comma list; default
-      ``beer-topk05-trits``, the best setting, and ``beer-sign``) on the ring with
-      ``dirichlet:0.1`` shards, beside its iid row.
+      ``beer-stacked``, the best setting, ``beer-topk05-trits`` and ``beer-sign``) on the
+      ring with ``dirichlet:0.1`` shards, beside its iid row.
 
     Each run is simulated (``--engine sim``, the default: the protocol's own code on a
     virtual clock, every message encoded as on the wire, so bytes and accuracy are those
@@ -130,6 +135,7 @@ SETTINGS = [
     Setting("beer-sign", "beer", "sign:512"),
     Setting("stacked-sign", "choco", "sign", "periodic:4"),
     Setting("stacked", "choco", "topk:0.01+qsgd:16", "periodic:4"),
+    Setting("beer-stacked", "beer", "randomk:0.5:noscale+sign:4096", "periodic:16"),
 ]
 
 
@@ -332,9 +338,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--non-iid-setting",
-        default="beer-topk05-trits,beer-sign",
+        default="beer-stacked,beer-topk05-trits,beer-sign",
         help=f"the settings also run on {NON_IID} shards (ring), a comma list, default "
-        "beer-topk05-trits,beer-sign; 'none': skip",
+        "beer-stacked,beer-topk05-trits,beer-sign; 'none': skip",
     )
     parser.add_argument(
         "--engine",
