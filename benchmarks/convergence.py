@@ -56,7 +56,7 @@ Run
     python benchmarks/convergence.py --only dense,powergossip --topologies ring
     python benchmarks/convergence.py --quick          # tiny MLP, 60 steps: a smoke test
 
-    On a 2-core machine the defaults take about 110 minutes with ``--jobs 2``.
+    On a 2-core machine the defaults take about 2 hours with ``--jobs 2``.
 
 JSON (``--json FILE``): ``{"benchmark": "convergence", "rows": [...], "meta": {...}}``;
 each row has ``setting``, ``topology``, ``peers``, ``partition``, ``algorithm``,
