@@ -762,3 +762,35 @@ def test_a_graceful_leave_drops_the_peer_from_the_round_it_announced() -> None:
     finally:
         for p in peers:
             p.close()
+
+
+def test_a_peers_threads_report_the_member_table_in_turn_so_the_latest_is_written_last() -> None:
+    """Two threads report the table (``on_members``, what writes ``peers.json``): the first
+    is still writing the table it read when a member comes and the second reports. The
+    second waits its turn, so the newer table is the one written last; reporting at once,
+    the first wrote its older table over it (CI saw peers.json list two of three hosts)."""
+    written: list[list[int]] = []
+    hold, writing, release = [False], threading.Event(), threading.Event()
+
+    def report(members: list[Member]) -> None:
+        if hold.pop() if hold else False:
+            writing.set()
+            release.wait(30)
+        written.append([m.id for m in members])
+
+    peer = Peer(torch.nn.Linear(2, 2), on_members=report, min_peers=1)
+    try:
+        hold[:] = [True]  # the next report stops midway
+        first = threading.Thread(target=peer._members_changed)
+        first.start()
+        assert writing.wait(30)
+        peer.membership.merge([Member(5, "tcp://127.0.0.1:1")])
+        second = threading.Thread(target=peer._members_changed)
+        second.start()
+        second.join(0.5)  # reporting at once, it is done by now; in turn, it waits
+        release.set()
+        first.join(30)
+        second.join(30)
+    finally:
+        peer.close()
+    assert written[-2:] == [[0], [0, 5]]
