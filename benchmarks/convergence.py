@@ -24,8 +24,8 @@ What it measures
       (``periodic:4``) of 1-bit values (``sign``), or of top-1% with QSGD values and
       Golomb-coded indices (``topk:0.01+qsgd:16``);
     * ``beer-stacked``: BEER's savings together, a message every 16th step of 1-bit
-      values of a random half of the coordinates (drawn from a seed both ends share, so
-      no indices travel), a scale per 4096 (``randomk:0.5:noscale+sign:4096``,
+      values of a random half of the coordinates (drawn from a seed the message carries,
+      so no indices travel), a scale per 4096 (``randomk:0.5:noscale+sign:4096``,
       ``periodic:16``): sign's large γ keeps the peers together across 16 local steps,
       where top-k's small one did not;
     * non-IID rows: each of ``--non-iid-setting`` (a comma list; default
