@@ -182,8 +182,11 @@ class Beer(Averager):
         direction = (x - self._last).div_(rnd.lr) if rnd.lr > 0 else self._direction
         mixing = self.resynced is not None
         centre_h, centre_g = self.centres()
-        if mixing:  # the model's judge first: a neighbour whose model it rejects is not followed
-            pull_h = self._pull(self.models, self.s_h, centre_h, rnd)
+        # a judge rules on the models first: a neighbour whose model it rejects is not
+        # followed; without one the model's pull waits for the tracker's step to be done,
+        # so the two pulls are never held at once
+        judged = mixing and self.judge is not None
+        pull_h = self._pull(self.models, self.s_h, centre_h, rnd) if judged else None
         if mixing and rnd.reshaped:  # members came or went: track from the own direction again
             self.v = direction.clone()
         elif mixing:
@@ -194,6 +197,8 @@ class Beer(Averager):
         self._direction = direction
         self._next = self._last + rnd.lr * self.v
         if mixing:
+            if pull_h is None:
+                pull_h = self._pull(self.models, self.s_h, centre_h, rnd)
             self._next.add_(pull_h, alpha=self.gamma)
         return self._send(rnd, *self.targets())
 
