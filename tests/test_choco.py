@@ -11,7 +11,7 @@ import torch
 from test_peer_api import make_swarm, run_rounds
 
 from gossipdl import Peer
-from gossipdl.averaging import Choco, auto_gamma
+from gossipdl.averaging import Beer, Choco, PowerGossip, auto_gamma
 from gossipdl.averaging.base import Arrival, Round
 from gossipdl.averaging.consensus import consensus_spreads
 from gossipdl.compression import build_codec
@@ -225,3 +225,14 @@ def test_choco_refuses_error_feedback_and_scaled_random_k_saying_why(
         Choco(spec)
     assert all(n in str(caught.value) for n in needles), caught.value
     Choco("randomk:0.01:noscale")  # the contractive form is welcome
+
+
+@pytest.mark.parametrize("method", [Choco, Beer, PowerGossip])
+@pytest.mark.parametrize("gamma", [0.0, -0.1, 1.5])
+def test_a_consensus_step_outside_0_to_1_is_refused_naming_the_method(
+    method: type[Choco] | type[Beer] | type[PowerGossip], gamma: float
+) -> None:
+    with pytest.raises(ValueError, match=rf"gamma = {gamma}; \w+ needs 0 < gamma <= 1") as caught:
+        method("powersgd:1" if method is PowerGossip else "topk:0.01", gamma=gamma)
+    assert {Choco: "CHOCO", Beer: "BEER", PowerGossip: "PowerGossip"}[method] in str(caught.value)
+    assert method("powersgd:1" if method is PowerGossip else "topk:0.01", gamma=1.0).gamma == 1.0

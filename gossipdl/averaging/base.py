@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -51,6 +51,21 @@ class Round:
     lr: float = 1.0
     reshaped: bool = False
     period: int = 1
+
+
+Step = TypeVar("Step", bound=float | None)
+
+
+def checked_gamma(gamma: Step, method: str) -> Step:
+    """``gamma``, a consensus step (``None``: chosen automatically), once it is in (0, 1];
+    ValueError naming ``method`` otherwise. CHOCO's, BEER's and PowerGossip's.
+
+    >>> checked_gamma(0.5, "CHOCO"), checked_gamma(None, "CHOCO")
+    (0.5, None)
+    """
+    if gamma is not None and not 0 < gamma <= 1:
+        raise ValueError(f"gamma = {gamma}; {method} needs 0 < gamma <= 1")
+    return gamma
 
 
 def codec_seed(seed: int, peer: int) -> int:

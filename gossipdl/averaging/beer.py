@@ -69,6 +69,7 @@ from gossipdl.averaging.base import (
     Round,
     Vouch,
     after_rebuild,
+    checked_gamma,
     codec_seed,
     dense_payload,
 )
@@ -140,9 +141,8 @@ class Beer(Averager):
     ):
         super().__init__(codec, seed)
         check_choco_codec(self.codec)
-        if gamma is not None and not 0 < gamma <= 1:
-            raise ValueError(f"gamma = {gamma}; BEER needs 0 < gamma <= 1")
-        self.given_gamma = gamma  # None: auto_gamma, every round (the row can change)
+        # None: auto_gamma, every round (the row can change)
+        self.given_gamma = checked_gamma(gamma, "BEER")
         self.gamma: float | None = gamma  # the step of the latest round
         self._tracker_codec = build_codec(self.codec.spec, seed + 1)  # its own warm starts
         self.scale = 1.0

@@ -28,7 +28,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from gossipdl.averaging.base import Arrival, Averager, Round, after_rebuild, dense_payload
+from gossipdl.averaging.base import (
+    Arrival,
+    Averager,
+    Round,
+    after_rebuild,
+    checked_gamma,
+    dense_payload,
+)
 from gossipdl.averaging.judging import Judge
 from gossipdl.averaging.replicas import Replicas
 from gossipdl.averaging.robust import Defence
@@ -193,9 +200,8 @@ class Choco(Averager):
     ):
         super().__init__(codec, seed)
         check_choco_codec(self.codec)
-        if gamma is not None and not 0 < gamma <= 1:
-            raise ValueError(f"gamma = {gamma}; CHOCO needs 0 < gamma <= 1")
-        self.given_gamma = gamma  # None: auto_gamma, every round (the row can change)
+        # None: auto_gamma, every round (the row can change)
+        self.given_gamma = checked_gamma(gamma, "CHOCO")
         self.gamma: float | None = gamma  # the step of the latest round
         self.x_hat: torch.Tensor | None = None
         self.s: torch.Tensor | None = None  # Σ_j W_ij x̂_j, when the copies are not kept apart

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gossipdl.averaging.base import Arrival, Averager, Round
+from gossipdl.averaging.base import Arrival, Averager, Round, checked_gamma
 from gossipdl.compression import CodecError, Payload
 from gossipdl.compression.base import check_arrays, meta_int
 from gossipdl.compression.powersgd import LowRankLayout, split
@@ -112,9 +112,7 @@ class PowerGossip(Averager):
                 "give codec 'powersgd:1' (or 'none')"
             )
         super().__init__("powersgd:1", seed)
-        self.gamma = 1.0 if gamma is None else gamma
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"gamma = {self.gamma}; PowerGossip needs 0 < gamma <= 1")
+        self.gamma = checked_gamma(1.0 if gamma is None else gamma, "PowerGossip")
         self.layout: LowRankLayout | None = None
         self._edges: dict[int, _Edge] = {}
 
