@@ -315,9 +315,10 @@ class Defence:
     ``descent`` (``+descent[:TAU]`` after any rule; 0, the default, is off) sets a
     neighbour aside while its running :func:`descent_scores` is below −TAU, before the rule
     sees the models (its weight shared among the rest, as a stale model's), but only one
-    farther than the median neighbour. The peer that keeps it
-    (:class:`~gossipdl.averaging.dense.DenseGossip`) remembers its model after each mix
-    and each neighbour's score over the last rounds. Assumes that an honest
+    farther than the median neighbour. The peer's judge
+    (:class:`~gossipdl.averaging.judging.Judge`) remembers where its own move is measured
+    from (dense gossip: its model after each mix; CHOCO and BEER: its public copy) and
+    each neighbour's score over the last rounds. Assumes that an honest
     neighbour's model lies, on average, no further back along the peer's own descent than
     the peer itself; on Dirichlet(0.3) shards honest neighbours whose classes differ score
     as low as label flippers at times, and setting them aside slows mixing (README
@@ -367,11 +368,13 @@ class Defence:
         alone on a one-class shard and was evicted (fault seed 62783). The cost: a liar
         that is all a peer hears is taken in once γ√s‖x‖ reaches it, a sign-flipped model
         (2‖x‖ away, γ 0.5) after 16 such rounds, a scaled one (×100) after 40,000. When
-        neighbours are missing, a trimmed mean trims what it can (:meth:`_trim`) rather
-        than fail the round. ``gaps``: the neighbours' :func:`distances`, and ``x_norm``:
-        ``‖x‖``, where the caller has them. ``majority``: these are most of the peer's
-        neighbours and none was set aside before the rule saw them, so BALANCE may go by
-        their median (:func:`balance`)."""
+        neighbours are missing and fewer values are left than a coordinate-wise rule needs
+        to outvote its bad ones (``2·TRIM + 1`` for a trimmed mean, 3 for the median), the
+        peer keeps its own model that round, as clipping does with no more neighbours than
+        bad ones: trimming what it could let a lone liar in at half the weight. ``gaps``:
+        the neighbours' :func:`distances`, and ``x_norm``: ``‖x‖``, where the caller has
+        them. ``majority``: these are most of the peer's neighbours and none was set aside
+        before the rule saw them, so BALANCE may go by their median (:func:`balance`)."""
         gaps = distances(x, neighbours) if gaps is None else gaps
         middle = median_gap([0.0, *gaps.tolist()])  # the neighbourhood's, the peer among it
         if self.rule == "clip":
@@ -391,7 +394,10 @@ class Defence:
             beyond = (gaps > gamma * x_norm) & outlying(gaps, middle)
             return Judgement(model, gaps, (~accepted).double(), (~accepted & beyond).double())
         count = neighbours.shape[0] + 1
-        trim = self._trim(neighbours) if self.rule == "trimmed" else (count - 1) // 2
+        trim = int(self.param) if self.rule == "trimmed" else (count - 1) // 2
+        if count < (2 * trim + 1 if self.rule == "trimmed" else 3):  # too few to outvote the bad
+            whole = torch.ones_like(gaps)
+            return Judgement(x.clone(), gaps, whole, torch.zeros_like(gaps))
         ordered = torch.sort(torch.cat([x.unsqueeze(0), neighbours]), dim=0).values
         low, high = ordered[trim], ordered[count - 1 - trim]
         aside = ((neighbours < low) | (neighbours > high)).double().mean(1)
@@ -403,11 +409,6 @@ class Defence:
         if not self.rho or gaps.numel() < 3:
             return math.inf
         return self.rho * median_gap(gaps)
-
-    def _trim(self, neighbours: torch.Tensor) -> int:
-        """The values a trimmed mean drops per side this round: TRIM, or fewer when too few
-        neighbours sent (at most ``(count − 1) // 2`` of ``count`` values keeps one)."""
-        return min(int(self.param), neighbours.shape[0] // 2)
 
 
 def parse_defence(spec: str) -> Defence | None:
