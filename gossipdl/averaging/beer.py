@@ -156,7 +156,7 @@ class Beer(Averager):
         self._next: torch.Tensor | None = None
         self._synced_at: dict[int, int] = {}
         self.resynced: int | None = None
-        self.judge = None if defence is None else Judge(defence, stale_test=False)
+        self.judge = None if defence is None else Judge(defence, copies=True)
         # each neighbour's h_j and g_j (with a defence, or ``keep_copies``), instead of s_h, s_g
         kept = defence is not None or keep_copies
         self.models = Replicas(self.judge) if kept else None

@@ -205,7 +205,7 @@ class Choco(Averager):
         self.gamma: float | None = gamma  # the step of the latest round
         self.x_hat: torch.Tensor | None = None
         self.s: torch.Tensor | None = None  # Σ_j W_ij x̂_j, when the copies are not kept apart
-        self.judge = None if defence is None else Judge(defence, stale_test=False)
+        self.judge = None if defence is None else Judge(defence, copies=True)
         # each neighbour's public copy x̂_j (with a defence, or ``keep_copies``), instead of s
         self.replicas = Replicas(self.judge) if defence is not None or keep_copies else None
         self.scale = 1.0  # 1/(1+ω), set when the vector's length is known

@@ -12,6 +12,7 @@ a metrics line reports per neighbour, and the streaks eviction accuses by.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,27 +50,35 @@ def fingerprint(model: torch.Tensor) -> torch.Tensor:
 class Judge:
     """``defence`` applied round after round, with what it remembers of each neighbour.
 
-    With ``stale_test`` a neighbour whose model has not changed since its last message is
-    set aside first (:func:`fingerprint`): an honest peer's model moves every round, a
-    crashed or replaying one's does not, and a stale model stays close enough to pass
-    every distance test while it pulls its neighbours back, round after round, to where
-    it stopped. (CHOCO turns it off and finds its stale neighbours by how far their updates
-    moved their copies: a compressed update moves a public copy in a few coordinates, so
-    an honest copy's fingerprint often does not change.) With ``+descent``
-    a neighbour whose running descent score
+    A neighbour whose model has not changed since its last message is set aside first
+    (:func:`fingerprint`): an honest peer's model moves every round, a crashed or
+    replaying one's does not, and a stale model stays close enough to pass every distance
+    test while it pulls its neighbours back, round after round, to where it stopped. With
+    ``+descent`` a neighbour whose running descent score
     (:func:`~gossipdl.averaging.robust.descent_scores`) is below −TAU, and that is farther
     than the median neighbour, is set aside the same way; that never counts towards an
     accusation (:meth:`suspects`): on non-IID shards an honest neighbour can score as low.
+
+    ``copies``: the models judged are public copies (CHOCO's and BEER's). Their caller
+    finds the stale ones by how far their updates moved them
+    (:class:`~gossipdl.averaging.replicas.Replicas`): a compressed update moves a public
+    copy in a few coordinates, so an honest copy's fingerprint often does not change. They
+    are centred at the peer's own copy, and what the rule returns is a pull, not where the
+    peer's model went; so ``+descent`` measures the peer's own move as its public copy's
+    since the last judged round. (Measured from the last pull instead, the "own move" was
+    mostly minus that pull, and a neighbour on the side the pull went scored as if it
+    undid the peer's descent: with no local step at all, the far ones were set aside in
+    37–79% of rounds.)
     """
 
-    def __init__(self, defence: Defence, stale_test: bool = True) -> None:
+    def __init__(self, defence: Defence, copies: bool = False) -> None:
         self.defence = defence
-        self.stale_test = stale_test
+        self.copies = copies
         self._judged: dict[int, list[float]] = {}  # sender -> [rounds, Σ distance, Σ set aside]
         self._marks: dict[int, torch.Tensor] = {}  # sender -> fingerprint of its last model
         self._streaks: dict[int, int] = {}  # sender -> judged rounds in a row it was set aside
         self._last_mixed: int | None = None  # the round this peer last took a neighbour's model in
-        self._mixed: torch.Tensor | None = None  # +descent: the model the last judged round left
+        self._mixed: torch.Tensor | None = None  # +descent: where the own move is measured from
         self._scores: dict[int, float] = {}  # +descent: sender -> running descent score
         self.verdict: dict[int, float] = {}  # the last round's share set aside, per neighbour
 
@@ -104,13 +113,16 @@ class Judge:
     ) -> torch.Tensor:
         """The defence's new model from ``x`` and the fresh ``arrived`` models; every
         arrival's distance and set-aside share recorded. A stale one (the fingerprint's, or
-        one the caller found in ``stale``) is set aside whole and
+        one the caller found in ``stale``), or one at no finite distance (a public copy
+        whose finite updates added up past float32's range, or lay that far from ``x``:
+        any rule would turn its ``0 · inf`` into NaN), is set aside whole and
         its weight shared among the fresh ones, as BALANCE shares a rejected one's (left
         with x, a crashed neighbour slowed its neighbours' mixing for the rest of the run);
         so is one whose running descent score is below −TAU (``+descent``), which is not
         evidence."""
         gaps, unmoved, x_norm = self._measure(x, arrived)
-        stale = unmoved + [j for j in stale if j in arrived and j not in unmoved]
+        broken = [j for j in arrived if not math.isfinite(gaps[j])]  # overflowed: no model
+        stale = list(dict.fromkeys([*unmoved, *broken, *(j for j in stale if j in arrived)]))
         if self._last_mixed is None:  # its first judged round: as if it mixed the one before
             self._last_mixed = rnd.index - 1
         rounds = max(1, rnd.index - self._last_mixed)
@@ -150,24 +162,24 @@ class Judge:
         for j in arrived:
             record = self._judged.setdefault(j, [0.0, 0.0, 0.0])
             record[0] += 1
-            record[1] += gaps[j]
+            record[1] += gaps[j] if math.isfinite(gaps[j]) else 0.0
             record[2] += shares[j]
             self._streaks[j] = self._streaks.get(j, 0) + 1 if evidence[j] >= EVICT_SHARE else 0
         if self.defence.descent:
-            self._mixed = model.clone()
+            self._mixed = (x if self.copies else model).clone()
         return model
 
     def _measure(
         self, x: torch.Tensor, arrived: Mapping[int, Arrival]
     ) -> tuple[dict[int, float], list[int], float | None]:
         """Each arrival's distance to ``x``, the neighbours whose model has not changed since
-        their last message (:func:`fingerprint`; none without ``stale_test``), and for
+        their last message (:func:`fingerprint`; none for ``copies``), and for
         BALANCE ``‖x‖``: worked out where ``x`` is and read in one go (on a GPU one wait a
         round, not two per neighbour). One neighbour at a time: no stack of a stale model
         beside the others'."""
         ids = list(arrived)
         numbers = [distances(x, arrived[j].value.unsqueeze(0))[0] for j in ids]
-        if self.stale_test:
+        if not self.copies:
             marks = [fingerprint(arrived[j].value) for j in ids]
             new = torch.zeros((), dtype=torch.float64, device=x.device)
             numbers += [  # 1 for a model that did not move
@@ -179,7 +191,7 @@ class Judge:
             numbers.append(torch.linalg.vector_norm(x.double()))
         read = torch.stack(numbers).tolist()
         k = len(ids)
-        flags = read[k : 2 * k] if self.stale_test else [0.0] * k
+        flags = [0.0] * k if self.copies else read[k : 2 * k]
         stale = [j for j, flag in zip(ids, flags, strict=True) if flag]
         x_norm = read[-1] if self.defence.rule == "balance" else None
         return dict(zip(ids, read[:k], strict=True)), stale, x_norm

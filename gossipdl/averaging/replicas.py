@@ -51,11 +51,14 @@ class Replicas:
         self.copies: dict[int, torch.Tensor] = {}
         self._moved: dict[int, torch.Tensor] = {}  # sender -> ‖its updates‖ this round
         self._own_move: torch.Tensor | None = None  # ‖this peer's own update‖ this round
+        self._finite: dict[int, torch.Tensor] = {}  # sender -> unread: its updates' sums finite
+        self.broken: set[int] = set()  # senders whose copy is no longer finite
 
     def rebuild(self, dense: Mapping[int, torch.Tensor]) -> None:
         """Start every copy again from a resync's dense public copies (copied: arrivals are
         read-only, and a vouch's value is the peer's own copy)."""
         self.copies = {j: value.clone() for j, value in dense.items()}
+        self._finite, self.broken = {}, set()
 
     def new_round(self) -> None:
         """Forget the last round's moves: the stale test judges one round's updates."""
@@ -74,10 +77,14 @@ class Replicas:
             return
         if isinstance(q, SparseVector):
             into.index_add_(0, q.indices, q.values, alpha=alpha)
-            values = q.values
+            values, touched = q.values, into[q.indices]
         else:
             into.add_(q, alpha=alpha)
-            values = q
+            values, touched = q, into
+        # every update is finite (the wire checks), but their sum can overflow: read later
+        finite = torch.isfinite(touched).all()
+        earlier = self._finite.get(sender)
+        self._finite[sender] = finite if earlier is None else earlier & finite
         if self.judge is not None:  # how far the copy moved (read with the others, once)
             move = torch.linalg.vector_norm(values.double())
             earlier = self._moved.get(sender)
@@ -87,15 +94,31 @@ class Replicas:
         """The mix of ``centre`` with the copies of this round's neighbours: the judge's,
         when there is one, else the gossip weights'. Neighbours in ``aside`` are left out
         whatever their copies (:func:`leave_out`)."""
-        rnd = leave_out(rnd, aside)
+        self._read_finite()
+        rnd = leave_out(rnd, aside if self.judge is not None else [*aside, *self.broken])
         copies = {
             j: Arrival(w, self.copies[j], rnd.index)
             for j, w in rnd.weights.items()
             if j in self.copies
         }
         if self.judge is not None and copies:
-            return self.judge.judge(centre, rnd, copies, self.stale())
+            return self.judge.judge(centre, rnd, copies, [*self.stale(), *self.broken])
         return mix(centre, rnd, list(copies.values()))
+
+    def _read_finite(self) -> None:
+        """Add to :attr:`broken` the senders whose updates since the last read left a
+        non-finite value in their copy: one read for all (on a GPU, one wait a round).
+        A broken copy is left out, or set aside by the judge, until a resync rebuilds it:
+        a liar's finite updates that add up past float32's range would otherwise make
+        every mix NaN."""
+        if not self._finite:
+            return
+        senders = list(self._finite)
+        checks = torch.stack(list(self._finite.values())).tolist()
+        self._finite = {}
+        for j, finite in zip(senders, checks, strict=True):
+            if not finite:
+                self.broken.add(j)
 
     def stale(self) -> list[int]:
         """The neighbours whose updates this round moved their copy by at most
