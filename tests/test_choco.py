@@ -227,6 +227,20 @@ def test_choco_refuses_error_feedback_and_scaled_random_k_saying_why(
     Choco("randomk:0.01:noscale")  # the contractive form is welcome
 
 
+@pytest.mark.parametrize("codec", ["topk:0.01", "randomk:0.1:noscale+fp16", "threshold:auto"])
+def test_dense_gossip_refuses_a_sparsifier_saying_why(codec: str) -> None:
+    """Dense gossip sends the model itself: a sparsified one is mostly zeros, which every
+    average would pull the models towards (and a defence's stale test read as a frozen
+    model). The config names the algorithm to use instead; a quantizer is welcome."""
+    from gossipdl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"algorithm = 'dense': .*use algorithm choco") as err:
+        load_config(None, algorithm="dense", codec=codec, defence="clip")
+    assert f"codec {codec!r}" in str(err.value)
+    assert load_config(None, algorithm="dense", codec="qsgd:16").codec == "qsgd:16"
+    assert load_config(None, codec=codec).codec == codec  # auto: CHOCO
+
+
 @pytest.mark.parametrize("method", [Choco, Beer, PowerGossip])
 @pytest.mark.parametrize("gamma", [0.0, -0.1, 1.5])
 def test_a_consensus_step_outside_0_to_1_is_refused_naming_the_method(

@@ -11,6 +11,7 @@ from gossipdl.averaging.base import Arrival, Averager, Round, mix
 from gossipdl.averaging.judging import Judge
 from gossipdl.averaging.robust import Defence, nearest_to_rest
 from gossipdl.compression import Payload
+from gossipdl.compression.sparse import SparseCodec
 
 LATE_ROUNDS = 4
 """Rounds a peer keeps its own model of, while a neighbour's model for it is missing, so a
@@ -29,7 +30,8 @@ class DenseGossip(Averager):
     leaves the edge applied at one end only (no acknowledgement over a lossy link can
     make both ends agree), and moves the average once by ``W_ij (x_i − x_j) / n``.
     With a lossy codec this is naive compressed gossip (the model itself quantized),
-    which is why CHOCO is the default as soon as the codec is lossy.
+    which is why CHOCO is the default as soon as the codec is lossy; a sparsifier is
+    refused (it would send zeros for most of the model).
 
     With a ``defence`` (:mod:`gossipdl.averaging.robust`) the arrived models are combined
     by that rule instead (:class:`~gossipdl.averaging.judging.Judge`, which also sets a
@@ -43,6 +45,13 @@ class DenseGossip(Averager):
 
     def __init__(self, codec: str = "none", seed: int = 0, defence: Defence | None = None):
         super().__init__(codec, seed)
+        if isinstance(self.codec, SparseCodec):
+            raise ValueError(
+                f"codec {codec!r}: dense gossip sends the model itself, and a sparsifier would "
+                "send a few of its values and zeros for the rest, which every average pulls "
+                "the models towards; use algorithm choco (or auto), which sends compressed "
+                "differences, or a quantizer such as fp16 or qsgd:16"
+            )
         self.judge = None if defence is None else Judge(defence)
         # round -> (own model of that round, neighbours whose model is still missing)
         self._held: OrderedDict[int, tuple[torch.Tensor, set[int]]] = OrderedDict()
