@@ -34,6 +34,7 @@ LOCAL_KEYS = frozenset(
         "tensorboard",
         "csv",
         "metrics_hook",
+        "data_dir",  # a path on this machine: where its own copy of a data set lives
         "faults",  # a simulated experiment's schedule (the real engine refuses it)
     }
 )

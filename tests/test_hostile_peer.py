@@ -162,9 +162,12 @@ def test_the_users_own_config_decides_and_this_machines_settings_never_come_from
     monkeypatch.syspath_prepend(str(tmp_path))
     remote = {"codec": "probe_plugin:Thing", "peers": 7, "out": "/etc", "max_message_mb": 1e9}
     kill = [{"at": "1s", "kill": "0"}]  # a simulated schedule would stop a real joiner
-    config = config_from_peer({**remote, "codec": "fp16", "faults": kill}, "tcp://10.0.0.5:5555")
+    elsewhere = {"codec": "fp16", "faults": kill, "data_dir": "/etc", "dataset": "cifar10"}
+    config = config_from_peer({**remote, **elsewhere}, "tcp://10.0.0.5:5555")
     assert (config.peers, config.codec, config.out, config.max_message_mb) == (7, "fp16", "", 1024)
-    assert config.faults == []
+    assert config.faults == [] and config.data_dir == ""  # no path on this machine from a peer
+    own = config_from_peer(elsewhere, "tcp://10.0.0.5:5555", {"data_dir": str(tmp_path)})
+    assert own.data_dir == str(tmp_path)
     sized = config_from_peer({"dataset": "mnist1d:640"}, "tcp://10.0.0.5:5555")
     assert sized.dataset == "mnist1d:640"  # built in, at another size: no plug-in to refuse
     assert not (tmp_path / "imported.txt").exists()
