@@ -265,3 +265,38 @@ def test_listening_on_a_network_address_without_curve_warns_once(
         end.close()
     warnings = [r for r in caplog.records if "without encryption" in r.getMessage()]
     assert len(warnings) == 1 and "--secure" in warnings[0].getMessage()
+
+
+def test_strangers_trying_fresh_keys_grow_no_memory_and_flood_no_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each refused key is remembered so its retries are logged once, but at most
+    MAX_REFUSED_KEYS of them (the oldest forgotten), and a new one is logged at most once
+    per REFUSED_LOG_S; every refusal is counted. (The set grew by one a key, without end.)"""
+    from gossipdl.transport import Transport, sockets
+
+    monkeypatch.setattr(sockets, "MAX_REFUSED_KEYS", 8)
+    dir_a, key_a = _keys(tmp_path, "a")
+    end = Transport(
+        "tcp://127.0.0.1:0", lambda m: None, curve=load_curve(dir_a, _allow(tmp_path / "l", key_a))
+    )
+    context = zmq.Context()
+    try:
+        with caplog.at_level("WARNING", logger="gossipdl.transport.sockets"):
+            for tried in range(1, 21):
+                public, secret = zmq.curve_keypair()
+                stranger = context.socket(zmq.DEALER)
+                stranger.linger = 0
+                stranger.curve_secretkey, stranger.curve_publickey = secret, public
+                stranger.curve_serverkey = key_a.encode()
+                stranger.connect(end.address)
+                stranger.send(b"hello")
+                wait_for(lambda: end.stats.handshakes_refused >= tried, 10, "the refusal")  # noqa: B023
+                stranger.close()
+        remembered = end._auth.credentials_providers["*"]._refused  # type: ignore[union-attr]
+        assert len(remembered) == 8 and end.stats.handshakes_refused == 20
+        logged = [r for r in caplog.records if "not on the allow-list" in r.getMessage()]
+        assert 1 <= len(logged) < 20  # one a second, not one a key
+    finally:
+        end.close()
+        context.term()

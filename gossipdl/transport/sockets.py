@@ -51,6 +51,11 @@ MAX_QUEUED_BYTES = 256 * 2**20
 # it still queued is dropped (reason ``too_many_sockets``). ZeroMQ allows 1023 sockets per context.
 MAX_SOCKETS = 768
 IDLE_SOCKET_S = 30.0  # a connection unused this long is closed: nobody is dialled forever
+# Refused CURVE keys remembered, so a refused peer's retries are logged once; beyond it the
+# oldest is forgotten (a stranger trying fresh keys cannot grow the set), and a new key is
+# logged at most once per REFUSED_LOG_S. Every refusal counts in ``handshakes_refused``.
+MAX_REFUSED_KEYS = 1024
+REFUSED_LOG_S = 1.0
 
 
 class TransportError(RuntimeError):
@@ -90,7 +95,8 @@ class _AllowList:
         self._allowed = allowed
         self._stats = stats
         self._name = name
-        self._refused: set[str] = set()
+        self._refused: OrderedDict[str, None] = OrderedDict()  # at most MAX_REFUSED_KEYS
+        self._logged = -math.inf  # when a refusal was last logged
 
     def callback(self, domain: str, key: bytes) -> bool:
         text = key.decode("ascii", "replace")
@@ -98,11 +104,19 @@ class _AllowList:
             return True
         with self._stats.lock:
             self._stats.handshakes_refused += 1
-        if text not in self._refused:  # a refused peer retries; say it once
-            self._refused.add(text)
+        if text in self._refused:  # a refused peer retries; say it once
+            self._refused.move_to_end(text)
+            return False
+        self._refused[text] = None
+        if len(self._refused) > MAX_REFUSED_KEYS:
+            self._refused.popitem(last=False)
+        now = time.monotonic()
+        if now - self._logged >= REFUSED_LOG_S:
+            self._logged = now
             log.warning(
-                "%s: refused a connection from key %s: not on the allow-list", self._name, text
-            )
+                "%s: refused a connection from key %s: not on the allow-list (%d refused so far)",
+                self._name, text, self._stats.handshakes_refused,
+            )  # fmt: skip
         return False
 
 
