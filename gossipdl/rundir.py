@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 # The unix time a launcher started the run; every peer it starts counts ``time`` from it.
 RUN_START_ENV = "GOSSIPDL_RUN_START"
@@ -44,6 +44,23 @@ def complete_lines(path: Path) -> list[bytes]:
     being written (its newline not there yet) is not one of them, whatever bytes it has."""
     data = path.read_bytes()
     return data[: data.rfind(b"\n") + 1].splitlines()
+
+
+def cut_to_last_line(path: Path, chunk: int = 1 << 16) -> None:
+    """Cut a file being appended to back to its last newline (empty if it has none): a line
+    a killed writer left half written, which the next writer's first line would join, and
+    every reader skip both."""
+    with path.open("rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        start = end
+        while start > 0:
+            start = max(0, start - chunk)
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                f.truncate(start + newline + 1)
+                return
+        f.truncate(0)
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
@@ -86,6 +103,15 @@ class RunDir:
 
     def metrics(self, peer_id: int) -> Path:
         return self.root / "peers" / f"{peer_id}.jsonl"
+
+    def append_metrics(self, peer_id: int) -> IO[str]:
+        """Peer ``peer_id``'s metrics file, line-buffered for appending (a resumed peer
+        carries on in it), cut back first to its last complete line
+        (:func:`cut_to_last_line`)."""
+        path = self.metrics(peer_id)
+        if path.exists():
+            cut_to_last_line(path)
+        return path.open("a", buffering=1)
 
     def log(self, peer_id: int | str) -> Path:
         return self.root / "peers" / f"{peer_id}.log"

@@ -80,3 +80,31 @@ def test_a_live_metrics_file_cut_at_any_byte_reads_as_its_complete_lines(tmp_pat
         records = list(run.records(0))
         assert len(records) == complete, cut
         assert last_record(run.metrics(0)) == json.loads(lines[complete - 1]), cut
+
+
+@pytest.mark.parametrize("chunk", [4, 1 << 16])  # the newline found in a later chunk, or the first
+def test_a_resumed_peer_appends_after_its_last_complete_line_not_onto_a_cut_one(
+    tmp_path: Path, chunk: int
+) -> None:
+    """A peer killed mid-write leaves half a line; its next life's first line used to join it
+    and every reader skipped both (the resumed life's ``start`` line lost)."""
+    from gossipdl.rundir import cut_to_last_line
+
+    run = RunDir(tmp_path).create()
+    path = run.metrics(2)
+    lines = [json.dumps({"peer": 2, "step": s}) for s in (0, 10, 20)]
+    path.write_text("\n".join(lines) + '\n{"peer": 2, "step": 3')
+    cut_to_last_line(path, chunk)
+    assert path.read_text() == "\n".join(lines) + "\n"
+    cut_to_last_line(path, chunk)  # a file that ends with its newline stays as it is
+    assert path.read_text() == "\n".join(lines) + "\n"
+    path.write_text('{"peer": 2, "st')  # no complete line at all
+    cut_to_last_line(path, chunk)
+    assert path.read_bytes() == b""
+    path.write_text(lines[0] + "\n" + '{"peer": 2, "st')
+    with run.append_metrics(2) as f:
+        f.write(json.dumps({"peer": 2, "step": 30, "start": True}) + "\n")
+    assert [r["step"] for r in run.records(2)] == [0, 30]
+    with run.append_metrics(3) as f:  # a first life: a new file
+        f.write(lines[0] + "\n")
+    assert [r["step"] for r in run.records(3)] == [0]

@@ -299,7 +299,7 @@ def _loop(
     drift = drift_of(config, peer.id)
     previous = _last_life(run, peer.id) if resumed else None
     sinks = MetricsSinks(config, run, peer.id)  # first: a sink that fails leaves no file open
-    metrics = run.metrics(peer.id).open("a", buffering=1)
+    metrics = run.append_metrics(peer.id)
     swarm, start = _swarm(peer)
     carried = {k: previous.get(k, 0) for k in CARRIED} if previous else {}
     carried_drops: dict[str, int] = dict(previous.get("dropped_reasons", {})) if previous else {}
