@@ -578,10 +578,11 @@ def report(
 
 def _report(directories: list[Path], out: Path | None) -> None:
     from gossipdl.experiments.report import ReportError, write_report
+    from gossipdl.rundir import RunDirError
 
     try:
         files = write_report(directories, out)
-    except ReportError as exc:
+    except (ReportError, RunDirError) as exc:
         _fail(str(exc))
     console.print("[bold]report[/]: " + ", ".join(escape(str(f)) for f in files))
 

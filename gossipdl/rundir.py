@@ -46,6 +46,18 @@ def complete_lines(path: Path) -> list[bytes]:
     return data[: data.rfind(b"\n") + 1].splitlines()
 
 
+class RunDirError(ValueError):
+    """A file of a run directory that cannot be read; the message names it and what to do."""
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of a run directory; a torn or hand-edited one is a RunDirError naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunDirError(f"{path} is not readable JSON ({exc}); re-run, or restore it") from None
+
+
 def cut_to_last_line(path: Path, chunk: int = 1 << 16) -> None:
     """Cut a file being appended to back to its last newline (empty if it has none): a line
     a killed writer left half written, which the next writer's first line would join, and

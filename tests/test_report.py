@@ -28,7 +28,7 @@ from gossipdl.experiments.provenance import PACKAGE_DIR, git_state
 from gossipdl.experiments.report import write_report
 from gossipdl.experiments.summary import Run, accuracy_curve, summarize, summary_of
 from gossipdl.experiments.sweep import parse_grid, plan, run_sweep
-from gossipdl.rundir import RunDir
+from gossipdl.rundir import RunDir, RunDirError
 
 STEPS = 30
 
@@ -301,6 +301,31 @@ def test_a_live_run_with_torn_lines_reports_what_is_complete(tmp_path: Path) -> 
     (row,) = table_rows(run.root / "report" / "report.md", "live")
     assert row[2] == "2/2"
     assert panels(run.root / "report" / "accuracy.png")[0]["lines"] == 1
+
+
+def test_a_torn_server_counter_or_model_file_is_named_with_what_to_do(tmp_path: Path) -> None:
+    """``report`` reads a parameter server's counters and the final models (the consensus
+    distance): a torn one is an error naming the file, not a traceback."""
+    run = fake_run(tmp_path / "torn", peers=(0, 1), swarm="70a2")
+    run.server_stats(0).parent.mkdir(exist_ok=True)
+    run.server_stats(0).write_text('{"bytes_sent": 12')
+    with pytest.raises(RunDirError, match=r"servers/0.json is not readable JSON .*restore it"):
+        summary_of(run)
+    run.server_stats(0).write_text('{"bytes_sent": 12}')
+    assert summary_of(run)["server_bytes_sent"] == 12
+    for peer in (0, 1):
+        torch.save({"w": torch.full((3,), float(peer))}, run.model(peer))
+    assert summary_of(run)["consensus_distance"] == pytest.approx(0.75)
+    run.model(1).write_bytes(run.model(1).read_bytes()[:40])  # cut short
+    with pytest.raises(RunDirError, match=r"models/1.pt is not a readable model .*delete it"):
+        summary_of(run)
+    done = subprocess.run(
+        [sys.executable, "-m", "gossipdl", "report", str(run.root)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    said = " ".join(done.stderr.split())  # rich wraps it
+    assert done.returncode == 2 and "models/1.pt is not a readable model" in said
+    assert "Traceback" not in said
 
 
 def test_the_report_names_the_neighbour_the_defences_found_wrong(tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ from gossipdl.experiments.summary import (
     summary_of,
 )
 from gossipdl.experiments.sweep import REPORT_DIR, SWEEP_FILE
-from gossipdl.rundir import RunDir
+from gossipdl.rundir import RunDir, read_json
 
 # config keys that say where output goes or how peers reach each other, not what is computed
 NOT_RESULTS = frozenset({"out", "host", "advertise", "tensorboard", "csv", "metrics_hook"})
@@ -81,7 +81,7 @@ def run_dirs(root: Path) -> list[RunDir]:
     sweep = root / SWEEP_FILE
     if sweep.is_file():
         try:
-            names = [str(v["name"]) for v in _read_json(sweep)["variants"]]
+            names = [str(v["name"]) for v in read_json(sweep)["variants"]]
         except (KeyError, TypeError):
             raise ReportError(
                 f'{sweep} lists no variants ({{"variants": [{{"name": ...}}]}}); re-run the sweep'
@@ -95,14 +95,6 @@ def run_dirs(root: Path) -> list[RunDir]:
             f"{root} holds no peer metrics (peers/<id>.jsonl); is it a gossipdl run directory?"
         )
     return runs
-
-
-def _read_json(path: Path) -> Any:
-    """A JSON file the report needs; a torn or hand-edited one is a ReportError naming it."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ReportError(f"{path} is not readable JSON ({exc}); re-run, or restore it") from None
 
 
 def swarm_of(run: RunDir) -> str | None:

@@ -7,7 +7,6 @@ write their own), or a single :class:`~gossipdl.rundir.RunDir`.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 
 from gossipdl.config import load_config, to_dict
 from gossipdl.experiments.provenance import provenance
-from gossipdl.rundir import RunDir, write_json_atomic
+from gossipdl.rundir import RunDir, RunDirError, read_json, write_json_atomic
 
 
 class Run:
@@ -45,7 +44,7 @@ class Run:
     def servers(self) -> list[dict[str, Any]]:
         """The parameter-server shards' counters (mode ps), from every directory."""
         return [
-            {"shard": k, **json.loads(d.server_stats(k).read_text())}
+            {"shard": k, **read_json(d.server_stats(k))}
             for d in self.dirs
             for k in d.server_shards()
         ]
@@ -63,7 +62,13 @@ def consensus_distance(run: Run | RunDir, peer_ids: list[int]) -> float | None:
     """
     vectors = []
     for path in filter(None, map(view(run).model, peer_ids)):
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, ValueError, EOFError) as exc:
+            raise RunDirError(
+                f"{path} is not a readable model ({str(exc).splitlines()[0]}); restore it, or "
+                "delete it to leave that peer out of the consensus distance"
+            ) from None
         vectors.append(torch.cat([t.reshape(-1).double() for t in state.values()]))
     if len(vectors) < 2:
         return None
