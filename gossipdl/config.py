@@ -406,9 +406,16 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        values = tomllib.loads(path.read_text())
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start]:#x}); "
+            "save it as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     _check_keys(values, where=f" in {path}")
     return values
 

@@ -196,6 +196,9 @@ def test_allow_lists_and_key_directories_are_checked(tmp_path: Path) -> None:
         read_allow_list(tmp_path / "empty.txt")
     with pytest.raises(CurveError, match="cannot read"):
         read_allow_list(tmp_path / "missing.txt")
+    (tmp_path / "latin1.txt").write_bytes(key.encode() + b"  # J\xf6rg\n")
+    with pytest.raises(CurveError, match=r"latin1.txt is not UTF-8 text \(byte 45\)"):
+        read_allow_list(tmp_path / "latin1.txt")
     with pytest.raises(CurveError, match="exactly one"):
         load_curve(tmp_path / "nowhere", good)
     with pytest.raises(CurveError, match="never overwritten"):

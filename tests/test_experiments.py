@@ -192,6 +192,8 @@ def test_report_and_sweep_reject_bad_input_before_running_anything(
         assert message in fails("sweep", "base.toml", "--grid", grid, "--out", "sw")
         assert not (tmp_path / "sw").exists()
     assert "nope.toml does not exist" in fails("experiment", "nope.toml")
+    (tmp_path / "latin1.toml").write_bytes(b"# J\xf6rg\npeers = 2\n")
+    assert "latin1.toml is not UTF-8 text (byte 3: 0xf6)" in fails("experiment", "latin1.toml")
     for bad in ('peers = "x"\n', 'peers = 2\n[profiles.p]\npeers = "7"\n'):
         (tmp_path / "bad.toml").write_text(bad)
         assert "error:" in fails("experiment", "bad.toml", "--out", "run")

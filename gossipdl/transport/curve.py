@@ -86,9 +86,14 @@ def _write_key_file(path: Path, mode: int, name: str, public: str, secret: str =
 def read_allow_list(path: Path) -> frozenset[str]:
     """The public keys listed in ``path`` (see the module docstring for the format)."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise CurveError(f"cannot read the allow-list {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise CurveError(
+            f"the allow-list {path} is not UTF-8 text (byte {exc.start}); it lists one Z85 "
+            "public key per line: save it as UTF-8"
+        ) from None
     keys = set()
     for number, line in enumerate(lines, 1):
         words = line.split()
