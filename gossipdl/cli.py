@@ -606,11 +606,13 @@ def _how(config: Config) -> str:
 
 
 def _stop_on_signals(training: threading.Event, stop: threading.Event) -> None:
-    """First SIGINT/SIGTERM while training: finish the step, save, report. Before: abort."""
+    """First SIGINT/SIGTERM while training: finish the step, save, report. Before: abort,
+    exiting 128 + the signal (:class:`~gossipdl.experiments.launcher.Interrupted`)."""
+    from gossipdl.experiments.launcher import Interrupted
 
     def handler(signum: int, frame: object) -> None:
         if not training.is_set():
-            raise KeyboardInterrupt
+            raise Interrupted(signum)
         # Ctrl-C in a terminal reaches the peer and the launcher forwards it again: a second
         # SIGINT running this handler inside the first one's ``stop.set()`` would deadlock on
         # the Event's lock, so later SIGINTs are ignored (SIGTERM then terminates at once).
@@ -683,8 +685,8 @@ def _train(
         )
     except (TransportError, PeerError, RingError, ServerError, ConfigError) as exc:
         _fail(str(exc))
-    except KeyboardInterrupt:
-        _interrupted("interrupted before training started")
+    except KeyboardInterrupt as exc:
+        _interrupted("interrupted before training started", getattr(exc, "exit_code", 130))
     if summary:
         summarize(run)
 

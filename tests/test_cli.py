@@ -327,20 +327,24 @@ def test_run_launches_and_announces_the_resolved_config(
 # -- Ctrl-C --------------------------------------------------------------------------------
 
 
-def test_ctrl_c_of_a_founding_peer_waiting_for_others_exits_130_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_of_a_founding_peer_waiting_for_others_exits_at_once(
+    tmp_path: Path, signum: int, exit_code: int
+) -> None:
+    """128 + the signal, as shells report it (SIGTERM exited 130 as SIGINT does)."""
     # it would wait an hour for the others: ending within the minute is ending at once
     config = small_config(tmp_path, peers=3, startup_timeout=3600.0)
     config_file = write_config(tmp_path / "exp.toml", config)
     out = tmp_path / "p"
     proc, _ = start_peer("--config", str(config_file), "--out", str(out),
                          "--set", "codec=topk:0.01", log=tmp_path / "p.log")  # fmt: skip
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     try:
         code = proc.wait(timeout=60)
     finally:
         proc.kill()
     log = (tmp_path / "p.log").read_text()
-    assert code == 130, (code, log)
+    assert code == exit_code, (code, log)
     assert "interrupted before training started" in log and "Traceback" not in log
     assert "gossip: ring, choco (γ auto), codec topk:0.01" in log  # the banner's line
     recorded = tomllib.loads((out / "config.toml").read_text())
