@@ -392,6 +392,7 @@ def _search_faults(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from gossipdl.experiments import fault_search
+    from gossipdl.experiments.launcher import Interrupted, StopOnSignal
 
     if faults != "random":
         _fail(
@@ -421,7 +422,10 @@ def _search_faults(
         TextColumn("seeds · {task.fields[broken]} broken"),
     )
     started = time.perf_counter()
-    with Progress(*columns, console=console, disable=not progress, transient=True) as bar:
+    with (
+        Progress(*columns, console=console, disable=not progress, transient=True) as bar,
+        StopOnSignal() as stop,
+    ):
         task = bar.add_task("search", total=len(seed_range), broken=0)
 
         def seen(outcome: fault_search.Outcome) -> None:
@@ -429,7 +433,9 @@ def _search_faults(
             bar.update(task, advance=1, broken=broken)
 
         try:
-            outcomes = fault_search.search(seed_range, str(root), workers, seen)
+            outcomes = fault_search.search(
+                seed_range, str(root), workers, seen, stopped=lambda: stop.signum is not None
+            )
         except fault_search.SearchError as exc:
             _fail(str(exc))
     for outcome in outcomes:
@@ -439,6 +445,8 @@ def _search_faults(
     console.print(escape(line), highlight=False)
     if not any(root.iterdir()):
         root.rmdir()
+    if stop.signum is not None:  # the line above counts the seeds that ran
+        raise Interrupted(stop.signum)
     if any(o.violation is not None for o in outcomes):
         raise typer.Exit(1)
 

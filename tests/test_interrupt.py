@@ -122,6 +122,61 @@ def test_a_signal_stops_a_benchmark_and_the_workers_it_spawned(
     wait_for(lambda: not set(workers) & live_processes().keys(), 5, "the ranks to exit")
 
 
+@pytest.mark.parametrize(
+    "signum, group",
+    [(signal.SIGINT, True), (signal.SIGTERM, False)],
+    ids=["ctrl-c-to-the-group", "sigterm-to-the-search"],
+)
+def test_a_signal_stops_a_fault_search_its_workers_and_their_seeds(
+    signum: int, group: bool, tmp_path: Path
+) -> None:
+    """The search stops its workers, removes the run directories of the seeds they were
+    running (they broke nothing) and says how far it got. SIGTERM used to kill it at once:
+    its workers died on a broken pipe, four tracebacks and leaked semaphores."""
+    out = tmp_path / "search"
+    proc = start(
+        gossipdl_cmd("simulate", "--faults", "random", "--seeds", "0:2000", "--jobs", "2",
+                     "--out", str(out)), tmp_path,
+    )  # fmt: skip
+    try:
+        workers = wait_for(lambda: ranks_of(proc.pid), 60, "the search's workers to start")
+        wait_for(lambda: list(out.glob("seed-*")), 60, "seeds to run")
+        if group:
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)
+        code, stderr = stopped(proc)
+    finally:
+        cleanup(proc)
+    assert code == 128 + signum, stderr
+    assert "Traceback" not in stderr and "leaked" not in stderr, stderr
+    said = " ".join(stderr.split())
+    assert "seeds 0:2000:" in said and "no invariant broken" in said, said
+    assert not list(out.glob("seed-*")), "a running seed's directory kept"
+    wait_for(lambda: not set(workers) & live_processes().keys(), 5, "the workers to exit")
+
+
+def test_ctrl_c_stops_a_benchmarks_simulations_without_a_traceback(tmp_path: Path) -> None:
+    """Pool workers running simulations stop in order (their summaries written) and exit
+    quietly: the ``Interrupted`` a stopped simulation raises is not a worker's traceback."""
+    proc = start(
+        [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--quick", "--peers", "2",
+         "--steps", "1000000", "--only", "dense,choco-topk", "--topologies", "ring",
+         "--engine", "sim", "--jobs", "2", "--out", str(tmp_path / "c")], tmp_path,
+    )  # fmt: skip
+    try:
+        workers = wait_for(lambda: ranks_of(proc.pid), 60, "the workers to start")
+        wait_for(lambda: list((tmp_path / "c").glob("ring/*/peers/0.jsonl")), 60, "a run")
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        code, stderr = stopped(proc)
+    finally:
+        cleanup(proc)
+    assert code == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    assert stderr.splitlines()[-1].startswith("convergence.py: interrupted by SIGINT")
+    wait_for(lambda: not set(workers) & live_processes().keys(), 5, "the workers to exit")
+
+
 def test_sigint_to_gossipdl_run_stops_its_peers_and_exits_130(tmp_path: Path) -> None:
     config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2, steps=1_000_000))
     out = tmp_path / "run"

@@ -10,10 +10,11 @@ that command. Seeds run in parallel worker processes (``jobs``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,19 +92,30 @@ def search(
     root: str,
     jobs: int = 1,
     on_outcome: Callable[[Outcome], None] = lambda outcome: None,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> list[Outcome]:
     """Run every seed (in ``jobs`` worker processes), calling ``on_outcome`` as each ends;
-    returns the outcomes in seed order."""
+    returns the outcomes in seed order. Once ``stopped()`` says so (a signal), the seeds
+    still running are stopped and their run directories removed: what is left under
+    ``root`` is the broken seeds', as after a whole search."""
     if jobs < 1:
         raise SearchError(f"--jobs {jobs}; use 1 or more worker processes")
+    work = [(seed, root) for seed in seeds]
     outcomes = []
-    for outcome in _outcomes([(seed, root) for seed in seeds], jobs):
-        on_outcome(outcome)
-        outcomes.append(outcome)
+    with contextlib.closing(_outcomes(work, jobs)) as running:  # closed: the workers stopped
+        for outcome in running:
+            on_outcome(outcome)
+            outcomes.append(outcome)
+            if stopped():
+                break
+    done = {o.seed for o in outcomes}
+    for seed, _ in work:
+        if seed not in done:
+            shutil.rmtree(Path(root) / f"seed-{seed}", ignore_errors=True)
     return sorted(outcomes, key=lambda o: o.seed)
 
 
-def _outcomes(work: list[tuple[int, str]], jobs: int) -> Iterator[Outcome]:
+def _outcomes(work: list[tuple[int, str]], jobs: int) -> Generator[Outcome, None, None]:
     if jobs == 1 or len(work) == 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
