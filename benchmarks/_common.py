@@ -176,8 +176,14 @@ def run_swarm(
 
 
 def _numbered(worker: Callable[[Any], T], item: tuple[int, Any]) -> tuple[int, T]:
+    """``worker(task)`` with its index. A worker stopped by this process (``pool.terminate``'s
+    SIGTERM, which a simulation turns into an orderly stop and ``Interrupted``) exits with
+    128 + the signal, quietly: a pool prints the traceback of any other BaseException."""
     index, task = item
-    return index, worker(task)
+    try:
+        return index, worker(task)
+    except KeyboardInterrupt as exc:
+        raise SystemExit(getattr(exc, "exit_code", 130)) from None
 
 
 def run_tasks(
