@@ -51,7 +51,12 @@ def gaussian(own: torch.Tensor, sigma: float, generator: torch.Generator) -> tor
 def alie_z(peers: int, byzantine: int) -> float:
     """ALIE's z: with ``s = ⌊n/2 + 1⌋ − f`` honest supporters needed for a majority, the
     largest z with ``Φ(z) < (n − s)/n`` (Baruch et al. 2019, §4): the step that still
-    looks like one of the crowd to a median or trimmed mean."""
+    looks like one of the crowd to a median or trimmed mean. Small swarms get a small z,
+    0 for 8 peers with one liar, which then sends the crowd's mean (no attack): ``alie:Z``
+    sets one.
+
+    >>> round(alie_z(16, 2), 3), alie_z(8, 1)
+    (0.157, 0.0)"""
     if not 0 <= byzantine < peers:
         raise ValueError(f"{byzantine} Byzantine of {peers} peers; ALIE needs 0 <= f < n")
     supporters = math.floor(peers / 2 + 1) - byzantine

@@ -41,7 +41,8 @@ batch's gradient) and a restart's first round is meaningless."""
 
 
 def fingerprint(model: torch.Tensor) -> torch.Tensor:
-    """A few of ``model``'s coordinates, evenly spaced (a copy): equal for an unchanged model,
+    """A few of ``model``'s coordinates, evenly spaced (a copy; a model of fewer than
+    2·FINGERPRINT coordinates gives its first FINGERPRINT): equal for an unchanged model,
     different, in practice, for one that took any step."""
     step = max(1, model.numel() // FINGERPRINT)
     return model[::step][:FINGERPRINT].clone()

@@ -39,8 +39,10 @@ def auto_radius(gaps: torch.Tensor, bad: int = 1) -> float:
     """The clipping radius that clips the ``bad`` farthest neighbours to the distance of the
     next one: the ``(bad + 1)``-th largest of ``gaps`` (the reference implementation's
     choice for one bad neighbour: the second largest distance). With at most ``bad`` bad
-    neighbours, the radius is an honest neighbour's distance, whatever the bad ones send;
-    0 when there are no more neighbours than bad ones (nobody is trusted)."""
+    neighbours, the radius lies between honest neighbours' distances (at most the largest
+    of them, at least the smallest: it may be a bad one's that sits among them), whatever
+    the bad ones send; 0 when there are no more neighbours than bad ones (nobody is
+    trusted)."""
     if bad < 0:
         raise ValueError(f"bad = {bad}; the number of bad neighbours is at least 0")
     if gaps.numel() <= bad:
