@@ -176,12 +176,16 @@ def run_swarm(
 
 
 def _numbered(worker: Callable[[Any], T], item: tuple[int, Any]) -> tuple[int, T]:
-    """``worker(task)`` with its index. A worker stopped by this process (``pool.terminate``'s
+    index, task = item
+    return index, worker(task)
+
+
+def _in_pool(numbered: Callable[[Any], T], item: Any) -> T:
+    """``numbered(item)`` in a pool worker. One stopped by this process (``pool.terminate``'s
     SIGTERM, which a simulation turns into an orderly stop and ``Interrupted``) exits with
     128 + the signal, quietly: a pool prints the traceback of any other BaseException."""
-    index, task = item
     try:
-        return index, worker(task)
+        return numbered(item)
     except KeyboardInterrupt as exc:
         raise SystemExit(getattr(exc, "exit_code", 130)) from None
 
@@ -206,7 +210,8 @@ def run_tasks(
             pool = forking.context().Pool(
                 jobs, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)
             )
-            done = pool.imap_unordered(numbered, enumerate(tasks), chunksize=1)
+            quiet = functools.partial(_in_pool, numbered)
+            done = pool.imap_unordered(quiet, enumerate(tasks), chunksize=1)
         try:
             for index, result in done:
                 results[index] = result

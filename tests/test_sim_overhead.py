@@ -110,13 +110,16 @@ def test_the_cache_keeps_few_tensors_beyond_what_receivers_hold() -> None:
     assert len(tiny._recent) == 0
 
 
-@pytest.mark.parametrize("cls", [Choco, DenseGossip, Broadcast])
-def test_the_built_in_averagers_only_read_what_arrived(cls: type[Averager]) -> None:
+@pytest.mark.parametrize(
+    ("cls", "codec"), [(Choco, "topk:0.1"), (DenseGossip, "qsgd:16"), (Broadcast, "topk:0.1")]
+)
+def test_the_built_in_averagers_only_read_what_arrived(cls: type[Averager], codec: str) -> None:
     """They declare ``arrivals_read_only``, so a tensor shared with other peers must come out
-    of every kind of round as it went in: resync, ordinary, late."""
+    of every kind of round as it went in: resync, ordinary, late (dense gossip with a
+    quantizer: it refuses a sparsifier)."""
     assert cls.arrivals_read_only
     torch.manual_seed(0)
-    averager = cls("topk:0.1")
+    averager = cls(codec)
     x = torch.randn(50)
     weights = {1: 0.25, 2: 0.25}
     averager.outgoing(x, Round(0, weights, 0.5, resync=True))
