@@ -1663,3 +1663,57 @@ def test_estimate_rows_is_each_rows_encode(spec: str) -> None:
         one = build_codec(spec, 9)  # a peer's codec: the same seed, the same draw
         payload, _ = one.encode(row)
         torch.testing.assert_close(got, one.decode(payload, 450), atol=1e-6, rtol=1e-6)
+
+
+def test_hostile_payloads_that_decode_to_far_more_than_they_carry_are_refused() -> None:
+    """A review's probes, each refused with a CodecError and no large allocation:
+    a zlib bomb when k = 0 (decompression had no limit then: 400 MB from 407 KB), bf16 NaN or
+    infinities (the wire checks floats only, and bf16 travels as uint16), finite factors or
+    scales whose product overflows float32, and a BLOCK longer than the vector (the numpy
+    ternary decode built the whole BLOCK-long repeat)."""
+    import tracemalloc
+    import zlib
+
+    bomb = np.frombuffer(zlib.compress(bytes(64 << 20), 9), np.uint8)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError, match="exactly 0 gaps"):
+            build_codec("threshold:0.5+delta-zlib").decode(
+                Payload((bomb, np.zeros(0, np.float32)), {"k": 0}), 1000
+            )
+        _, peak = tracemalloc.get_traced_memory()
+        assert peak < 1 << 20, peak
+        tracemalloc.reset_peak()
+        codec = build_codec("ternary:200000000")
+        payload, _ = codec.encode(torch.randn(10))
+        with kernels.numpy_kernels():
+            decoded = codec.decode(payload, 10)
+        assert decoded.shape == (10,) and tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+    for pattern in (0x7FC0, 0x7F80, 0xFF80):  # NaN, +inf, -inf
+        values = np.full(16, 1 << 14, np.uint16)
+        values[3] = pattern
+        with pytest.raises(CodecError, match="bf16: a value is not finite"):
+            build_codec("bf16").decode(Payload((values,), {}), 16)
+    uniform = build_codec("uniform:8")
+    payload, _ = uniform.encode(torch.randn(8))
+    packed = payload.arrays[0]
+    huge = np.full(1, 3e38, np.float32)
+    with pytest.raises(CodecError, match="overflows float32"):
+        uniform.decode(Payload((packed, huge, huge), {}), 8)
+    low_rank = build_codec("powersgd:1")
+    payload, _ = low_rank.encode(torch.randn(16))
+    big = tuple(np.full(a.shape, 1e30, np.float32) for a in payload.arrays)
+    with pytest.raises(CodecError, match="overflows float32"):
+        low_rank.decode(Payload(big, payload.meta), 16)
+
+
+def test_fp16_clamps_infinities_even_beside_a_nan() -> None:
+    """The documented clamp to ±65504 missed an infinity when a NaN was there too (the
+    minimum and maximum were NaN), and the estimate kept inf."""
+    x = torch.tensor([math.nan, math.inf, 70000.0, -math.inf, 1.0])
+    payload, estimate = build_codec("fp16").encode(x)
+    sent = payload.arrays[0].astype(np.float32)
+    assert math.isnan(sent[0]) and sent[1:].tolist() == [65504.0, 65504.0, -65504.0, 1.0]
+    assert not bool(torch.isinf(estimate).any())

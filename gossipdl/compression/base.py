@@ -44,6 +44,9 @@ def dtype_name(dtype: np.dtype) -> str:
 _MAX_META_KEYS = 64
 _SCALARS = (int, float)  # exact types a meta value may have without a closer look
 _MAX_META_STR = 256
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""The largest float32: a decoder whose payload's numbers would carry a value past it refuses
+the payload (finite inputs that decode to ±inf)."""
 
 
 class CodecError(ValueError):

@@ -13,6 +13,7 @@ import torch
 
 from gossipdl.compression._kernels import empty_on, from_host, to_host
 from gossipdl.compression.base import (
+    CodecError,
     Layout,
     Payload,
     ValueCodec,
@@ -24,6 +25,7 @@ from gossipdl.compression.base import (
 __all__ = ["BFloat16", "Float16", "Identity"]
 
 _FP16_MAX = 65504.0
+_BF16_EXPONENT = 0x7F80  # a bfloat16's exponent bits: all set for ±inf and NaN
 
 
 def _host_copy(
@@ -102,10 +104,8 @@ class Float16(ValueCodec):
         half = empty_on(v.device, v.numel(), torch.float16).copy_(v)
         if half.is_cuda:  # clamped in place: a branch on the host would wait for the GPU
             torch.nan_to_num_(half, nan=math.nan, posinf=_FP16_MAX, neginf=-_FP16_MAX)
-        elif half.numel():  # on a CPU one read to find out is cheaper than a write
-            lo, hi = torch.aminmax(half)
-            if bool(torch.isinf(lo) | torch.isinf(hi)):
-                half = v.clamp(-_FP16_MAX, _FP16_MAX).half()
+        elif bool(torch.isinf(half).any()):  # on a CPU one read to find out beats a write
+            half = v.clamp(-_FP16_MAX, _FP16_MAX).half()  # (aminmax missed inf beside a NaN)
         estimate = empty_on(v.device, v.numel()).copy_(half)
         array = to_host(half)  # shares memory with ``half`` on CPU, which nothing else holds
         return Payload((array,), {}), estimate
@@ -126,7 +126,8 @@ class BFloat16(ValueCodec):
 
     Same range as float32, relative error at most 2^-9. bfloat16 has no numpy
     dtype, so the 16-bit patterns travel as uint16 (the top half of each
-    float32).
+    float32), which the wire's finiteness check does not read: the decoder
+    refuses a NaN or an infinity itself.
 
     Payload: one uint16 array of ``n`` values, empty meta; ``2n + 1`` bytes.
     """
@@ -153,4 +154,6 @@ class BFloat16(ValueCodec):
     ) -> torch.Tensor:
         numel = check_numel(numel)
         (values,) = check_layout(payload, "bf16", self.layout(numel))
+        if np.any((values & _BF16_EXPONENT) == _BF16_EXPONENT):  # the wire sees uint16 only
+            raise CodecError("bf16: a value is not finite (NaN or ±inf): the sender's model is")
         return _host_copy(values.view(np.int16), torch.device(device), torch.bfloat16)

@@ -438,7 +438,8 @@ class DeltaZlib(IndexCoder):
         expected = count * (4 if numel <= 2**32 else 8)
         inflater = zlib.decompressobj()
         try:
-            raw = inflater.decompress(data.tobytes(), expected)
+            # at most one byte more than expected (0 would mean no limit at all, for k = 0)
+            raw = inflater.decompress(data.tobytes(), expected + 1)
         except zlib.error as exc:
             raise CodecError(f"delta-zlib: corrupt stream ({exc})") from None
         if len(raw) != expected or not inflater.eof or inflater.unconsumed_tail:

@@ -19,6 +19,7 @@ from gossipdl.compression._kernels import (
     use_numpy,
 )
 from gossipdl.compression.base import (
+    FLOAT32_MAX,
     Codec,
     CodecError,
     Payload,
@@ -331,6 +332,11 @@ class PowerSGD(Codec):
             [layout.p_length + layout.dense_length, layout.q_length],
         )
         check_meta(payload.meta, self.spec, {})
+        largest = float(np.abs(first[: layout.p_length]).max(initial=0.0)) * float(
+            np.abs(second).max(initial=0.0)
+        )
+        if largest * max((r for *_, r in layout.layers), default=1) > FLOAT32_MAX:
+            raise CodecError(f"{self.spec}: factors so large that P Qᵀ overflows float32")
         device = torch.device(device)
         head = from_host(first, device)
         ps = split(head, [(rows, r) for _, rows, _, r in layout.layers])

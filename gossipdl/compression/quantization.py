@@ -47,6 +47,7 @@ from gossipdl.compression._kernels import (
     use_numpy,
 )
 from gossipdl.compression.base import (
+    FLOAT32_MAX,
     CodecError,
     Layout,
     Payload,
@@ -124,10 +125,12 @@ def _reduce(
 
 def _expand(scales: torch.Tensor, block: int, count: int) -> torch.Tensor:
     """Per-block ``scales`` (``[..., blocks]``) repeated to one value per element of the last
-    dimension (a broadcastable view if block 0)."""
+    dimension (a broadcastable view if block 0). Each is repeated at most ``count`` times: a
+    block longer than the vector (a peer's ``ternary:200000000``) is one block, not a
+    BLOCK-long temporary."""
     if block == 0:
         return scales
-    return scales.repeat_interleave(block, dim=-1)[..., :count]
+    return scales.repeat_interleave(min(block, count), dim=-1)[..., :count]
 
 
 def _scale_blocks(values: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
@@ -371,7 +374,7 @@ class Ternary(ValueCodec):
             return torch.from_numpy(np.take(table, packed, axis=0).reshape(-1)[:count])
         if use_numpy(device):
             trits = np.take(_TRIT_TABLE, packed, axis=0).reshape(-1)[:count]
-            return torch.from_numpy(trits * np.repeat(scales, self.block)[:count])
+            return torch.from_numpy(trits * np.repeat(scales, min(self.block, count))[:count])
         # Only the packed bytes cross to the device; the lookup runs there.
         table = from_host(_TRIT_TABLE, device)
         t = table[from_host(packed, device).long()].reshape(-1)[:count]
@@ -678,6 +681,9 @@ class Uniform(ValueCodec):
         check_scales(step, self.spec)
         if lo.size and not np.isfinite(lo).all():
             raise CodecError(f"{self.spec}: lo must be finite")
+        reach = np.abs(lo.astype(np.float64)) + (2**self.bits - 1) * step.astype(np.float64)
+        if reach.size and reach.max() > FLOAT32_MAX:
+            raise CodecError(f"{self.spec}: lo + (2^BITS − 1)·step overflows float32")
         device = torch.device(device)
         native = native_kernels(device)
         if native is not None:
