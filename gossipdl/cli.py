@@ -57,7 +57,7 @@ from gossipdl.rundir import RunDir, default_run_dir  # noqa: E402
 from gossipdl.transport.curve import Curve, CurveError  # noqa: E402
 
 log = logging.getLogger(__name__)
-console = Console(stderr=True)
+console = Console(stderr=True, emoji=False)  # what a user typed, as typed: no :name: emoji
 
 
 def _interrupted(line: str, code: int = 130) -> NoReturn:

@@ -43,6 +43,12 @@ class ConditionError(ValueError):
     """A slowdown or drift spec that cannot be parsed."""
 
 
+def _digits(text: str) -> bool:
+    """Whether ``text`` is a plain decimal number: ASCII digits only (``str.isdigit`` also
+    takes ``²``, which ``int`` refuses)."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_slowdown(spec: str, peers: int | None = None) -> dict[int, float]:
     """``"3:4,5:2"`` as ``{3: 4.0, 5: 2.0}``; ``""`` as no slowdown. With ``peers`` (the
     swarm's size) every peer id must be below it.
@@ -113,7 +119,7 @@ def parse_drift(spec: str) -> Drift | None:
         return None
     parts = spec.replace(" ", "").split(":")
     usage = f"drift {spec!r}: use STEP:permute[:FRACTION], e.g. 750:permute or 750:permute:0.5"
-    if len(parts) not in (2, 3) or parts[1] != "permute" or not parts[0].isdigit():
+    if len(parts) not in (2, 3) or parts[1] != "permute" or not _digits(parts[0]):
         raise ConditionError(usage)
     try:
         fraction = float(parts[2]) if len(parts) == 3 else 1.0
@@ -153,7 +159,7 @@ def parse_peer_ids(value: Any, peers: int, what: str, key: str = "peers") -> tup
     ids: set[int] = set()
     for item in items:
         first, _, last = str(item).partition("-")
-        if isinstance(item, bool) or not first.isdigit() or not (last or first).isdigit():
+        if isinstance(item, bool) or not _digits(first) or not _digits(last or first):
             raise ConditionError(usage)
         low, high = int(first), int(last or first)
         if low > high:
@@ -189,7 +195,11 @@ def parse_profile(name: str, table: Mapping[str, Any], peers: int) -> DeviceProf
     if "peers" not in table:
         raise ConditionError(f'{what} names no peers; add e.g. peers = "0-3"')
     slowdown = table.get("slowdown", 1.0)
-    if isinstance(slowdown, bool) or not isinstance(slowdown, int | float) or not slowdown >= 1:
+    if (
+        isinstance(slowdown, bool)
+        or not isinstance(slowdown, int | float)
+        or not (1 <= slowdown < math.inf)
+    ):
         raise ConditionError(f"{what}: slowdown = {slowdown!r}; use a number >= 1 (2: 2x slower)")
     step_time = parse_duration(table.get("step_time", 0), f"{what}: step_time")
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import sys
 from collections.abc import Mapping
@@ -337,11 +338,14 @@ def _coerce(name: str, value: Any) -> Any:
         if kind == "float":
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):  # nor could config.toml hold it (TOML has no inf)
+                raise ValueError
+            return number
         if not isinstance(value, str):
             raise ValueError
         return value
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{name} = {value!r} is not a valid {kind}") from None
 
 
@@ -520,6 +524,7 @@ def _validate(c: Config) -> None:
     )
     from gossipdl.coordinator.ring import check_ring_codec, check_shared_memory
     from gossipdl.data import available_datasets
+    from gossipdl.data.datasets import sized_limit
     from gossipdl.models import available_models
     from gossipdl.protocol.ps_server import PS_RULES
     from gossipdl.protocol.staleness import parse_staleness
@@ -654,6 +659,15 @@ def _validate(c: Config) -> None:
     )
     for name in ("steps", "batch_size", "log_every"):
         _check(getattr(c, name) >= 1, f"{name} = {getattr(c, name)}; must be at least 1")
+    _check(0 <= c.seed < 2**32, f"seed = {c.seed}; use 0 <= seed < 2**32")
+    _check(c.host.strip() != "", 'host = ""; give the address launched peers listen on')
+    if c.samples_per_peer and c.dataset in ("mnist1d", "synthetic"):
+        most = sized_limit(c.dataset) // c.peers
+        _check(
+            c.samples_per_peer <= most,
+            f"samples_per_peer = {c.samples_per_peer}; {c.dataset} generates at most "
+            f"{most:,} per peer for {c.peers} peers",
+        )
     try:
         parse_link(c.link)
     except LinkError as exc:

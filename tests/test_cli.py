@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import tomllib
+import torch
 import typer
 from conftest import small_config, start_peer, write_config
 from typer.testing import CliRunner
@@ -425,3 +426,37 @@ def test_commands_turn_on_torchs_huge_pages_unless_told_not_to(given: str | None
         assert int(huge_kb) == 0
     if given is None and offered:
         assert int(huge_kb) >= 40 * 1024  # most of the 80 MB tensor is in 2 MB pages
+
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--set", "lr=inf"], "lr = inf is not a valid float"),
+        (["--set", "max_message_mb=inf"], "max_message_mb = inf is not a valid float"),
+        (["--set", "seed=-1"], "seed = -1; use 0 <= seed < 2**32"),
+        (["--set", "seed=99999999999999999999"], "seed = 99999999999999999999; use 0 <="),
+        (["--set", 'host=""'], 'host = ""; give the address launched peers listen on'),
+        (["--model", "cnn2d"], "model = 'cnn2d': model 'cnn2d' needs input_shape"),
+        pytest.param(["--device", "cuda"], "device = 'cuda': device 'cuda'", marks=NO_GPU),
+        (["--samples-per-peer", "99999999"], "samples_per_peer = 99999999; mnist1d generates"),
+        (["--csv", "sink"], "csv: these feed a real peer's metrics lines"),
+        (["--dataset", "synthetic-fedprox:-1:1"], "dataset = 'synthetic-fedprox:-1:1'"),
+        (["--trigger", "periodic:²"], "'²' is not a whole number"),
+        (["--drift", "²:permute"], "drift '²:permute': use STEP:permute"),
+        (["--set", 'profiles={p={peers="0", slowdown=inf}}'], "slowdown = inf; use a number >= 1"),
+    ],
+)
+def test_hostile_but_plausible_values_are_one_clear_error_before_anything_runs(
+    args: list[str], says: str, tmp_path: Path
+) -> None:
+    """A review's probes: each was a traceback, a run that crashed or hung after starting
+    (``inf`` cannot even be written back into config.toml), an error naming another key,
+    a silently ignored flag, or rich turning ``:-1:`` into an emoji."""
+    out = tmp_path / "run"
+    said = fails("simulate", "--peers", "2", "--steps", "5", "--no-progress", "--out", str(out),
+                 *args)  # fmt: skip
+    assert says in said, said
+    assert not out.exists()  # refused before the run directory

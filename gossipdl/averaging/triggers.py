@@ -87,7 +87,7 @@ def parse_trigger(spec: str) -> Trigger:
 
 
 def _positive_int(text: str, spec: str, usage: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise TriggerError(f"trigger {spec!r}: {text!r} is not a whole number >= 1; {usage}")
     return int(text)
 

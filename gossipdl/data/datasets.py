@@ -407,6 +407,11 @@ _SIZED: dict[str, tuple[Callable[[int], Dataset], int]] = {
 }
 
 
+def sized_limit(base: str) -> int:
+    """The most training samples generated dataset ``base`` (mnist1d, synthetic) makes."""
+    return _SIZED[base][1]
+
+
 def sized_dataset(name: str) -> tuple[str, int] | None:
     """``(NAME, N)`` for a spec ``NAME:N`` that asks a generated built-in dataset for ``N``
     training samples (``mnist1d:64000``); None for any other name. DataError if ``N`` is
@@ -419,7 +424,7 @@ def sized_dataset(name: str) -> tuple[str, int] | None:
     base, colon, size = name.partition(":")
     if not colon or base not in _SIZED or not (size.isascii() and size.isdigit()):
         return None
-    limit = _SIZED[base][1]
+    limit = sized_limit(base)
     if not 1 <= int(size) <= limit:
         raise DataError(f"dataset {name!r}: {base}:N takes 1 <= N <= {limit:,} training samples")
     return base, int(size)

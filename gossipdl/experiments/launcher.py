@@ -32,7 +32,8 @@ from gossipdl.experiments import forking
 from gossipdl.experiments.display import LiveProgress
 from gossipdl.experiments.forking import ForkedCommand
 from gossipdl.experiments.summary import summarize
-from gossipdl.models import build_model
+from gossipdl.models import ModelError, build_model
+from gossipdl.peers.device import pick_device
 from gossipdl.rundir import RUN_START_ENV, RunDir, default_run_dir
 from gossipdl.sim.faults import refuse_outside_simulation
 from gossipdl.training import dataset_of, parts_of
@@ -83,8 +84,9 @@ def fresh_run(config: Config, caution: bool = True) -> tuple[RunDir, Config]:
 def preflight(config: Config) -> int:
     """Load the data, partition it and build the model once here, before any process starts.
 
-    A partition that cannot be drawn or a factory that fails is reported now,
-    and the dataset cache is warm for the peers. Returns the parameter count.
+    A partition that cannot be drawn, a device this machine lacks or a model that does not
+    fit the data is reported now, and the dataset cache is warm for the peers. Returns the
+    parameter count.
     """
     try:
         dataset = dataset_of(config)
@@ -95,12 +97,16 @@ def preflight(config: Config) -> int:
             parts_of(config, dataset)
         except DataError as exc:
             raise ConfigError(f"partition = {config.partition!r}: {exc}") from None
-    model = build_model(
-        config.model,
-        dataset.input_shape,
-        dataset.num_classes,
-        list(config.hidden) or None,
-    )
+    try:
+        pick_device(config.device)
+    except RuntimeError as exc:
+        raise ConfigError(f"device = {config.device!r}: {exc}; use auto or cpu") from None
+    try:
+        model = build_model(
+            config.model, dataset.input_shape, dataset.num_classes, list(config.hidden) or None
+        )
+    except ModelError as exc:
+        raise ConfigError(f"model = {config.model!r}: {exc}") from None
     return sum(p.numel() for p in model.parameters())
 
 

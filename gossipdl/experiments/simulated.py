@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from gossipdl.config import Config, to_dict
+from gossipdl.config import Config, ConfigError, to_dict
 from gossipdl.experiments.launcher import Interrupted, StopOnSignal, fresh_run, preflight
 from gossipdl.experiments.summary import summarize
 from gossipdl.rundir import RunDir, write_json_atomic
@@ -73,7 +73,15 @@ def simulate(
     ``until``, asked with the run directory every ``UNTIL_EVERY_S`` simulated seconds, ends
     the run early when it returns True (a target accuracy reached, a budget spent, as
     ``launch``'s): the peers stop where they are, without final lines (batched: with final
-    lines that say ``stopped_early``)."""
+    lines that say ``stopped_early``). The metrics sinks of a real peer (``csv``,
+    ``tensorboard``, ``metrics_hook``) are refused: the simulator writes the run directory
+    only, and taking them in silence wrote nothing where the user looked."""
+    sinks = [k for k in ("csv", "tensorboard", "metrics_hook") if getattr(config, k)]
+    if sinks:
+        raise ConfigError(
+            f"{' and '.join(sinks)}: these feed a real peer's metrics lines; the simulator writes "
+            "peers/<id>.jsonl in its run directory only: drop them, or use gossipdl run"
+        )
     preflight(config)  # missing data or an impossible split: a clear error, no run directory
     run, config = fresh_run(config)
     started = time.perf_counter()
