@@ -345,7 +345,8 @@ def simulate(
     *,
     overrides: dict[str, Any],
 ) -> None:
-    """Run the swarm as virtual peers in this process, on virtual time (same flags as run).
+    """Run the swarm as virtual peers in this process, on virtual time (same flags as run,
+    but for --csv, --tensorboard and --metrics-hook: it writes the run directory only).
 
     The real protocol, encoder and codecs over an in-memory network with the profiles'
     links: deterministic for a seed (give step_time in the profiles or --step-time), and
