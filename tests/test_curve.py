@@ -279,6 +279,7 @@ def test_strangers_trying_fresh_keys_grow_no_memory_and_flood_no_log(
     from gossipdl.transport import Transport, sockets
 
     monkeypatch.setattr(sockets, "MAX_REFUSED_KEYS", 8)
+    monkeypatch.setattr(sockets, "REFUSED_LOG_S", 3600.0)  # however slow this machine is
     dir_a, key_a = _keys(tmp_path, "a")
     end = Transport(
         "tcp://127.0.0.1:0", lambda m: None, curve=load_curve(dir_a, _allow(tmp_path / "l", key_a))
@@ -294,12 +295,13 @@ def test_strangers_trying_fresh_keys_grow_no_memory_and_flood_no_log(
                 stranger.curve_serverkey = key_a.encode()
                 stranger.connect(end.address)
                 stranger.send(b"hello")
-                wait_for(lambda: end.stats.handshakes_refused >= tried, 10, "the refusal")  # noqa: B023
+                wait_for(lambda: end.stats.handshakes_refused >= tried, 30, "the refusal")  # noqa: B023
                 stranger.close()
         remembered = end._auth.credentials_providers["*"]._refused  # type: ignore[union-attr]
-        assert len(remembered) == 8 and end.stats.handshakes_refused == 20
+        assert len(remembered) == 8  # a stranger that retried may be counted twice:
+        assert end.stats.handshakes_refused >= 20  # every refusal counts
         logged = [r for r in caplog.records if "not on the allow-list" in r.getMessage()]
-        assert 1 <= len(logged) < 20  # one a second, not one a key
+        assert len(logged) == 1  # one per REFUSED_LOG_S, not one a key
     finally:
         end.close()
-        context.term()
+        context.destroy(linger=0)  # a stranger left open by a failure must not hang term()
