@@ -546,5 +546,7 @@ def test_samples_per_peer_generates_the_data_the_peers_need() -> None:
     assert len(dataset_of(load_config(None, dataset="synthetic")).y_train) == 4000
     with pytest.raises(ConfigError, match="has a size of its own"):
         load_config(None, dataset="digits", samples_per_peer=10)
+    with pytest.raises(ConfigError, match="samples_per_peer = 20000; synthetic generates at"):
+        load_config(None, peers=400, dataset="synthetic", samples_per_peer=20000)  # named
     with pytest.raises(DataError, match="1 <= N <= 4,000,000"):
-        dataset_of(load_config(None, peers=400, dataset="synthetic", samples_per_peer=20000))
+        dataset_of(load_config(None, dataset="synthetic:4000001"))
