@@ -487,7 +487,16 @@ def _toml_key(key: str) -> str:
 def cautions(c: Config) -> list[str]:
     """Settings that are valid but known to go wrong where they meet, each a warning to give
     before the run starts (the README says what was measured)."""
+    from gossipdl.averaging import parse_trigger
+
     found = []
+    period = parse_trigger(c.trigger).period
+    if c.mode == "gossip" and c.trigger.startswith("periodic") and period > c.steps:
+        found.append(
+            f"trigger = {c.trigger!r} with steps = {c.steps}: a round every {period} steps "
+            "never comes, so the peers train alone and send nothing; lower the period or "
+            "raise steps"
+        )
     if c.evict_after and c.partition != "iid" and not c.partition.startswith("powerlaw"):
         found.append(
             f"evict_after = {c.evict_after} with partition = {c.partition!r}: on label-skewed "

@@ -255,3 +255,14 @@ def test_cli_runs_each_new_option_and_records_it_in_the_summary(tmp_path: Path) 
     assert "labels permuted at step 20" in run.log(0).read_text()
     assert "labels permuted" not in run.log(1).read_text()
     assert "2x slower" in run.log(1).read_text() and "slower" not in run.log(0).read_text()
+
+
+def test_a_period_longer_than_the_run_is_a_caution_before_it_starts() -> None:
+    """``periodic:100`` over 5 steps never talks: valid, but the run sends nothing (a
+    review found it silent, "sent 0 B"), so it is said before the peers start."""
+    from gossipdl.config import cautions, load_config
+
+    (said,) = cautions(load_config(None, trigger="periodic:100", steps=5))
+    assert "trigger = 'periodic:100' with steps = 5" in said and "never comes" in said
+    assert cautions(load_config(None, trigger="periodic:4", steps=5)) == []
+    assert cautions(load_config(None, steps=5)) == []
