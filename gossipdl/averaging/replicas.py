@@ -51,6 +51,7 @@ class Replicas:
         self.copies: dict[int, torch.Tensor] = {}
         self._moved: dict[int, torch.Tensor] = {}  # sender -> ‖its updates‖ this round
         self._own_move: torch.Tensor | None = None  # ‖this peer's own update‖ this round
+        # without a judge (whose distances find them): which copies stopped being finite
         self._finite: dict[int, torch.Tensor] = {}  # sender -> unread: its updates' sums finite
         self.broken: set[int] = set()  # senders whose copy is no longer finite
 
@@ -77,40 +78,43 @@ class Replicas:
             return
         if isinstance(q, SparseVector):
             into.index_add_(0, q.indices, q.values, alpha=alpha)
-            values, touched = q.values, into[q.indices]
+            values = q.values
         else:
             into.add_(q, alpha=alpha)
-            values, touched = q, into
-        # every update is finite (the wire checks), but their sum can overflow: read later
-        finite = torch.isfinite(touched).all()
-        earlier = self._finite.get(sender)
-        self._finite[sender] = finite if earlier is None else earlier & finite
+            values = q
         if self.judge is not None:  # how far the copy moved (read with the others, once)
             move = torch.linalg.vector_norm(values.double())
             earlier = self._moved.get(sender)
             self._moved[sender] = move if earlier is None else earlier + move
+            return
+        # every update is finite (the wire checks), but their sum can overflow: read later
+        # (a judge finds such a copy by its distance, a pass it makes anyway)
+        touched = into[q.indices] if isinstance(q, SparseVector) else into
+        finite = torch.isfinite(touched).all()
+        earlier = self._finite.get(sender)
+        self._finite[sender] = finite if earlier is None else earlier & finite
 
     def combine(self, centre: torch.Tensor, rnd: Round, aside: Sequence[int] = ()) -> torch.Tensor:
         """The mix of ``centre`` with the copies of this round's neighbours: the judge's,
         when there is one, else the gossip weights'. Neighbours in ``aside`` are left out
         whatever their copies (:func:`leave_out`)."""
         self._read_finite()
-        rnd = leave_out(rnd, aside if self.judge is not None else [*aside, *self.broken])
+        rnd = leave_out(rnd, [*aside, *self.broken])
         copies = {
             j: Arrival(w, self.copies[j], rnd.index)
             for j, w in rnd.weights.items()
             if j in self.copies
         }
         if self.judge is not None and copies:
-            return self.judge.judge(centre, rnd, copies, [*self.stale(), *self.broken])
+            return self.judge.judge(centre, rnd, copies, self.stale())
         return mix(centre, rnd, list(copies.values()))
 
     def _read_finite(self) -> None:
         """Add to :attr:`broken` the senders whose updates since the last read left a
-        non-finite value in their copy: one read for all (on a GPU, one wait a round).
-        A broken copy is left out, or set aside by the judge, until a resync rebuilds it:
-        a liar's finite updates that add up past float32's range would otherwise make
-        every mix NaN."""
+        non-finite value in their copy (copies mixed without a judge: BEER's trackers): one
+        read for all (on a GPU, one wait a round). A broken copy is left out until a resync
+        rebuilds it: a liar's finite updates that add up past float32's range would
+        otherwise make every mix NaN. (A judge sets such a copy aside by its distance.)"""
         if not self._finite:
             return
         senders = list(self._finite)
