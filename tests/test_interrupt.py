@@ -85,6 +85,22 @@ def test_sigterm_stops_a_benchmark_its_peers_and_its_next_setting(tmp_path: Path
     assert not (out / "ring" / "choco-topk").exists(), "the next setting was started"
 
 
+CTRL_C_OR_SIGTERM = pytest.mark.parametrize(
+    "signum, group",
+    [(signal.SIGINT, True), (signal.SIGTERM, False)],
+    ids=["ctrl-c-to-the-group", "sigterm-to-the-process"],
+)
+
+
+def deliver(proc: subprocess.Popen[str], signum: int, group: bool) -> None:
+    """``signum`` to ``proc``'s whole process group (what a terminal does on Ctrl-C), or to
+    ``proc`` alone, which must then stop what it started itself."""
+    if group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
+
+
 def ranks_of(script: int) -> list[int]:
     """The worker processes a benchmark script started: forked by its fork server."""
     processes = live_processes()
@@ -93,11 +109,7 @@ def ranks_of(script: int) -> list[int]:
     return [pid for pid, (parent, _) in processes.items() if parent in servers]
 
 
-@pytest.mark.parametrize(
-    "signum, group",
-    [(signal.SIGINT, True), (signal.SIGTERM, False)],
-    ids=["ctrl-c-to-the-group", "sigterm-to-the-script"],
-)
+@CTRL_C_OR_SIGTERM
 def test_a_signal_stops_a_benchmark_and_the_workers_it_spawned(
     signum: int, group: bool, tmp_path: Path
 ) -> None:
@@ -108,10 +120,7 @@ def test_a_signal_stops_a_benchmark_and_the_workers_it_spawned(
     try:
         workers = wait_for(lambda: ranks_of(proc.pid), 60, "the ranks to start")
         assert all(blocks_sigint(p) for p in workers)  # born so: no traceback from each
-        if group:
-            os.killpg(proc.pid, signum)  # what the terminal does on Ctrl-C
-        else:
-            proc.send_signal(signum)
+        deliver(proc, signum, group)
         code, stderr = stopped(proc)
     finally:
         cleanup(proc)
@@ -122,11 +131,7 @@ def test_a_signal_stops_a_benchmark_and_the_workers_it_spawned(
     wait_for(lambda: not set(workers) & live_processes().keys(), 5, "the ranks to exit")
 
 
-@pytest.mark.parametrize(
-    "signum, group",
-    [(signal.SIGINT, True), (signal.SIGTERM, False)],
-    ids=["ctrl-c-to-the-group", "sigterm-to-the-search"],
-)
+@CTRL_C_OR_SIGTERM
 def test_a_signal_stops_a_fault_search_its_workers_and_their_seeds(
     signum: int, group: bool, tmp_path: Path
 ) -> None:
@@ -141,10 +146,7 @@ def test_a_signal_stops_a_fault_search_its_workers_and_their_seeds(
     try:
         workers = wait_for(lambda: ranks_of(proc.pid), 60, "the search's workers to start")
         wait_for(lambda: list(out.glob("seed-*")), 60, "seeds to run")
-        if group:
-            os.killpg(proc.pid, signum)
-        else:
-            proc.send_signal(signum)
+        deliver(proc, signum, group)
         code, stderr = stopped(proc)
     finally:
         cleanup(proc)
