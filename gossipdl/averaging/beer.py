@@ -65,16 +65,13 @@ import torch
 
 from gossipdl.averaging.base import (
     Arrival,
-    Averager,
     Round,
     Vouch,
     after_rebuild,
-    checked_gamma,
     codec_seed,
     dense_payload,
 )
-from gossipdl.averaging.choco import check_choco_codec, round_gamma
-from gossipdl.averaging.judging import Judge
+from gossipdl.averaging.choco import PublicCopies, round_gamma
 from gossipdl.averaging.replicas import Replicas
 from gossipdl.averaging.robust import Defence
 from gossipdl.compression import Codec, CodecError, Payload, build_codec
@@ -120,16 +117,13 @@ def _split(payload: Payload) -> tuple[Payload, Payload]:
     )
 
 
-class Beer(Averager):
+class Beer(PublicCopies):
     """BEER with codec ``codec`` (contractive, as for CHOCO) and step ``gamma`` (default:
     :func:`~gossipdl.averaging.choco.auto_gamma`); with a ``defence``, or ``keep_copies``,
     the neighbours' public copies kept apart (module docstring)."""
 
     name = "beer"
-    uses_public_copies = True
-    accepts_late = True  # s_h and s_g are sums
     supports_dynamic = False  # a skipped round would leave the tracker's sum behind
-    arrivals_read_only = True
 
     def __init__(
         self,
@@ -139,13 +133,8 @@ class Beer(Averager):
         defence: Defence | None = None,
         keep_copies: bool = False,
     ):
-        super().__init__(codec, seed)
-        check_choco_codec(self.codec)
-        # None: auto_gamma, every round (the row can change)
-        self.given_gamma = checked_gamma(gamma, "BEER")
-        self.gamma: float | None = gamma  # the step of the latest round
+        super().__init__(codec, seed, gamma, defence, keep_copies)
         self._tracker_codec = build_codec(self.codec.spec, seed + 1)  # its own warm starts
-        self.scale = 1.0
         self.h: torch.Tensor | None = None
         self.g: torch.Tensor | None = None
         self.s_h: torch.Tensor | None = None
@@ -154,13 +143,10 @@ class Beer(Averager):
         self._last: torch.Tensor | None = None
         self._direction: torch.Tensor | None = None  # d/η of the last round
         self._next: torch.Tensor | None = None
-        self._synced_at: dict[int, int] = {}
-        self.resynced: int | None = None
-        self.judge = None if defence is None else Judge(defence, copies=True)
-        # each neighbour's h_j and g_j (with a defence, or ``keep_copies``), instead of s_h, s_g
-        kept = defence is not None or keep_copies
-        self.models = Replicas(self.judge) if kept else None
-        self.trackers = Replicas() if kept else None  # mixed as they are, less the rejected
+        # each neighbour's h_j and g_j, kept apart instead of s_h, s_g
+        self.models = Replicas(self.judge) if self.keeps_copies else None
+        # mixed as they are, less the rejected
+        self.trackers = Replicas() if self.keeps_copies else None
 
     def own_draws(self, peer: int) -> None:
         super().own_draws(peer)

@@ -22,7 +22,7 @@ import torch
 from gossipdl.averaging import attacks
 from gossipdl.averaging.base import Arrival, Round
 from gossipdl.averaging.beer import Beer
-from gossipdl.averaging.choco import Choco, choco_step
+from gossipdl.averaging.choco import Choco, PublicCopies, choco_step
 from gossipdl.averaging.dense import DenseGossip
 from gossipdl.averaging.robust import Defence
 from gossipdl.compression import Payload
@@ -132,15 +132,10 @@ class ByzantineGossip(DenseGossip):
         return super().incoming(x, rnd, arrived, missing, late)
 
 
-class ByzantineChoco(Choco):
-    """CHOCO whose public copy follows ``attack`` applied to its model: what it compresses
-    and sends each round is ``Q(a(x_i) − x̂_i)``, so its neighbours' copies of it converge
-    to the attacked model, within the codec's contraction, as an honest copy converges
-    to the model. Its crowd (ALIE, IPM) is its copies of its neighbours' public copies,
-    what a CHOCO member knows of them. Its own model mixes honestly with those copies,
-    ``x_i + γ Σ_j W_ij (x̂_j − x_i)`` (its public copy is the attacked one), so the
-    models it perturbs stay plausible. Dissensus is refused: it aims a model at each
-    neighbour, and a CHOCO sender has one public copy."""
+class AttacksPublicCopies(PublicCopies):
+    """CHOCO's and BEER's Byzantine half: the copies of the neighbours kept apart (its crowd),
+    an :class:`Attacker`, and dissensus refused (a sender has one public copy). Listed
+    before the algorithm's class, as in ``ByzantineChoco(AttacksPublicCopies, Choco)``."""
 
     def __init__(
         self,
@@ -150,10 +145,21 @@ class ByzantineChoco(Choco):
         gamma: float | None = None,
         defence: Defence | None = None,
     ) -> None:
-        refuse_dissensus(attack, "CHOCO")
+        refuse_dissensus(attack, self.name.upper())
         super().__init__(codec, seed, gamma, defence, keep_copies=True)
         self.attack = attack
         self.attacker = Attacker(attack, seed)
+
+
+class ByzantineChoco(AttacksPublicCopies, Choco):
+    """CHOCO whose public copy follows ``attack`` applied to its model: what it compresses
+    and sends each round is ``Q(a(x_i) − x̂_i)``, so its neighbours' copies of it converge
+    to the attacked model, within the codec's contraction, as an honest copy converges
+    to the model. Its crowd (ALIE, IPM) is its copies of its neighbours' public copies,
+    what a CHOCO member knows of them. Its own model mixes honestly with those copies,
+    ``x_i + γ Σ_j W_ij (x̂_j − x_i)`` (its public copy is the attacked one), so the
+    models it perturbs stay plausible. Dissensus is refused: it aims a model at each
+    neighbour, and a CHOCO sender has one public copy."""
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """CHOCO's update towards the attacked model (the first round as an honest one's)."""
@@ -166,7 +172,7 @@ class ByzantineChoco(Choco):
         return choco_step(x, self.neighbourhood(x, rnd), x, self.step_size(rnd))
 
 
-class ByzantineBeer(Beer):
+class ByzantineBeer(AttacksPublicCopies, Beer):
     """BEER whose public copies follow ``attack`` applied to its next model and, with a second
     attacker, to its tracker: its neighbours' copies of it converge to the attacked model
     and tracker as honest copies converge to the real ones. Its crowds (ALIE, IPM) are its
@@ -183,10 +189,7 @@ class ByzantineBeer(Beer):
         gamma: float | None = None,
         defence: Defence | None = None,
     ) -> None:
-        refuse_dissensus(attack, "BEER")
-        super().__init__(codec, seed, gamma, defence, keep_copies=True)
-        self.attack = attack
-        self.attacker = Attacker(attack, seed)
+        super().__init__(attack, codec, seed, gamma, defence)
         self.tracker_attacker = Attacker(attack, seed + 1)
 
     def centres(self) -> tuple[torch.Tensor, torch.Tensor]:

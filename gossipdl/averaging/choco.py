@@ -166,7 +166,37 @@ def choco_step(x: torch.Tensor, s: torch.Tensor, x_hat: torch.Tensor, gamma: flo
     return torch.sub(s, x_hat, out=out).mul_(gamma).add_(x)
 
 
-class Choco(Averager):
+class PublicCopies(Averager):
+    """What CHOCO and BEER share: a contractive codec (:func:`check_choco_codec`), a step γ
+    (given, or :func:`auto_gamma` each round), the scale ``1/(1 + ω)`` of an unbiased
+    stage, the rounds of the last dense rebuild, and with a ``defence`` a judge of the
+    neighbours' public copies, which are then kept apart (as with ``keep_copies``)."""
+
+    uses_public_copies = True
+    arrivals_read_only = True  # the sums add what arrived, reading it
+    accepts_late = True  # a late update is still added: a sum does not care about order
+
+    def __init__(
+        self,
+        codec: Codec | str = "topk:0.01",
+        seed: int = 0,
+        gamma: float | None = None,
+        defence: Defence | None = None,
+        keep_copies: bool = False,
+    ):
+        super().__init__(codec, seed)
+        check_choco_codec(self.codec)
+        # None: auto_gamma, every round (the row can change)
+        self.given_gamma = checked_gamma(gamma, self.name.upper())
+        self.gamma: float | None = gamma  # the step of the latest round
+        self.scale = 1.0  # 1/(1+ω), set when the vector's length is known
+        self._synced_at: dict[int, int] = {}  # neighbour -> the round of its last dense copy
+        self.resynced: int | None = None  # the round the sums were last rebuilt from dense copies
+        self.judge = None if defence is None else Judge(defence, copies=True)
+        self.keeps_copies = defence is not None or keep_copies
+
+
+class Choco(PublicCopies):
     """CHOCO-SGD with codec ``codec`` and consensus step ``gamma`` (default: :func:`auto_gamma`).
 
     An unbiased codec (QSGD, ternary values) is made contractive as the theory needs:
@@ -187,7 +217,6 @@ class Choco(Averager):
     """
 
     name = "choco"
-    arrivals_read_only = True  # s_i += W_ij q_j reads q_j
     sparse_arrivals = True  # a sparse q_j is added at its indices alone
 
     def __init__(
@@ -198,20 +227,12 @@ class Choco(Averager):
         defence: Defence | None = None,
         keep_copies: bool = False,
     ):
-        super().__init__(codec, seed)
-        check_choco_codec(self.codec)
-        # None: auto_gamma, every round (the row can change)
-        self.given_gamma = checked_gamma(gamma, "CHOCO")
-        self.gamma: float | None = gamma  # the step of the latest round
+        super().__init__(codec, seed, gamma, defence, keep_copies)
         self.x_hat: torch.Tensor | None = None
         self.s: torch.Tensor | None = None  # Σ_j W_ij x̂_j, when the copies are not kept apart
-        self.judge = None if defence is None else Judge(defence, copies=True)
-        # each neighbour's public copy x̂_j (with a defence, or ``keep_copies``), instead of s
-        self.replicas = Replicas(self.judge) if defence is not None or keep_copies else None
-        self.scale = 1.0  # 1/(1+ω), set when the vector's length is known
-        self._synced_at: dict[int, int] = {}
+        # each neighbour's public copy x̂_j, kept apart instead of s
+        self.replicas = Replicas(self.judge) if self.keeps_copies else None
         self._first: int | None = None  # the round of the first outgoing (the warm-up's start)
-        self.resynced: int | None = None  # the round s_i was last rebuilt from dense copies
 
     def step_size(self, rnd: Round) -> float:
         """γ in round ``rnd``: the warm-up's share of it in a peer's first rounds (a lossless
@@ -221,10 +242,6 @@ class Choco(Averager):
             return self.gamma
         done = rnd.index - (rnd.index if self._first is None else self._first) + 1
         return self.gamma * min(1.0, done / WARMUP_ROUNDS)
-
-    accepts_late = True  # a late update is still added: a sum does not care about order
-
-    uses_public_copies = True
 
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """Steps 1–2: q_i = Q(x_i − x̂_i); x̂_i += q_i; s_i += W_ii q_i."""
