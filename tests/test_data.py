@@ -371,6 +371,15 @@ def test_powerlaw_sizes_are_skewed_above_the_minimum() -> None:
         partition(LABELS[:3999], 400, "powerlaw:1.5", seed=0)
 
 
+@pytest.mark.parametrize(("peers", "spec"), [(4, "powerlaw:0.001"), (400, "powerlaw:0.01")])
+def test_powerlaw_with_a_tiny_shape_still_splits_every_sample_once(peers: int, spec: str) -> None:
+    """A small A overflows the Pareto weights to inf: the shares are taken in log space then
+    (they were NaN, and the cut points garbage: samples handed out twice, peers left empty)."""
+    parts = partition(LABELS, peers, spec, seed=0, min_size=5)
+    assert min(len(p) for p in parts) >= 5
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(len(LABELS)))
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_shards_few_labels_per_peer(k: int) -> None:
     parts = partition(LABELS, 10, f"shards:{k}", seed=0)

@@ -16,7 +16,9 @@ A spec string names the scheme:
 - ``shards:K`` — pathological skew after McMahan et al. (2017), "Communication-
   Efficient Learning of Deep Networks from Decentralized Data": sort the samples
   by label, cut them into ``n·K`` equal shards and deal ``K`` random shards to
-  each peer, so a peer sees about ``K`` (at most ``2K``) classes.
+  each peer, so a peer sees about ``K`` classes (at most ``2K`` when every class fills
+  at least one shard; with fewer shards than classes, ``n·K`` below their number, a
+  shard spans several classes and a peer sees more).
 - ``natural`` — by the samples' natural owners (LEAF's writers and speakers,
   Synthetic(α, β)'s devices): each part holds whole owners, with the sample counts
   they have.
@@ -228,7 +230,13 @@ def _top_up(parts: list[np.ndarray], min_size: int, rng: np.random.Generator) ->
 def _powerlaw(
     num: int, n: int, shape: float, min_size: int, rng: np.random.Generator
 ) -> list[np.ndarray]:
-    weights = rng.pareto(shape, n) + 1.0
+    # rng.pareto(shape) + 1 is exp(E / shape) for a standard exponential E, drawn the same
+    # way; a small shape overflows that to inf, so then the weights are scaled in log space
+    log_weights = rng.standard_exponential(n) / shape
+    with np.errstate(over="ignore"):
+        weights = np.expm1(log_weights) + 1.0
+        if not np.isfinite(weights.sum()):
+            weights = np.exp(log_weights - log_weights.max())
     rest = num - n * min_size
     extra = np.floor(rest * weights / weights.sum()).astype(np.int64)
     extra[np.argsort(-weights, kind="stable")[: rest - int(extra.sum())]] += 1
