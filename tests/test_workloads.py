@@ -30,7 +30,9 @@ from gossipdl.data.published import SHAKESPEARE_LETTERS
 from gossipdl.experiments.display import summary_table
 from gossipdl.experiments.simulated import simulate
 from gossipdl.models import ModelError, build_model
-from gossipdl.training import dataset_of, own_test
+from gossipdl.rundir import RunDir
+from gossipdl.sim.batched import BatchedSimulation
+from gossipdl.training import dataset_of, own_test, peer_sampler
 
 RNG = np.random.default_rng(0)
 
@@ -231,6 +233,25 @@ def test_batched_and_per_peer_engines_agree_on_each_devices_own_accuracy(tmp_pat
         }
     assert finals[True] == pytest.approx(finals[False], abs=1e-6)
     assert len(set(finals[True].values())) > 1  # each device its own
+
+
+def test_batched_peers_crop_and_mirror_cifar_batches_as_the_per_peer_engine_does(
+    tmp_path: Path,
+) -> None:
+    """The batched simulator gives each peer the augmented batches ``peer_sampler`` gives it
+    (it trained on plain images)."""
+    cifar10(tmp_path)
+    config = load_config(
+        None, peers=2, steps=2, dataset="cifar10", data_dir=str(tmp_path), model="logistic",
+        algorithm="dense", batch_size=8, threads=1, batched=True, out=str(tmp_path / "run"),
+    )  # fmt: skip
+    sim = BatchedSimulation(config, RunDir(tmp_path / "run").create(), step_time=0.01)
+    samplers = [peer_sampler(config, dataset_of(config), peer) for peer in range(2)]
+    for _ in range(2):
+        x, labels = sim.batches()
+        for peer, sampler in enumerate(samplers):
+            want_x, want_labels = sampler.next()
+            assert torch.equal(x[peer], want_x) and torch.equal(labels[peer], want_labels)
 
 
 def test_corrupt_leaf_files_name_themselves(tmp_path: Path) -> None:

@@ -150,6 +150,12 @@ def crop_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torc
     return padded[batch, channel, rows, cols]
 
 
+def augment_draws(seed: int, device: torch.device | str) -> torch.Generator:
+    """The generator of :func:`crop_flip`'s draws for a sampler seeded ``seed``: a stream of
+    its own beside the batch order's, so both engines crop a peer's batches alike."""
+    return torch.Generator(device=device).manual_seed(seed + 7)
+
+
 class BatchSampler:
     """Endless mini-batches of ``(x, y)`` from an :class:`IndexStream` over them, augmented
     as the data set asks (``augment``: ``crop-flip`` for CIFAR), then standardised where
@@ -181,7 +187,7 @@ class BatchSampler:
         if augment not in ("", "crop-flip"):
             raise DataError(f"augment = {augment!r}; use '' or 'crop-flip'")
         self.augment = augment  # "crop-flip": :func:`crop_flip` on every batch
-        self._draws = torch.Generator(device=self.device).manual_seed(seed + 7)
+        self._draws = augment_draws(seed, self.device)
 
     @property
     def epoch(self) -> int:

@@ -70,7 +70,14 @@ from gossipdl.compression.quantization import QSGD, Sign
 from gossipdl.compression.sparse import SparseCodec, Threshold, TopK
 from gossipdl.conditions import DeviceProfile, device_of
 from gossipdl.config import Config
-from gossipdl.data import IndexStream, evaluation_inputs, standardise, to_tensors
+from gossipdl.data import (
+    IndexStream,
+    augment_draws,
+    crop_flip,
+    evaluation_inputs,
+    standardise,
+    to_tensors,
+)
 from gossipdl.peers.device import pick_device
 from gossipdl.protocol.core import addressed
 from gossipdl.protocol.kinds import COMPRESSED_KINDS, TABLE, TABLE_KINDS
@@ -459,6 +466,11 @@ class BatchedSimulation:
             IndexStream(len(p), config.batch_size, sampler_seed(config, i))
             for i, p in enumerate(parts)
         ]
+        self.draws = (  # CIFAR's crops and mirrors, drawn as each peer's ``BatchSampler`` does
+            [augment_draws(sampler_seed(config, i), device) for i in range(count)]
+            if self.dataset.augment
+            else None
+        )
         owned = [own_test(config, self.dataset, i) for i in range(count)]
         self.own = None  # each peer's own owners' test samples, as a mask (natural splits)
         if all(o is not None for o in owned):
@@ -514,6 +526,16 @@ class BatchedSimulation:
     # --------------------------------------------------------------------- steps
     def _step(self) -> None:
         """One local step of every peer: its batch, gradients and SGD update."""
+        x, labels = self.batches()
+        losses, grads = self.models.gradients(x, labels)
+        self.optimizer.step(self.models.flat, grads, lr_at(self.config, self.steps))
+        self.losses.append(losses.detach())
+        self.steps += 1
+        self.clock += self.step_times
+
+    def batches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every peer's next batch, ``[peers, batch, ...]`` inputs and labels: what each
+        peer's ``peer_sampler`` gives it in the per-peer engine."""
         rows = torch.stack(
             [shard[s.next()] for shard, s in zip(self.shards, self.streams, strict=True)]
         )
@@ -523,12 +545,10 @@ class BatchedSimulation:
             labels = torch.where(
                 self.flipped, flip_labels(labels, self.dataset.num_classes), labels
             )
-        x = standardise(self.x_train[rows], self.pixels)
-        losses, grads = self.models.gradients(x, labels)
-        self.optimizer.step(self.models.flat, grads, lr_at(self.config, self.steps))
-        self.losses.append(losses.detach())
-        self.steps += 1
-        self.clock += self.step_times
+        x = self.x_train[rows]
+        if self.draws is not None:
+            x = torch.stack([crop_flip(xi, g) for xi, g in zip(x, self.draws, strict=True)])
+        return standardise(x, self.pixels), labels
 
     def _round(self) -> None:
         """A gossip round of every peer: the averaging, then what its messages cost."""
