@@ -275,6 +275,17 @@ def test_fedprox_synthetic_is_generated_by_device() -> None:
         load_dataset("synthetic-fedprox:1")
 
 
+def test_fedprox_beta_shifts_all_of_a_devices_features_by_one_draw() -> None:
+    """B_k is one number per device (FedProx's generator): with a large β every feature's
+    mean on a device moves with it, so the features' means agree across devices (they were
+    drawn one per feature, and did not)."""
+    data = load_dataset("synthetic-fedprox:0:100:40")
+    assert data.owners_train is not None
+    means = np.stack([data.x_train[data.owners_train == k].mean(0) for k in range(40)])
+    agreement = np.corrcoef(means.T)[np.triu_indices(means.shape[1], 1)]
+    assert agreement.mean() > 0.9
+
+
 def test_crop_flip_shifts_and_mirrors_each_image_by_its_own_draw() -> None:
     """Every output image is a window of the zero-padded image, maybe mirrored; the draws
     differ between images and repeat with the seed."""

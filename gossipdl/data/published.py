@@ -279,10 +279,11 @@ def load_fedprox(alpha: float, beta: float, users: int, seed: int = 0) -> Datase
     sigma = np.arange(1, FEDPROX_DIM + 1, dtype=np.float64) ** -1.2
     x_parts, y_parts, train_mask = [], [], []
     for k in range(users):
-        u, b = rng.normal(0, np.sqrt(alpha)), rng.normal(0, np.sqrt(beta), FEDPROX_DIM)
+        # one shift per device for the model (u_k) and for every feature's mean (B_k)
+        u, b = rng.normal(0, np.sqrt(alpha)), rng.normal(0, np.sqrt(beta))
         w = rng.normal(u, 1, (FEDPROX_CLASSES, FEDPROX_DIM))
         bias = rng.normal(u, 1, FEDPROX_CLASSES)
-        v = rng.normal(b, 1)
+        v = rng.normal(b, 1, FEDPROX_DIM)
         x = v + rng.standard_normal((counts[k], FEDPROX_DIM)) * np.sqrt(sigma)
         x_parts.append(x)
         y_parts.append(np.argmax(x @ w.T + bias, axis=1))
