@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from gossipdl import cli
 from gossipdl.config import load_config
-from gossipdl.data import DataError, load_dataset, partition
+from gossipdl.data import DataError, load_dataset, partition, published
 from gossipdl.data.fetch import FetchError, Source, fetch
 from gossipdl.data.loader import BatchSampler, crop_flip, evaluation_inputs, standardise
 from gossipdl.data.published import SHAKESPEARE_LETTERS
@@ -35,6 +35,15 @@ from gossipdl.sim.batched import BatchedSimulation
 from gossipdl.training import dataset_of, own_test, peer_sampler
 
 RNG = np.random.default_rng(0)
+CIFAR10_PER_FILE, CIFAR100_TRAIN, CIFAR100_TEST = 12, 20, 5
+
+
+@pytest.fixture(autouse=True)
+def tiny_cifar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny CIFAR files written here stand for the published ones: the reader expects
+    their record counts."""
+    counts = {"cifar10": (CIFAR10_PER_FILE,) * 6, "cifar100": (CIFAR100_TRAIN, CIFAR100_TEST)}
+    monkeypatch.setattr(published, "CIFAR_RECORDS", counts)
 
 
 def cifar_file(path: Path, count: int, label_bytes: int = 1, classes: int = 10) -> np.ndarray:
@@ -49,10 +58,10 @@ def cifar_file(path: Path, count: int, label_bytes: int = 1, classes: int = 10) 
     return labels
 
 
-def cifar10(root: Path, per_file: int = 12) -> list[np.ndarray]:
+def cifar10(root: Path) -> list[np.ndarray]:
     folder = root / "cifar-10-batches-bin"
-    train = [cifar_file(folder / f"data_batch_{i}.bin", per_file) for i in range(1, 6)]
-    return [*train, cifar_file(folder / "test_batch.bin", per_file)]
+    files = [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
+    return [cifar_file(folder / f, CIFAR10_PER_FILE) for f in files]
 
 
 def leaf(root: Path, name: str, users: int = 4, per_user: int = 10) -> None:
@@ -126,22 +135,24 @@ def test_cifar10_binary_files_load_standardised_and_train_resnet20_and_vgg11(
 
 def test_cifar100_takes_the_fine_label(tmp_path: Path) -> None:
     folder = tmp_path / "cifar-100-binary"
-    train = cifar_file(folder / "train.bin", 20, label_bytes=2, classes=100)
-    cifar_file(folder / "test.bin", 5, label_bytes=2, classes=100)
+    train = cifar_file(folder / "train.bin", CIFAR100_TRAIN, label_bytes=2, classes=100)
+    cifar_file(folder / "test.bin", CIFAR100_TEST, label_bytes=2, classes=100)
     data = load_dataset("cifar100", tmp_path)
     assert data.num_classes == 100 and np.array_equal(data.y_train, train)
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "label"])
+@pytest.mark.parametrize("damage", ["missing", "truncated", "a record short", "label"])
 def test_a_missing_or_corrupt_cifar_file_names_itself_and_the_fetch_command(
     tmp_path: Path, damage: str
 ) -> None:
-    cifar10(tmp_path, per_file=2)
+    cifar10(tmp_path)
     path = tmp_path / "cifar-10-batches-bin" / "data_batch_3.bin"
     if damage == "missing":
         path.unlink()
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:-100])
+    elif damage == "a record short":  # whole records, but not the published number
+        path.write_bytes(path.read_bytes()[:-3073])
     else:
         raw = bytearray(path.read_bytes())
         raw[0] = 200  # a class CIFAR-10 does not have

@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from gossipdl.data.datasets import DataError
-from gossipdl.data.published import cifar_files
+from gossipdl.data.published import CIFAR_RECORDS, cifar_files
 
 CHUNK = 1 << 20
 
@@ -42,10 +42,12 @@ class Source:
     members: tuple[tuple[str, int], ...]
 
 
-def _cifar(name: str, url: str, md5: str, size: int, records: tuple[int, ...]) -> Source:
-    """A CIFAR archive: the files its reader reads (:func:`cifar_files`), ``records`` each."""
+def _cifar(name: str, url: str, md5: str, size: int) -> Source:
+    """A CIFAR archive: the files its reader reads (:func:`cifar_files`), each of its
+    published records (:data:`CIFAR_RECORDS`)."""
     files, record = cifar_files(name)
-    return Source(url, md5, size, tuple(zip(files, (n * record for n in records), strict=True)))
+    sizes = (n * record for n in CIFAR_RECORDS[name])
+    return Source(url, md5, size, tuple(zip(files, sizes, strict=True)))
 
 
 SOURCES = {
@@ -54,14 +56,12 @@ SOURCES = {
         "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz",
         "c32a1d4ab5d03f1284b67883e8d87530",
         170_052_171,
-        (10_000,) * 6,
     ),
     "cifar100": _cifar(
         "cifar100",
         "https://www.cs.toronto.edu/~kriz/cifar-100-binary.tar.gz",
         "03b5dce01913d631647c71ecec9e9cb8",
         168_513_733,
-        (50_000, 10_000),
     ),
 }
 

@@ -56,6 +56,10 @@ _CIFAR = {  # name: (folder, train files, test file, label bytes, classes, mean,
     ),
 }
 _PIXELS = 3 * 32 * 32
+CIFAR_RECORDS = {"cifar10": (10_000,) * 6, "cifar100": (50_000, 10_000)}
+"""Records in each of a CIFAR data set's files (:func:`cifar_files`' order), as published:
+the reader refuses a file of another size, a copy cut short at a record's end among them,
+and reads no more than that; ``gossipdl data fetch`` keeps files of these sizes."""
 
 SHAKESPEARE_LETTERS = (
     "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
@@ -101,19 +105,23 @@ def cifar_files(name: str) -> tuple[list[str], int]:
     return [f"{folder}/{f}" for f in (*train_files, test_file)], label_bytes + _PIXELS
 
 
-def _cifar_records(name: str, path: Path, root: Path) -> tuple[np.ndarray, np.ndarray]:
-    """The uint8 images (``[N, 3, 32, 32]``) and int64 classes of one binary CIFAR file."""
+def _cifar_records(
+    name: str, path: Path, root: Path, records: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The uint8 images (``[N, 3, 32, 32]``) and int64 classes of one binary CIFAR file of
+    ``records`` records."""
     _, _, _, label_bytes, classes, _, _ = _CIFAR[name]
     if not path.is_file():
         raise DataError(f"{name}: {path} is missing; {fetch_hint(name, root)}")
-    raw = np.fromfile(path, dtype=np.uint8)
     record = cifar_files(name)[1]
-    if raw.size == 0 or raw.size % record:
+    size = path.stat().st_size
+    if size != records * record:
         raise DataError(
-            f"{name}: {path} holds {raw.size} bytes, not whole {record}-byte records: it is "
-            f"truncated or not the binary version; delete it and {fetch_hint(name, root)}"
+            f"{name}: {path} holds {size:,} bytes, not the published {records:,} records of "
+            f"{record} bytes ({records * record:,}): it is truncated or not the binary "
+            f"version; delete it and {fetch_hint(name, root)}"
         )
-    rows = raw.reshape(-1, record)
+    rows = np.fromfile(path, dtype=np.uint8, count=records * record).reshape(-1, record)
     labels = rows[:, label_bytes - 1].astype(np.int64)  # CIFAR-100: the fine label
     if labels.max() >= classes:
         raise DataError(
@@ -127,7 +135,10 @@ def _load_cifar(name: str, root: Path) -> Dataset:
     """CIFAR-10/100 from its binary files: the images kept as uint8 pixels, scaled to [0, 1]
     and standardised per channel with the published training-set statistics when used."""
     *_, classes, mean, std = _CIFAR[name]
-    *parts, (x_test, y_test) = [_cifar_records(name, root / f, root) for f in cifar_files(name)[0]]
+    *parts, (x_test, y_test) = [
+        _cifar_records(name, root / f, root, records)
+        for f, records in zip(cifar_files(name)[0], CIFAR_RECORDS[name], strict=True)
+    ]
     return Dataset(
         name,
         np.concatenate([x for x, _ in parts]),
