@@ -11,8 +11,9 @@ import io
 import json
 import tarfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -273,6 +274,49 @@ def test_corrupt_leaf_files_name_themselves(tmp_path: Path) -> None:
         load_dataset("femnist", tmp_path)
     with pytest.raises(DataError, match=r"no train files.*gossipdl data fetch shakespeare"):
         load_dataset("shakespeare", tmp_path)
+
+
+def edit_leaf(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Apply ``change`` to the LEAF JSON document at ``path``."""
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+
+
+def first_user(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["user_data"][doc["users"][0]]
+
+
+def halve_texts(doc: dict[str, Any]) -> None:
+    """Every sample 40 characters: an even count of them once read as 80-character rows."""
+    for user in doc["user_data"].values():
+        user["x"] = [text[:40] for text in user["x"]]
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "error"),
+    [
+        ("femnist", lambda d: d["users"].append(d["users"][0]), "lists a user twice"),
+        ("femnist", lambda d: d["users"].append("u10"), r"user 'u10' is in both .*all_data_1"),
+        ("femnist", lambda d: first_user(d)["x"][0].__setitem__(5, float("nan")), "784 finite"),
+        ("femnist", lambda d: first_user(d)["x"][0].pop(), "784 finite"),
+        ("shakespeare", lambda d: halve_texts(d), "80 characters"),
+    ],
+)
+def test_leaf_files_with_a_repeated_user_or_a_bad_sample_are_refused_naming_the_file(
+    tmp_path: Path, name: str, change: Callable[[dict[str, Any]], None], error: str
+) -> None:
+    """A user listed twice (in one file or two) doubled its samples; a NaN pixel or a sample
+    of the wrong length failed later, naming no file."""
+    leaf(tmp_path, name)
+    user_data = tmp_path / name / "train" / "all_data_0.json"
+    if "in both" in error:  # u10 is all_data_1's: list it in all_data_0 too, with samples
+        other = json.loads((tmp_path / name / "train" / "all_data_1.json").read_text())
+        edit_leaf(user_data, lambda d: d["user_data"].update(u10=other["user_data"]["u10"]))
+    edit_leaf(user_data, change)
+    with pytest.raises(DataError, match=rf"{name}: .*{error}") as info:
+        load_dataset(name, tmp_path)
+    assert str(tmp_path / name / "train") in str(info.value)
 
 
 def test_fedprox_synthetic_is_generated_by_device() -> None:

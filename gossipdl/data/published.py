@@ -181,6 +181,10 @@ def _leaf_samples(name: str, path: Path, root: Path) -> list[tuple[str, list[Any
     for user, xs, ys in out:
         if not isinstance(xs, list) or not isinstance(ys, list) or len(xs) != len(ys):
             raise DataError(f"{name}: {path}: user {user!r} has x and y of different lengths")
+    if len({user for user, _, _ in out}) < len(out):
+        raise DataError(
+            f"{name}: {path} lists a user twice; delete it and {fetch_hint(name, root)}"
+        )
     return out
 
 
@@ -189,33 +193,36 @@ def _femnist_arrays(
 ) -> tuple[np.ndarray, np.ndarray]:
     xs = [x for _, user_x, _ in samples for x in user_x]
     ys = [y for _, _, user_y in samples for y in user_y]
+    pixels = FEMNIST_SIDE * FEMNIST_SIDE
     try:
-        x = np.asarray(xs, dtype=np.float32).reshape(-1, 1, FEMNIST_SIDE, FEMNIST_SIDE)
+        x = np.asarray(xs, dtype=np.float32).reshape(len(xs), -1)
         y = np.asarray(ys, dtype=np.int64)
     except (ValueError, TypeError):
-        raise DataError(
-            f"femnist: {path}: a sample is not {FEMNIST_SIDE * FEMNIST_SIDE} numbers"
-        ) from None
-    if len(y) and (y.min() < 0 or y.max() >= FEMNIST_CLASSES):
+        x = np.empty((0, 0), np.float32)  # not one length: refused below
+        y = np.empty(0, np.int64)
+    if x.shape != (len(xs), pixels) or not np.isfinite(x).all():
+        raise DataError(f"femnist: {path}: a sample is not {pixels} finite numbers")
+    if len(y) != len(ys) or (len(y) and (y.min() < 0 or y.max() >= FEMNIST_CLASSES)):
         raise DataError(f"femnist: {path}: labels outside 0..{FEMNIST_CLASSES - 1}")
-    return x, y
+    return x.reshape(-1, 1, FEMNIST_SIDE, FEMNIST_SIDE), y
 
 
 def _shakespeare_arrays(
     path: Path, samples: list[tuple[str, list[Any], list[Any]]]
 ) -> tuple[np.ndarray, np.ndarray]:
+    texts = [text for _, user_x, _ in samples for text in user_x]
+    labels = [label for _, _, user_y in samples for label in user_y]
     try:
-        x = np.array(
-            [[_LETTER[c] for c in text] for _, user_x, _ in samples for text in user_x],
-            dtype=np.float32,
-        ).reshape(-1, SHAKESPEARE_SEQUENCE)
-        y = np.array([_LETTER[c] for _, _, user_y in samples for c in user_y], dtype=np.int64)
+        if any(len(text) != SHAKESPEARE_SEQUENCE for text in texts):
+            raise ValueError
+        x = np.array([[_LETTER[c] for c in text] for text in texts], dtype=np.float32)
+        y = np.array([_LETTER[label] for label in labels], dtype=np.int64)
     except (KeyError, ValueError, TypeError):
         raise DataError(
             f"shakespeare: {path}: a sample is not {SHAKESPEARE_SEQUENCE} characters of LEAF's "
             "vocabulary, or a label not one of them"
         ) from None
-    return x, y
+    return x.reshape(-1, SHAKESPEARE_SEQUENCE), y
 
 
 def _load_leaf(name: str, root: Path) -> Dataset:
@@ -225,8 +232,16 @@ def _load_leaf(name: str, root: Path) -> Dataset:
     splits: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
     for split in ("train", "test"):
         xs, ys, owners = [], [], []
+        listed: dict[str, Path] = {}  # user -> the file that holds its samples of this split
         for path in _leaf_files(name, root, split):
             samples = _leaf_samples(name, path, root)
+            for user, _, _ in samples:
+                if user in listed:
+                    raise DataError(
+                        f"{name}: user {user!r} is in both {listed[user]} and {path} "
+                        f"({split}); delete them and {fetch_hint(name, root)}"
+                    )
+                listed[user] = path
             x, y = arrays(path, samples)
             xs.append(x)
             ys.append(y)
