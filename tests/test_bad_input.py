@@ -32,6 +32,7 @@ from gossipdl.transport import encode
 
 NUMEL = 32 * 10 + 10  # logistic regression on the synthetic blobs
 STEPS = 30
+UNUSED_SEQ = 10**9  # a number peer 1 has not sent: a copy of one it sent is a duplicate
 
 
 def bad_messages() -> dict[str, list]:
@@ -41,20 +42,24 @@ def bad_messages() -> dict[str, list]:
     nan[7] = np.nan
     return {
         "malformed_header": [b"\xc1 not msgpack"],
-        "bad_version": with_header(encode("params", 1, 1, 0, [good]), v=99),
-        "bad_kind": with_header(encode("params", 1, 1, 0, [good]), kind="explode"),
-        "frame_mismatch": with_header(encode("params", 1, 1, 0, [good]), frames=[NUMEL * 4 + 8]),
-        "bad_dtype": with_header(
-            encode("params", 1, 1, 0, [good]), arrays=[["complex64", [NUMEL]]]
+        "bad_version": with_header(encode("params", 1, UNUSED_SEQ, 0, [good]), v=99),
+        "bad_kind": with_header(encode("params", 1, UNUSED_SEQ, 0, [good]), kind="explode"),
+        "frame_mismatch": with_header(
+            encode("params", 1, UNUSED_SEQ, 0, [good]), frames=[NUMEL * 4 + 8]
         ),
-        "bad_shape": with_header(encode("params", 1, 1, 0, [good]), arrays=[["float32", [-1]]]),
-        "bad_codec": encode("params", 1, 1, 0, [good], codec="topk:0.5"),
+        "bad_dtype": with_header(
+            encode("params", 1, UNUSED_SEQ, 0, [good]), arrays=[["complex64", [NUMEL]]]
+        ),
+        "bad_shape": with_header(
+            encode("params", 1, UNUSED_SEQ, 0, [good]), arrays=[["float32", [-1]]]
+        ),
+        "bad_codec": encode("params", 1, UNUSED_SEQ, 0, [good], codec="topk:0.5"),
         # for a round the peer will take (a late one is refused as late, before decoding)
-        "bad_payload": encode("params", 1, 1, 10_000, [np.zeros(NUMEL + 1, np.float32)]),
-        "non_finite": encode("params", 1, 1, 0, [nan]),
-        "bad_meta": encode("quiet", 1, 1, 0, meta={"_sync_at": [3, "soon"]}),
+        "bad_payload": encode("params", 1, UNUSED_SEQ, 10_000, [np.zeros(NUMEL + 1, np.float32)]),
+        "non_finite": encode("params", 1, UNUSED_SEQ, 0, [nan]),
+        "bad_meta": encode("resync_request", 1, UNUSED_SEQ, 0, meta={"round": "soon"}),
         "unknown_sender": encode("params", 77, 1, 0, [good]),
-        "oversize": encode("params", 1, 1, 0, [np.zeros(200_000, np.float32)]),
+        "oversize": encode("params", 1, UNUSED_SEQ, 0, [np.zeros(200_000, np.float32)]),
     }
 
 
@@ -206,12 +211,13 @@ def test_a_choco_peer_drops_truncated_and_corrupted_compressed_payloads(tmp_path
     out_of_range = dict(payload.meta, k=NUMEL + 5)
     flipped = [a.copy() for a in arrays]
     flipped[0][:] = 255  # gap codes that run past the end of the vector
+    seq, spec = UNUSED_SEQ, codec.spec
     bad = {
-        "truncated": encode("params", 1, 1, 0, arrays[:-1], payload.meta, codec=codec.spec),
-        "cut_values": encode("params", 1, 1, 0, [*arrays[:-1], arrays[-1][:-3]], payload.meta,
-                             codec=codec.spec),
-        "bad_k": encode("params", 1, 1, 0, arrays, out_of_range, codec=codec.spec),
-        "flipped": encode("params", 1, 1, 0, flipped, payload.meta, codec=codec.spec),
+        "truncated": encode("params", 1, seq, 0, arrays[:-1], payload.meta, codec=spec),
+        "cut_values": encode("params", 1, seq, 0, [*arrays[:-1], arrays[-1][:-3]], payload.meta,
+                             codec=spec),
+        "bad_k": encode("params", 1, seq, 0, arrays, out_of_range, codec=spec),
+        "flipped": encode("params", 1, seq, 0, flipped, payload.meta, codec=spec),
     }  # fmt: skip
     final = attack_live_peer(tmp_path, list(bad.values()), {"bad_payload": len(bad)},
                              codec=codec.spec)  # fmt: skip

@@ -436,6 +436,28 @@ def test_only_members_speak_for_the_swarm(hostile: Hostile) -> None:
         peer.close()
 
 
+def test_a_member_sending_what_the_swarm_does_not_run_is_refused_and_counted(
+    hostile: Hostile,
+) -> None:
+    """A parameter server's kinds, a dynamic trigger's ``quiet`` and a walk, from a member of
+    a dense swarm with the ``always`` trigger: each is ``unexpected`` (the simulator's core
+    refuses the same). A ``quiet`` taken in crashed the peer's next round; the others fell
+    through uncounted, their numbers counted as taken."""
+    address, thread, made = founder(model=torch.nn.Linear(3, 2))
+    join_as_member(hostile, address)
+    thread.join(30)
+    peer = made[0]
+    try:
+        kinds = [("push", {}), ("pull", {}), ("shard", {}), ("info", {}), ("walk", {"_age": 1}),
+                 ("quiet", {"_sync_at": []})]  # fmt: skip
+        for seq, (kind, meta) in enumerate(kinds, start=2):
+            hostile.send(address, encode(kind, 1, seq, 0, meta=meta))
+        wait_for(lambda: dropped(peer, "unexpected") == len(kinds), 10, "each refused")
+        assert peer.transport.stats.snapshot()["messages_dropped"].keys() == {"unexpected"}
+    finally:
+        peer.close()
+
+
 def test_a_message_the_inbox_refuses_is_never_decoded(hostile: Hostile) -> None:
     address, thread, made = founder(model=torch.nn.Linear(100, 100))
     join_as_member(hostile, address)

@@ -71,6 +71,9 @@ MAX_ANSWER_RATE = 20.0  # answers to join/info requests per second, all senders 
 MAX_STRANGER_SOCKETS = 64  # connections beyond one per member (replies to joiners, probes)
 EARLY_S = 2.0  # a member table from a sender not known yet waits this long for news of it
 MAX_EARLY = 32  # such tables held at once; the oldest is refused beyond it (``unknown_sender``)
+MEMBER_KINDS = CORE_KINDS | {"ready", "members", "dropped", "model_request", "chunk"}
+"""What a gossip peer takes from a member: the round protocol's kinds, member tables, model
+requests and a ring all-reduce's chunks; any other kind is ``unexpected``."""
 FORGET_AFTER_S = 600.0  # an ended member silent this long is forgotten: no more heartbeats
 GRADIENT_BUCKET_NUMEL = BUCKET_NUMEL  # overlap in a ring: gradient values per all-reduce
 
@@ -1328,6 +1331,8 @@ class Peer:
             raise WireError("unknown_sender", f"{msg.kind} from id {msg.sender}, not a member")
         if sender.key != msg.key:  # CURVE: the connection's key must be the member's
             raise WireError("wrong_key", f"{msg.kind} claims to be peer {msg.sender}")
+        if msg.kind not in MEMBER_KINDS:  # a parameter server's, say: nothing here takes it
+            raise WireError("unexpected", f"a {msg.kind!r} message, which gossip peers do not send")
         if msg.kind in ("ready", "members", "dropped"):
             table = parse_members(msg.meta.get("members"), self.membership.limit)
             self._hear_table(msg.sender, table)
@@ -1335,6 +1340,7 @@ class Peer:
         with self._core:
             self.core.detector.heard(msg.sender, time.monotonic())
             if msg.kind in CORE_KINDS:  # the round protocol's own: the core takes them in
+                self.core.check_seq(msg, sender)
                 sends = self.core.take(time.monotonic(), msg, sender)
                 self._core.notify_all()
             tables = self.core.tell_table(msg) if self.started else []  # if it lacks ours

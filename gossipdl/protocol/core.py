@@ -75,6 +75,7 @@ from gossipdl.protocol.kinds import (
 from gossipdl.protocol.mailbox import Mailbox
 from gossipdl.protocol.membership import Member, MemberTable, parse_members
 from gossipdl.protocol.rounds import Topologies, arrivals, topology_changes
+from gossipdl.protocol.sequence import Sequences
 from gossipdl.transport.address_syntax import check_address
 from gossipdl.transport.wire import (
     NONCE,
@@ -231,7 +232,7 @@ class GossipCore:
         self._inbox = Mailbox(keep_late=averager.accepts_late)
         self._answers = Mailbox(keep_late=averager.accepts_late)  # dynamic, phase 2
         self._seq: dict[int, int] = {}  # per-member sequence numbers of what we sent
-        self._last_seq: dict[int, int] = {}  # the last sequence number accepted per sender
+        self._numbers = Sequences()  # the sequence numbers taken per sender: gaps, repeats
         self._gap = False  # a message was lost: resync
         self._resync_at: set[int] = set()
         self._dense_for: dict[int, set[int]] = {}  # round -> who asked for our public copy
@@ -615,7 +616,7 @@ class GossipCore:
             if member is not None:
                 self.detector.forget(j)
                 self._told.pop(j, None)
-                self._last_seq.pop(j, None)
+                self._numbers.forget(j)
                 self._inbox.forget(j)
                 self._answers.forget(j)
                 tick.forgotten.append((member, silent))
@@ -717,6 +718,7 @@ class GossipCore:
         elif msg.kind == "model_request":
             sends = self.answer_model_request(msg, started)
         else:
+            self.check_seq(msg, sender)
             sends = self.take(now, msg, sender)
         if started:  # a peer done or not in yet speaks for no table
             sends += self.tell_table(msg)
@@ -732,6 +734,10 @@ class GossipCore:
             dense = msg.kind == "public"
             self._hear_alarms(msg)
             self._inbox.put(msg.sender, msg.round, (self.decode(msg, dense, self._inbox), dense))
+        elif msg.kind in ("quiet", "reply") and not self.trigger.dynamic:
+            raise WireError("unexpected", f"a {msg.kind!r} message, but the trigger is not dynamic")
+        elif msg.kind == "walk" and not self.averager.asynchronous:
+            raise WireError("unexpected", "a walking model, but this swarm does not gossip-learn")
         elif msg.kind == "quiet":
             self._hear_alarms(msg)
             self._inbox.put(msg.sender, msg.round, (None, False))
@@ -1078,6 +1084,7 @@ class GossipCore:
         if me is None or me.until is not None:
             raise WireError("bad_meta", f"a welcome as peer {peer_id}, not in its own table")
         self.id = peer_id
+        self._numbers = Sequences()  # members number what they send this id and life anew
         self.end_rejoin()  # our table is the swarm's again
         self.membership.replace_all(members)
         for m in members:  # silent while apart
@@ -1130,12 +1137,17 @@ class GossipCore:
         except CodecError as exc:
             raise WireError("bad_payload", str(exc)) from None
 
+    def check_seq(self, msg: Message, sender: Member) -> None:
+        """WireError ``duplicate`` for a round-protocol message from member ``sender`` that
+        repeats one taken already (the network may deliver one twice): a CHOCO update
+        added twice leaves s_i wrong until the next resync."""
+        self._numbers.check(msg.sender, sender.since, msg.seq)
+
     def track_seq(self, msg: Message) -> None:
         """Note an accepted message's sequence number; a gap means one was lost (resync)."""
-        if msg.seq <= 0:
-            return
-        last = self._last_seq.get(msg.sender)
-        self._last_seq[msg.sender] = max(msg.seq, last or 0)
-        if last is not None and msg.seq > last + 1:
+        member = self.membership.get(msg.sender)
+        life = member.since if member is not None else -1
+        lost = self._numbers.took(msg.sender, life, msg.seq)
+        if lost:
             self._gap = True
-            self.notes.append(f"{msg.seq - last - 1} message(s) from peer {msg.sender} were lost")
+            self.notes.append(f"{lost} message(s) from peer {msg.sender} were lost")

@@ -1,0 +1,95 @@
+"""What the protocol core takes from a member, and what it refuses: a message the swarm does
+not run, a copy of one taken already, and the numbering of a member's new life. The core
+alone, driven by hand: no sockets, no clock."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gossipdl.averaging.registry import build_averager
+from gossipdl.averaging.triggers import parse_trigger
+from gossipdl.protocol.core import GossipCore, Send, Settings
+from gossipdl.protocol.membership import Member, MemberTable
+from gossipdl.transport.wire import WireError, encode
+
+A, B = Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0)
+
+
+def core(
+    me: int, members: list[Member], algorithm: str = "dense", codec: str = "none"
+) -> GossipCore:
+    averager = build_averager(algorithm, codec, 0, gamma=0.5 if algorithm == "choco" else None)
+    return GossipCore(
+        me, MemberTable(members), averager=averager, trigger=parse_trigger("always"),
+        settings=Settings(), model=torch.zeros(8),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "meta"), [("quiet", {"_sync_at": []}), ("reply", {}),
+                                            ("walk", {"_age": 3})])  # fmt: skip
+def test_a_dynamic_triggers_message_or_a_walk_is_refused_where_the_swarm_does_not_run_it(
+    kind: str, meta: dict[str, object]
+) -> None:
+    """A ``quiet`` in a swarm without a dynamic trigger went into the inbox as no model, and
+    the round's merge then crashed the peer; a walk was decoded and held for good."""
+    victim = core(0, [A, B])
+    victim.open_round(0.0, torch.zeros(8))
+    arrays = [] if kind == "quiet" else [torch.ones(8).numpy()]
+    with pytest.raises(WireError, match="unexpected"):
+        victim.receive(0.0, encode(kind, 1, 1, 0, arrays, meta))
+    victim.receive(0.0, encode("params", 1, 2, 0, [torch.ones(8).numpy()]))
+    assert torch.equal(victim.poll(0.0).model, torch.full((8,), 0.5))  # the round goes on
+
+
+def exchange(
+    a: GossipCore, b: GossipCore, t: float, xa: torch.Tensor, xb: torch.Tensor
+) -> list[Send]:
+    """One round between ``a`` and ``b``; ``a``'s sends, for a network to repeat."""
+    sent_a, sent_b = a.open_round(t, xa), b.open_round(t, xb)
+    for s in sent_a:
+        b.receive(t, s.frames)
+    for s in sent_b:
+        a.receive(t, s.frames)
+    a.poll(t)
+    b.poll(t)
+    return sent_a
+
+
+def test_a_choco_update_the_network_delivers_twice_is_added_once() -> None:
+    """A copy of a round's update, arriving after the round, is a ``duplicate``: kept as a late
+    update it was added to s_i again, which stayed wrong until the next resync."""
+    a, b = core(0, [A, B], "choco", "topk:0.5"), core(1, [A, B], "choco", "topk:0.5")
+    draws = torch.Generator().manual_seed(0)
+    repeated = []
+    for t in range(4):
+        sent = exchange(
+            a, b, float(t), torch.randn(8, generator=draws), torch.randn(8, generator=draws)
+        )
+        if t == 1:
+            repeated = [s for s in sent if s.kind == "params"]
+    for s in repeated:
+        with pytest.raises(WireError, match="duplicate"):
+            b.receive(4.0, s.frames)
+    exchange(a, b, 4.0, torch.randn(8, generator=draws), torch.randn(8, generator=draws))
+    weights, self_weight = b.mixing(b.round)
+    s_i = b.averager.x_hat * self_weight + sum(w * a.averager.x_hat for w in weights.values())
+    torch.testing.assert_close(b.averager.s, s_i)
+
+
+def test_a_message_a_restarted_member_loses_is_a_gap_whatever_its_last_life_sent() -> None:
+    """A new life numbers its messages from 1 again: the receiver starts its count anew (it
+    kept the old life's highest, so a loss went unseen until the numbers passed it)."""
+    for earlier in (0, 50):
+        a = core(0, [A, B])
+        old = core(1, [A, B])
+        for _ in range(earlier):  # B's first life speaks
+            for s in old.announce():
+                a.receive(0.0, s.frames)
+        back = Member(1, "tcp://h:11", 5, incarnation=2)
+        a.merge([back], 1.0)
+        b = core(1, [A, back])
+        sends = [s for _ in range(3) for s in b.announce()]
+        a.receive(2.0, sends[0].frames)
+        a.receive(2.0, sends[2].frames)  # the second was lost
+        assert any("1 message(s) from peer 1 were lost" in n for n in a.reports()[1]), earlier
