@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,8 @@ from conftest import ForkedRanks, gossipdl_cmd, last_record, peer_pids, small_co
 from gossipdl.config import ConfigError, load_config
 from gossipdl.coordinator import ServerWorker, ShardServer, Staleness, fedavg_pick, serve
 from gossipdl.coordinator.ring import chunk_bounds
-from gossipdl.experiments.launcher import launch
+from gossipdl.experiments.launcher import LaunchError, Swarm, launch
+from gossipdl.rundir import RunDir
 from gossipdl.transport import Message, WireError
 
 WORKERS, STEPS, BATCH = 3, 12, 8
@@ -131,19 +133,64 @@ def test_a_shard_drops_malformed_pushes_and_keeps_its_model() -> None:
         return Message("push", sender, 0, 0, codec, arrays, meta)
 
     server.handle(push(), 0.0)
+    later = {**ok, "clock": 2}  # the next push's step: the same step again is a copy
     for bad, reason in [
         (push(sender=2), "unknown_sender"),
-        (push(meta={"clock": 1}), "bad_address"),
+        (push(meta={"clock": 2}), "bad_address"),
         (push(meta={**ok, "clock": -1}), "bad_meta"),
-        (push(arrays=[torch.ones(3).numpy()]), "bad_payload"),
-        (push(codec="fp16"), "bad_codec"),
-        (Message("params", 0, 0, 0, "none", [], ok), "unexpected"),
-        (Message("push", 0, 0, 0, "none", [torch.ones(4).numpy()], ok, key="K" * 40), "wrong_key"),
-    ]:
+        (push(meta=later, arrays=[torch.ones(3).numpy()]), "bad_payload"),
+        (push(meta=later, codec="fp16"), "bad_codec"),
+        (push(), "duplicate"),
+        (Message("params", 0, 0, 0, "none", [], later), "unexpected"),
+        (Message("push", 0, 0, 0, "none", [torch.ones(4).numpy()], later, key="K" * 40),
+         "wrong_key"),
+    ]:  # fmt: skip
         with pytest.raises(WireError) as err:
             server.handle(bad, 0.0)
         assert err.value.reason == reason
     assert torch.equal(server.x, torch.ones(4))  # only the good push was applied
+    assert server.known[0].clock == 1 and server.known[0].address == ok["address"]
+
+
+def _from(worker: int, kind: str, round: int = 0, value: float | None = None) -> Message:
+    meta = {"address": f"tcp://127.0.0.1:{6000 + worker}", "clock": 1}
+    arrays = [] if value is None else [np.full(2, value, np.float32)]
+    return Message(kind, worker, 0, round, "none", arrays, meta)
+
+
+def test_a_shard_takes_only_the_pushes_its_round_waits_for() -> None:
+    """FedAvg: an update from a worker not picked this round; sync: one from a worker that
+    left. Both were folded into the round's mean."""
+    fedavg = ShardServer(torch.zeros(2), rule="fedavg", workers=4, fraction=0.5, rounds=5)
+    picked = fedavg_pick(0, 0, 4, 0.5)
+    outsider = next(w for w in range(4) if w not in picked)
+    with pytest.raises(WireError, match="not picked this round"):
+        fedavg.handle(_from(outsider, "push", 0, 1000.0), 0.0)
+    sync = ShardServer(torch.zeros(2), rule="sync", workers=2)
+    sync.handle(_from(1, "leave"), 0.0)
+    with pytest.raises(WireError, match="which left"):
+        sync.handle(_from(1, "push", 0, 1000.0), 0.0)
+    for server, pushers in ((fedavg, picked), (sync, [0])):
+        for worker in pushers:
+            server.handle(_from(worker, "push", 0, 1.0), 0.0)
+        server.tick(0.0)
+        assert server.round == 1 and torch.equal(server.x, torch.ones(2))
+
+
+def test_a_shard_owes_each_worker_one_reply_and_a_refused_message_changes_nothing() -> None:
+    """Pulls for rounds the shard never reaches each held a reply owed for good (200,000 of
+    them: 20 MB and a 77 ms tick); a message refused as unexpected brought a dead worker
+    back and sent its replies elsewhere."""
+    server = ShardServer(torch.zeros(2), rule="sync", workers=2, timeout=1.0)
+    for r in range(1000):
+        server.handle(_from(0, "pull", 10**15 + r), 0.0)
+    assert len(server.pending) == 1
+    server.handle(_from(1, "alive"), 0.0)
+    server.tick(5.0)  # both silent past the timeout: dead
+    stranger = Message("params", 1, 0, 0, "none", [], {"address": "tcp://elsewhere.test:9"})
+    with pytest.raises(WireError, match="unexpected"):
+        server.handle(stranger, 5.1)
+    assert not server.known[1].alive and server.known[1].address == "tcp://127.0.0.1:6001"
 
 
 def test_fedavg_weights_updates_by_sample_count_and_picks_the_same_workers_per_round() -> None:
@@ -199,6 +246,28 @@ def test_gossipdl_run_carries_on_when_an_async_worker_dies(tmp_path: Path) -> No
     summary = json.loads((out / "summary.json").read_text())
     finished = {p["id"] for p in summary["peers"] if p["finished"]}
     assert finished == {0} and 1 in summary["servers"][0]["dead_workers"]
+
+
+def test_a_server_shard_that_dies_fails_the_run_naming_it_even_where_workers_may_die(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Async and FedAvg runs carry on without a dead worker, but no worker goes on without
+    its shard: the launcher stops the swarm and names the shard and its log (it returned
+    normally, saying the others carried on when none did)."""
+    swarms: list[Swarm] = []
+    start = Swarm.start
+    monkeypatch.setattr(Swarm, "start", lambda self: swarms.append(self) or start(self))
+    config = small_config(tmp_path, mode="ps", ps="async", peers=2, steps=1_000_000,
+                          round_timeout=3.0)  # fmt: skip
+
+    def kill_the_shard(run: RunDir) -> bool:
+        shard = swarms[0].servers[0]
+        if (last_record(run.metrics(0)) or {}).get("step", 0) >= 5 and shard.poll() is None:
+            shard.kill()
+        return False
+
+    with pytest.raises(LaunchError, match=r"server shard 0 exited with code -9; its log .*0"):
+        launch(config, progress=False, until=kill_the_shard)
 
 
 def test_a_sync_run_ended_early_lets_every_worker_finish_its_step_and_report(

@@ -70,7 +70,7 @@ def test_a_fedavg_worker_sits_out_the_rounds_that_do_not_pick_it() -> None:
     """Its steps go on by the round's local steps while it pulls the next round."""
 
     def answer(round: int, picked: bool) -> Message:
-        meta = {"shard": 0, "round": round, "picked": picked, "done": False}
+        meta = {"shard": 0, "round": round, "version": round, "picked": picked, "done": False}
         return Message("shard", -1, 0, round, arrays=[torch.ones(2).numpy()], meta=meta)
 
     worker = WorkerCore(0, 1, torch.zeros(2), WorkerSettings(rule="fedavg", local_steps=4))
@@ -83,6 +83,29 @@ def test_a_fedavg_worker_sits_out_the_rounds_that_do_not_pick_it() -> None:
     worker.receive(answer(1, picked=True))
     adopted = worker.adopt(2.0)
     assert adopted.fresh_round and worker.waiting is None and worker.steps == 4
+
+
+@pytest.mark.parametrize("rule", ["sync", "async"])
+def test_a_worker_takes_only_answers_to_its_open_wait(rule: str) -> None:
+    """A copy of an answer (the network delivered it twice, or late) sat in the replies and
+    completed the worker's next wait with the model of the round before."""
+    worker = WorkerCore(0, 1, torch.zeros(2), WorkerSettings(rule=rule))
+
+    def answer(round: int) -> Message:
+        meta = {"shard": 0, "version": round, **({"round": round} if rule == "sync" else {})}
+        return Message("shard", -1, 0, round, arrays=[np.full(2, round, np.float32)], meta=meta)
+
+    for round in (1, 2):
+        assert worker.step(0.0)
+        worker.push(0.0, torch.ones(2))
+        stale = "older than the last" if rule == "async" else "waits for round 2"
+        if round == 2:  # the copy of round 1's answer comes while round 2's push waits
+            with pytest.raises(WireError, match=stale):
+                worker.receive(answer(0 if rule == "async" else 1))
+        worker.receive(answer(round))
+        assert torch.equal(worker.adopt(0.1).model, torch.full((2,), float(round)))
+        with pytest.raises(WireError, match="no wait is open"):
+            worker.receive(answer(round))
 
 
 # ----------------------------------------------------------------- the simulated engine

@@ -194,7 +194,7 @@ class ServerWorker:
         right one gets through the handshake) and keep the key the answer came over; the
         answers, the model we start from anyway, are dropped."""
         deadline = time.monotonic() + self.core.settings.timeout
-        replies = self.core.replies  # no wait is open yet: no adopt replaces it
+        replies = self.core.replies  # the probes' wait: no adopt replaces it
         for k, address in enumerate(self.servers):
             tries = 0
             with self._arrived:
@@ -208,12 +208,12 @@ class ServerWorker:
                         )
                     self.transport.set_key(address, listed_key(curve, tries))
                     tries += 1
-                    self.transport.send(address, self.core.send("pull", k).frames)
+                    self.transport.send(address, self.core.probe(time.monotonic(), k).frames)
                     self._arrived.wait(KEY_TRY_S)
                 self.core.shard_keys[k] = replies[k].key
                 self.transport.set_key(address, replies[k].key)
         with self._arrived:
-            replies.clear()
+            self.core.probed()
 
     def _flat(self) -> torch.Tensor:
         with torch.no_grad():

@@ -143,40 +143,67 @@ class ShardServer:
 
     # ----------------------------------------------------------------- messages
     def handle(self, msg: Message, now: float) -> None:
-        """One message from a worker; WireError for anything malformed or out of place.
-        Replies are queued in ``outbox`` by ``tick``."""
+        """One message from a worker; WireError for anything malformed or out of place, which
+        changes nothing. Replies are queued in ``outbox`` by ``tick``."""
         worker = msg.sender
         if not 0 <= worker < self.workers:
             raise WireError("unknown_sender", f"worker id {worker} outside 0..{self.workers - 1}")
+        if msg.kind not in ("alive", "leave", "pull", "push"):
+            raise WireError("unexpected", f"a shard takes push, pull, alive, leave; got {msg.kind}")
         address = check_address(msg.meta.get("address"), "reply address")
+        known = self.known.get(worker)
+        if known is not None and known.address and known.key != msg.key:
+            raise WireError("wrong_key", f"{msg.kind} claims to be worker {worker}")  # CURVE
+        clock = meta_int(msg.meta, "clock", "clock", default=known.clock if known else 0)
+        pushed = self._checked_push(worker, known, msg, clock) if msg.kind == "push" else None
         if self.first_heard is None:
             self.first_heard = now
         state = self.known.setdefault(worker, WorkerState("", now))
-        if state.address and state.key != msg.key:  # CURVE: one worker cannot speak for another
-            raise WireError("wrong_key", f"{msg.kind} claims to be worker {worker}")
         state.heard, state.address, state.key = now, address, msg.key
         if not state.alive and not state.left:
             log.info("shard %d: worker %d is back", self.shard, worker)
             state.alive = True
-        clock = meta_int(msg.meta, "clock", "clock", default=state.clock)
-        if msg.kind == "alive":
-            return
         if msg.kind == "leave":
             state.alive, state.left = False, True
-            return
-        if msg.kind == "pull":
-            self._pull(worker, msg.round)
-        elif msg.kind == "push":
+        elif msg.kind == "pull":
+            self._owe(Pending(worker, msg.round))
+        elif pushed is not None:
             state.clock = clock
-            self._push(worker, state, msg)
-        else:
-            raise WireError("unexpected", f"a shard takes push, pull, alive, leave; got {msg.kind}")
+            self._push(worker, state, msg, *pushed)
 
-    def _pull(self, worker: int, round: int) -> None:
-        self.pending.append(Pending(worker, round))
+    def _checked_push(
+        self, worker: int, known: WorkerState | None, msg: Message, clock: int
+    ) -> tuple[torch.Tensor, float]:
+        """A push's update, decoded, and its weight (FedAvg: the worker's samples); WireError
+        ``unexpected`` for one the round does not wait for (from a worker that left, one
+        FedAvg did not pick, or of another round), or ``duplicate`` for an async push no
+        later than the last one taken from its worker (the network delivered it twice)."""
+        if known is not None and known.left:
+            raise WireError("unexpected", f"an update from worker {worker}, which left")
+        if self.rule == "async":
+            if known is not None and clock <= known.clock:
+                raise WireError(
+                    "duplicate", f"an update of step {clock}; worker {worker} is at {known.clock}"
+                )
+        elif msg.round != self.round:
+            raise WireError("unexpected", f"update for round {msg.round}, shard at {self.round}")
+        elif self.rule == "fedavg" and worker not in fedavg_pick(
+            self.seed, self.round, self.workers, self.fraction
+        ):
+            raise WireError("unexpected", f"an update from worker {worker}, not picked this round")
+        meta = msg.meta if self.rule == "fedavg" else {}
+        samples = meta_int(meta, "samples", "samples", default=1, minimum=1)
+        return self._decode(msg), float(samples)
 
-    def _push(self, worker: int, state: WorkerState, msg: Message) -> None:
-        update = self._decode(msg)
+    def _owe(self, pending: Pending) -> None:
+        """Owe a worker a reply: one at a time (a worker waits for each answer before it asks
+        again), so a new request replaces what it was owed and nobody grows the list."""
+        self.pending = [p for p in self.pending if p.worker != pending.worker]
+        self.pending.append(pending)
+
+    def _push(
+        self, worker: int, state: WorkerState, msg: Message, update: torch.Tensor, weight: float
+    ) -> None:
         if self.rule == "async":
             tau = self.version - state.base
             self.staleness_seen.add(tau)
@@ -189,15 +216,11 @@ class ShardServer:
             else:
                 self.x.add_(update, alpha=self.staleness.weight(tau))
                 self.version += 1
-            self.pending.append(Pending(worker, msg.round, tau))
+            self._owe(Pending(worker, msg.round, tau))
             return
-        if msg.round != self.round:
-            raise WireError("unexpected", f"update for round {msg.round}, shard at {self.round}")
-        meta = msg.meta if self.rule == "fedavg" else {}
-        samples = meta_int(meta, "samples", "samples", default=1, minimum=1)
-        self.updates[worker] = (update, float(samples))
+        self.updates[worker] = (update, weight)
         if self.rule == "sync":
-            self.pending.append(Pending(worker, msg.round + 1))
+            self._owe(Pending(worker, msg.round + 1))
 
     def _decode(self, msg: Message) -> torch.Tensor:
         if msg.codec != self.codec.spec:

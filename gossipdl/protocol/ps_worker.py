@@ -104,6 +104,7 @@ class WorkerCore:
         self.staleness = StalenessTally()
         self.max_lead = 0
         self.replies: dict[int, Message] = {}  # shard -> its answer to the open wait
+        self.versions = [0] * shards  # each shard's version in the answer last taken
         self.waiting: str | None = None  # the kind ("push", "pull") whose answers it awaits
         self.waiting_round = 0
         self._since = 0.0  # when the open wait began
@@ -154,7 +155,32 @@ class WorkerCore:
         for key in ("done", "picked"):
             if not isinstance(msg.meta.get(key, False), bool):
                 raise WireError("bad_meta", f"shard {shard}'s {key} is not true or false")
+        self._check_answers_the_wait(shard, msg)
         self.replies[shard] = msg
+
+    def _check_answers_the_wait(self, shard: int, msg: Message) -> None:
+        """WireError ``unexpected`` unless ``msg`` answers the open wait: a copy of an earlier
+        answer (the network may deliver one twice, or late) would complete the next wait
+        with an older model. A sync push of round t is answered at round t + 1, a FedAvg
+        pull of round r at r or later; an async answer is of a version no older than the
+        last one taken from that shard."""
+        if self.waiting is None:
+            raise WireError("unexpected", f"an answer from shard {shard}, but no wait is open")
+        version = meta_int(msg.meta, "version", f"shard {shard}'s version")
+        if self.rule == "async":
+            if version < self.versions[shard]:
+                raise WireError(
+                    "unexpected", f"shard {shard}'s version {version}, older than the last taken"
+                )
+            return
+        least = self.waiting_round + (1 if self.waiting == "push" else 0)
+        answered = meta_int(msg.meta, "round", f"shard {shard}'s round")
+        if answered < least:
+            raise WireError(
+                "unexpected",
+                f"shard {shard}'s answer of round {answered}; the {self.waiting} of round "
+                f"{self.waiting_round} waits for round {least} or later",
+            )
 
     @property
     def complete(self) -> bool:
@@ -171,6 +197,7 @@ class WorkerCore:
         new = torch.empty(self.numel, device=self.reference.device)
         for k, (a, b) in enumerate(self.bounds):
             new[a:b] = torch.from_numpy(replies[k].arrays[0].copy()).to(new.device)
+            self.versions[k] = replies[k].meta["version"]
         self.reference = new.clone()
         self.syncs += 1
         first = replies[0].meta
@@ -186,6 +213,19 @@ class WorkerCore:
             return Adopted(new, self._pull(now, self.round + 1), fresh_round=False)
         self.waiting = None
         return Adopted(new, [], fresh_round=pulled)
+
+    def probe(self, now: float, shard: int) -> Send:
+        """CURVE: a pull of round 0 from ``shard``, whose answer shows which listed key the
+        shard has (the engine tries each in turn); :meth:`probed` ends the probes' wait."""
+        if self.waiting is None:
+            self._wait(now, "pull", 0)
+        return self.send("pull", shard)
+
+    def probed(self) -> None:
+        """The probes are over: their answers (the model the worker starts from anyway) are
+        dropped, and the wait ends."""
+        self.replies.clear()
+        self.waiting = None
 
     def heartbeat(self) -> list[Send]:
         """``alive`` to every shard (a shard declares a worker silent for ``timeout`` dead)."""
