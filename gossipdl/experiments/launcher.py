@@ -313,6 +313,12 @@ class Swarm:
         codes = {i: p.poll() for i, p in self.procs.items()}
         return {i: code for i, code in codes.items() if code is not None and code != 0}
 
+    def servers_failed(self) -> dict[int, int]:
+        """Server shards that exited with an error: shard -> exit code. Every worker needs
+        every shard, whatever the rule."""
+        codes = {k: p.poll() for k, p in self.servers.items()}
+        return {k: code for k, code in codes.items() if code is not None and code != 0}
+
     def running(self) -> bool:
         """Whether any peer process is still alive."""
         return any(p.poll() is None for p in self.procs.values())
@@ -364,7 +370,8 @@ def launch(
     the run early when it returns True (e.g. a target accuracy reached, or a
     time budget spent): every peer finishes its step and reports, as on Ctrl-C. A peer
     that dies stops the swarm and raises LaunchError naming it, after the summary is
-    written, except where the run ``carries_on`` without it (then a warning names it).
+    written, except where the run ``carries_on`` without it and some peer finished (then
+    a warning names it); a server shard that dies always does.
     SIGINT (Ctrl-C) or SIGTERM stops every peer cleanly, writes what was measured, then
     raises :class:`Interrupted` (a KeyboardInterrupt), so a caller running several swarms
     stops too.
@@ -383,6 +390,7 @@ def launch(
     started = time.monotonic()
     ended_early = False
     failed: dict[int, int] = {}
+    shards_failed: dict[int, int] = {}
     stop = StopOnSignal()
     with stop, LiveProgress(run, config.steps, console=console, enabled=progress) as display:
         try:
@@ -392,6 +400,11 @@ def launch(
                 display.refresh()
                 if until is not None and until(run):
                     ended_early = True
+                    swarm.stop()
+                    break
+                shards_failed = swarm.servers_failed()
+                if shards_failed:
+                    log.error("server shard(s) %s died; stopping the swarm", sorted(shards_failed))
                     swarm.stop()
                     break
                 failed = swarm.failed()
@@ -413,9 +426,17 @@ def launch(
             run.root,
         )
         raise Interrupted(stop.signum)
+    if shards_failed:
+        raise LaunchError(
+            "\n".join(
+                f"server shard {k} exited with code {code}; its log {run.server_log(k)} ends:\n"
+                f"{_log_tail(run.server_log(k))}"
+                for k, code in sorted(shards_failed.items())
+            )
+        )
     if ended_early:  # peers stopped mid-round may have failed on the way out
         log.info("%s: ended early, as asked", run.root)
-    elif summary_failed and carries_on(config):
+    elif summary_failed and carries_on(config) and summary["peers_finished"]:
         log.warning(
             "%s %s died; the others carried on (%d of %d finished)",
             "worker(s)" if config.mode == "ps" else "peer(s)",
