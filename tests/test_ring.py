@@ -217,14 +217,27 @@ def test_a_malformed_chunk_is_dropped_with_a_reason() -> None:
         assert err.value.reason == reason
 
 
-def test_a_non_finite_partial_sum_stops_the_rank_that_completes_the_chunk() -> None:
-    """Reduce-scatter pieces are checked once, as a finished sum: NaN survives the addition."""
+@pytest.mark.parametrize(
+    ("codec", "own", "received"),
+    [
+        ("none", [0.0, 0.0, 0.0, 0.0], [1.0, np.nan]),  # NaN survives the addition
+        ("fp16", [0.0, 0.0, 0.0, 2e5], [0.0, 0.0]),  # a finite mean past float16's range
+    ],
+)
+def test_a_non_finite_partial_sum_stops_the_rank_that_completes_the_chunk(
+    codec: str, own: list[float], received: list[float]
+) -> None:
+    """Reduce-scatter pieces are checked once, as a finished mean in what goes on the wire.
+    An fp16 mean that overflowed in the cast was kept by the finishing rank as its result,
+    and its successor refused it and timed out blaming it."""
     sent: list[Any] = []
-    ring = RingAllReduce(0, [0, 1], 4, lambda j, frames: sent.append(frames), timeout=5)
-    poisoned = np.array([1.0, np.nan], np.float32)  # rank 0 receives chunk 1 (values 2..3)
-    ring.deliver(Message("chunk", 1, 0, 0, "none", [poisoned], {"step": 0, "piece": 0}))
+    ring = RingAllReduce(0, [0, 1], 4, lambda j, frames: sent.append(frames), codec=codec,
+                         timeout=5)  # fmt: skip
+    wire = np.float16 if codec == "fp16" else np.float32
+    partial = np.array(received, wire)  # rank 0 receives chunk 1 (values 2..3)
+    ring.deliver(Message("chunk", 1, 0, 0, codec, [partial], {"step": 0, "piece": 0}))
     with pytest.raises(RingError, match="mean of chunk 1 is not finite"):
-        ring.allreduce_mean_(torch.zeros(4))
+        ring.allreduce_mean_(torch.tensor(own))
     assert len(sent) == 1  # only its own chunk went out; the poisoned sum never did
 
 

@@ -336,16 +336,18 @@ class RingCore:
         last = step == n - 2  # then this chunk (r + 1) holds the full sum: average, share
         if last:
             mine /= n
-            if not all_finite(mine):  # NaN and Inf survive every addition
+        sent = mine if exact else mine.astype(wire)
+        if last:  # what goes out: a finite mean past float16's range is Inf on the wire
+            if not all_finite(sent):  # NaN and Inf survive every addition
                 self.failure = RingFailure(
                     None,
                     f"peer {self.me}, ring all-reduce {self.op}: the mean of chunk {task.chunk} "
-                    "is not finite: some peer sent NaN or Inf, or the sum overflowed",
+                    f"is not finite in {np.dtype(wire).name}: some peer sent NaN or Inf, or "
+                    "the sum overflowed",
                 )
                 return RingProgress(failure=self.failure)
-        sent = mine if exact else mine.astype(wire)
-        if last and not exact:
-            mine[:] = sent  # keep exactly what every other rank will receive
+            if not exact:
+                mine[:] = sent  # keep exactly what every other rank will receive
         return RingProgress([self._put(step + 1, task.piece, sent)], moved=True)
 
     def _wait(self, now: float, step: int) -> RingProgress:
