@@ -112,6 +112,31 @@ def test_a_rank_that_stalls_is_named_at_the_timeout() -> None:
     assert "rank 0 left" in messages[1] or "nothing from rank 0" in messages[1], messages[1]
 
 
+def test_a_rank_that_stalls_mid_run_is_the_one_every_rank_names() -> None:
+    """Rank 2 stops coming after one all-reduce; rank 1 arrives before rank 0. Rank 0 waits
+    its timeout for rank 2 and says so: rank 1, which waited the same timeout from an
+    earlier start, gave up first and blamed rank 0, alive and waiting."""
+    key, timeout = uuid.uuid4().hex, 1.0
+    groups = [SharedAllReduce(r, 3, 10, key, timeout=timeout) for r in range(3)]
+    errors: dict[int, str] = {}
+
+    def work(rank: int) -> None:
+        groups[rank].allreduce_mean_(_values(rank, 10))
+        if rank == 2:  # stalls: it comes back only after the others gave up
+            time.sleep(3 * timeout)
+        else:
+            time.sleep(0.3 if rank == 0 else 0.0)
+            try:
+                groups[rank].allreduce_mean_(_values(rank, 10))
+            except SharedReduceError as exc:
+                errors[rank] = str(exc)
+        groups[rank].close()
+
+    assert not in_threads(work, range(3))
+    assert sorted(errors) == [0, 1], errors
+    assert "nothing from rank 2" in errors[0] and "rank 2 left or stalled" in errors[1], errors
+
+
 def test_a_rank_with_other_settings_is_refused_naming_both() -> None:
     key = uuid.uuid4().hex
     groups = [SharedAllReduce(0, 2, 10, key, timeout=5.0), SharedAllReduce(1, 2, 12, key)]

@@ -56,6 +56,7 @@ __all__ = [
     "require_available",
 ]
 
+VERDICT_MARGIN_S = 1.0  # beyond twice the timeout, a rank's wait for rank 0's verdict
 SHARED_PIECE = 1 << 21  # values per piece in host memory (8 MB of float32)
 SHARED_GPU_PIECE = 1 << 25  # on a GPU (128 MB); the region holds (N + 1) pieces, 2 x when split
 _HEADER = struct.Struct(
@@ -239,7 +240,9 @@ class SharedAllReduce:
         or (``ok`` False somewhere) made a share whose mean is not finite."""
         if self.rank == 0:
             verdict = ok
+            deadline = time.monotonic() + self.timeout  # one wait for all: its verdict is due
             for j, link in enumerate(self._links, start=1):
+                link.settimeout(max(1e-3, deadline - time.monotonic()))
                 try:
                     verdict &= self._receive(link, j, doing) == _OK
                 except SharedReduceError:
@@ -252,6 +255,9 @@ class SharedAllReduce:
             link = self._links[0]
             with contextlib.suppress(OSError):  # rank 0 stopped: what it said is still there
                 link.sendall(_OK if ok else _FAILED)
+            # rank 0 answers within ``timeout`` of its own arrival, naming a rank that stalled;
+            # this rank may have come up to ``timeout`` before it: rank 0 is silent past both
+            link.settimeout(2 * self.timeout + VERDICT_MARGIN_S)
             got = self._receive(link, 0, doing)
             if got == _LEFT:
                 said = _receive_some(link, 4) or b""
@@ -277,18 +283,22 @@ class SharedAllReduce:
 
     def _receive(self, link: socket.socket, rank: int, doing: str) -> bytes:
         """One byte from ``rank``; SharedReduceError naming it if it left or stalled."""
+        waited = link.gettimeout() or self.timeout
         got = _receive_some(link, 1)
         if got:
             return got
-        raise self._lost(rank, doing, got)
+        raise self._lost(rank, doing, got, waited)
 
-    def _lost(self, rank: int, doing: str, got: bytes | None) -> SharedReduceError:
-        """The error for nothing from ``rank``: it closed (``got`` empty) or stalled (None)."""
+    def _lost(
+        self, rank: int, doing: str, got: bytes | None, waited: float | None = None
+    ) -> SharedReduceError:
+        """The error for nothing from ``rank``: it closed (``got`` empty) or stalled (None)
+        in the ``waited`` seconds (default: the timeout)."""
         who = self._who(rank)
         what = (
             f"{who} left (its process died or closed)"
             if got == b""
-            else f"nothing from {who} within {self.timeout:g}s: it stalled"
+            else f"nothing from {who} within {waited or self.timeout:.3g}s: it stalled"
         )
         return self._error(
             f"{what} while {doing}. An all-reduce cannot finish without every rank, so this "
