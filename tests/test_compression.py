@@ -34,7 +34,13 @@ from gossipdl.compression import sparse as sparse_module
 from gossipdl.compression.base import ValueCodec
 from gossipdl.compression.floating import Float16
 from gossipdl.compression.indices import DeltaGolomb, golomb_streams
-from gossipdl.compression.powersgd import matrix_shape, power_step, reconstruct, row_split
+from gossipdl.compression.powersgd import (
+    LowRankLayout,
+    matrix_shape,
+    power_step,
+    reconstruct,
+    row_split,
+)
 from gossipdl.compression.quantization import QSGD, Sign
 from gossipdl.compression.sparse import random_subset
 
@@ -1601,6 +1607,12 @@ def test_powersgd_compresses_each_layer_of_the_bound_model_and_sends_biases_as_t
         assert float((layer - w).norm() / w.norm()) < 1e-4  # each layer's rank 2, found
     whole = build_codec("powersgd:2", seed=1)  # unbound: the old near-square single matrix
     assert float((whole.encode(x)[1] - x).norm() / x.norm()) > 0.1
+
+
+def test_powersgd_takes_an_empty_parameter_of_any_shape_as_nothing_to_send() -> None:
+    """A ``Linear(5, 0)`` weight, (0, 5), divided by its first dimension: ZeroDivisionError."""
+    layout = LowRankLayout.of([(0, 5), (5, 0), (0,), (4, 3)], rank=1)
+    assert layout.layers == ((0, 4, 3, 1),) and layout.vectors == () and layout.numel == 12
 
 
 @pytest.mark.parametrize("coder", ["raw", "delta-golomb", "delta-varint"])

@@ -125,7 +125,7 @@ class LowRankLayout:
         layers, vectors, offset = [], [], 0
         for shape in shapes:
             size = math.prod(shape)
-            if len(shape) >= 2 and min(shape[0], size // shape[0]) > 1:
+            if size and len(shape) >= 2 and min(shape[0], size // shape[0]) > 1:
                 rows, cols = shape[0], size // shape[0]
                 layers.append((offset, rows, cols, min(rank, rows, cols)))
             elif size:
