@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossipdl.transport.wire import (
+    MAX_HEADER_BYTES,
+    MAX_HEADER_CONTAINERS,
     PROTOCOL_VERSION,
     WireError,
     all_finite,
@@ -117,6 +119,28 @@ def test_oversize_is_rejected_before_parsing() -> None:
     with pytest.raises(WireError) as info:
         decode(frames, 1000)
     assert info.value.reason == "oversize"
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_header_of_millions_of_empty_maps_is_refused_while_it_is_parsed(nested: bool) -> None:
+    """A 4 MiB header of empty maps was 4 million Python objects (290 MiB, 0.4 s) before the
+    array limit was looked at; split over lists, per-list limits would not hold it either."""
+    maps = MAX_HEADER_BYTES - 1000
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "kind": "params", "meta": {}, "arrays": []})
+    bomb = b"\x80" * maps  # empty maps
+    if nested:  # 64 lists of them
+        per = maps // 64
+        bomb = (b"\xdd" + per.to_bytes(4, "big") + b"\x80" * per) * 64
+        packed = header.replace(
+            b"\xa6arrays\x90", b"\xa6arrays\xdc" + (64).to_bytes(2, "big") + bomb
+        )
+    else:
+        packed = header.replace(
+            b"\xa6arrays\x90", b"\xa6arrays\xdd" + maps.to_bytes(4, "big") + bomb
+        )
+    assert len(packed) <= MAX_HEADER_BYTES
+    with pytest.raises(WireError, match=f"more than {MAX_HEADER_CONTAINERS} maps and lists"):
+        decode([packed], LIMIT)
 
 
 def test_error_names_the_sender_when_the_header_parses() -> None:
