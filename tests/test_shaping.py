@@ -90,6 +90,22 @@ def test_link_timing_serialises_jitters_in_order_and_loses_its_share() -> None:
     assert down.receive(1_000_000, 0.5) == pytest.approx(2.0)  # waits for the first
 
 
+def test_a_transport_closes_at_once_while_its_slow_downlink_holds_a_message() -> None:
+    """The receive thread slept out a message's downlink time (20 s here) and close(), which
+    a peer's SIGTERM runs, waited for it."""
+    slow = Transport("tcp://127.0.0.1:0", lambda m: None, link=parse_link("down=0.08mbit"))
+    sender = Transport("tcp://127.0.0.1:0", lambda m: None)
+    try:
+        sender.send(slow.address, encode("alive", 1, 0, 0, [np.zeros(50_000, np.float32)]))
+        assert sender.flush()
+        time.sleep(0.5)  # read, and held for its downlink time
+        started = time.monotonic()
+        slow.close()
+        assert time.monotonic() - started < 1.5
+    finally:
+        sender.close(0.5)
+
+
 def test_link_specs_parse_and_bad_ones_say_the_form() -> None:
     profile = parse_link("up=10mbit,down=512kbit,latency=20ms,jitter=5ms,loss=1%")
     assert profile == LinkProfile(10e6, 512e3, 0.02, 0.005, 0.01)

@@ -490,7 +490,7 @@ class Transport:
             while not self._stop.is_set() and self.failure is None:
                 if not poller.poll(_POLL_MS):
                     continue
-                while self.failure is None:
+                while self.failure is None and not self._stop.is_set():  # a stream stops too
                     try:
                         frames = self._router.recv_multipart(copy=False, flags=zmq.NOBLOCK)
                     except zmq.Again:
@@ -500,15 +500,17 @@ class Transport:
                         continue
                     if self._link is not None and self._link.profile.downlink_bps:
                         size = sum(len(f) for f in frames[1:])
-                        time.sleep(
-                            max(0.0, self._link.receive(size, time.monotonic()) - time.monotonic())
-                        )
+                        arrival = self._link.receive(size, time.monotonic())
+                        if self._stop.wait(max(0.0, arrival - time.monotonic())):
+                            break  # closing: a slow link's message is not waited out
                     # frames[0] is the ROUTER's routing id: one per connection
                     if self._limiter.allow(frames[0].bytes, time.monotonic()):
                         self._handle(frames[1:])
                     else:
                         self._count_received(frames[1:])
                         self.stats.drop("rate_limited")
+        except zmq.ContextTerminated:  # closed under a message that took past the join
+            pass
         finally:
             self._router.close()
 
