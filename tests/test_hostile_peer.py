@@ -553,6 +553,21 @@ def test_a_receiver_that_never_reads_cannot_grow_the_senders_memory() -> None:
         sink.close(linger=0)
 
 
+def test_messages_to_many_addresses_are_sent_under_the_socket_cap_without_drops() -> None:
+    """Past the cap the least recently used connection is closed for a new one; ZeroMQ frees
+    the closed one's slot later, so sends to 640 addresses through 16 sockets failed with
+    EMFILE (``too_many_sockets``) with the cap not reached."""
+    sender = Transport("tcp://127.0.0.1:0", lambda m: None, max_sockets=16)
+    try:
+        for i in range(640):
+            sender.send(f"tcp://127.0.0.1:{30000 + i}", encode("info", 0, 0, 0, meta={NONCE: "x"}))
+        assert sender.flush(60)
+        assert sender.open_sockets == 16
+        assert sender.stats.snapshot()["messages_dropped"] == {}
+    finally:
+        sender.close(flush_timeout=0)
+
+
 # ----------------------------------------------------------------------- torn reads
 def test_every_model_a_peer_answers_with_is_exactly_the_round_it_claims(
     hostile: Hostile,

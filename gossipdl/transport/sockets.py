@@ -12,6 +12,7 @@ offline window both drop what they see (reason ``offline``) without counting it.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import itertools
 import logging
@@ -51,6 +52,7 @@ MAX_QUEUED_BYTES = 256 * 2**20
 # it still queued is dropped (reason ``too_many_sockets``). ZeroMQ allows 1023 sockets per context.
 MAX_SOCKETS = 768
 IDLE_SOCKET_S = 30.0  # a connection unused this long is closed: nobody is dialled forever
+SOCKET_FREE_S = 0.5  # a full context is waited on this long for closed sockets' slots
 # Refused CURVE keys remembered, so a refused peer's retries are logged once; beyond it the
 # oldest is forgotten (a stranger trying fresh keys cannot grow the set), and a new key is
 # logged at most once per REFUSED_LOG_S. Every refusal counts in ``handshakes_refused``.
@@ -187,7 +189,9 @@ class Transport:
         self._finite_checked_by = finite_checked_by
         self._limiter = RateLimiter(max_message_rate)
         self._ctx: zmq.Context = zmq.Context()
-        self._ctx.set(zmq.MAX_SOCKETS, max_sockets + 32)  # the ROUTER, CURVE's own, and ours
+        # ours, the ROUTER and CURVE's own, and as many again (slots of closed sockets are
+        # freed later: :meth:`_connect_when_free`)
+        self._ctx.set(zmq.MAX_SOCKETS, min(2 * max_sockets + 64, self._ctx.get(zmq.SOCKET_LIMIT)))
         self._auth: ThreadAuthenticator | None = None
         if curve is not None:
             self._auth = ThreadAuthenticator(self._ctx)
@@ -399,7 +403,7 @@ class Transport:
             self._close_socket(destination)
             self._make_room(destinations, address)
             try:
-                destination.socket, destination.key = self._connect(address, key), key
+                destination.socket, destination.key = self._connect_when_free(address, key), key
             except zmq.ZMQError as exc:  # out of file descriptors: the system's limit
                 self.stats.drop("too_many_sockets")
                 log.warning("%s: cannot connect to %s: %s", self._name, address, exc.strerror)
@@ -467,6 +471,19 @@ class Transport:
         self.stats.bytes_sent += frames_size(frames)
         self.stats.header_bytes_sent += len(frames[0])
         self.stats.messages_sent += 1
+
+    def _connect_when_free(self, address: str, server_key: str) -> zmq.Socket:
+        """:meth:`_connect`, waiting up to ``SOCKET_FREE_S`` while the context is full: ZeroMQ
+        frees a closed socket's slot later, on its own thread, so under churn the slots of
+        sockets just closed below the cap are not free yet (ZMQError EMFILE after that)."""
+        deadline = time.monotonic() + SOCKET_FREE_S
+        while True:
+            try:
+                return self._connect(address, server_key)
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EMFILE or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.005)
 
     def _connect(self, address: str, server_key: str) -> zmq.Socket:
         dealer = self._ctx.socket(zmq.DEALER)
