@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -305,3 +306,42 @@ def test_strangers_trying_fresh_keys_grow_no_memory_and_flood_no_log(
     finally:
         end.close()
         context.destroy(linger=0)  # a stranger left open by a failure must not hang term()
+
+
+def test_requests_naming_fresh_reply_addresses_keep_a_bounded_number_of_keys(
+    tmp_path: Path,
+) -> None:
+    """A listed sender's info requests, each naming a new reply address: only the answered
+    ones leave a key, and reply keys are the newest ``max_sockets`` (each request left one,
+    refused ones too, for good)."""
+    from gossipdl.transport import Transport, encode
+
+    dir_a, key_a = _keys(tmp_path, "a")
+    dir_b, key_b = _keys(tmp_path, "b")
+    allowed = _allow(tmp_path / "allowed", key_a, key_b)
+    peer = Peer(torch.nn.Linear(4, 2), None, listen="tcp://127.0.0.1:0", min_peers=1,
+                curve=load_curve(dir_a, allowed))  # fmt: skip
+    client = Transport("tcp://127.0.0.1:0", lambda m: None, curve=load_curve(dir_b, allowed))
+    client.set_key(peer.address, key_a)
+    try:
+        before = peer.transport.keys_held
+        for i in range(300):
+            meta = {"address": f"tcp://127.0.0.1:{20000 + i}", "nonce": f"n{i}"}
+            client.send(peer.address, encode("info_request", -1, 0, 0, meta=meta))
+        assert client.flush(30)
+        refused = lambda: peer.stats()["messages_dropped"].get("answer_rate", 0)  # noqa: E731
+        wait_for(lambda: refused() > 10, 30, "requests refused over the answer rate")
+        time.sleep(0.5)  # the rest of what arrives
+        stats = peer.stats()
+        answered = stats["messages_received"] - stats["messages_dropped"]["answer_rate"]
+        assert peer.transport.keys_held - before <= answered
+    finally:
+        client.close(0.5)
+        peer.close()
+    few = Transport("tcp://127.0.0.1:0", lambda m: None, max_sockets=4)
+    try:
+        for i in range(100):
+            few.set_reply_key(f"tcp://127.0.0.1:{20000 + i}", key_b)
+        assert few.keys_held == 4
+    finally:
+        few.close(0)

@@ -1309,8 +1309,8 @@ class Peer:
             self._on_join(msg)
             return
         if msg.kind == "info_request":
+            nonce = self._answer_token(msg)  # over the answer rate, nothing is kept for it
             address = self._reply_address(msg, "reply address")
-            nonce = self._answer_token(msg)
             members = self.membership.wire()
             self._reply(address, "info", members=members, config=self.swarm_config, nonce=nonce)
             return
@@ -1382,7 +1382,7 @@ class Peer:
         with the key the request came over (CURVE) to reach it."""
         address = check_address(msg.meta.get("address"), what)
         if msg.key:
-            self.transport.set_key(address, msg.key)
+            self.transport.set_reply_key(address, msg.key)
         return address
 
     def _answer_token(self, msg: Message) -> str:

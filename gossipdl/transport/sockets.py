@@ -179,6 +179,8 @@ class Transport:
         self._link = Link(link, seed) if link is not None and link.shaped else None
         self._curve = curve
         self._keys: dict[str, str] = {}  # address -> its public key (CURVE)
+        # the same for addresses answered once (a joiner's, a prober's): the newest max_sockets
+        self._reply_keys: OrderedDict[str, str] = OrderedDict()
         self._keys_lock = threading.Lock()
         self._on_message = on_message
         self._max_message_bytes = max_message_bytes
@@ -252,6 +254,16 @@ class Transport:
         with self._keys_lock:
             self._keys[address] = key
 
+    def set_reply_key(self, address: str, key: str) -> None:
+        """The public key to answer a request at ``address`` with (CURVE), kept among the
+        newest ``max_sockets`` such keys: requests that name fresh addresses do not grow
+        this peer's memory (a member's key is :meth:`set_key`'s)."""
+        with self._keys_lock:
+            self._reply_keys[address] = key
+            self._reply_keys.move_to_end(address)
+            while len(self._reply_keys) > self._max_sockets:
+                self._reply_keys.popitem(last=False)
+
     def forget(self, address: str) -> None:
         """Close the connection to ``address`` and forget its key (its member was forgotten):
         what was queued for it still goes first."""
@@ -268,6 +280,12 @@ class Transport:
     def online(self) -> bool:
         """Whether the emulated link is up now (always, without offline windows)."""
         return self._link is None or self._link.online(time.monotonic())
+
+    @property
+    def keys_held(self) -> int:
+        """Public keys held (CURVE): members' and the newest reply addresses'."""
+        with self._keys_lock:
+            return len(self._keys) + len(self._reply_keys)
 
     @property
     def open_sockets(self) -> int:
@@ -393,7 +411,7 @@ class Transport:
     ) -> None:
         """Hand one message to the DEALER for ``address`` (connected on first use)."""
         with self._keys_lock:
-            key = self._keys.get(address, "")
+            key = self._keys.get(address) or self._reply_keys.get(address, "")
         if self._curve is not None and not key:
             self.stats.drop("no_key")
             log.warning("%s: no public key known for %s; message dropped", self._name, address)
