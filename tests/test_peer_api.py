@@ -209,6 +209,22 @@ def test_overlap_is_refused_where_there_is_nothing_to_overlap() -> None:
         Peer(torch.nn.Linear(2, 2), algorithm="allreduce", overlap=True)
 
 
+def test_a_peer_that_fails_to_start_leaves_the_model_free_to_train() -> None:
+    """An overlapping ring hooks the model's gradients as the peer is built; a start that
+    failed (nobody at the bootstrap address) left the hooks, and the second backward pass
+    of the user's own training raised."""
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PeerError):
+        Peer(model, optimizer, algorithm="allreduce", overlap=True,
+             bootstrap="tcp://127.0.0.1:9", connect_wait=0.5)  # fmt: skip
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+    for _ in range(2):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("allreduce")] == []
+
+
 def train_a_ring(
     overlap: bool, steps: int = 2, device: str = "cpu", shared_memory: bool = False
 ) -> tuple[list[torch.Tensor], list[int]]:

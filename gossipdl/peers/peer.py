@@ -397,7 +397,7 @@ class Peer:
             self._form(rank, peers, bootstrap, min_peers)
             self.transport.start_link_clock()
         except BaseException:
-            self._watch_stop.set()
+            self._stop_helpers()
             self.transport.close(flush_timeout=0.5)
             raise
 
@@ -724,6 +724,16 @@ class Peer:
         if self._closed:
             return
         self._closed = True  # a round in the background stops waiting (_away)
+        self._stop_helpers()
+        with self._core:
+            sends = self.core.leave(reason)
+        self._carry_out(sends)
+        self.transport.close()
+
+    def _stop_helpers(self) -> None:
+        """Stop what runs beside training: the round thread, the gradient hooks on the
+        user's model, shared-memory rings and the watcher (a failed start too: the model
+        must be free to train, or to be handed to another peer)."""
         if self._rounds is not None:
             self._wake()
             self._rounds.shutdown(wait=True)
@@ -733,10 +743,6 @@ class Peer:
             ring.close()
         self._watch_stop.set()
         self._watcher.join(2.0)
-        with self._core:
-            sends = self.core.leave(reason)
-        self._carry_out(sends)
-        self.transport.close()
 
     def __enter__(self) -> Peer:
         return self
