@@ -12,7 +12,7 @@ from test_peer_api import make_swarm, run_rounds
 
 from gossipdl import Peer
 from gossipdl.transport import Message, Transport, encode
-from gossipdl.transport.shaping import Link, LinkError, LinkProfile, parse_link
+from gossipdl.transport.shaping import ARRIVALS_KEPT, Link, LinkError, LinkProfile, parse_link
 
 
 def _arrivals(profile: LinkProfile, count: int, size: int) -> tuple[list[float], list[float], int]:
@@ -88,6 +88,19 @@ def test_link_timing_serialises_jitters_in_order_and_loses_its_share() -> None:
     down = Link(LinkProfile(downlink_bps=8e6))
     assert down.receive(1_000_000, 0.0) == pytest.approx(1.0)
     assert down.receive(1_000_000, 0.5) == pytest.approx(2.0)  # waits for the first
+
+
+def test_a_link_forgets_past_destinations_and_still_keeps_each_ones_order() -> None:
+    """The last arrival at every address ever sent to was kept for good (replies to
+    strangers too); now only those that can still hold a message back are."""
+    link = Link(LinkProfile(latency_s=0.02, jitter_s=0.01), seed=1)
+    to_a = []
+    for i in range(5000):
+        now = i * 0.001
+        link.send(100, now, f"tcp://127.0.0.1:{20000 + i}")
+        to_a.append(link.send(100, now, "a"))
+    assert len(link._last_arrival) <= 2 * ARRIVALS_KEPT
+    assert to_a == sorted(to_a)
 
 
 def test_a_transport_closes_at_once_while_its_slow_downlink_holds_a_message() -> None:

@@ -118,6 +118,9 @@ def parse_link(spec: str) -> LinkProfile:
     )
 
 
+ARRIVALS_KEPT = 256  # destinations' last arrivals held before the past ones are forgotten
+
+
 class Link:
     """The state of one emulated access link: when its up and down directions are free."""
 
@@ -126,7 +129,8 @@ class Link:
         self._rng = random.Random(seed)
         self._up_free = 0.0
         self._down_free = 0.0
-        self._last_arrival: dict[str, float] = {}
+        self._last_arrival: dict[str, float] = {}  # per destination, while it can matter
+        self._prune_at = ARRIVALS_KEPT
         self.origin = math.inf  # offline windows count from here (see start): none before
 
     def start(self, now: float) -> None:
@@ -150,7 +154,17 @@ class Link:
         jitter = self._rng.uniform(-p.jitter_s, p.jitter_s) if p.jitter_s else 0.0
         arrival = max(self._last_arrival.get(to, 0.0), done + p.latency_s + jitter)
         self._last_arrival[to] = arrival
+        if len(self._last_arrival) > self._prune_at:
+            self._forget_arrivals(now)
         return arrival
+
+    def _forget_arrivals(self, now: float) -> None:
+        """Forget the destinations whose last arrival is before anything sent from ``now`` on
+        can arrive (``now − jitter``): nothing later can be ordered behind it. What is left
+        sets the next pruning, so each send costs O(1) amortised."""
+        floor = now - self.profile.jitter_s
+        self._last_arrival = {to: t for to, t in self._last_arrival.items() if t >= floor}
+        self._prune_at = max(ARRIVALS_KEPT, 2 * len(self._last_arrival))
 
     def receive(self, nbytes: int, now: float) -> float:
         """When a message of ``nbytes`` that reached the downlink at ``now`` is fully in."""
