@@ -523,6 +523,7 @@ def _validate(c: Config) -> None:
         parse_trigger,
     )
     from gossipdl.averaging.attacks import parse_attack
+    from gossipdl.averaging.base import check_graph
     from gossipdl.averaging.robust import EVICTING_RULES, parse_defence
     from gossipdl.compression import CodecError, build_codec
     from gossipdl.conditions import (
@@ -564,9 +565,10 @@ def _validate(c: Config) -> None:
     _check(0 < c.fraction <= 1, f"fraction = {c.fraction}; must be in (0, 1]")
     minimum = 1 if c.mode == "single" else 2
     _check(c.peers >= minimum, f"peers = {c.peers}; the {c.mode} mode needs at least {minimum}")
+    static_graph = True
     if c.mode == "gossip":
         try:
-            build_topology(c.topology, c.peers, c.seed)
+            static_graph = build_topology(c.topology, c.peers, c.seed).is_static
         except TopologyError as exc:
             raise ConfigError(f"topology = {c.topology!r}: {exc}") from None
     try:
@@ -602,6 +604,7 @@ def _validate(c: Config) -> None:
         averager = build_averager(c.algorithm, c.codec, defence=c.defence)
         trigger = parse_trigger(c.trigger)
         check_trigger(trigger, averager)
+        check_graph(averager, c.topology, static_graph)
     except TriggerError as exc:
         raise ConfigError(f"trigger = {c.trigger!r}: {exc}") from None
     except ValueError as exc:

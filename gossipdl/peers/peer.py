@@ -24,6 +24,7 @@ from torch.nn.utils import vector_to_parameters
 
 from gossipdl.averaging import build_averager
 from gossipdl.averaging.attacks import Attack
+from gossipdl.averaging.base import check_graph
 from gossipdl.averaging.local_optimizer import LocalOptimizer, current_lr, mask_momentum
 from gossipdl.averaging.triggers import check_overlap, check_trigger, parse_trigger
 from gossipdl.compression import Payload
@@ -51,6 +52,7 @@ from gossipdl.protocol.joining import (
     late_steps,
     rejoin_retry,
 )
+from gossipdl.topologies import TopologyError, build_topology
 from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.addresses import check_address
 from gossipdl.transport.asked import NONCE, SharedAsked
@@ -76,6 +78,16 @@ MEMBER_KINDS = CORE_KINDS | {"ready", "members", "dropped", "model_request", "ch
 requests and a ring all-reduce's chunks; any other kind is ``unexpected``."""
 FORGET_AFTER_S = 600.0  # an ended member silent this long is forgotten: no more heartbeats
 GRADIENT_BUCKET_NUMEL = BUCKET_NUMEL  # overlap in a ring: gradient values per all-reduce
+
+
+def _static(topology: str, peers: Sequence[str] | None) -> bool:
+    """Whether ``topology`` keeps one graph from round to round over the ``peers`` given, or
+    over 16 when the swarm's size is not known yet (a joiner's); a spec that cannot be built
+    fails later, where the swarm builds it, with its own error."""
+    try:
+        return build_topology(topology, len(peers) if peers else 16).is_static
+    except TopologyError:
+        return True
 
 
 class PeerError(RuntimeError):
@@ -267,6 +279,7 @@ class Peer:
             )
         self.codec = self.averager.codec.spec
         self.topology_spec = "ring" if ring else topology
+        check_graph(self.averager, topology, ring or _static(topology, peers))
         self.ring = ring
         check_shared_memory(shared_memory, ring, codec)
         self.shared_memory = shared_memory
