@@ -147,6 +147,9 @@ class Averager(ABC):
     supports_dynamic: bool = True
     # True for gossip learning: no rounds to wait for, models walk and are merged on arrival.
     asynchronous: bool = False
+    # True when a resync is the whole swarm's: a peer asked for one resyncs in that round too
+    # (compressed broadcast: every peer must end the round on one model).
+    resyncs_together: bool = False
     # True when the state kept per edge (sums of a neighbour's updates, projectors) needs
     # the same neighbours every round: refused on a time-varying graph (:func:`check_graph`).
     needs_static_graph: bool = False

@@ -11,10 +11,11 @@ Per round, after the local step x_i = x̄ + u_i:
 All peers apply the same updates, so their models agree; the residual makes
 sure no update is lost, only delayed. Peers start by averaging their models
 once (a first round of public copies: a sha256 vouch where the models are one,
-else dense), and a lost update is repaired the same way: a dense average of the
-neighbours' x̄. A resync round carries no update (it waits in the residual).
-Use the complete topology; meant for small swarms, as every update reaches
-every peer.
+else dense), and a lost update is repaired the same way, by the whole swarm in
+one round (``resyncs_together``: a peer asked for a resync takes part in it), so
+every peer averages the same copies and ends on the same x̄. A resync round
+carries no update (it waits in the residual). Use the complete topology; meant
+for small swarms, as every update reaches every peer.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Broadcast(Averager):
     name = "broadcast"
     arrivals_read_only = True  # x̄ += q_j reads q_j
     uses_public_copies = True
+    resyncs_together = True  # a peer that resynced alone would miss that round's updates
 
     def __init__(self, codec: str = "threshold:auto+sign", seed: int = 0) -> None:
         super().__init__(codec, seed)
@@ -86,9 +88,9 @@ class Broadcast(Averager):
         assert self.shared is not None and self._own is not None
         dense = self.vouched({j: a for j, a in arrived.items() if a.dense}, self.shared)
         self.shared.add_(self._own, alpha=rnd.self_weight)
-        if rnd.resync:
+        if rnd.resync:  # every peer mixes the same copies, in one order: one x̄
             self.needs_resync = set(dense) != set(rnd.weights)
-            self.shared = mix(self.shared, rnd, list(dense.values()))
+            self.shared = mix(self.shared, rnd, [dense[j] for j in sorted(dense)])
         updates = [a for a in arrived.values() if not a.dense] + [a for _, a in late if not a.dense]
         for arrival in updates:
             self.shared.add_(arrival.value, alpha=arrival.weight)

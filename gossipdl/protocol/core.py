@@ -568,6 +568,8 @@ class GossipCore:
         asked = set().union(*(self._dense_for.pop(r) for r in due))
         if rnd.index == self.first_round or rnd.index in changes:
             return set(rnd.weights)
+        if rnd.resync and self.averager.resyncs_together:
+            return set(rnd.weights)
         return asked & set(rnd.weights)
 
     def _pending_alarms(self, x: torch.Tensor, t: int) -> list[int]:
@@ -769,7 +771,10 @@ class GossipCore:
                 raise WireError(
                     "too_many_pending", f"{pending} resyncs of this sender already pending"
                 )
-            self._dense_for.setdefault(max(wanted, self.round + 1), set()).add(msg.sender)
+            at = max(wanted, self.round + 1)
+            self._dense_for.setdefault(at, set()).add(msg.sender)
+            if self.averager.resyncs_together:  # the whole swarm resyncs in that round
+                self._resync_at = {r for r in self._resync_at if r >= self.round} | {at}
         elif msg.kind == "leave":
             reason = meta_text(msg.meta, "reason")
             until = meta_int(msg.meta, "until", "leave round")
