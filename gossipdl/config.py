@@ -490,12 +490,20 @@ def cautions(c: Config) -> list[str]:
     from gossipdl.averaging import parse_trigger
 
     found = []
-    period = parse_trigger(c.trigger).period
-    if c.mode == "gossip" and c.trigger.startswith("periodic") and period > c.steps:
+    trigger = parse_trigger(c.trigger)
+    period = trigger.period
+    if c.mode == "gossip" and period > c.steps:
         found.append(
             f"trigger = {c.trigger!r} with steps = {c.steps}: a round every {period} steps "
             "never comes, so the peers train alone and send nothing; lower the period or "
             "raise steps"
+        )
+    elif c.mode == "gossip" and trigger.dynamic and c.steps % period:
+        found.append(
+            f"trigger = {c.trigger!r} with steps = {c.steps}: the swarm's last sync ends at "
+            f"step {c.steps - c.steps % period}, and the last {c.steps % period} steps are "
+            f"trained alone, so the swarm does not end on an agreed model; make steps a "
+            f"multiple of {period}"
         )
     if c.evict_after and c.partition != "iid" and not c.partition.startswith("powerlaw"):
         found.append(

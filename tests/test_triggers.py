@@ -266,3 +266,9 @@ def test_a_period_longer_than_the_run_is_a_caution_before_it_starts() -> None:
     assert "trigger = 'periodic:100' with steps = 5" in said and "never comes" in said
     assert cautions(load_config(None, trigger="periodic:4", steps=5)) == []
     assert cautions(load_config(None, steps=5)) == []
+    (said,) = cautions(load_config(None, trigger="dynamic:0.1:50", steps=30))
+    assert "never comes" in said  # a dynamic trigger's period too (it was silent)
+    # a dynamic trigger promises an agreed end: not when steps stop past the last sync
+    (said,) = cautions(load_config(None, trigger="dynamic:0.1:10", steps=25))
+    assert "last 5 steps are trained alone" in said and "multiple of 10" in said
+    assert cautions(load_config(None, trigger="dynamic:0.1:10", steps=30)) == []
