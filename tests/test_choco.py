@@ -227,11 +227,14 @@ def test_choco_refuses_error_feedback_and_scaled_random_k_saying_why(
     Choco("randomk:0.01:noscale")  # the contractive form is welcome
 
 
-@pytest.mark.parametrize("codec", ["topk:0.01", "randomk:0.1:noscale+fp16", "threshold:auto"])
+@pytest.mark.parametrize(
+    "codec", ["topk:0.01", "randomk:0.1:noscale+fp16", "threshold:auto", "powersgd:1"]
+)
 def test_dense_gossip_refuses_a_sparsifier_saying_why(codec: str) -> None:
     """Dense gossip sends the model itself: a sparsified one is mostly zeros, which every
     average would pull the models towards (and a defence's stale test read as a frozen
-    model). The config names the algorithm to use instead; a quantizer is welcome."""
+    model), and a low-rank one its top directions alone (two equal models went to rank 1).
+    The config names the algorithm to use instead; a quantizer is welcome."""
     from gossipdl.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"algorithm = 'dense': .*use algorithm choco") as err:

@@ -11,6 +11,7 @@ from gossipdl.averaging.base import Arrival, Averager, Round, mix
 from gossipdl.averaging.judging import Judge
 from gossipdl.averaging.robust import Defence, nearest_to_rest
 from gossipdl.compression import Payload
+from gossipdl.compression.powersgd import PowerSGD
 from gossipdl.compression.sparse import SparseCodec
 
 LATE_ROUNDS = 4
@@ -45,12 +46,14 @@ class DenseGossip(Averager):
 
     def __init__(self, codec: str = "none", seed: int = 0, defence: Defence | None = None):
         super().__init__(codec, seed)
-        if isinstance(self.codec, SparseCodec):
+        if isinstance(self.codec, SparseCodec | PowerSGD):
+            what = "a sparsifier" if isinstance(self.codec, SparseCodec) else "a low-rank codec"
             raise ValueError(
-                f"codec {codec!r}: dense gossip sends the model itself, and a sparsifier would "
-                "send a few of its values and zeros for the rest, which every average pulls "
-                "the models towards; use algorithm choco (or auto), which sends compressed "
-                "differences, or a quantizer such as fp16 or qsgd:16"
+                f"codec {codec!r}: dense gossip sends the model itself, and {what} would "
+                "send a part of it (a few values and zeros for the rest, or its top singular "
+                "directions), which every average pulls the models towards; use algorithm "
+                "choco (or auto), which sends compressed differences, or a quantizer such as "
+                "fp16 or qsgd:16"
             )
         self.judge = None if defence is None else Judge(defence)
         # round -> (own model of that round, neighbours whose model is still missing)

@@ -27,7 +27,7 @@ from gossipdl.averaging.attacks import Attack
 from gossipdl.averaging.base import check_graph
 from gossipdl.averaging.local_optimizer import LocalOptimizer, current_lr, mask_momentum
 from gossipdl.averaging.triggers import check_overlap, check_trigger, parse_trigger
-from gossipdl.compression import Payload
+from gossipdl.compression import Payload, build_codec
 from gossipdl.compression._kernels import empty_on
 from gossipdl.coordinator.buckets import BUCKET_NUMEL, OverlappedGradients
 from gossipdl.coordinator.ring import (
@@ -260,9 +260,9 @@ class Peer:
         ring = algorithm == "allreduce"
         if ring:
             check_ring_codec(codec)
-        self.averager = build_averager(
+        self.averager = build_averager(  # a ring averages no models: its codec is the ring's
             "dense" if ring else algorithm,
-            codec,
+            "none" if ring else codec,
             seed,
             gamma,
             "none" if ring else defence,
@@ -277,7 +277,7 @@ class Peer:
                 "a ring all-reduce has every peer in every round; use always or "
                 "periodic:H, not a dynamic trigger"
             )
-        self.codec = self.averager.codec.spec
+        self.codec = build_codec(codec).spec if ring else self.averager.codec.spec
         self.topology_spec = "ring" if ring else topology
         check_graph(self.averager, topology, ring or _static(topology, peers))
         self.ring = ring
