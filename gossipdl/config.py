@@ -618,6 +618,16 @@ def _validate(c: Config) -> None:
     except ValueError as exc:
         raise ConfigError(f"algorithm = {c.algorithm!r}: {exc}") from None
     _check(
+        c.gamma == 0 or (c.mode == "gossip" and averager.takes_gamma),
+        f"gamma = {c.gamma}: "
+        + (
+            f"algorithm {averager.name!r} takes no consensus step (choco, beer and powergossip do)"
+            if c.mode == "gossip"
+            else f"mode {c.mode!r} takes no consensus step"
+        )
+        + "; leave gamma at 0",
+    )
+    _check(
         not c.overlap or c.mode in ("gossip", "ring"),
         f"overlap = true overlaps a gossip round or a ring's gradient all-reduce with compute; "
         f"mode {c.mode!r} has neither: set overlap = false",

@@ -244,6 +244,22 @@ def test_dense_gossip_refuses_a_sparsifier_saying_why(codec: str) -> None:
     assert load_config(None, codec=codec).codec == codec  # auto: CHOCO
 
 
+def test_a_consensus_step_for_an_algorithm_without_one_is_refused() -> None:
+    """Dense gossip, broadcast, gossip learning and the ring and parameter-server modes
+    take no γ: it was dropped without a word."""
+    from gossipdl.averaging import build_averager
+    from gossipdl.config import ConfigError, load_config
+
+    for changes in ({"algorithm": "dense"}, {"algorithm": "gossip-learning"}, {}):  # auto: dense
+        with pytest.raises(ConfigError, match=r"gamma = 0.5: algorithm '[a-z-]+' takes no"):
+            load_config(None, gamma=0.5, **changes)
+    with pytest.raises(ConfigError, match="mode 'ring' takes no consensus step"):
+        load_config(None, gamma=0.5, mode="ring")
+    with pytest.raises(ValueError, match="algorithm 'broadcast' takes no consensus step"):
+        build_averager("broadcast", "topk:0.1", gamma=0.5)
+    assert load_config(None, gamma=0.5, codec="topk:0.1").gamma == 0.5  # auto: CHOCO
+
+
 @pytest.mark.parametrize("method", [Choco, Beer, PowerGossip])
 @pytest.mark.parametrize("gamma", [0.0, -0.1, 1.5])
 def test_a_consensus_step_outside_0_to_1_is_refused_naming_the_method(

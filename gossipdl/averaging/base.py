@@ -147,6 +147,8 @@ class Averager(ABC):
     supports_dynamic: bool = True
     # True for gossip learning: no rounds to wait for, models walk and are merged on arrival.
     asynchronous: bool = False
+    # True when a consensus step γ scales the pull towards the neighbours (``gamma``).
+    takes_gamma: bool = False
     # True when a resync is the whole swarm's: a peer asked for one resyncs in that round too
     # (compressed broadcast: every peer must end the round on one model).
     resyncs_together: bool = False

@@ -173,6 +173,7 @@ class PublicCopies(Averager):
     neighbours' public copies, which are then kept apart (as with ``keep_copies``)."""
 
     uses_public_copies = True
+    takes_gamma = True
     needs_static_graph = True  # s_i sums W_ij q_j under each round's weights
     arrivals_read_only = True  # the sums add what arrived, reading it
     accepts_late = True  # a late update is still added: a sum does not care about order

@@ -104,6 +104,7 @@ class PowerGossip(Averager):
     name = "powergossip"
     supports_dynamic = False  # a skipped round would put an edge's two ends out of step
     needs_static_graph = True  # an edge's projector warm-starts from its last round
+    takes_gamma = True
     arrivals_read_only = True
 
     def __init__(self, codec: str = "powersgd:1", seed: int = 0, gamma: float | None = None):

@@ -65,6 +65,11 @@ def build_averager(
     for peer ``peer`` of a swarm seeded ``seed``: its codec draws its own random numbers
     (:meth:`~gossipdl.averaging.Averager.own_draws`); None: the swarm's seed's."""
     averager = _build(name, codec, seed, gamma, defence, attack)
+    if gamma is not None and not averager.takes_gamma:
+        raise ValueError(
+            f"gamma = {gamma}: algorithm {averager.name!r} takes no consensus step (choco, "
+            "beer and powergossip do); leave gamma unset"
+        )
     if peer is not None:
         averager.own_draws(peer)
     return averager

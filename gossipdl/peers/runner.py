@@ -144,7 +144,7 @@ def train_peer(
             algorithm="allreduce" if config.mode == "ring" else config.algorithm,
             codec=config.codec,
             trigger=config.trigger,
-            gamma=config.gamma or None,
+            gamma=(config.gamma or None) if config.mode == "gossip" else None,
             defence=config.defence,
             evict_after=config.evict_after,
             attack=byzantine_of(config, rank),

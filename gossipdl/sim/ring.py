@@ -78,7 +78,7 @@ class RingSimulation(Simulation):
 
     def _averager(self, peer_id: int | None = None) -> Averager:
         config = self.config  # the ring averages no models; the core counts rounds
-        return build_averager("dense", "none", config.seed, config.gamma or None)
+        return build_averager("dense", "none", config.seed)
 
     def _topology(self) -> str:
         return "ring"
