@@ -407,9 +407,14 @@ def test_edges_file_missing(tmp_path: Path) -> None:
     ("text", "n", "pattern"),
     [
         ("0 1\n1 2\n0 1 2\n", 3, r"graph\.txt:3: expected one edge"),
-        ("0 1\n# c\na b\n", 3, r"graph\.txt:3: node ids must be integers"),
+        ("0 1\n# c\na b\n", 3, r"graph\.txt:3: expected one edge .* of node ids"),
         ("0 1\n1 3\n", 3, r"graph\.txt:2: node 3 is out of range for n=3"),
-        ("0 -1\n", 3, r"graph\.txt:1: node -1 is out of range"),
+        ("0 -1\n", 3, r"graph\.txt:1: expected one edge"),
+        # int() took these: 1_0 as node 10, +1, other scripts' digits, and two commas
+        ("0 1\n1_0 1\n", 11, r"graph\.txt:2: expected one edge"),
+        ("+1 0\n", 2, r"graph\.txt:1: expected one edge"),
+        ("0 \u0661\n", 2, r"graph\.txt:1: expected one edge"),
+        ("0,,1,\n", 2, r"graph\.txt:1: expected one edge"),
         ("0 1\n1 1\n", 2, r"graph\.txt:2: self loop"),
         ("0 1\n2 3\n", 4, r"disconnected graph \(2 components"),
         ("0 1\n1 2\n2 3\n", 6, "names 4 nodes but n=6; nodes with no edge: 4, 5"),
@@ -420,6 +425,18 @@ def test_edges_file_errors(tmp_path: Path, text: str, n: int, pattern: str) -> N
     path = write(tmp_path, text)
     with pytest.raises(TopologyError, match=pattern):
         build_topology(f"edges:{path}", n)
+
+
+def test_an_edges_file_is_read_to_a_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``edges:/dev/zero`` read until memory ran out (MemoryError, not a TopologyError)."""
+    from gossipdl.topologies import edge_file
+
+    monkeypatch.setattr(edge_file, "MAX_EDGE_FILE_BYTES", 1000)
+    with pytest.raises(TopologyError, match="is over 0 MiB"):
+        build_topology("edges:/dev/zero", 4)
+    path = write(tmp_path, "0 1\n" * 300)  # 1,200 bytes
+    with pytest.raises(TopologyError, match=r"graph\.txt is over"):
+        build_topology(f"edges:{path}", 2)
 
 
 # --- registry and specs -----------------------------------------------------------------------
