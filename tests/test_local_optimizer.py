@@ -71,6 +71,11 @@ def test_sgd_refuses_what_it_cannot_take() -> None:
         SGD([p], lr=0.1).load_state_dict(other)
     with pytest.raises(ValueError, match="one parameter group"):
         SGD([p], lr=0.1).load_state_dict({"state": {}, "param_groups": []})
+    # torch's options gossipdl's SGD does not step with: loaded, they were dropped silently
+    for option in ({"nesterov": True, "momentum": 0.9}, {"dampening": 0.1}, {"maximize": True}):
+        saved = torch.optim.SGD([p], lr=0.1, **option).state_dict()  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"has {next(iter(option))} = "):
+            SGD([p], lr=0.1).load_state_dict(saved)
 
 
 def test_a_peer_never_imports_torch_dynamo() -> None:

@@ -112,6 +112,12 @@ class SGD:
                 f"the saved state is of {len(groups[0].get('params', ()))} parameters, "
                 f"this optimizer has {len(params)}"
             )
+        for key, plain in (("nesterov", False), ("maximize", False), ("dampening", 0)):
+            if groups[0].get(key, plain) != plain:
+                raise ValueError(
+                    f"the saved state has {key} = {groups[0][key]!r}, which gossipdl's SGD does "
+                    f"not do (it steps with {key} = {plain!r}); train on with torch.optim.SGD"
+                )
         for key in ("lr", "momentum", "weight_decay"):
             self.param_groups[0][key] = float(groups[0][key])
         self.state = {}
