@@ -23,7 +23,7 @@ import numpy as np
 
 PROTOCOL_VERSION = 2  # 2: requests carry a nonce their replies echo
 MAX_HEADER_BYTES = 4 * 2**20
-MAX_HEADER_CONTAINERS = 65_536  # maps and lists in one header: beyond, ``malformed_header``
+MAX_HEADER_CONTAINERS = 2**18  # maps and lists in one header: beyond, ``malformed_header``
 MAX_ARRAYS = 4096
 MAX_NDIM = 8
 
@@ -263,7 +263,8 @@ class _TooManyContainers(Exception):
 def _unpack_header(buffer: memoryview) -> Any:
     """The header's msgpack, parsed with every map and list counted as it is built: a 4 MiB
     header of empty maps is 4 million Python objects (290 MiB, 0.4 s), so parsing stops at
-    :data:`MAX_HEADER_CONTAINERS` (a table of thousands of members holds as many lists)."""
+    :data:`MAX_HEADER_CONTAINERS`, some 25 MiB of them (a table of 100,000 members holds
+    100,001 lists, and is refused whole as too many members after it is parsed)."""
     built = 0
 
     def counted(container: Any) -> Any:
