@@ -224,6 +224,31 @@ def test_sixteen_batched_peers_train_as_the_per_peer_engine_does(tmp_path: Path)
         assert set(ours) - {"compute_device"} == set(theirs), set(theirs) ^ set(ours)
 
 
+@pytest.mark.parametrize(
+    "links",
+    [
+        {"link": "down=1mbit"},  # two arrivals at once: the downlink reads one, then the other
+        {"profiles": {"a": {"peers": "0", "step_time": "1ms", "up": "1mbit"},
+                      "b": {"peers": "1-3", "step_time": "1ms"}}},  # busy into the next round
+    ],
+)  # fmt: skip
+def test_batched_links_carry_one_message_at_a_time_as_the_per_peer_engines_do(
+    tmp_path: Path, links: dict[str, Any]
+) -> None:
+    """A slow link queues: a sender's copies one after another, behind its last round's, and
+    a receiver's arrivals one after another. Batched timed each copy on its own (its time
+    and idle_s off by up to 1.9x, either way)."""
+    finals = {}
+    for batched in (False, True):
+        config = small_config(tmp_path / str(batched), peers=4, steps=10, topology="ring",
+                              algorithm="dense", batched=batched, **links)  # fmt: skip
+        simulate(config, step_time=0.01)
+        finals[batched] = [list(RunDir(config.out).records(i))[-1] for i in range(4)]
+    for ours, theirs in zip(finals[True], finals[False], strict=True):
+        assert ours["time"] == pytest.approx(theirs["time"], abs=1e-4)  # (4 decimals per peer)
+        assert ours["idle_s"] == pytest.approx(theirs["idle_s"], abs=1e-4)
+
+
 def test_a_heterogeneous_batched_swarm_keeps_each_peers_clock(tmp_path: Path) -> None:
     """Fast and slow devices (their own step times, latencies and bandwidths) on a ring:
     the batched peers step together, yet each peer's clock, its time waiting for its

@@ -35,9 +35,9 @@ encoder's header, so each one's bytes are those of a real swarm without building
 payloads (messages a fault-free run also sends, heartbeats and goodbyes, are not
 simulated and not counted). Time is virtual: a local step takes the peer's ``step_time``,
 and a message arrives after its sender's copies to every neighbour in turn on the
-sender's uplink, the sender's latency and the receiver's downlink (each link on its own:
-a copy does not queue behind the previous round's). The run directory is the per-peer
-engine's contract.
+sender's uplink, the sender's latency and the receiver's downlink, each link carrying
+one message at a time as the per-peer engine's do (:meth:`BatchedSimulation._queued_arrivals`).
+The run directory is the per-peer engine's contract.
 """
 
 from __future__ import annotations
@@ -500,6 +500,9 @@ class BatchedSimulation:
         self.latency = np.array([device.link.latency_s for device in devices])
         self.up = _seconds_per_bit([device.link.uplink_bps for device in devices])
         self.down = _seconds_per_bit([device.link.downlink_bps for device in devices])
+        self.queued = bool(self.up.any() or self.down.any())  # a message takes time on a link
+        self.up_free = np.zeros(count)  # when each uplink has sent what it was given
+        self.down_free = np.zeros(count)  # when each downlink has read what came
         members = [Member(i, sim_address(i), 0) for i in range(count)]
         self.table = MemberTable(members, config.max_members).digest()
         self.swarm_start = round(time.time(), 3)
@@ -574,20 +577,42 @@ class BatchedSimulation:
         self.rounds += 1
         self._wait(size)
 
+    def _queued_arrivals(self, bits_of: np.ndarray) -> np.ndarray:
+        """When each peer has the last of its neighbours' messages (of ``bits_of`` its
+        sender's size) in, through bandwidth-limited links as
+        :class:`~gossipdl.transport.shaping.Link` carries them: a sender's copies leave
+        its uplink one after another, in its edges' order, behind whatever it still sends
+        from the round before; a receiver's downlink reads arrivals one after another, in
+        the order they come."""
+        sender, receiver = self.edges
+        bits = bits_of[sender]
+        start = np.maximum(self.clock, self.up_free)  # edges are sorted by sender
+        copy = np.arange(len(sender)) - np.searchsorted(sender, sender)  # its place in line
+        arrival = start[sender] + (copy + 1) * bits * self.up[sender] + self.latency[sender]
+        self.up_free = start + self.fan * bits_of * self.up
+        order = np.lexsort((arrival, receiver))
+        by_receiver, arrived = receiver[order], arrival[order]
+        reading = bits[order] * self.down[by_receiver]
+        first = np.searchsorted(by_receiver, np.arange(len(start)))
+        last = np.searchsorted(by_receiver, np.arange(len(start)), side="right")
+        done = self.down_free.copy()
+        for place in range(int((last - first).max(initial=0))):  # the k-th arrival of each
+            at = first + place
+            peers = np.flatnonzero(at < last)
+            done[peers] = np.maximum(done[peers], arrived[at[peers]]) + reading[at[peers]]
+        self.down_free = done
+        return np.maximum(self.clock, done)
+
     def _wait(self, size: np.ndarray) -> None:
         """Move each peer's clock to when the last of its neighbours' ``size``-byte messages
         (one size per sender) is in; SimulationError where the per-peer engine would have
         given up on one (``round_timeout``)."""
         sender, receiver = self.edges
-        bits = 8 * size[sender]
-        arrival = (
-            self.clock[sender]
-            + bits * self.fan[sender] * self.up[sender]  # the last copy off the uplink
-            + self.latency[sender]
-            + bits * self.down[receiver]
-        )
-        done = self.clock.copy()
-        np.maximum.at(done, receiver, arrival)
+        if self.queued:  # the links carry one message at a time, as the per-peer engine's do
+            done = self._queued_arrivals(8 * size)
+        else:
+            done = self.clock.copy()
+            np.maximum.at(done, receiver, self.clock[sender] + self.latency[sender])
         wait = done - self.clock
         late = np.flatnonzero(wait >= self.config.round_timeout)
         if late.size:
