@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import small_config
+from test_workloads import leaf
 from typer.testing import CliRunner
 
 from gossipdl import cli
@@ -116,11 +117,25 @@ def test_a_stacked_step_equals_the_per_peer_loop(
     )
 
 
-def test_stacked_models_refuse_what_they_cannot_stack() -> None:
+def test_stacked_models_refuse_what_they_cannot_stack(tmp_path: Path) -> None:
+    """Running statistics, a recurrent layer or dropout (vmap has no batching rule for the
+    one and refuses the other's draws): a batched run of such a model is refused before its
+    run directory is made (it crashed at the first forward pass)."""
     with pytest.raises(ValueError, match="running statistics"):
         StackedModels(torch.nn.BatchNorm1d(4), 2)
     with pytest.raises(ValueError, match="at least one"):
         StackedModels(torch.nn.Linear(2, 2), 0)
+    dropout = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    with pytest.raises(ValueError, match="dropout"):
+        StackedModels(dropout, 2)
+    with pytest.raises(ValueError, match=r"recurrent layer \(LSTM\)"):
+        StackedModels(torch.nn.LSTM(2, 2), 2)
+    config = small_config(tmp_path, dataset="shakespeare", data_dir=str(tmp_path / "data"),
+                          model="leaf-lstm", partition="natural", batched=True)  # fmt: skip
+    leaf(tmp_path / "data", "shakespeare")
+    with pytest.raises(SimulationError, match=r"model 'leaf-lstm' \(it has a recurrent layer"):
+        simulate(config)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
@@ -334,6 +349,22 @@ def test_batched_liars_and_defences_are_the_per_peer_engines(
     if attack in ("dissensus", "scaled"):  # ALIE hides in the spread; a label flipper and
         seen = finals[True][2]["neighbours"]  # a stale one look honest a while
         assert seen["3"]["filtered"] > max(v["filtered"] for j, v in seen.items() if j != "3")
+
+
+def test_a_batched_run_keeps_the_network_ledgers_keys_and_its_message_limit(
+    tmp_path: Path,
+) -> None:
+    """summary.json's network has the per-peer engine's keys (batched had "delivered" alone),
+    and a message over max_message_mb, which neighbours refuse per peer, stops the run
+    saying so (it was mixed in)."""
+    config = small_config(tmp_path / "a", peers=4, steps=4, batched=True, algorithm="dense")
+    network = simulate(config)["network"]
+    assert network.keys() >= {"sent", "delivered", "duplicated"}
+    assert network["sent"] == network["delivered"] > 0 and network["duplicated"] == 0
+    small = small_config(tmp_path / "b", peers=4, steps=4, batched=True, algorithm="dense",
+                         max_message_mb=0.001)  # fmt: skip
+    with pytest.raises(SimulationError, match=r"over max_message_mb = 0.001: .* \(oversize\)"):
+        simulate(small)
 
 
 def test_a_batched_swarm_that_diverges_stops_and_says_why(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from gossipdl.config import Config, ConfigError, to_dict
 from gossipdl.experiments.launcher import Interrupted, StopOnSignal, fresh_run, preflight
 from gossipdl.experiments.summary import summarize
 from gossipdl.rundir import RunDir, write_json_atomic
-from gossipdl.sim.batched import BatchedSimulation
+from gossipdl.sim.batched import BatchedSimulation, check_batchable
 from gossipdl.sim.engine import Simulation, simulation_for
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,8 @@ def simulate(
             "peers/<id>.jsonl in its run directory only: drop them, or use gossipdl run"
         )
     preflight(config)  # missing data or an impossible split: a clear error, no run directory
+    if config.batched:
+        check_batchable(config)  # so is a swarm the batched engine cannot run
     run, config = fresh_run(config)
     started = time.perf_counter()
     torch_threads = torch.get_num_threads()

@@ -84,7 +84,7 @@ from gossipdl.protocol.kinds import COMPRESSED_KINDS, TABLE, TABLE_KINDS
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
 from gossipdl.sim.engine import SimulationError, measure_step_time, sim_address, swarm_id
-from gossipdl.sim.stacked import StackedModels, StackedSGD
+from gossipdl.sim.stacked import StackedModels, StackedSGD, unstackable
 from gossipdl.topologies import Topology, build_topology
 from gossipdl.training import (
     attacks_of,
@@ -144,6 +144,9 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
         topology = build_topology(config.topology, config.peers, config.seed)
     if not topology.is_static:
         problems.append(f"topology {config.topology!r} (batched needs a static one)")
+    model = unstackable(initial_model(config, dataset_of(config)))
+    if model is not None:
+        problems.append(f"model {config.model!r} (it {model})")
     if problems:
         raise SimulationError(
             "the batched simulator cannot run this config: "
@@ -516,7 +519,7 @@ class BatchedSimulation:
         self.bytes_received = np.zeros(count, dtype=np.int64)
         self.messages = np.zeros(count, dtype=np.int64)
         self.losses: list[torch.Tensor] = []
-        self.ledger = {"delivered": 0}
+        self.ledger = {"sent": 0, "delivered": 0, "duplicated": 0}  # the per-peer engine's keys
         adjacency = topology.adjacency()
         self.edges = np.nonzero(adjacency)  # (sender, receiver) of every message
         self.fan = adjacency.sum(axis=1).astype(np.int64)
@@ -567,13 +570,22 @@ class BatchedSimulation:
                 kind, i, self.rounds + 1, self.rounds, layout.arrays, meta, codec
             )
         size = sizes[:, 0]
+        over = np.flatnonzero(size > self.config.max_message_mb * 2**20)
+        if over.size:
+            raise SimulationError(
+                f"peer {int(over[0])}'s message of round {self.rounds} is {int(size[over[0]]):,} "
+                f"bytes, over max_message_mb = {self.config.max_message_mb:g}: its neighbours "
+                "would refuse it (oversize), which the per-peer simulator models. Set batched = "
+                "false, or raise max_message_mb"
+            )
         self.bytes_sent += size * self.fan
         self.header_bytes += sizes[:, 1] * self.fan
         self.messages += self.fan
         self.bytes_received += np.bincount(self.edges[1], size[self.edges[0]], len(size)).astype(
             np.int64
         )
-        self.ledger["delivered"] = int(self.messages.sum())  # nothing is lost
+        sent_in_all = int(self.messages.sum())  # nothing is lost, nothing duplicated
+        self.ledger.update(sent=sent_in_all, delivered=sent_in_all)
         self.rounds += 1
         self._wait(size)
 

@@ -35,6 +35,29 @@ EVAL_SAMPLES = 1 << 14
 activations' memory however many peers and test samples there are)."""
 
 
+def unstackable(template: nn.Module) -> str | None:
+    """Why copies of ``template`` cannot run stacked, as a phrase after its name (None: they
+    can): buffers (running statistics stay each peer's), or, where ``torch.func.vmap`` runs
+    the model, a recurrent layer (no batching rule) or dropout (random draws, which vmap
+    refuses)."""
+    if any(True for _ in template.buffers()):
+        return (
+            "has buffers (running statistics): stacked peers average parameters only; use a "
+            "model without them"
+        )
+    if stacked_forward(template) is not None:
+        return None
+    for module in template.modules():
+        if isinstance(module, nn.RNNBase):
+            return (
+                f"has a recurrent layer ({type(module).__name__}), which torch.func.vmap "
+                "cannot stack"
+            )
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return "has dropout, whose random draws torch.func.vmap refuses"
+    return None
+
+
 class StackedModels:
     """``count`` copies of ``template`` (its architecture and starting parameters) as one
     ``[count, numel]`` float buffer ``flat``; ``params`` maps each parameter's name to its
@@ -52,11 +75,9 @@ class StackedModels:
     def __init__(self, template: nn.Module, count: int) -> None:
         if count < 1:
             raise ValueError(f"count = {count}; StackedModels needs at least one copy")
-        if any(True for _ in template.buffers()):
-            raise ValueError(
-                f"{type(template).__name__} has buffers (running statistics): stacked peers "
-                "average parameters only; use a model without them"
-            )
+        problem = unstackable(template)
+        if problem is not None:
+            raise ValueError(f"{type(template).__name__} {problem}")
         named = [(name, p.detach()) for name, p in template.named_parameters()]
         if not named:
             raise ValueError(f"{type(template).__name__} has no parameters to train")
