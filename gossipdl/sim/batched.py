@@ -69,7 +69,7 @@ from gossipdl.compression.floating import Identity
 from gossipdl.compression.quantization import QSGD, Sign
 from gossipdl.compression.sparse import SparseCodec, Threshold, TopK
 from gossipdl.conditions import DeviceProfile, device_of
-from gossipdl.config import Config
+from gossipdl.config import Config, resolved
 from gossipdl.data import (
     IndexStream,
     augment_draws,
@@ -110,6 +110,7 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
     """SimulationError, naming what to change, for a config the batched engine cannot run
     (the per-peer engine, ``batched = false``, runs every simulated config); ``topology``:
     the config's, where the caller built it already."""
+    config = resolved(config)  # the algorithm ``auto`` stands for
     problems = []
     if config.mode != "gossip":
         problems.append(f"mode {config.mode!r} (batched runs mode gossip)")
