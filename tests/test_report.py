@@ -169,6 +169,21 @@ def test_directories_of_one_swarm_are_merged_into_one_run(tmp_path: Path) -> Non
     assert table_rows(report, "old-a")[0][2] == table_rows(report, "old-b")[0][2] == "2/2"
 
 
+def test_two_simulated_runs_of_one_config_are_two_runs(tmp_path: Path) -> None:
+    """A simulated swarm's id is its config's: before and after a change, two runs of one
+    config carry the same id, and the report merged them into one, the earlier lost."""
+    from conftest import small_config
+
+    from gossipdl.experiments.simulated import simulate
+
+    for name in ("before", "after"):
+        simulate(small_config(tmp_path, peers=3, steps=10, out=str(tmp_path / name)))
+    write_report([tmp_path / "before", tmp_path / "after"], tmp_path / "out")
+    report = tmp_path / "out" / "report.md"
+    assert table_rows(report, "before") and table_rows(report, "after")
+    assert not table_rows(report, "before+after")
+
+
 def test_start_up_and_training_time_are_apart_in_summary_tables_and_plots(
     tmp_path: Path,
 ) -> None:

@@ -98,13 +98,15 @@ def run_dirs(root: Path) -> list[RunDir]:
 
 
 def swarm_of(run: RunDir) -> str | None:
-    """The ``swarm`` id on the first lines of ``run``'s peers (None for runs from before
-    swarm ids: such a directory is a run of its own)."""
+    """The ``swarm`` id on the first lines of ``run``'s peers, with the swarm's start (None
+    for runs from before swarm ids: such a directory is a run of its own). A simulated
+    swarm's id is its config's, so two runs of one config differ by their start alone."""
     ids = set()
     for peer_id in run.peer_ids():
         first = next(run.records(peer_id), None)
         if first is not None and first.get("swarm"):
-            ids.add(str(first["swarm"]))
+            start = first.get("swarm_start")
+            ids.add(str(first["swarm"]) + ("" if start is None else f" started {start}"))
     if len(ids) > 1:
         raise ReportError(
             f"{run.root} holds peers of {len(ids)} swarms ({', '.join(sorted(ids))}); a run "
@@ -116,7 +118,8 @@ def swarm_of(run: RunDir) -> str | None:
 
 def runs_of(directories: Sequence[Path]) -> list[Run]:
     """The runs in ``directories`` (a sweep's variants each); directories whose peers carry
-    the same swarm id are merged into one run."""
+    the same swarm id and start are merged into one run (a swarm's peers on several
+    machines, each with its own run directory)."""
     by_swarm: dict[str, list[RunDir]] = {}
     seen: set[Path] = set()
     for directory in directories:
