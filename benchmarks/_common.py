@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
 import shutil
@@ -43,7 +42,7 @@ from gossipdl.cli import use_huge_pages
 from gossipdl.config import Config
 from gossipdl.experiments import forking
 from gossipdl.experiments.launcher import Interrupted
-from gossipdl.rundir import RunDir
+from gossipdl.rundir import RunDir, dumps
 from gossipdl.training import dataset_of, initial_model
 
 T = TypeVar("T")
@@ -331,5 +330,5 @@ def report(
             "meta": {**meta, "env": environment()},
         }
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(document, indent=2) + "\n")
+        json_path.write_text(dumps(document, indent=2) + "\n")
         console.print(f"wrote {json_path}")

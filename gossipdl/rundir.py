@@ -23,6 +23,7 @@ overlaid in accuracy.png, timeline-<variant>.png each, report.md).
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -75,13 +76,36 @@ def cut_to_last_line(path: Path, chunk: int = 1 << 16) -> None:
         f.truncate(0)
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN and ±Inf float (a diverged run's loss, consensus distance)
+    made None: JSON has no such numbers, and ``json.dumps`` writes the bare ``NaN`` that
+    strict readers refuse.
+
+    Example:
+        >>> json_safe({"loss": float("nan"), "acc": [0.5, float("inf")]})
+        {'loss': None, 'acc': [0.5, None]}
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def dumps(value: Any, **options: Any) -> str:
+    """Strict JSON of ``value`` (:func:`json_safe`): every file and line gossipdl writes."""
+    return json.dumps(json_safe(value), allow_nan=False, **options)
+
+
 def write_json_atomic(path: Path, value: Any) -> None:
     """Write JSON so readers never see a half-written file (tmp + rename). Each call has
     its own tmp file: a peer's threads and the peers of a run rewrite one file at once."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(value, indent=2) + "\n")
+            f.write(dumps(value, indent=2) + "\n")
         os.chmod(tmp, 0o644)  # as a plain write would make it; mkstemp makes it 0o600
         os.replace(tmp, path)
     except BaseException:

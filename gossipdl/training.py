@@ -3,7 +3,6 @@ learning rate, batches and evaluation, and the lines it writes to ``peers/<id>.j
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -23,6 +22,7 @@ from gossipdl.models import build_model
 from gossipdl.protocol.ps_server import ShardServer, fedavg_local_steps, fedavg_rounds
 from gossipdl.protocol.ps_worker import WorkerSettings
 from gossipdl.protocol.ring import chunk_bounds
+from gossipdl.rundir import dumps
 
 AWAY_POLL_S = 0.25  # how often a device inside an offline window looks again (and logs)
 
@@ -285,8 +285,8 @@ def metrics_line(
 
 
 def json_line(value: dict[str, Any]) -> str:
-    """One compact JSON line."""
-    return json.dumps(value, separators=(",", ":")) + "\n"
+    """One compact, strict JSON line (a NaN loss is null: :func:`~gossipdl.rundir.dumps`)."""
+    return dumps(value, separators=(",", ":")) + "\n"
 
 
 def save_atomic(value: Any, path: Path) -> None:

@@ -108,3 +108,25 @@ def test_a_resumed_peer_appends_after_its_last_complete_line_not_onto_a_cut_one(
     with run.append_metrics(3) as f:  # a first life: a new file
         f.write(lines[0] + "\n")
     assert [r["step"] for r in run.records(3)] == [0]
+
+
+def _strict(text: str) -> object:
+    """JSON as a strict reader takes it: NaN and Infinity are not JSON."""
+
+    def refuse(name: str) -> object:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_diverged_runs_summary_and_lines_are_strict_json(tmp_path: Path) -> None:
+    """A run whose models blow up has NaN losses and consensus distance: they were written
+    as bare NaN, which strict JSON readers refuse; they are null."""
+    config = small_config(tmp_path, peers=3, steps=10, lr=3e38, log_every=5)
+    simulate(config)
+    run = RunDir(config.out)
+    summary = _strict((run.root / "summary.json").read_text())
+    assert isinstance(summary, dict) and summary["consensus_distance"] is None
+    lines = [_strict(line) for line in run.metrics(0).read_text().splitlines()]
+    assert any(isinstance(line, dict) and line["loss"] is None and line["step"] > 0
+               for line in lines)  # fmt: skip
