@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import platform
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -23,12 +24,13 @@ from PIL import Image
 from test_experiments import axes_of
 
 from gossipdl.config import Config, ConfigError, to_toml
+from gossipdl.experiments.launcher import Interrupted
 from gossipdl.experiments.plots import AXES_KEY
 from gossipdl.experiments.provenance import PACKAGE_DIR, git_state
 from gossipdl.experiments.report import write_report
 from gossipdl.experiments.summary import Run, accuracy_curve, summarize, summary_of
 from gossipdl.experiments.sweep import parse_grid, plan, run_sweep
-from gossipdl.rundir import RunDir, RunDirError
+from gossipdl.rundir import RunDir, RunDirError, write_json_atomic
 
 STEPS = 30
 
@@ -300,6 +302,31 @@ def test_sweep_refuses_a_directory_that_holds_a_run_or_a_sweep(tmp_path: Path) -
     with pytest.raises(ConfigError, match=re.escape("codec-topk_0.5 already holds")):
         plan(base, grid, tmp_path / "fresh")
     assert len(plan(base, grid, tmp_path / "new")) == 2  # an empty or missing one is fine
+
+
+def test_an_interrupted_sweep_lists_the_variant_it_stopped_in(tmp_path: Path) -> None:
+    """Ctrl-C in the second of three variants: sweep.json lists it, interrupted, with what
+    its run measured (it was left out, and the report with it); a grid that names one
+    variant twice is refused before anything runs (the second run hit the first's)."""
+    base = Config(peers=2, dataset="synthetic", model="logistic", steps=STEPS)
+    done: list[str] = []
+
+    def launch(config: Config) -> dict[str, Any]:
+        run = fake_run(Path(config.out))
+        summary = summary_of(run)
+        write_json_atomic(run.summary, summary)
+        done.append(config.out)
+        if len(done) == 2:
+            raise Interrupted(signal.SIGINT)
+        return summary
+
+    with pytest.raises(Interrupted):
+        run_sweep(base, {"seed": [1, 2, 3]}, tmp_path / "sw", launch)
+    listed = json.loads((tmp_path / "sw" / "sweep.json").read_text())["variants"]
+    assert [v["name"] for v in listed] == ["seed-1", "seed-2"] and len(done) == 2
+    assert listed[1]["interrupted"] and listed[1]["peers_finished"] == 2
+    with pytest.raises(ConfigError, match="variant seed-1 comes twice"):
+        plan(base, {"seed": [1, 1]}, tmp_path / "dup")
 
 
 def test_a_live_run_with_torn_lines_reports_what_is_complete(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ A ``DIR`` that already holds a run or a sweep is refused before anything starts.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 from collections.abc import Callable, Sequence
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gossipdl.config import FIELDS, TABLE_KEYS, Config, ConfigError
-from gossipdl.rundir import RunDir, write_json_atomic
+from gossipdl.rundir import RunDir, RunDirError, read_json, write_json_atomic
 
 Grid = dict[str, list[Any]]  # values as typed on the command line, or parsed
 SWEEP_FILE = "sweep.json"
@@ -73,7 +74,7 @@ def occupied(directory: Path) -> list[str]:
 def plan(base: Config, grid: Grid, out: Path) -> list[tuple[str, dict[str, Any], Config]]:
     """Every combination as (name, settings, validated config writing to ``out/name``); an
     ``out`` or variant directory that already holds a run or a sweep is a ConfigError."""
-    variants = []
+    variants: list[tuple[str, dict[str, Any], Config]] = []
     for values in itertools.product(*grid.values()):
         settings = dict(zip(grid, values, strict=True))
         name = variant_name(settings)
@@ -81,6 +82,11 @@ def plan(base: Config, grid: Grid, out: Path) -> list[tuple[str, dict[str, Any],
             config = base.replace(**settings, out=str(out / name))
         except ConfigError as exc:
             raise ConfigError(f"variant {name}: {exc}") from None
+        if any(name == other for other, _, _ in variants):
+            raise ConfigError(
+                f"variant {name} comes twice: its values {settings} name one run directory; "
+                "list each --grid value once"
+            )
         variants.append((name, settings, config))
     for directory in [out, *(Path(config.out) for _, _, config in variants)]:
         found = occupied(directory)
@@ -100,29 +106,31 @@ def run_sweep(
     on_failure: Callable[[str, Exception], None] = lambda name, exc: None,
 ) -> list[dict[str, Any]]:
     """Run every variant with ``launch`` (which returns the run's summary) and write
-    ``out/sweep.json``; returns its variant entries."""
+    ``out/sweep.json``; returns its variant entries. Ctrl-C or SIGTERM stops the sweep in
+    the variant it was running, which is listed as ``interrupted`` with what it measured."""
     variants = plan(base, grid, out)
     out.mkdir(parents=True, exist_ok=True)
     entries: list[dict[str, Any]] = []
     for name, settings, config in variants:
         entry: dict[str, Any] = {"name": name, "settings": settings, "run_dir": config.out}
+        entries.append(entry)
         try:
-            summary = launch(config)
+            entry.update(_results(launch(config)))
+        except KeyboardInterrupt:  # the launch wrote what it measured: list it, then stop
+            entry["interrupted"] = True
+            with contextlib.suppress(RunDirError):
+                entry.update(_results(read_json(RunDir(config.out).summary)))
+            write_json_atomic(out / SWEEP_FILE, {"grid": grid, "variants": entries})
+            raise
         except Exception as exc:  # one broken variant must not lose the others
             on_failure(name, exc)
             entry["error"] = str(exc)
-        else:
-            entry.update(
-                {
-                    "mean_accuracy": summary["mean_accuracy"],
-                    "min_accuracy": summary["min_accuracy"],
-                    "total_bytes_sent": summary["total_bytes_sent"],
-                    "wall_time_s": summary["wall_time_s"],
-                    "startup_s": summary["startup_s"],
-                    "training_s": summary["training_s"],
-                    "peers_finished": summary["peers_finished"],
-                }
-            )
-        entries.append(entry)
         write_json_atomic(out / SWEEP_FILE, {"grid": grid, "variants": entries})
     return entries
+
+
+def _results(summary: dict[str, Any]) -> dict[str, Any]:
+    """What ``sweep.json`` lists of a variant's summary."""
+    keys = ("mean_accuracy", "min_accuracy", "total_bytes_sent", "wall_time_s", "startup_s",
+            "training_s", "peers_finished")  # fmt: skip
+    return {key: summary[key] for key in keys}
