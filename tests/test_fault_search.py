@@ -266,6 +266,22 @@ def test_seed_ranges_parse_and_a_bad_job_count_is_refused(tmp_path: Path) -> Non
         search(range(1), str(tmp_path), jobs=0)
 
 
+def test_a_search_into_a_directory_holding_a_kept_seed_is_refused_and_leaves_it(
+    tmp_path: Path,
+) -> None:
+    """An earlier search's broken seed in --out: the search crashed on it with a traceback,
+    and one stopped before reaching it removed the kept run."""
+    kept = tmp_path / "seed-4"
+    kept.mkdir(parents=True)
+    (kept / "config.toml").write_text("kept")
+    result = CliRunner().invoke(
+        cli.app, ["simulate", "--faults", "random", "--seeds", "3:6", "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 2, result.output
+    assert "already holds seed-4 from an earlier search" in " ".join(result.output.split())
+    assert (kept / "config.toml").read_text() == "kept" and not (tmp_path / "seed-3").exists()
+
+
 def watch(tmp_path: Path, faults: list[dict[str, object]], quiet_at: float) -> WatchedSimulation:
     """Six peers on a ring under ``faults`` (over by ``quiet_at``), invariants watched."""
     config = small_config(

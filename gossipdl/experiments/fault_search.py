@@ -101,6 +101,13 @@ def search(
     if jobs < 1:
         raise SearchError(f"--jobs {jobs}; use 1 or more worker processes")
     work = [(seed, root) for seed in seeds]
+    kept = [f"seed-{seed}" for seed, _ in work if (Path(root) / f"seed-{seed}").exists()]
+    if kept:  # an earlier search's broken seeds: neither run into nor removed
+        shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+        raise SearchError(
+            f"{root} already holds {shown} from an earlier search; choose another --out, or "
+            "move them away to search these seeds again"
+        )
     outcomes = []
     with contextlib.closing(_outcomes(work, jobs)) as running:  # closed: the workers stopped
         for outcome in running:
