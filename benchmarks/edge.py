@@ -202,6 +202,8 @@ def speedup_vs_ring(
     if best is None or ring is None:
         return best, None, None
     ring_s = ring["time_to_target_s"] if ring["reached"] else budget
+    if best["time_to_target_s"] <= 0:  # reached at the start: no time to compare
+        return best, None, None
     return best, ring_s / best["time_to_target_s"], not ring["reached"]
 
 
@@ -221,8 +223,12 @@ def options(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_engine_option(parser)
     args = parser.parse_args(argv)
     args.peers = args.peers or (3 if args.quick else 8)
-    args.target = args.target or (0.6 if args.quick else 0.45)
-    args.budget = args.budget or (20.0 if args.quick else 600.0)
+    if args.target is None:
+        args.target = 0.6 if args.quick else 0.45
+    if args.budget is None:
+        args.budget = 20.0 if args.quick else 600.0
+    if args.budget <= 0:
+        parser.error(f"--budget {args.budget:g}: give the seconds each setting may take, > 0")
     return args
 
 
@@ -235,7 +241,7 @@ def main() -> None:
         rows.append(run_setting(key, args, console))
     best, speedup, lower_bound = speedup_vs_ring(rows, args.budget)
     for row in rows:
-        if best is not None and row["reached"]:
+        if best is not None and row["reached"] and best["time_to_target_s"] > 0:
             row["vs_best"] = row["time_to_target_s"] / best["time_to_target_s"]
     plot = plot_curves(
         {r["setting"]: r["curve"] for r in rows},

@@ -6,6 +6,7 @@ for real), else on the simulator (``--engine sim``), which the scripts' numbers 
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -391,6 +392,25 @@ def test_edge_benchmark_times_each_setting_to_the_target(tmp_path: Path) -> None
     assert rows["ring all-reduce (dense)"]["s_per_step"] > rows["CHOCO top-1%"]["s_per_step"]
     assert result["meta"]["best"] == "CHOCO top-1%" or not rows["CHOCO top-1%"]["reached"]
     assert (tmp_path / "e" / "edge.png").stat().st_size > 10_000
+
+
+def test_edge_takes_a_target_reached_at_the_start_and_a_target_of_zero(tmp_path: Path) -> None:
+    """A setting at the target by its first evaluation (0 s) divided by zero and lost every
+    row; ``--target 0`` and ``--budget 0`` were taken as not given."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        edge = runpy.run_path(str(ROOT / "benchmarks" / "edge.py"))
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = [
+        {"setting": "CHOCO top-1%", "reached": True, "time_to_target_s": 0.0},
+        {"setting": "ring all-reduce (dense)", "reached": True, "time_to_target_s": 3.0},
+    ]
+    best, speedup, _ = edge["speedup_vs_ring"](rows, 20.0)
+    assert best is rows[0] and speedup is None
+    assert edge["options"](["--quick", "--target", "0"]).target == 0.0
+    with pytest.raises(SystemExit):
+        edge["options"](["--quick", "--budget", "0"])
 
 
 def test_simulate_benchmark_runs_both_engines_the_scale_case_and_the_edge_settings(
