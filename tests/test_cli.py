@@ -375,6 +375,25 @@ def test_ctrl_c_in_run_or_sweep_exits_with_the_signal_code_and_one_line(
     assert len(calls) == 2, "the sweep went on to its next variant"
 
 
+def test_an_out_that_is_a_file_is_refused_by_run_simulate_sweep_and_report(
+    tmp_path: Path,
+) -> None:
+    """Each crashed with a traceback (FileExistsError, NotADirectoryError)."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    path = write_config(tmp_path / "exp.toml", small_config(tmp_path))
+    for args, says in [
+        (["simulate", str(path)], "out = '" + str(afile) + "' is a file"),
+        (["run", str(path)], "out = '" + str(afile) + "' is a file"),
+        (["sweep", str(path), "--grid", "lr=0.1,0.05"], f"--out {afile} is a file"),
+        (["report", str(tmp_path / "r")], f"{afile} is a file"),
+    ]:
+        if args[0] == "report":
+            assert invoke("simulate", str(path), "--out", str(tmp_path / "r"))[0] == 0
+        assert says in fails(*args, "--out", str(afile)), args
+    assert afile.read_text() == "mine"
+
+
 def test_report_takes_several_directories_and_an_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -276,6 +276,8 @@ def write_report(directories: Sequence[Path], out: Path | None = None) -> list[P
     runs = runs_of(directories)
     names = run_names(runs)
     out = out or _default_out(directories)
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"{out} is a file; name a directory for the report (--out)")
     sweep = len(directories) == 1 and (directories[0] / SWEEP_FILE).is_file()
     several = sweep or len(runs) > 1
     configs = [_config(run) for run in runs]

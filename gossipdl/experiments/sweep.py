@@ -88,6 +88,8 @@ def plan(base: Config, grid: Grid, out: Path) -> list[tuple[str, dict[str, Any],
                 "list each --grid value once"
             )
         variants.append((name, settings, config))
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; name a directory for the sweep")
     for directory in [out, *(Path(config.out) for _, _, config in variants)]:
         found = occupied(directory)
         if found:
