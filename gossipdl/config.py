@@ -534,6 +534,7 @@ def _validate(c: Config) -> None:
     from gossipdl.averaging.base import check_graph
     from gossipdl.averaging.robust import EVICTING_RULES, parse_defence
     from gossipdl.compression import CodecError, build_codec
+    from gossipdl.compression.base import FLOAT32_MAX
     from gossipdl.conditions import (
         ConditionError,
         parse_drift,
@@ -726,6 +727,12 @@ def _validate(c: Config) -> None:
         "max_queued_mb",
     ):
         _check(getattr(c, name) > 0, f"{name} = {getattr(c, name)}; must be positive")
+    for name in ("lr", "weight_decay"):  # they scale the model's float32 tensors
+        _check(
+            getattr(c, name) <= FLOAT32_MAX,
+            f"{name} = {getattr(c, name):g}; above float32's largest value ({FLOAT32_MAX:.4g}), "
+            "which the model's tensors cannot hold",
+        )
     _check(0 <= c.momentum < 1, f"momentum = {c.momentum}; must be in [0, 1)")
     _check(all(h >= 1 for h in c.hidden), f"hidden = {list(c.hidden)}; widths must be >= 1")
     _check(

@@ -454,6 +454,7 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has 
     ("args", "says"),
     [
         (["--set", "lr=inf"], "lr = inf is not a valid float"),
+        (["--lr", "1e200"], "lr = 1e+200; above float32's largest value"),  # crashed mid-run
         (["--set", "max_message_mb=inf"], "max_message_mb = inf is not a valid float"),
         (["--set", "seed=-1"], "seed = -1; use 0 <= seed < 2**32"),
         (["--set", "seed=99999999999999999999"], "seed = 99999999999999999999; use 0 <="),
