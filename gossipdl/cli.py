@@ -578,7 +578,9 @@ def report(
         ..., help="Run directories or sweep directories; several are overlaid."
     ),
     out: Path | None = typer.Option(
-        None, help="Where to write the report [default: the first directory's report/]."
+        None,
+        help="Where to write the report \\[default: DIR/report for one directory, "
+        "report-<their names>/ in the folder that holds several].",
     ),
 ) -> None:
     """Draw PNG plots and a markdown table for one or more runs or sweeps, compared."""
@@ -821,7 +823,7 @@ def keys_generate(
 def data_fetch(
     name: str = typer.Argument(..., help="cifar10 | cifar100 | femnist | shakespeare"),
     data_dir: Path | None = typer.Option(
-        None, help="Where to keep it [default: $GOSSIPDL_DATA or ~/.cache/gossipdl/data]."
+        None, help="Where to keep it \\[default: $GOSSIPDL_DATA or ~/.cache/gossipdl/data]."
     ),
     url: str | None = typer.Option(
         None, help="A mirror of the archive; its published MD5 and size are still checked."

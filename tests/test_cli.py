@@ -131,6 +131,24 @@ def test_every_help_screen_is_complete_at_80_columns_without_bool_metavars() -> 
     assert "[default: tcp://127.0.0.1:0]" in " ".join(peer.split())  # not eaten as markup
 
 
+def test_every_default_an_option_help_names_is_shown_not_eaten_as_markup() -> None:
+    """rich reads an unescaped ``[default: …]`` in a help text as markup and drops it: report
+    --out and data fetch --data-dir lost theirs."""
+    root = typer.main.get_command(cli.app)
+    for path in commands():
+        command = root
+        for name in path:
+            command = command.commands[name]  # type: ignore[attr-defined]
+        shown = " ".join(
+            CliRunner().invoke(cli.app, [*path, "--help"], env={"COLUMNS": "200"}).stdout.split()
+        )
+        for param in command.params:
+            helped = " ".join((getattr(param, "help", None) or "").split())
+            if "[default:" in helped:
+                default = helped.split("[default:")[1].split("]")[0]
+                assert f"[default:{default}]" in shown.replace("\\", ""), (path, param.name)
+
+
 def test_run_help_puts_every_option_in_one_of_six_panels() -> None:
     text = CliRunner().invoke(cli.app, ["run", "--help"], env={"COLUMNS": "80"}).stdout
     panels = boxes(text)
