@@ -403,9 +403,10 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> Config:
     return from_dict(values)
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
+def read_config_file(path: str | Path, *, known_keys: bool = True) -> dict[str, Any]:
     """The values a TOML config file sets; an unknown key is an error naming the file and the
-    nearest known key (``from_dict`` checks the values)."""
+    nearest known key (``from_dict`` checks the values), unless ``known_keys`` is False (a
+    run directory's record, which a newer gossipdl may have written with keys added)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -420,7 +421,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         ) from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    _check_keys(values, where=f" in {path}")
+    if known_keys:
+        _check_keys(values, where=f" in {path}")
     return values
 
 

@@ -186,6 +186,19 @@ def test_two_simulated_runs_of_one_config_are_two_runs(tmp_path: Path) -> None:
     assert not table_rows(report, "before+after")
 
 
+def test_a_run_written_by_a_newer_gossipdl_is_reported_with_its_added_keys(
+    tmp_path: Path,
+) -> None:
+    """The run directory's contract only adds keys: a config.toml with a key this version
+    does not know was refused, advising to delete the record of what ran."""
+    for name, value in (("old", "1"), ("new", "2")):
+        run = fake_run(tmp_path / name)
+        run.config.write_text(to_toml(Config()) + f"future_key = {value}\n")
+    write_report([tmp_path / "old", tmp_path / "new"], tmp_path / "out")
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "future_key=1" in text and "future_key=2" in text
+
+
 def test_start_up_and_training_time_are_apart_in_summary_tables_and_plots(
     tmp_path: Path,
 ) -> None:

@@ -142,13 +142,14 @@ def run_names(runs: Sequence[Run]) -> list[str]:
 
 
 def _config(run: Run) -> dict[str, Any] | None:
-    """The run's config.toml over the defaults (a run from an older gossipdl lacks newer keys);
-    None when none of its directories has one."""
+    """The run's config.toml over the defaults (a run from an older gossipdl lacks newer keys,
+    one from a newer gossipdl has keys this one does not know: kept, as the contract adds
+    keys); None when none of its directories has one."""
     path = next((d.config for d in run.dirs if d.config.is_file()), None)
     if path is None:
         return None
     try:
-        return {**to_dict(Config()), **read_config_file(path)}
+        return {**to_dict(Config()), **read_config_file(path, known_keys=False)}
     except ConfigError as exc:
         raise ReportError(f"{exc}; restore it, or delete it to report the run alone") from None
 
