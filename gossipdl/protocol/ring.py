@@ -336,7 +336,8 @@ class RingCore:
         last = step == n - 2  # then this chunk (r + 1) holds the full sum: average, share
         if last:
             mine /= n
-        sent = mine if exact else mine.astype(wire)
+        with np.errstate(over="ignore"):  # a mean past float16's range: refused just below
+            sent = mine if exact else mine.astype(wire)
         if last:  # what goes out: a finite mean past float16's range is Inf on the wire
             if not all_finite(sent):  # NaN and Inf survive every addition
                 self.failure = RingFailure(
