@@ -260,7 +260,7 @@ def test_batched_links_carry_one_message_at_a_time_as_the_per_peer_engines_do(
         simulate(config, step_time=0.01)
         finals[batched] = [list(RunDir(config.out).records(i))[-1] for i in range(4)]
     for ours, theirs in zip(finals[True], finals[False], strict=True):
-        assert ours["time"] == pytest.approx(theirs["time"], abs=1e-4)  # (4 decimals per peer)
+        assert ours["time"] == pytest.approx(theirs["time"], abs=1e-4)  # both keep 4 decimals
         assert ours["idle_s"] == pytest.approx(theirs["idle_s"], abs=1e-4)
 
 

@@ -662,7 +662,7 @@ class BatchedSimulation:
                 "syncs": self.rounds,
                 "neighbour_misses": 0,
                 "resyncs": 0,
-                "idle_s": round(float(self.idle[i]), 6),
+                "idle_s": round(float(self.idle[i]), 4),
                 "members": self.config.peers,
                 "declared_dead": 0,
                 "rejoins": 0,
