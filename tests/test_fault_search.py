@@ -130,6 +130,12 @@ FOUND = {
     65469: "a newcomer cut off just after its welcome was declared dead by the others; "
     "not started, it ignored their tables that said so (a peer let in now acts on them: "
     "a newcomer joins again, one that keeps its model starts and then rejoins)",
+    125255: "a cut 3 against 4 healed and one of the four left at once: the three rejoined "
+    "the four (seen before the leave), the three left rejoined the three (a tie it won), and "
+    "every rejoin was refused; once they failed, joins delayed past their timeout were let in "
+    "on both sides, each side gave the other's members lives they never took up and ignored "
+    "the other's tables for good (after a failed rejoin the swarm it asked is not let in "
+    "while the next is held back)",
     82598: "BALANCE on Dirichlet(0.1) shards, no liar: two honest peers holding one class "
     "each rejected every neighbour (beyond γ‖x‖), trained alone, drifted further and were "
     "evicted (BALANCE now also accepts a neighbour within twice the median distance)",

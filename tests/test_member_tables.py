@@ -96,6 +96,32 @@ def test_a_peer_told_to_rejoin_lets_nobody_in_until_it_is_back() -> None:
     assert next(s.kind for s in ours.receive(2.0, join)) == "welcome"
 
 
+def test_after_a_failed_rejoin_the_swarm_it_asked_is_not_let_into_our_side() -> None:
+    """Fault-search seed 125255: both sides of a healed cut rejoined the other and refused
+    each other; once the rejoins failed, joins delayed past their timeout were let in on both
+    sides, each side gave the other's members lives they never took up, and ignored the
+    other's tables for good. While the next rejoin is held back, the swarm we asked stays
+    out; anyone else (a third side of a cut in three) is let in, and after the hold all."""
+    ours = core(0, [*swarm(2), *(Member(i, address(i), 0, 20) for i in (2, 3))])
+    # peers 2 and 3 said we were dropped and are the swarm; nobody let us in
+    ours.rejoin_via, ours.rejoin_through = 2, [Member(i, address(i)) for i in (2, 3)]
+    ours.rejoin_failed(2.0)
+    assert ours.rejoin_via is None and ours.rejoin_held_until > 2.0
+    held = ours.rejoin_held_until
+
+    def join(i: int) -> list[bytes]:
+        return frames("join", -1, address=address(i), want_id=i, key="", nonce=f"{i:02x}" * 8,
+                      rejoin=True)  # fmt: skip
+
+    with pytest.raises(WireError, match="rejoins the swarm") as refused:
+        ours.receive(held - 1e-3, join(3))
+    assert refused.value.reason == "not_member_yet"  # it retries, or rejoins on a fresh view
+    assert ours.membership.get(3) == Member(3, address(3), 0, 20)  # no life given
+    ours.membership.merge([Member(4, address(4), 0, 20)])  # cut off alone, on a third side
+    assert next(s.kind for s in ours.receive(held - 1e-3, join(4))) == "welcome"
+    assert next(s.kind for s in ours.receive(held, join(3))) == "welcome"  # the hold is over
+
+
 def test_a_joiner_asks_its_neighbours_then_any_member_and_never_the_dead() -> None:
     ours = core(1, swarm(5))
     assert ours.model_sources(0) == [0, 2, 3, 4]  # ring neighbours first

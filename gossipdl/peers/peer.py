@@ -1316,9 +1316,12 @@ class Peer:
             # Not a member yet (a founder that has not founded, a joiner not yet welcomed):
             # an answer now would hand out a table without us in it. The asker retries.
             raise WireError("not_member_yet", f"{msg.kind} before this peer is in a swarm")
-        if msg.kind == "join" and self.core.rejoin_via is not None:
+        joiner = msg.meta.get("address")
+        if msg.kind == "join" and self.core.refuses_join(time.monotonic(), joiner):
             # Told we were dropped: our table is the cut-off side's, and a joiner let in by
-            # it would be lost when we take the swarm's table back. The asker retries.
+            # it would be lost when we take the swarm's table back; after a failed rejoin,
+            # the swarm's members are not let into it (GossipCore.refuses_join). The asker
+            # retries.
             raise WireError("not_member_yet", "a join while this peer rejoins the swarm")
         if msg.kind == "join" and self._aligning and not self.started:
             # Let in, not at our round yet: we could not say from which round the joiner is

@@ -246,6 +246,7 @@ class GossipCore:
         self.rejoin_via: int | None = None  # a member whose table says we were dropped
         self.rejoin_through: list[Member] = []  # it, then the rest of its swarm: whom to ask
         self.rejoin_held_until = 0.0  # after a rejoin nobody answered (rejoin_failed)
+        self._held_from: frozenset[str] = frozenset()  # addresses of the swarm it asked
         self.evicted: str | None = None  # why the swarm refuses us back for good (refusal)
         self._asked = Asked(MAX_ASKED)  # requests of ours, kept as the real peer keeps them
         self._told: dict[int, float] = {}  # member -> when it last got our table (tell_table)
@@ -701,7 +702,7 @@ class GossipCore:
         if msg.kind == "join":
             if self.id < 0 or not started:
                 raise WireError("not_member_yet", "a join before this peer is in a swarm")
-            if self.rejoin_via is not None:  # our table is the dropped side's: the asker retries
+            if self.refuses_join(now, msg.meta.get("address")):  # the asker retries
                 raise WireError("not_member_yet", "a join while this peer rejoins the swarm")
             return self.answer_join(now, msg, started).sends
         if msg.kind in ("welcome", "model"):
@@ -921,12 +922,30 @@ class GossipCore:
         once we were evicted (:meth:`refusal`)."""
         return self.rejoin_via is None and now >= self.rejoin_held_until and not self.evicted
 
+    def refuses_join(self, now: float, address: Any) -> bool:
+        """Whether a join from ``address`` must wait (the asker retries): while we rejoin,
+        since our table is the dropped side's and a joiner let in by it would be lost when we
+        take the swarm's table; and while a failed rejoin holds the next back, from a member
+        of the swarm we asked. We still take that swarm for the larger side, and its members'
+        joins are rejoins decided on a view of our side taken before it shrank (a leave just
+        after a heal: both sides rejoined the other, fault-search seed 125255) or copies of
+        them delayed past their timeout. Let in, each side gives lives to the other side's
+        members, who never take them up, and ignores the other's tables as written in an
+        earlier life for good. Others (a third side of a cut in three, seed 17708) are let
+        in."""
+        if self.rejoin_via is not None:
+            return True
+        held = now < self.rejoin_held_until
+        return held and isinstance(address, str) and address in self._held_from
+
     def rejoin_failed(self, now: float) -> None:
         """A rejoin got no welcome within its timeout: it ends, and the next is held back for
-        a drawn part of ``REJOIN_BACKOFF`` round timeouts. Members that each rejoin through
+        a drawn part of ``REJOIN_BACKOFF`` round timeouts, joins from the swarm it asked
+        refused meanwhile (:meth:`refuses_join`). Members that each rejoin through
         another at once (a partition in three heals) refuse one another's joins while they
         rejoin; without the draw they fail and start again in step for ever (fault-search
         seed 17708)."""
+        self._held_from = frozenset(m.address for m in self.rejoin_through)
         self.end_rejoin()
         backoff = self._rejoin_rng.uniform(0.0, REJOIN_BACKOFF)
         self.rejoin_held_until = now + backoff * self.settings.round_timeout
