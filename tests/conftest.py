@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import re
 import socket
 import subprocess
@@ -97,12 +98,26 @@ def in_threads(work: Callable[[Any], object], items: Iterable[Any]) -> list[Base
     return errors
 
 
+FREE_PORTS = range(10_000, 20_000)
+"""Where :func:`free_addresses` picks ports: below the kernel's ephemeral range (32768 on
+up), which every outgoing connection takes its source port from, so a test dialling many
+addresses in parallel cannot take a port between its pick and its bind (a ring test's
+``Address already in use``); and below the ports tests dial as nobody's (20000 on up)."""
+
+
 def free_addresses(n: int) -> list[str]:
     """``n`` distinct loopback addresses whose ports were free a moment ago (bound together,
-    then released)."""
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
+    then released), from :data:`FREE_PORTS`."""
+    picks = random.Random()
+    sockets: list[socket.socket] = []
+    while len(sockets) < n:
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", picks.choice(FREE_PORTS)))
+        except OSError:  # taken (or picked twice): another
+            s.close()
+            continue
+        sockets.append(s)
     addresses = [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in sockets]
     for s in sockets:
         s.close()
