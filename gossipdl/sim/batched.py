@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from gossipdl.averaging import Averager, auto_gamma, parse_trigger
 from gossipdl.averaging.attacks import Attack, flip_labels
@@ -106,10 +107,12 @@ log = logging.getLogger(__name__)
 BATCHED_ALGORITHMS = ("dense", "choco")
 
 
-def check_batchable(config: Config, topology: Topology | None = None) -> None:
+def check_batchable(
+    config: Config, topology: Topology | None = None, template: nn.Module | None = None
+) -> None:
     """SimulationError, naming what to change, for a config the batched engine cannot run
-    (the per-peer engine, ``batched = false``, runs every simulated config); ``topology``:
-    the config's, where the caller built it already."""
+    (the per-peer engine, ``batched = false``, runs every simulated config); ``topology``
+    and ``template`` (the initial model): the config's, where the caller built them already."""
     config = resolved(config)  # the algorithm ``auto`` stands for
     problems = []
     if config.mode != "gossip":
@@ -145,7 +148,9 @@ def check_batchable(config: Config, topology: Topology | None = None) -> None:
         topology = build_topology(config.topology, config.peers, config.seed)
     if not topology.is_static:
         problems.append(f"topology {config.topology!r} (batched needs a static one)")
-    model = unstackable(initial_model(config, dataset_of(config)))
+    if template is None:
+        template = initial_model(config, dataset_of(config))
+    model = unstackable(template)
     if model is not None:
         problems.append(f"model {config.model!r} (it {model})")
     if problems:
@@ -448,10 +453,11 @@ class BatchedSimulation:
 
     def __init__(self, config: Config, run: RunDir, *, step_time: float | None = None) -> None:
         topology = build_topology(config.topology, config.peers, config.seed)
-        check_batchable(config, topology)
+        self.dataset = dataset_of(config)
+        template = initial_model(config, self.dataset)
+        check_batchable(config, topology, template)
         self.config = config
         self.run_dir = run
-        self.dataset = dataset_of(config)
         self.device = pick_device(config.device)  # auto: the GPU where there is one
         device = self.device
         self.pixels = self.dataset.pixels  # images stay uint8; batches are standardised
@@ -461,7 +467,6 @@ class BatchedSimulation:
         self.x_test = evaluation_inputs(self.dataset, device)
         self.y_test = torch.as_tensor(self.dataset.y_test, dtype=torch.int64).to(device)
         count = config.peers
-        template = initial_model(config, self.dataset)
         self.models = StackedModels(template, count).to(device)
         self.optimizer = StackedSGD(config.momentum, config.weight_decay)
         parts = parts_of(config, self.dataset)
