@@ -544,17 +544,22 @@ def sweep(
     if engine not in ("real", "sim"):
         _fail(f"--engine {engine!r}: use real (local processes) or sim (the simulator)")
     from gossipdl.experiments.display import sweep_table
+    from gossipdl.experiments.simulated import refuse_outside_real
     from gossipdl.experiments.sweep import parse_grid, plan, run_sweep
     from gossipdl.sim.faults import refuse_outside_simulation
 
     _setup_logging(rich=True, level=logging.WARNING)
+    refuse = refuse_outside_simulation if engine == "real" else refuse_outside_real
     try:
         base = load_config(config_file, **overrides)
         axes = {key: [parse_value(key, v) for v in vs] for key, vs in parse_grid(grid).items()}
-        if engine == "real":
-            refuse_outside_simulation(base)
         root = Path(base.out or default_run_dir())
         variants = plan(base, axes, root)
+        for name, _, config in variants:  # before the first runs, not variant by variant
+            try:
+                refuse(config)
+            except ConfigError as exc:
+                raise ConfigError(f"variant {name}: {exc}") from None
     except ConfigError as exc:
         _fail(str(exc))
     console.print(f"[bold]gossipdl sweep[/]: {len(variants)} variants → {escape(str(root))}")

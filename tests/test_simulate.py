@@ -194,3 +194,19 @@ def test_a_sweep_runs_its_variants_in_the_simulator_with_engine_sim(
         assert summary["engine"] == "sim" and summary["peers_finished"] == 4
     # one seed, one size, two swarms: report must not merge them as one run across machines
     assert len(runs_of([tmp_path / "sweep"])) == 2
+
+
+def test_a_sim_sweep_refuses_a_real_peer_setting_before_its_first_variant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))  # the CLI's
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    config = small_config(tmp_path, peers=2, steps=4, out=str(tmp_path / "sweep"))
+    done = CliRunner().invoke(cli.app, [
+        "sweep", str(_toml(tmp_path, config)), "--grid", "seed=1,2",
+        "--set", "csv=metrics",
+        "--engine", "sim", "--no-progress"])  # fmt: skip
+    assert done.exit_code == 2, done.output
+    said = " ".join(done.stderr.split())
+    assert "variant seed-1: csv: these feed a real peer's metrics lines" in said
+    assert not (tmp_path / "sweep").exists()  # not even the first variant ran

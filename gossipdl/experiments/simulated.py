@@ -59,6 +59,18 @@ def _stop_batched(
     return should_stop
 
 
+def refuse_outside_real(config: Config) -> None:
+    """ConfigError for the metrics sinks of a real peer (``csv``, ``tensorboard``,
+    ``metrics_hook``): the simulator writes the run directory only, and taking them in
+    silence wrote nothing where the user looked."""
+    sinks = [k for k in ("csv", "tensorboard", "metrics_hook") if getattr(config, k)]
+    if sinks:
+        raise ConfigError(
+            f"{' and '.join(sinks)}: these feed a real peer's metrics lines; the simulator writes "
+            "peers/<id>.jsonl in its run directory only: drop them, or use gossipdl run"
+        )
+
+
 def simulate(
     config: Config,
     *,
@@ -73,15 +85,8 @@ def simulate(
     ``until``, asked with the run directory every ``UNTIL_EVERY_S`` simulated seconds, ends
     the run early when it returns True (a target accuracy reached, a budget spent, as
     ``launch``'s): the peers stop where they are, without final lines (batched: with final
-    lines that say ``stopped_early``). The metrics sinks of a real peer (``csv``,
-    ``tensorboard``, ``metrics_hook``) are refused: the simulator writes the run directory
-    only, and taking them in silence wrote nothing where the user looked."""
-    sinks = [k for k in ("csv", "tensorboard", "metrics_hook") if getattr(config, k)]
-    if sinks:
-        raise ConfigError(
-            f"{' and '.join(sinks)}: these feed a real peer's metrics lines; the simulator writes "
-            "peers/<id>.jsonl in its run directory only: drop them, or use gossipdl run"
-        )
+    lines that say ``stopped_early``)."""
+    refuse_outside_real(config)
     preflight(config)  # missing data or an impossible split: a clear error, no run directory
     if config.batched:
         check_batchable(config)  # so is a swarm the batched engine cannot run
