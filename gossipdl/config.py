@@ -646,11 +646,22 @@ def _validate(c: Config) -> None:
         raise ConfigError(f"shared_memory = true: {exc}") from None
     try:
         parse_slowdown(c.slowdown, c.peers)
-        parse_drift(c.drift)
+        drift = parse_drift(c.drift)
         devices = parse_profiles(c.profiles, c.peers)
         parse_faults(c.faults, c.peers)
     except ConditionError as exc:
         raise ConfigError(str(exc)) from None
+    if drift is not None:  # a drift the run never reaches, or that no peer goes through
+        _check(
+            drift.step < c.steps,
+            f"drift = {c.drift!r}: step {drift.step} comes after the run's last step "
+            f"(steps = {c.steps}); use a STEP below {c.steps}",
+        )
+        _check(
+            any(drift.affects(i, c.peers) for i in range(c.peers)),
+            f"drift = {c.drift!r}: a fraction {drift.fraction} of {c.peers} peers is none of "
+            f"them; use a FRACTION of at least {1 / c.peers:.3g}",
+        )
     _check(
         c.mode == "gossip" or not any(d.link.offline for d in devices.values()),
         f"profiles: offline windows need the gossip mode, where the swarm drops a silent peer "

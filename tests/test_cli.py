@@ -484,6 +484,8 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has 
         (["--dataset", "synthetic-fedprox:-1:1"], "dataset = 'synthetic-fedprox:-1:1'"),
         (["--trigger", "periodic:²"], "'²' is not a whole number"),
         (["--drift", "²:permute"], "drift '²:permute': use STEP:permute"),
+        (["--drift", "5:permute"], "step 5 comes after the run's last step (steps = 5)"),
+        (["--drift", "2:permute:0.2"], "a fraction 0.2 of 2 peers is none of them"),
         (["--set", 'profiles={p={peers="0", slowdown=inf}}'], "slowdown = inf; use a number >= 1"),
     ],
 )
