@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from gossipdl.numerals import is_decimal
 from gossipdl.suggest import did_you_mean
 from gossipdl.transport.shaping import LinkError, LinkProfile, parse_link, parse_windows
 
@@ -41,12 +42,6 @@ _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ms|s)")  # a string names its unit
 
 class ConditionError(ValueError):
     """A slowdown or drift spec that cannot be parsed."""
-
-
-def _digits(text: str) -> bool:
-    """Whether ``text`` is a plain decimal number: ASCII digits only (``str.isdigit`` also
-    takes ``²``, which ``int`` refuses)."""
-    return text.isascii() and text.isdigit()
 
 
 def parse_slowdown(spec: str, peers: int | None = None) -> dict[int, float]:
@@ -119,7 +114,7 @@ def parse_drift(spec: str) -> Drift | None:
         return None
     parts = spec.replace(" ", "").split(":")
     usage = f"drift {spec!r}: use STEP:permute[:FRACTION], e.g. 750:permute or 750:permute:0.5"
-    if len(parts) not in (2, 3) or parts[1] != "permute" or not _digits(parts[0]):
+    if len(parts) not in (2, 3) or parts[1] != "permute" or not is_decimal(parts[0]):
         raise ConditionError(usage)
     try:
         fraction = float(parts[2]) if len(parts) == 3 else 1.0
@@ -159,7 +154,7 @@ def parse_peer_ids(value: Any, peers: int, what: str, key: str = "peers") -> tup
     ids: set[int] = set()
     for item in items:
         first, _, last = str(item).partition("-")
-        if isinstance(item, bool) or not _digits(first) or not _digits(last or first):
+        if isinstance(item, bool) or not is_decimal(first) or not is_decimal(last or first):
             raise ConditionError(usage)
         low, high = int(first), int(last or first)
         if low > high:

@@ -674,6 +674,7 @@ def test_the_configs_limits_are_the_ones_the_code_defaults_to() -> None:
         ("tcp://239.1.2.3:5555", False),
         ("tcp://10.0.0.5:0", False),
         ("tcp://10.0.0.5:65536", False),
+        ("tcp://10.0.0.5:²", False),  # isdigit() takes it, int() did not: a peer stopped
         ("tcp://10.0.0.5", False),
         ("ipc:///tmp/socket", False),
         ("tcp://host name:5555", False),

@@ -49,6 +49,8 @@ def test_first_host_of_a_slurm_node_list(nodelist: str, host: str) -> None:
     ("env", "message"),
     [
         ({**TORCHRUN, "RANK": "x"}, "RANK='x' is not an integer"),
+        ({**TORCHRUN, "WORLD_SIZE": "²"}, "WORLD_SIZE='²' is not an integer"),
+        ({**SLURM, "SLURM_NODELIST": "n[①-2]"}, "cannot read the range"),
         ({**TORCHRUN, "RANK": "4"}, "rank 4 is not below the world size 4"),
         ({**TORCHRUN, "MASTER_PORT": "-1"}, "MASTER_PORT='-1'"),
         ({**TORCHRUN, "MASTER_ADDR": " "}, "MASTER_ADDR is empty"),

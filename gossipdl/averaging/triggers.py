@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from gossipdl.averaging.base import Averager
+from gossipdl.numerals import is_decimal
 
 
 class TriggerError(ValueError):
@@ -87,7 +88,7 @@ def parse_trigger(spec: str) -> Trigger:
 
 
 def _positive_int(text: str, spec: str, usage: str) -> int:
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+    if not is_decimal(text) or int(text) < 1:
         raise TriggerError(f"trigger {spec!r}: {text!r} is not a whole number >= 1; {usage}")
     return int(text)
 

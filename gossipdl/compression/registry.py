@@ -45,6 +45,7 @@ from gossipdl.compression.indices import (
 from gossipdl.compression.powersgd import PowerSGD
 from gossipdl.compression.quantization import QSGD, Sign, Ternary, Uniform
 from gossipdl.compression.sparse import RandomK, SparseCodec, Sparsifier, Threshold, TopK
+from gossipdl.numerals import is_decimal
 
 __all__ = [
     "DEFAULT_INDEX_CODER",
@@ -146,7 +147,7 @@ def _qsgd(args: list[str], seed: int) -> object:
     usage = "qsgd:LEVELS[:BUCKET][:trits]"
     args = _args(usage, args, 1, 3)
     coding = "fixed"
-    if len(args) > 1 and not args[-1].lstrip("-").isdigit():
+    if len(args) > 1 and not is_decimal(args[-1].lstrip("-")):
         coding = args.pop().lower()
         if coding != "trits":
             raise CodecError(f"{usage}: the only coding is 'trits', got {coding!r}")

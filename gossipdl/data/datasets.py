@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from gossipdl.numerals import is_decimal
 from gossipdl.plugins import load_callable
 
 logger = logging.getLogger(__name__)
@@ -422,7 +423,7 @@ def sized_dataset(name: str) -> tuple[str, int] | None:
         (('mnist1d', 64000), None, None)
     """
     base, colon, size = name.partition(":")
-    if not colon or base not in _SIZED or not (size.isascii() and size.isdigit()):
+    if not colon or base not in _SIZED or not is_decimal(size):
         return None
     limit = sized_limit(base)
     if not 1 <= int(size) <= limit:

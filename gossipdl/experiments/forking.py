@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import IO
 
+from gossipdl.numerals import is_decimal
+
 PRELOAD = ["gossipdl.experiments.fork_preload"]
 """What the fork server imports before it forks anybody: gossipdl's CLI, torch with it,
 and SIGINT blocked (see :mod:`gossipdl.experiments.fork_preload`)."""
@@ -104,7 +106,7 @@ def _run(
     os.chdir(cwd)
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     sys.path[:0] = extra  # where a fresh interpreter would put them
-    if env.get("OMP_NUM_THREADS", "").isdigit():  # read when torch loaded, in the server
+    if is_decimal(env.get("OMP_NUM_THREADS", "")):  # read when torch loaded, in the server
         import torch
 
         torch.set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))

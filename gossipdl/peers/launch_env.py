@@ -16,6 +16,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gossipdl.numerals import is_decimal
+
 DEFAULT_PORT = 29500
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -50,7 +52,7 @@ class LaunchEnv:
 
 def _int(env: Mapping[str, str], name: str, minimum: int) -> int:
     value = env[name]
-    if not value.strip().isdigit() or int(value) < minimum:
+    if not is_decimal(value.strip()) or int(value) < minimum:
         raise LaunchEnvError(f"{name}={value!r} is not an integer >= {minimum}")
     return int(value)
 
@@ -69,7 +71,7 @@ def first_host(nodelist: str) -> str:
     if ranges is None:
         return prefix
     first = ranges.split(",")[0].split("-")[0].strip()
-    if not first.isdigit():
+    if not is_decimal(first):
         raise LaunchEnvError(f"SLURM_NODELIST={nodelist!r}: cannot read the range {ranges!r}")
     return prefix + first
 

@@ -8,6 +8,7 @@ import ipaddress
 import re
 from typing import Any
 
+from gossipdl.numerals import is_decimal
 from gossipdl.transport.wire import WireError
 
 MAX_ADDRESS_CHARS = 300
@@ -32,7 +33,7 @@ def address_problem(value: Any) -> str | None:
     if len(value) > MAX_ADDRESS_CHARS:
         return f"longer than {MAX_ADDRESS_CHARS} characters"
     host, port = host_port(value)
-    if not (port.isdigit() and 0 < int(port) < 65536):
+    if not (is_decimal(port) and 0 < int(port) < 65536):
         return f"port {port!r} is not in 1..65535"
     try:
         ip = ipaddress.ip_address(host)
