@@ -576,6 +576,12 @@ def _validate(c: Config) -> None:
     _check(0 < c.fraction <= 1, f"fraction = {c.fraction}; must be in (0, 1]")
     minimum = 1 if c.mode == "single" else 2
     _check(c.peers >= minimum, f"peers = {c.peers}; the {c.mode} mode needs at least {minimum}")
+    # before anything sized by peers (the topology): a joiner reads peers from the swarm
+    _check(c.max_members >= 2, f"max_members = {c.max_members}; a swarm needs at least 2")
+    _check(
+        c.max_members >= c.peers,
+        f"max_members = {c.max_members} is below peers = {c.peers}; raise max_members",
+    )
     static_graph = True
     if c.mode == "gossip":
         try:
@@ -726,11 +732,6 @@ def _validate(c: Config) -> None:
         "samples_per_peer", "evict_after",
     ):  # fmt: skip
         _check(getattr(c, name) >= 0, f"{name} = {getattr(c, name)}; must not be negative")
-    _check(c.max_members >= 2, f"max_members = {c.max_members}; a swarm needs at least 2")
-    _check(
-        c.max_members >= c.peers,
-        f"max_members = {c.max_members} is below peers = {c.peers}; raise max_members",
-    )
     for name in (
         "lr",
         "round_timeout",

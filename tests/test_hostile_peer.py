@@ -176,6 +176,21 @@ def test_the_users_own_config_decides_and_this_machines_settings_never_come_from
     assert (tmp_path / "imported.txt").exists()  # their decision: it ran
 
 
+def test_a_swarm_size_beyond_max_members_is_refused_before_anything_is_sized_by_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A member's config saying peers = 10**6 built a 10**6-peer topology (memory that
+    grows as its square) before max_members refused it."""
+    import gossipdl.topologies
+
+    def sized(spec: str, peers: int, seed: int) -> object:
+        raise AssertionError(f"a topology of {peers} peers was built")
+
+    monkeypatch.setattr(gossipdl.topologies, "build_topology", sized)
+    with pytest.raises(ConfigError, match="max_members = 512 is below peers = 1000000"):
+        config_from_peer({"peers": 10**6}, "tcp://10.0.0.5:5555")
+
+
 # ----------------------------------------------------------------------- a live peer process
 class LiveSwarm:
     """Peer 0 as a real ``gossipdl peer`` process, peer 1 in this process, gossiping."""
