@@ -93,3 +93,22 @@ def test_a_message_a_restarted_member_loses_is_a_gap_whatever_its_last_life_sent
         a.receive(2.0, sends[0].frames)
         a.receive(2.0, sends[2].frames)  # the second was lost
         assert any("1 message(s) from peer 1 were lost" in n for n in a.reports()[1]), earlier
+
+
+def test_a_departure_announced_far_ahead_ends_once_the_leaver_is_silent_past_dead_after() -> None:
+    """A ``leave`` whose round is 2**62 kept the member in every topology for good (and its
+    table entry, never forgotten): on a ring, two such members cut the swarm in two."""
+    members = [Member(i, f"tcp://h:{10 + i}", 0) for i in range(4)]
+    victim = core(0, members)
+    victim.receive(0.0, encode("leave", 2, 1, 0, meta={"until": 2**62, "reason": "bye"}))
+    assert 2 in victim.membership.active(5)
+    now = 0.0
+    for _ in range(40):  # 20 s, past dead_after, with the others heard from
+        now += 0.5
+        for j in (1, 3):
+            victim.detector.heard(j, now)
+        victim.tick(now)
+    until = victim.membership.get(2).until
+    assert until is not None and until <= victim.round + victim.join_margin()
+    assert 2 not in victim.membership.active(until) and 3 in victim.membership.active(until)
+    assert any("ends before its announced round" in note for note in victim.notes)

@@ -632,6 +632,14 @@ class GossipCore:
                 self.counters.declared_dead += 1
                 tick.dead.append((j, silent, until))
                 tick.sends += self.announce()
+        for j, silent in verdicts.overdue:  # an end far ahead does not hold its place for good
+            until = self.round + self.join_margin()
+            if self.membership.end(j, until) is not None:
+                self.notes.append(
+                    f"peer {j}, silent {silent:.1f} s, ends before its announced round: out of "
+                    f"the topology from round {until}"
+                )
+                tick.sends += self.announce()
         return tick
 
     def leave(self, reason: str = "") -> list[Send]:

@@ -2,7 +2,9 @@
 
 A member that heard nothing from us for a heartbeat gets one; a member silent
 past ``dead_after`` is declared dead (out of the topology a few rounds ahead);
-an ended member silent past ``forget_after`` is forgotten. Time is whatever the
+so is one whose end is still ahead (a departure announced far ahead: a lie, or a
+leaver many rounds ahead of us) once it is silent that long; an ended member
+silent past ``forget_after`` is forgotten. Time is whatever the
 engine says it is: the wall clock (real engine) or the virtual one (simulator).
 """
 
@@ -32,12 +34,13 @@ class MemberView(Protocol):
 
 @dataclass
 class Verdicts:
-    """What one pass decided: whom to send a heartbeat, whom to declare dead or forget
-    (with how long each was silent, in seconds)."""
+    """What one pass decided: whom to send a heartbeat, whom to declare dead or forget,
+    whose end still ahead to bring forward (with how long each was silent, in seconds)."""
 
     heartbeats: list[int] = field(default_factory=list)
     dead: list[tuple[int, float]] = field(default_factory=list)
     forget: list[tuple[int, float]] = field(default_factory=list)
+    overdue: list[tuple[int, float]] = field(default_factory=list)
 
 
 class FailureDetector:
@@ -98,6 +101,8 @@ class FailureDetector:
             if member.until is not None and member.until <= round and silent > self.forget_after:
                 verdicts.forget.append((j, silent))
                 continue
+            if member.until is not None and member.until > round and silent > self.dead_after:
+                verdicts.overdue.append((j, silent))
             if left(j):
                 continue
             every = self.heartbeat * (DEAD_HEARTBEAT_EVERY if ended else 1)
