@@ -11,7 +11,7 @@ from gossipdl.averaging.registry import build_averager
 from gossipdl.averaging.triggers import parse_trigger
 from gossipdl.protocol.core import GossipCore, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
-from gossipdl.transport.wire import WireError, encode
+from gossipdl.transport.wire import NONCE, WireError, decode, encode
 
 A, B = Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0)
 
@@ -112,3 +112,28 @@ def test_a_departure_announced_far_ahead_ends_once_the_leaver_is_silent_past_dea
     assert until is not None and until <= victim.round + victim.join_margin()
     assert 2 not in victim.membership.active(until) and 3 in victim.membership.active(until)
     assert any("ends before its announced round" in note for note in victim.notes)
+
+
+def test_numbers_kept_for_members_forgotten_are_dropped_and_rise_when_they_are_back() -> None:
+    """Every id ever sent to kept its sequence count after it was forgotten: joins under
+    fresh ids grew the core past its member table's limit."""
+    limit = 8
+    victim = GossipCore(
+        0, MemberTable([A, B], limit=limit), averager=build_averager("dense", "none", 0),
+        trigger=parse_trigger("always"), model=torch.zeros(4),
+        settings=Settings(heartbeat=1.0, dead_after=5.0, forget_after=10.0),
+    )  # fmt: skip
+    now, numbers = 0.0, []
+    for n in range(36):  # strangers that join, are sent to, never speak, and are forgotten
+        meta = {"address": f"tcp://10.1.0.{n + 1}:5555", "want_id": 100, NONCE: f"n{n}"}
+        victim.receive(now, encode("join", -1, 0, 0, meta=meta))
+        numbers += [decode(s.frames, 2**20).seq for s in victim.send(100, "alive", None, None, {})]
+        for _ in range(40):
+            now += 1.0
+            victim.round += 1
+            victim.detector.heard(1, now)
+            victim.tick(now)
+        assert set(victim._seq) <= {1}, n  # 100 forgotten, with its numbers
+    assert len(numbers) == 36 and numbers == sorted(
+        set(numbers)
+    )  # never repeated: 100 new each time

@@ -232,6 +232,7 @@ class GossipCore:
         self._inbox = Mailbox(keep_late=averager.accepts_late)
         self._answers = Mailbox(keep_late=averager.accepts_late)  # dynamic, phase 2
         self._seq: dict[int, int] = {}  # per-member sequence numbers of what we sent
+        self._numbered = 0  # numbered sends to anyone: a member's numbers start above it
         self._numbers = Sequences()  # the sequence numbers taken per sender: gaps, repeats
         self._gap = False  # a message was lost: resync
         self._resync_at: set[int] = set()
@@ -620,6 +621,7 @@ class GossipCore:
                 self.detector.forget(j)
                 self._told.pop(j, None)
                 self._numbers.forget(j)
+                self._seq.pop(j, None)
                 self._inbox.forget(j)
                 self._answers.forget(j)
                 tick.forgotten.append((member, silent))
@@ -680,7 +682,10 @@ class GossipCore:
         on purpose (``loss``), counted like the real engine's ``injected_loss``."""
         if self.membership.get(j) is None:
             return []
-        self._seq[j] = self._seq.get(j, 0) + 1
+        # from where our count stands, not 1: numbers to a member forgotten and back in
+        # (its entry dropped with the others) still rise, so none reads as a duplicate
+        self._seq[j] = self._seq.get(j, self._numbered) + 1
+        self._numbered += 1
         if kind in MODEL_KINDS:
             self.counters.model_messages_sent += 1
         self.detector.sent(j, self._now)

@@ -1,11 +1,13 @@
 """Per-sender sequence numbers: which message repeats one already taken, and which left a gap.
 
-Every member numbers what it sends each member from 1 (:meth:`GossipCore.send`), anew in
-each of its lives. A receiver keeps, per sender and life, the highest number it took and
-the numbers it skipped (at most :data:`MAX_SEQ_HOLES`, the newest): a number above the
-highest tells of lost messages (CHOCO resyncs), a skipped one is a message the network
-delayed past later ones, and any other is a copy of one taken already, which a sum such
-as CHOCO's s_i must not add twice. No locks and no clocks: the protocol's state.
+Every member numbers what it sends each member (:meth:`GossipCore.send`), anew in each of
+its lives, from where its count of numbered sends stands when it first sends to that one
+(so the numbers to a member it forgot and met again still rise). A receiver keeps, per
+sender and life, the highest number it took and the numbers it skipped (at most
+:data:`MAX_SEQ_HOLES`, the newest): a number above the highest tells of lost messages
+(CHOCO resyncs), a skipped one is a message the network delayed past later ones, and any
+other is a copy of one taken already, which a sum such as CHOCO's s_i must not add twice.
+No locks and no clocks: the protocol's state.
 """
 
 from __future__ import annotations
