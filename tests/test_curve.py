@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import stat
 import threading
 import time
@@ -192,6 +193,9 @@ def test_allow_lists_and_key_directories_are_checked(tmp_path: Path) -> None:
     bad.write_text(f"{key}\nnot-a-key\n")
     with pytest.raises(CurveError, match="line 2"):
         read_allow_list(bad)
+    bad.write_text(f"{key}\n{'#' * 40}\n")  # 40 characters, not Z85 of 32 bytes: a crash
+    with pytest.raises(CurveError, match="line 2"):
+        read_allow_list(bad)
     (tmp_path / "empty.txt").write_text("# nobody\n")
     with pytest.raises(CurveError, match="lists no key"):
         read_allow_list(tmp_path / "empty.txt")
@@ -226,6 +230,30 @@ def test_a_secret_key_others_may_read_is_refused_with_the_fix(mode: int, tmp_pat
         load_curve(directory, _allow(tmp_path / "allow.txt", key))
     assert str(secret) in str(refused.value) and f"mode {mode:04o}" in str(refused.value)
     assert f"chmod 600 {secret}" in str(refused.value)
+
+
+@pytest.mark.parametrize("case", ["truncated", "short secret", "not z85", "another public"])
+def test_a_damaged_secret_key_file_is_refused_naming_it(case: str, tmp_path: Path) -> None:
+    """Each loaded; the peer then died in ZeroMQ naming no file ('Invalid argument'), or,
+    with another pair's public key, could be reached by nobody and never said why."""
+    directory, key = _keys(tmp_path, "a")
+    secret = directory / "peer.key_secret"
+    text = secret.read_text()
+
+    def edit(field: str, value: str) -> str:
+        start = text.index(f'{field} = "') + len(field) + 4
+        return text[:start] + value + text[start + 40 :]
+
+    secret.write_text(
+        {
+            "truncated": text[:-20],
+            "short secret": edit("secret-key", "abc"),
+            "not z85": edit("secret-key", "~" * 40),
+            "another public": edit("public-key", zmq.curve_keypair()[0].decode()),
+        }[case]
+    )
+    with pytest.raises(CurveError, match=re.escape(str(secret))):
+        load_curve(directory, _allow(tmp_path / "allow.txt", key))
 
 
 def test_key_files_written_before_labels_still_load(tmp_path: Path) -> None:

@@ -86,6 +86,8 @@ def test_two_newcomers_given_one_id_leave_the_one_with_the_smaller_address_in_an
 
 def test_member_lists_from_the_wire_are_checked() -> None:
     assert parse_members([[0, "tcp://h:1", 0], [1, "tcp://h:2", 3, None], [2, "tcp://h:3", 0, 9]])
+    key = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+    assert parse_members([[0, "tcp://h:1", 0, None, key]])[0].key == key
     for bad in (
         "x",
         [[0, "tcp://h:1"]],
@@ -97,6 +99,8 @@ def test_member_lists_from_the_wire_are_checked() -> None:
         [[0, "tcp://h:1", 9, None, "", 0, [5, 4]]],  # a replaced life that ends before it starts
         [[0, "tcp://h:1", 9, None, "", 0, [5]]],
         [[0, "tcp://h:1", 9, None, "", 0, "0-5"]],
+        [[0, "tcp://h:1", 0, None, "~" * 40]],  # 40 characters, no key: every send failed
+        [[0, "tcp://h:1", 0, None, "#" * 40]],
     ):
         with pytest.raises(WireError, match="member"):
             parse_members(bad)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gossipdl.transport.address_syntax import address_problem
+from gossipdl.transport.key_syntax import is_curve_key
 from gossipdl.transport.wire import WireError
 
 MAX_MEMBERS = 512  # entries in a member table, live or ended; drop reason ``too_many_members``
@@ -141,7 +142,7 @@ def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
             and address_problem(entry[1]) is None
             and _round(entry[2])
             and (len(entry) == 3 or entry[3] is None or (_round(entry[3]) and entry[3] > entry[2]))
-            and (len(entry) < 5 or (isinstance(entry[4], str) and len(entry[4]) in (0, 40)))
+            and (len(entry) < 5 or entry[4] == "" or is_curve_key(entry[4]))
             and (len(entry) < 6 or (_round(entry[5]) and entry[5] <= MAX_INCARNATION))
             and (len(entry) < 7 or _span(entry[6]))
         ):

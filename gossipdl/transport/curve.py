@@ -24,7 +24,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-KEY_CHARS = 40  # a Z85-encoded 32-byte Curve25519 key
+from gossipdl.transport.key_syntax import KEY_CHARS, is_curve_key
+
 KEY_TRY_S = 1 / 3  # how long one allow-list key gets to reach a peer whose key is not known
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # a key name is a file stem
 _SECRET_MODE, _PUBLIC_MODE = 0o600, 0o644
@@ -100,11 +101,7 @@ def read_allow_list(path: Path) -> frozenset[str]:
         if not words or (words[0].startswith("#") and len(words[0]) != KEY_CHARS):
             continue  # blank, or a comment (a key may itself contain "#")
         key = words[0]
-        try:
-            valid = len(key) == KEY_CHARS and len(zmq.utils.z85.decode(key)) == 32
-        except (ValueError, KeyError):
-            valid = False
-        if not valid:
+        if not is_curve_key(key):
             raise CurveError(
                 f"{path} line {number}: {key[:60]!r} is not a public key ({KEY_CHARS} Z85 "
                 "characters, as in a .key file written by gossipdl keys generate)"
@@ -117,8 +114,35 @@ def read_allow_list(path: Path) -> frozenset[str]:
 
 def load_curve_public(path: Path) -> str:
     """The public key (Z85 text) in a ``.key`` file."""
-    public, _ = zmq.auth.load_certificate(str(path))
-    return public.decode()
+    return _load_certificate(path)[0]
+
+
+def _load_certificate(path: Path) -> tuple[str, str | None]:
+    """The public key and the secret one (None in a public file) of a certificate file;
+    CurveError, naming the file, for a file that is none or holds a key ZeroMQ refuses."""
+    try:
+        public, secret = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as exc:
+        raise CurveError(f"{path} is not a key file: {exc}") from None
+    keys = {"public-key": public.decode(errors="replace")}
+    if secret is not None:
+        keys["secret-key"] = secret.decode(errors="replace")
+    for name, key in keys.items():
+        if not is_curve_key(key):
+            raise CurveError(
+                f"{path}: its {name} {key[:60]!r} is not a key ({KEY_CHARS} Z85 characters); the "
+                "file is damaged: make a new pair with gossipdl keys generate DIR"
+            )
+    secret_key = keys.get("secret-key")
+    if (
+        secret_key is not None
+        and zmq.curve_public(secret_key.encode()).decode() != keys["public-key"]
+    ):
+        raise CurveError(
+            f"{path}: its public-key is not the one its secret-key makes, so no peer that "
+            "lists it could connect: make a new pair with gossipdl keys generate DIR"
+        )
+    return keys["public-key"], secret_key
 
 
 def load_curve(keys: Path, allow: Path) -> Curve:
@@ -131,13 +155,10 @@ def load_curve(keys: Path, allow: Path) -> Curve:
             "make one with: gossipdl keys generate DIR"
         )
     _check_private(secrets[0])
-    try:
-        public, secret = zmq.auth.load_certificate(str(secrets[0]))
-    except (OSError, ValueError) as exc:
-        raise CurveError(f"{secrets[0]} is not a key file: {exc}") from None
+    public, secret = _load_certificate(secrets[0])
     if secret is None:
         raise CurveError(f"{secrets[0]} holds no secret key")
-    return Curve(public.decode(), secret.decode(), read_allow_list(allow))
+    return Curve(public, secret, read_allow_list(allow))
 
 
 def _check_private(path: Path) -> None:
