@@ -1210,6 +1210,7 @@ def test_corrupt_compressed_streams_raise() -> None:
             stream[: len(stream) // 2],
             stream[::-1].copy(),
             np.full(9, 0xFF, np.uint8),
+            np.concatenate([stream, np.zeros(4, np.uint8)]),  # zlib took bytes after its end
         ):
             with pytest.raises(CodecError):
                 codec.decode(damaged(payload, arrays=(bad_stream, values)), 1000)
@@ -1331,6 +1332,8 @@ def test_spec_normalization() -> None:
         ("uniform", "uniform:BITS"),
         ("sign:x", "'x'"),
         ("sign:-3", "BLOCK"),
+        ("sign:9223372036854775800", "1,099,511,627,776"),  # counted blocks overflowed in C
+        ("qsgd:4:9223372036854775807", "1,099,511,627,776"),
         ("delta-golomb", "needs a sparsifier"),
         ("randomk:0.1+raw", "sends none"),
         ("randomk:0.1:maybe", "noscale"),
@@ -1719,6 +1722,31 @@ def test_hostile_payloads_that_decode_to_far_more_than_they_carry_are_refused() 
     big = tuple(np.full(a.shape, 1e30, np.float32) for a in payload.arrays)
     with pytest.raises(CodecError, match="overflows float32"):
         low_rank.decode(Payload(big, payload.meta), 16)
+
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize(
+    ("spec", "arrays", "numel"),
+    [
+        ("qsgd:127", [np.array([254], np.uint8), np.array([FLT_MAX], np.float32)], 1),
+        ("uniform:2", [np.array([3], np.uint8), np.array([1.0601866e38], np.float32),
+                       np.array([7.8087896e37], np.float32)], 1),  # |lo| + 3·step == FLT_MAX
+        ("powersgd:10", [np.ones(100, np.float32), np.full(100, 3.4028235e37, np.float32)], 100),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("backend", ["native", "numpy", "torch"])
+def test_finite_numbers_whose_float32_decode_rounds_to_inf_are_refused(
+    spec: str, arrays: list[np.ndarray], numel: int, backend: str
+) -> None:
+    """A review's probes: each passed the checks (a QSGD norm had none; the others' were exact
+    float64 sums) and decoded to inf, as norm/LEVELS, code·step or the rank terms' float32
+    sum rounded up."""
+    chosen = {"numpy": kernels.numpy_kernels, "torch": kernels.torch_kernels}.get(backend)
+    refused = pytest.raises(CodecError, match="overflows float32")
+    with contextlib.nullcontext() if chosen is None else chosen(), refused:
+        build_codec(spec).decode(Payload(tuple(arrays), {}), numel)
 
 
 def test_fp16_clamps_infinities_even_beside_a_nan() -> None:

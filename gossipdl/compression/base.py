@@ -45,8 +45,12 @@ _MAX_META_KEYS = 64
 _SCALARS = (int, float)  # exact types a meta value may have without a closer look
 _MAX_META_STR = 256
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-"""The largest float32: a decoder whose payload's numbers would carry a value past it refuses
-the payload (finite inputs that decode to ±inf)."""
+"""The largest float32."""
+MAX_DECODED = FLOAT32_MAX / 2
+"""The largest magnitude a payload's numbers may carry a value to (its scales, or the reach
+of its codes or factors): a decoder refuses a payload past it. Half float32's largest, so the
+rounding in the decoder's float32 arithmetic cannot carry a value to ±inf either (a QSGD norm
+of float32's largest decoded to inf: its norm/LEVELS rounded up)."""
 
 
 class CodecError(ValueError):
@@ -315,9 +319,11 @@ def increasing_below(array: np.ndarray, numel: int, what: str) -> np.ndarray:
 
 
 def check_scales(scales: np.ndarray, what: str) -> None:
-    """Scales, norms and steps must be finite and non-negative."""
+    """Scales, norms and steps must be finite, non-negative and at most ``MAX_DECODED``."""
     if scales.size and not (np.isfinite(scales).all() and (scales >= 0).all()):
         raise CodecError(f"{what}: scales must be finite and non-negative")
+    if scales.size and scales.max() > MAX_DECODED:
+        raise CodecError(f"{what}: a scale above {MAX_DECODED:.4g} overflows float32 when decoded")
 
 
 def split_meta(meta: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -444,6 +444,8 @@ class DeltaZlib(IndexCoder):
             raise CodecError(f"delta-zlib: corrupt stream ({exc})") from None
         if len(raw) != expected or not inflater.eof or inflater.unconsumed_tail:
             raise CodecError(f"delta-zlib: stream does not hold exactly {count} gaps")
+        if inflater.unused_data:  # bytes after the stream: as the other coders, refused
+            raise CodecError(f"delta-zlib: {len(inflater.unused_data)} bytes after the stream")
         return _from_planes(raw, count, numel, "delta-zlib")
 
 

@@ -19,7 +19,7 @@ from gossipdl.compression._kernels import (
     use_numpy,
 )
 from gossipdl.compression.base import (
-    FLOAT32_MAX,
+    MAX_DECODED,
     Codec,
     CodecError,
     Payload,
@@ -335,7 +335,7 @@ class PowerSGD(Codec):
         largest = float(np.abs(first[: layout.p_length]).max(initial=0.0)) * float(
             np.abs(second).max(initial=0.0)
         )
-        if largest * max((r for *_, r in layout.layers), default=1) > FLOAT32_MAX:
+        if largest * max((r for *_, r in layout.layers), default=1) > MAX_DECODED:
             raise CodecError(f"{self.spec}: factors so large that P Qᵀ overflows float32")
         device = torch.device(device)
         head = from_host(first, device)

@@ -47,7 +47,7 @@ from gossipdl.compression._kernels import (
     use_numpy,
 )
 from gossipdl.compression.base import (
-    FLOAT32_MAX,
+    MAX_DECODED,
     CodecError,
     Layout,
     Payload,
@@ -98,9 +98,17 @@ def _num_blocks(count: int, block: int) -> int:
     return 1 if block == 0 else -(-count // block)
 
 
+MAX_BLOCK = 2**40
+"""The longest BLOCK (or BUCKET) a codec takes: longer than any vector, far enough below
+2**63 that the kernels' block counts cannot overflow (a config names it, which a joiner takes
+from the swarm)."""
+
+
 def _check_block(name: str, block: int) -> int:
-    if isinstance(block, bool) or not isinstance(block, int) or block < 0:
-        raise CodecError(f"{name}: BLOCK must be a non-negative integer (0 = whole tensor)")
+    if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block <= MAX_BLOCK:
+        raise CodecError(
+            f"{name}: BLOCK must be an integer from 0 (the whole tensor) to {MAX_BLOCK:,}"
+        )
     return block
 
 
@@ -682,7 +690,7 @@ class Uniform(ValueCodec):
         if lo.size and not np.isfinite(lo).all():
             raise CodecError(f"{self.spec}: lo must be finite")
         reach = np.abs(lo.astype(np.float64)) + (2**self.bits - 1) * step.astype(np.float64)
-        if reach.size and reach.max() > FLOAT32_MAX:
+        if reach.size and reach.max() > MAX_DECODED:
             raise CodecError(f"{self.spec}: lo + (2^BITS − 1)·step overflows float32")
         device = torch.device(device)
         native = native_kernels(device)
