@@ -66,12 +66,14 @@ each row has ``setting``, ``topology``, ``peers``, ``partition``, ``algorithm``,
 ``wall_time_s``, ``peers_finished``, ``run_dir`` and ``curve`` (``step``, ``time_s``,
 ``bytes_sent``, ``accuracy`` points); ``meta`` holds the job, the plots' paths (``plots``,
 one per topology; ``plot``, the first) and each target with whether it was met (and by
-which rows; null when the run had no ring, where the targets are set).
+which rows; null, "not run", when the rows it needs were not run: no ring, where the
+targets are set, or settings ``--only`` left out).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,38 +256,44 @@ def diverged(row: dict[str, Any]) -> bool:
     return row["accuracy"] < DIVERGED or (row["consensus_distance"] or 0.0) > DRIFTED
 
 
-def verdicts(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
-    """Each ring target and the rows that meet it."""
+def meeting(rows: list[dict[str, Any]], test: Callable[[dict[str, Any]], bool]) -> list[str] | None:
+    """The settings of ``rows`` that pass ``test``; None when there are no rows to judge (the
+    runs the target needs were not run: not run, as against missed)."""
+    return [r["setting"] for r in rows if test(r)] if rows else None
+
+
+def verdicts(rows: list[dict[str, Any]]) -> dict[str, list[str] | None]:
+    """Each ring target and the rows that meet it (None: the rows it needs were not run)."""
     ring = [r for r in rows if r["topology"] == "ring" and r["gap_points"] is not None]
     iid = [r for r in ring if r["partition"] == "iid" and r["setting"] != "dense"]
-    close = [
-        r["setting"]
-        for r in iid
-        if r["gap_points"] <= TARGET_POINTS and (r["ratio_to_target"] or 0) >= TARGET_RATIO
-    ]
-    far = [r["setting"] for r in iid if (r["ratio_to_target"] or 0) >= TARGET_FAR]
-    topk = [
-        r["setting"] for r in iid if r["setting"] == "choco-topk" and r["gap_points"] <= TOPK_POINTS
-    ]
     ran = [r for r in rows if r["topology"] == "ring" and r["accuracy"] is not None]
     healthy = [r for r in ran if not diverged(r)]  # needs no dense row
-    non_iid = [
-        r["setting"]
-        for r in ring
-        for same in iid
-        if r["partition"] != "iid"
-        and same["setting"] == r["setting"]
-        and (same["accuracy"] - r["accuracy"]) * 100 <= NON_IID_POINTS
-        and not diverged(r)
-    ]
+    same = {r["setting"]: r for r in iid}
+    shards = [r for r in ring if r["partition"] != "iid" and r["setting"] in same]
     return {
-        f"within {TARGET_POINTS:g} point with >= {TARGET_RATIO:g}x fewer bytes to it": close,
-        f">= {TARGET_FAR:g}x fewer bytes to dense - {TARGET_POINTS:g} point": far,
-        f"CHOCO top-1% within {TOPK_POINTS:g} points": topk,
-        f"no run diverged (below {DIVERGED:.0%} accuracy, or models over {DRIFTED:g} apart)": (
-            [f"all {len(ran)} ring runs"] if ran and len(healthy) == len(ran) else []
+        f"within {TARGET_POINTS:g} point with >= {TARGET_RATIO:g}x fewer bytes to it": meeting(
+            iid,
+            lambda r: (
+                r["gap_points"] <= TARGET_POINTS and (r["ratio_to_target"] or 0) >= TARGET_RATIO
+            ),
         ),
-        f"non-IID ({NON_IID}) within {NON_IID_POINTS:g} points of iid": non_iid,
+        f">= {TARGET_FAR:g}x fewer bytes to dense - {TARGET_POINTS:g} point": meeting(
+            iid, lambda r: (r["ratio_to_target"] or 0) >= TARGET_FAR
+        ),
+        f"CHOCO top-1% within {TOPK_POINTS:g} points": meeting(
+            [r for r in iid if r["setting"] == "choco-topk"],
+            lambda r: r["gap_points"] <= TOPK_POINTS,
+        ),
+        f"no run diverged (below {DIVERGED:.0%} accuracy, or models over {DRIFTED:g} apart)": (
+            None if not ran else [f"all {len(ran)} ring runs"] if len(healthy) == len(ran) else []
+        ),
+        f"non-IID ({NON_IID}) within {NON_IID_POINTS:g} points of iid": meeting(
+            shards,
+            lambda r: (
+                (same[r["setting"]]["accuracy"] - r["accuracy"]) * 100 <= NON_IID_POINTS
+                and not diverged(r)
+            ),
+        ),
     }
 
 
@@ -380,7 +388,10 @@ def main() -> None:
             "" if row["partition"] == "iid" else f" ({row['partition']})"
         )
     compare(rows)
-    met = verdicts(rows)
+    targets = {
+        name: {"met": None if by is None else bool(by), "by": by}
+        for name, by in verdicts(rows).items()
+    }
     on_ring = any(r["topology"] == "ring" for r in rows)  # the targets are the ring's
     job = f"MLP {args.hidden} on MNIST-1D, {args.steps} steps"
     plots = {
@@ -398,10 +409,7 @@ def main() -> None:
         "config": str(args.config) if args.config else None,
         "plot": str(next(iter(plots.values()))),
         "plots": {t: str(path) for t, path in plots.items()},
-        "targets": {
-            name: {"met": bool(rows_) if on_ring else None, "by": rows_}
-            for name, rows_ in met.items()
-        },
+        "targets": targets,
     }
     columns = [
         Column("topology", "graph"),
@@ -419,8 +427,8 @@ def main() -> None:
         Column("wall_time_s", "wall s", "{:.0f}"),
     ]
     notes = [
-        f"target ({name}): " + (f"{mark(True)} by {', '.join(by)}" if by else mark(False))
-        for name, by in met.items()
+        f"target ({name}): {mark(t['met'])}" + (f" by {', '.join(t['by'])}" if t["by"] else "")
+        for name, t in targets.items()
     ]
     if not on_ring:
         notes = ["targets (each on the ring): not measured, no ring in --topologies"]

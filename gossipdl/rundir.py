@@ -27,9 +27,11 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
+
+from gossipdl.numerals import is_decimal
 
 # The unix time a launcher started the run; every peer it starts counts ``time`` from it.
 RUN_START_ENV = "GOSSIPDL_RUN_START"
@@ -45,6 +47,35 @@ def complete_lines(path: Path) -> list[bytes]:
     being written (its newline not there yet) is not one of them, whatever bytes it has."""
     data = path.read_bytes()
     return data[: data.rfind(b"\n") + 1].splitlines()
+
+
+def parse_records(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The metrics objects among complete lines, for every reader alike: a line that is not
+    UTF-8 JSON of an object (cut, hand-edited, written by something else) is skipped."""
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # JSON or UTF-8 broken
+            continue
+        if isinstance(record, dict):
+            yield record
+
+
+def number(record: Mapping[str, Any], key: str) -> float | None:
+    """``record[key]`` if it is a finite number, else None: a writer makes a non-finite
+    number null (:func:`json_safe`), an older one lacks newer keys, and a reader takes
+    either as absent instead of failing on it."""
+    value = record.get(key)
+    if isinstance(value, int | float) and math.isfinite(value):
+        return value
+    return None
+
+
+def counter(record: Mapping[str, Any], key: str) -> float:
+    """A counter of a metrics line (``bytes_sent``, ``idle_s``, ``time``...), 0 where it is
+    absent (:func:`number`)."""
+    value = number(record, key)
+    return 0 if value is None else value
 
 
 class RunDirError(ValueError):
@@ -160,9 +191,7 @@ class RunDir:
 
     def server_shards(self) -> list[int]:
         """Shards that wrote counters, sorted."""
-        return sorted(
-            int(p.stem) for p in (self.root / "servers").glob("*.json") if p.stem.isdigit()
-        )
+        return self._ids("servers", ".json")
 
     def model(self, peer_id: int) -> Path:
         return self.root / "models" / f"{peer_id}.pt"
@@ -184,15 +213,16 @@ class RunDir:
 
     def peer_ids(self) -> list[int]:
         """Ids of the peers that wrote metrics, sorted."""
-        return sorted(
-            int(p.stem) for p in (self.root / "peers").glob("*.jsonl") if p.stem.isdigit()
-        )
+        return self._ids("peers", ".jsonl")
+
+    def _ids(self, folder: str, suffix: str) -> list[int]:
+        """The ids of the files ``folder/<id><suffix>``, sorted. Only a name that is its id's
+        own decimal form counts (``3``; not ``03``, where the id's path would not lead):
+        like a name that is no number, any other is skipped as not the run's."""
+        stems = (p.name.removesuffix(suffix) for p in (self.root / folder).glob(f"*{suffix}"))
+        return sorted(int(s) for s in stems if is_decimal(s) and str(int(s)) == s)
 
     def records(self, peer_id: int) -> Iterator[dict[str, Any]]:
-        """The metrics lines of one peer, parsed: a line still being written (a live run's
-        last, no newline yet) is not one of them, nor is a line that is not JSON."""
-        for line in complete_lines(self.metrics(peer_id)):
-            try:
-                yield json.loads(line)
-            except ValueError:  # JSON or UTF-8 broken
-                continue
+        """The metrics lines of one peer, parsed (:func:`parse_records`): a line still being
+        written (a live run's last, no newline yet) is not one of them."""
+        yield from parse_records(complete_lines(self.metrics(peer_id)))

@@ -545,8 +545,8 @@ def test_convergence_divergence_verdict_needs_a_ring_run_not_dense(monkeypatch) 
                 "ratio_to_target": None, "consensus_distance": distance}  # fmt: skip
 
     key = next(k for k in convergence.verdicts([]) if "diverged" in k)
-    assert convergence.verdicts([])[key] == []
-    assert convergence.verdicts([row("exponential-only", 0.6, "exponential")])[key] == []
+    assert convergence.verdicts([])[key] is None  # not run
+    assert convergence.verdicts([row("exponential-only", 0.6, "exponential")])[key] is None
     assert convergence.verdicts([row("choco-topk", 0.6), row("beer-topk", 0.6)])[key] == [
         "all 2 ring runs"
     ]
@@ -558,6 +558,39 @@ def test_convergence_divergence_verdict_needs_a_ring_run_not_dense(monkeypatch) 
         shards = row("beer-sign", 0.677, distance=distance, partition="dirichlet:0.1", gap=0.0)
         rows = [row("beer-sign", 0.687, gap=-1.0), shards]
         assert convergence.verdicts(rows)[non_iid] == met
+
+
+def test_a_target_whose_runs_were_left_out_is_not_run_not_missed(monkeypatch) -> None:
+    """``--only dense`` on the ring: the targets on the other settings were reported missed
+    (``met`` false), as if they had run and failed; they are not run (None), as in the
+    other benchmarks. The edge benchmark's speedup without the ring or any gossipdl
+    setting likewise."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import convergence
+    import edge
+
+    dense = {"setting": "dense", "name": "dense", "topology": "ring", "partition": "iid",
+             "accuracy": 0.6, "gap_points": 0.0, "ratio_to_target": 1.0,
+             "consensus_distance": 0.1}  # fmt: skip
+    judged = convergence.verdicts([dense])
+    assert [by for name, by in judged.items() if "diverged" not in name] == [None] * 4
+    assert next(by for name, by in judged.items() if "diverged" in name) == ["all 1 ring runs"]
+    choco = {**dense, "setting": "choco-topk", "gap_points": 5.0, "ratio_to_target": 2.0}
+    judged = convergence.verdicts([dense, choco])
+    assert [by for name, by in judged.items() if "non-IID" not in name] == [
+        [], [], [], ["all 2 ring runs"]
+    ]  # fmt: skip
+
+    def ran(setting: str, seconds: float | None) -> dict:
+        return {"setting": setting, "reached": seconds is not None, "time_to_target_s": seconds}
+
+    gossip, ring = ran("CHOCO top-1%", 2.0), ran("ring all-reduce (dense)", 4.0)
+    ps = ran("ps sync (dense)", 1.0)
+    for rows in ([gossip], [ring, ps], [ps]):
+        assert edge.speedup_met(rows, edge.speedup_vs_ring(rows, 20.0)[1]) is None
+    assert edge.speedup_met([gossip, ring], 2.0) is False
+    assert edge.speedup_met([ran("CHOCO top-1%", None), ring], None) is False  # ran, missed
+    assert edge.speedup_met([gossip, ring], edge.TARGET_SPEEDUP) is True
 
 
 def test_byzantine_reference_runs_the_liars_killed_at_the_start(monkeypatch) -> None:

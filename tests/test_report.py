@@ -441,3 +441,158 @@ def test_neighbour_statistics_are_weighted_by_rounds_and_malformed_ones_skipped(
     (row,) = judged_neighbours(lines)
     assert (row["id"], row["judged"], row["rounds"]) == (5, 2, 40)
     assert row["distance"] == pytest.approx(1.75) and row["filtered"] == pytest.approx(0.3)
+
+
+def write_lines(run: RunDir, peer: int, lines: list[dict[str, Any]]) -> None:
+    """Peer ``peer``'s metrics file, these lines, one JSON object each."""
+    run.metrics(peer).write_text("".join(json.dumps({"peer": peer, **x}) + "\n" for x in lines))
+
+
+def evaluation(step: int, time: float, accuracy: float, **more: Any) -> dict[str, Any]:
+    """A metrics line with an evaluation; the peer has sent 10 bytes and 1 model a step."""
+    return {"step": step, "time": time, "accuracy": accuracy, "bytes_sent": 10 * step,
+            "model_messages_sent": step, **more}  # fmt: skip
+
+
+def test_the_accuracy_curve_counts_an_absent_peer_with_its_latest_evaluation(
+    tmp_path: Path,
+) -> None:
+    """Peer 1 is away at step 20 (it catches up its step count and skips that evaluation),
+    peer 2 is killed after step 10 and peer 3 joins at step 20: a point per step any peer
+    evaluated, the absent ones counted with their latest evaluation, the one not yet
+    joined left out. A step some peer skipped was dropped, and the curve ended at the
+    dead peer's last evaluation."""
+    run = RunDir(tmp_path / "run").create()
+    write_lines(run, 0, [evaluation(s, s / 10, 0.5 + s / 100) for s in (0, 10, 20, 30)])
+    write_lines(run, 1, [
+        evaluation(0, 0.0, 0.1), evaluation(10, 1.0, 0.2),
+        {"step": 25, "time": 4.0, "bytes_sent": 250}, evaluation(30, 4.5, 0.4),
+    ])  # fmt: skip
+    write_lines(run, 2, [evaluation(0, 0.0, 0.3), evaluation(10, 1.1, 0.3)])
+    write_lines(run, 3, [evaluation(20, 2.5, 0.9), evaluation(30, 3.0, 0.9)])
+    curve = accuracy_curve(run)
+    assert [p["step"] for p in curve] == [0, 10, 20, 30]
+    assert [p["accuracy"] for p in curve] == pytest.approx(
+        [(0.5 + 0.1 + 0.3) / 3, (0.6 + 0.2 + 0.3) / 3, (0.7 + 0.2 + 0.3 + 0.9) / 4,
+         (0.8 + 0.4 + 0.3 + 0.9) / 4]
+    )  # fmt: skip
+    # the latest time of the peers that evaluated at the step; costs of the records counted
+    assert [p["time_s"] for p in curve] == [0.0, 1.1, 2.5, 4.5]
+    assert curve[2]["bytes_sent"] == 200 + 100 + 100 + 200
+    assert curve[2]["messages_sent"] == 20 + 10 + 10 + 20
+
+
+def test_a_restarted_peers_replay_of_earlier_steps_leaves_its_first_life_in_the_curve(
+    tmp_path: Path,
+) -> None:
+    """Peer 1 dies after step 20 and starts again from step 0 without a checkpoint: its new
+    life's evaluations at steps 0 to 20 came later, from another model, and overwrote the
+    first life's, so the curve's time ran backwards; they are skipped until it passes 20."""
+    run = RunDir(tmp_path / "run").create()
+    write_lines(run, 0, [evaluation(s, s / 10, 0.5, start=s == 0) for s in range(0, 50, 10)])
+    write_lines(run, 1, [
+        evaluation(0, 0.0, 0.1, start=True), evaluation(10, 1.0, 0.2), evaluation(20, 2.0, 0.3),
+        evaluation(0, 3.5, 0.05, start=True, resumed=False, down_s=1.0),
+        evaluation(10, 3.6, 0.15), evaluation(20, 3.7, 0.25), evaluation(30, 3.8, 0.35),
+        evaluation(40, 4.0, 0.45),
+    ])  # fmt: skip
+    curve = accuracy_curve(run)
+    assert [p["step"] for p in curve] == [0, 10, 20, 30, 40]
+    assert [p["time_s"] for p in curve] == [0.0, 1.0, 2.0, 3.8, 4.0]
+    assert [p["accuracy"] for p in curve] == pytest.approx([0.3, 0.35, 0.4, 0.425, 0.475])
+
+
+def test_a_killed_or_restarted_simulated_peer_keeps_the_curve_going_forward_in_time(
+    tmp_path: Path,
+) -> None:
+    """The reviewer's runs: with peer 3 killed at 0.12 s the curve ended at step 10; with it
+    restarted at 0.2 s (no checkpoint) the curve's time ran backwards."""
+    from gossipdl.experiments.simulated import simulate
+
+    kill = {"at": "0.12s", "kill": "3"}
+    for name, faults in (("kill", [kill]), ("restart", [kill, {"at": "0.2s", "restart": "3"}])):
+        config = Config(
+            peers=4, steps=40, eval_every=10, log_every=5, dataset="synthetic", model="logistic",
+            threads=1, faults=faults, out=str(tmp_path / name),
+        )  # fmt: skip
+        simulate(config, step_time=0.01)
+        curve = accuracy_curve(RunDir(tmp_path / name))
+        assert [p["step"] for p in curve] == [0, 10, 20, 30, 40], name
+        times = [p["time_s"] for p in curve]
+        assert times == sorted(times), (name, times)
+
+
+def _away_bars(monkeypatch: pytest.MonkeyPatch, lines: dict[int, list[dict[str, Any]]]) -> list:
+    """The (start, width) of the red (away) bars in a timeline's online panel."""
+    from matplotlib.colors import to_rgba
+
+    from gossipdl.experiments import plots
+
+    drawn = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: drawn.append(fig) or path)
+    plots.plot_timeline(lines, Path("unused.png"), "t")
+    (fig,) = drawn
+    bars = []
+    for collection in fig.axes[0].collections:
+        for path, colour in zip(collection.get_paths(), collection.get_facecolors(), strict=False):
+            if tuple(colour) == to_rgba("tab:red"):
+                (x0, _), (x1, _) = path.vertices.min(0), path.vertices.max(0)
+                bars.append((round(float(x0), 6), round(float(x1 - x0), 6)))
+    plots.pyplot().close(fig)
+    return sorted(bars)
+
+
+def test_the_timeline_shows_a_restarted_peers_dead_time_as_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A life restarted without its checkpoint (``resumed`` false) showed its dead time as
+    online and busy: its first line's ``down_s`` is away, and the rest of the gap since the
+    last line online; a later life with no ``down_s`` is away for all of the gap, and an
+    offline window is away as before."""
+    lines = {
+        0: [{"time": 0.0, "start": True}, {"time": 1.0}, {"time": 2.0, "online": False},
+            {"time": 3.0}],
+        1: [{"time": 0.0, "start": True}, {"time": 1.0},
+            {"time": 3.0, "start": True, "resumed": False, "down_s": 1.5}, {"time": 4.0}],
+        2: [{"time": 0.0, "start": True}, {"time": 1.0}, {"time": 2.0, "start": True}],
+    }  # fmt: skip
+    assert _away_bars(monkeypatch, lines) == [(1.0, 1.0), (1.0, 1.0), (1.5, 1.5)]
+
+
+def test_a_config_with_a_toml_datetime_is_reported_as_its_text(tmp_path: Path) -> None:
+    """A key a newer gossipdl writes may be a TOML date or time, which ``json.dumps`` could not
+    write: the report failed with a TypeError."""
+    for name, day in (("a", "2025-01-01T00:00:00Z"), ("b", "2025-02-01")):
+        run = fake_run(tmp_path / name)
+        run.config.write_text(f"created = {day}\n" + run.config.read_text())
+    write_report([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "created=2025-01-01T00:00:00+00:00" in text and "created=2025-02-01" in text
+    write_report([tmp_path / "a"])  # alone: nothing varies, nothing named
+
+
+@pytest.mark.parametrize("key", ["time", "bytes_sent", "idle_s", "step"])
+def test_a_null_counter_reads_as_absent_everywhere(tmp_path: Path, key: str) -> None:
+    """A non-finite counter is written as null (json_safe): the summary, its table, the curve,
+    the timeline and the live display failed on it with a TypeError."""
+    import io
+
+    from rich.console import Console
+
+    from gossipdl.experiments.display import LiveProgress, summary_table
+
+    run = fake_run(tmp_path / "run")
+    for peer in (0, 1):
+        lines = [json.loads(x) for x in run.metrics(peer).read_text().splitlines()]
+        for line in lines[1:]:
+            line[key] = None
+        write_lines(run, peer, lines)
+    summary = summary_of(run)
+    Console(file=io.StringIO()).print(summary_table(summary))
+    assert summary["peers"][0][{"time": "time_s", "step": "steps"}.get(key, key)] == 0
+    assert accuracy_curve(run)
+    write_report([run.root])
+    live = LiveProgress(run, STEPS, console=Console(file=io.StringIO()))
+    with live:
+        live.refresh()
+    assert len(live.progress.tasks) == 2

@@ -130,3 +130,45 @@ def test_a_diverged_runs_summary_and_lines_are_strict_json(tmp_path: Path) -> No
     lines = [_strict(line) for line in run.metrics(0).read_text().splitlines()]
     assert any(isinstance(line, dict) and line["loss"] is None and line["step"] > 0
                for line in lines)  # fmt: skip
+
+
+def test_a_line_that_is_no_metrics_object_is_skipped_by_every_reader(tmp_path: Path) -> None:
+    """Not UTF-8, a JSON array, a bare number: the live display failed on the first two
+    (UnicodeDecodeError, AttributeError), which stopped a launch and every peer in it, and
+    the summary on the others; it reads what RunDir.records reads."""
+    import io
+
+    from rich.console import Console
+
+    from gossipdl.experiments.display import LiveProgress
+    from gossipdl.experiments.summary import summary_of
+
+    run = RunDir(tmp_path / "run").create()
+    good = [{"peer": 0, "step": 5, "bytes_sent": 1500}, {"peer": 0, "step": 7, "loss": 0.5}]
+    strays = [b'{"x": "\xc3\x28"}', b'\xff\xfe{"a":1}', b"[1, 2]", b"42", b'"text"', b"null"]
+    run.metrics(0).write_bytes(
+        b"\n".join([json.dumps(good[0]).encode(), *strays, json.dumps(good[1]).encode()]) + b"\n"
+    )
+    live = LiveProgress(run, 10, console=Console(file=io.StringIO()))
+    with live:
+        live.refresh()
+    (task,) = live.progress.tasks
+    assert task.completed == 7 and task.fields["loss"] == "0.500"
+    assert list(run.records(0)) == good
+    assert summary_of(run)["peers"][0]["steps"] == 7
+
+
+def test_only_a_files_canonical_id_name_is_a_peer_or_shard_of_the_run(tmp_path: Path) -> None:
+    """``peers/03.jsonl`` was read as peer 3, whose path is ``peers/3.jsonl``: reading it
+    failed with FileNotFoundError. Such names are skipped, as a name that is no number is."""
+    from gossipdl.experiments.summary import summary_of
+
+    run = RunDir(tmp_path / "run").create()
+    (tmp_path / "run" / "servers").mkdir()
+    line = json.dumps({"step": 1, "time": 0.1}) + "\n"
+    for name in ("0", "12", "03", "00", "+4", "٣", "abc"):
+        (tmp_path / "run" / "peers" / f"{name}.jsonl").write_text(line)
+        (tmp_path / "run" / "servers" / f"{name}.json").write_text('{"bytes_sent": 1}')
+    assert run.peer_ids() == run.server_shards() == [0, 12]
+    summary = summary_of(run)
+    assert [p["id"] for p in summary["peers"]] == [0, 12] and summary["server_bytes_sent"] == 2

@@ -3,7 +3,6 @@ results tables of a run and of a sweep."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from rich.console import Console
@@ -12,7 +11,7 @@ from rich.table import Table
 
 from gossipdl.conditions import parse_profile, parse_profiles
 from gossipdl.config import Config
-from gossipdl.rundir import RunDir
+from gossipdl.rundir import RunDir, counter, number, parse_records
 
 
 def human_bytes(n: float) -> str:
@@ -69,11 +68,8 @@ class LiveProgress:
                 chunk = f.read()
             complete = chunk[: chunk.rfind(b"\n") + 1]
             self._offsets[peer_id] = offset + len(complete)
-            for line in complete.splitlines():
-                try:
-                    self._update(peer_id, json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+            for record in parse_records(complete.splitlines()):
+                self._update(peer_id, record)
 
     def _update(self, peer_id: int, record: dict[str, Any]) -> None:
         task = self._tasks.get(peer_id)
@@ -81,12 +77,11 @@ class LiveProgress:
             task = self._tasks[peer_id] = self.progress.add_task(
                 "", total=self._steps, peer=peer_id, loss="-", acc="-", sent="-"
             )
-        fields: dict[str, Any] = {"sent": human_bytes(record.get("bytes_sent", 0))}
-        if record.get("loss") is not None:
-            fields["loss"] = f"{record['loss']:.3f}"
-        if record.get("accuracy") is not None:
-            fields["acc"] = f"{record['accuracy']:.3f}"
-        self.progress.update(task, completed=record.get("step", 0), **fields)
+        fields: dict[str, Any] = {"sent": human_bytes(counter(record, "bytes_sent"))}
+        for key, field in (("loss", "loss"), ("accuracy", "acc")):
+            if (value := number(record, key)) is not None:
+                fields[field] = f"{value:.3f}"
+        self.progress.update(task, completed=counter(record, "step"), **fields)
 
 
 def summary_table(summary: dict[str, Any], title: str = "gossipdl run") -> Table:

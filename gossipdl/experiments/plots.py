@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gossipdl.rundir import counter, number
+
 Curve = Sequence[Mapping[str, float]]
 Records = Sequence[Mapping[str, Any]]
 AXES_KEY = "gossipdl-axes"
@@ -138,15 +140,58 @@ def plot_curves(
     return save_figure(fig, path)
 
 
+def timed(lines: Records) -> list[Mapping[str, Any]]:
+    """The lines that carry a ``time`` (a null one, or none: nowhere to draw them)."""
+    return [r for r in lines if number(r, "time") is not None]
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A stretch of one peer's timeline: from ``start``, ``width`` seconds, ``away`` (offline
+    or dead) or not, and the ``busy`` share of it (the rest: waiting for other peers)."""
+
+    start: float
+    width: float
+    away: bool
+    busy: float
+
+
+def intervals(lines: Records) -> list[Interval]:
+    """A peer's timeline from its metrics lines (``time``, ``online``, ``idle_s``; lines
+    without a time are skipped). Between two lines it was busy for the share of the time it
+    did not spend waiting for others (``idle_s``), or away when the later line says it was
+    offline. Before a later life's first line (``start``) it was dead for that line's
+    ``down_s`` (restarted, with or without its checkpoint; all of the gap when not
+    recorded), and up for the rest of the gap since its last line."""
+    found = []
+    for a, b in itertools.pairwise(timed(lines)):
+        begin, end = counter(a, "time"), counter(b, "time")
+        width = end - begin
+        if width <= 0:
+            continue
+        if not b.get("online", True):
+            dead = width
+        elif b.get("start"):
+            down = number(b, "down_s")
+            dead = width if down is None else min(width, max(0.0, down))
+        else:
+            dead = 0.0
+        if dead < width:
+            idle = (counter(b, "idle_s") - counter(a, "idle_s")) / (width - dead)
+            found.append(Interval(begin, width - dead, False, 1 - min(1.0, max(0.0, idle))))
+        if dead > 0:
+            found.append(Interval(end - dead, dead, True, 0.0))
+    return found
+
+
 def plot_timeline(
     records: Mapping[int, Records], path: Path, title: str, startup_s: float = 0.0
 ) -> Path:
     """Per-peer timelines over wall time: online or offline, busy or idle, bytes sent.
 
     ``records`` maps a peer id to its metrics lines (``time``, ``online``,
-    ``idle_s``, ``bytes_sent``). Between two lines a peer was busy for the
-    share of the time it did not spend waiting for others (``idle_s``); the
-    time before a resumed life's first line it was away (dead). The first
+    ``idle_s``, ``bytes_sent``), drawn as their :func:`intervals`: busy share,
+    or away (offline, or dead before a restarted life's first line). The first
     ``startup_s`` seconds (forming the swarm) are shaded in every panel.
     """
     plt = pyplot()
@@ -156,20 +201,15 @@ def plot_timeline(
     fig.subplots_adjust(left=0.09, right=0.86, bottom=0.07, top=0.91, hspace=0.3)
     colormap = plt.get_cmap("viridis")
     for peer_id, lines in sorted(records.items()):
-        spans = [(a, b) for a, b in itertools.pairwise(lines) if b["time"] > a["time"]]
-        bars = [(a["time"], b["time"] - a["time"]) for a, b in spans]
-        away = [not b.get("online", True) or bool(b.get("resumed")) for _, b in spans]
-        offline = [bar for bar, off in zip(bars, away, strict=True) if off]
-        up.broken_barh(bars, (peer_id - 0.4, 0.8), facecolors="tab:green")
-        up.broken_barh(offline, (peer_id - 0.4, 0.8), facecolors="tab:red")
-        shares = [
-            1 - min(1.0, max(0.0, (b.get("idle_s", 0) - a.get("idle_s", 0)) / width))
-            for (a, b), (_, width) in zip(spans, bars, strict=True)
-        ]
-        colours = ["lightgrey" if off else colormap(x) for x, off in zip(shares, away, strict=True)]
+        parts = intervals(lines)
+        bars = [(part.start, part.width) for part in parts]
+        up_colours = ["tab:red" if part.away else "tab:green" for part in parts]
+        up.broken_barh(bars, (peer_id - 0.4, 0.8), facecolors=up_colours)
+        colours = ["lightgrey" if part.away else colormap(part.busy) for part in parts]
         busy.broken_barh(bars, (peer_id - 0.4, 0.8), facecolors=colours)
+        points = timed(lines)
         sent.plot(
-            [r["time"] for r in lines], [r.get("bytes_sent", 0) / 1e6 for r in lines],
+            [counter(r, "time") for r in points], [counter(r, "bytes_sent") / 1e6 for r in points],
             label=f"peer {peer_id}",
         )  # fmt: skip
     up.set_title("online (green) / offline (red)")

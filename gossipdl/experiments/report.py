@@ -22,6 +22,7 @@ linked.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -154,8 +155,30 @@ def _config(run: Run) -> dict[str, Any] | None:
         raise ReportError(f"{exc}; restore it, or delete it to report the run alone") from None
 
 
+TOML_TIMES = (datetime.date, datetime.time)  # a TOML date, time or datetime, as tomllib reads it
+
+
+def _toml_time(value: Any) -> str:
+    """``json.dumps``'s fallback: a TOML date, time or datetime (a config.toml from a newer
+    gossipdl may hold one; JSON has none) as its ISO text."""
+    if isinstance(value, TOML_TIMES):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} {value!r} is not a TOML value")
+
+
+def _json(value: Any) -> str:
+    """A config value as JSON with sorted keys, TOML times as their text: what tells two
+    configs' values apart."""
+    return json.dumps(value, sort_keys=True, default=_toml_time)
+
+
 def _value(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
+    """A config value as a legend names it: text and TOML times as written, the rest JSON."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, TOML_TIMES):
+        return value.isoformat()
+    return json.dumps(value, default=_toml_time)
 
 
 def group_runs(configs: Sequence[dict[str, Any] | None]) -> list[tuple[list[int], dict[str, str]]]:
@@ -169,15 +192,11 @@ def group_runs(configs: Sequence[dict[str, Any] | None]) -> list[tuple[list[int]
             members[f"#{i}"] = [i]
             continue
         kept = {k: v for k, v in config.items() if k not in NOT_RESULTS and k != "seed"}
-        key = json.dumps(kept, sort_keys=True)
+        key = _json(kept)
         members.setdefault(key, []).append(i)
         settings[key] = kept
     keys = dict.fromkeys(k for kept in settings.values() for k in kept)
-    varying = [
-        k
-        for k in keys
-        if len({json.dumps(s.get(k), sort_keys=True) for s in settings.values()}) > 1
-    ]
+    varying = [k for k in keys if len({_json(s.get(k)) for s in settings.values()}) > 1]
     return [
         (indices, {k: _value(settings[key].get(k)) for k in varying} if key in settings else {})
         for key, indices in members.items()

@@ -16,7 +16,7 @@ import torch
 
 from gossipdl.config import load_config, to_dict
 from gossipdl.experiments.provenance import provenance
-from gossipdl.rundir import RunDir, RunDirError, read_json, write_json_atomic
+from gossipdl.rundir import RunDir, RunDirError, counter, number, read_json, write_json_atomic
 
 
 class Run:
@@ -34,7 +34,7 @@ class Run:
         """One peer's metrics lines (a torn last line is skipped); a peer that wrote in several
         directories (resumed on another machine) reads as its lives in the order they began."""
         lives = [list(d.records(peer_id)) for d in self.dirs if d.metrics(peer_id).is_file()]
-        for life in sorted(lives, key=lambda lines: lines[0].get("unix_time", 0) if lines else 0):
+        for life in sorted(lives, key=lambda lines: counter(lines[0], "unix_time") if lines else 0):
             yield from life
 
     def model(self, peer_id: int) -> Path | None:
@@ -87,7 +87,8 @@ def startup_time(lines: dict[int, list[dict[str, Any]]]) -> float:
     """Seconds from the swarm's start until its last peer began training: the latest ``time``
     of the peers' first ``start`` lines (0.0 when no peer wrote one)."""
     starts = (
-        next((r["time"] for r in records if r.get("start")), None) for records in lines.values()
+        next((counter(r, "time") for r in records if r.get("start")), None)
+        for records in lines.values()
     )
     return max((t for t in starts if t is not None), default=0.0)
 
@@ -100,35 +101,58 @@ def device_curve(summary: dict[str, Any]) -> list[dict[str, float]]:
     return [{"share": (k + 0.5) / len(own), "own_accuracy": a} for k, a in enumerate(own)]
 
 
-def accuracy_curve(run: Run | RunDir) -> list[dict[str, float]]:
-    """Mean test accuracy over the peers at every step all of them evaluated, with the cost so far.
+def evaluations(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One peer's evaluations in file order, each at a later step than the one before: a life
+    restarted from an earlier step replays steps its earlier life evaluated, with another
+    model and later, and the earlier life's evaluations stand for them (time runs forward)."""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        step = number(record, "step")
+        if number(record, "accuracy") is None or step is None:
+            continue
+        if not kept or step > kept[-1]["step"]:
+            kept.append(record)
+    return kept
 
-    One point per such step: ``step``, ``time_s`` (the slowest peer's seconds
-    since the swarm's start), ``training_s`` (the same, less the run's start-up
-    time), ``bytes_sent`` and ``messages_sent`` (model transmissions; both
-    summed over the peers, up to that step) and ``accuracy`` (the peers'
-    mean). Feeds the accuracy-vs-bytes plots.
+
+def accuracy_curve(run: Run | RunDir) -> list[dict[str, float]]:
+    """Mean test accuracy over the peers at every step any of them evaluated, with the cost so far.
+
+    A peer that did not evaluate at that step counts with its latest evaluation
+    before it (away, it skipped evaluations while catching up its step count;
+    dead, it evaluates no more: its model is the one it last evaluated), so
+    one absent peer does not drop the step or end the curve; a peer with no
+    evaluation yet (not joined) is left out. Each peer's evaluations are
+    :func:`evaluations` (a restarted life's replay skipped). One point per
+    step: ``step``, ``time_s`` (seconds since the swarm's start when the last
+    peer to evaluate at it or at an earlier step did: a peer late with an
+    earlier step moves the time of the later ones too), ``training_s`` (the same, less the run's
+    start-up time), ``bytes_sent`` and ``messages_sent`` (model
+    transmissions; both summed over the counted peers' evaluations) and
+    ``accuracy`` (their mean). Feeds the accuracy-vs-bytes plots.
     """
     lines = peer_lines(run)
     startup = startup_time(lines)
-    evaluations: dict[int, dict[int, dict[str, Any]]] = {}
+    at_step: dict[float, dict[int, dict[str, Any]]] = {}
     for peer_id, records in lines.items():
-        for record in records:
-            if record.get("accuracy") is not None:
-                evaluations.setdefault(record["step"], {})[peer_id] = record
-    curve = []
-    for step, by_peer in sorted(evaluations.items()):
-        if len(by_peer) < len(lines):
-            continue
-        time_s = max(r.get("time", 0.0) for r in by_peer.values())
+        for record in evaluations(records):
+            at_step.setdefault(record["step"], {})[peer_id] = record
+    latest: dict[int, dict[str, Any]] = {}
+    curve: list[dict[str, float]] = []
+    curve_time: list[float] = []  # the last point's time: a later step's is no earlier
+    for step, evaluated in sorted(at_step.items()):
+        latest.update(evaluated)
+        counted = latest.values()
+        time_s = max([counter(r, "time") for r in evaluated.values()] + curve_time)
+        curve_time = [time_s]
         curve.append(
             {
                 "step": step,
                 "time_s": time_s,
                 "training_s": time_s - startup,
-                "bytes_sent": sum(r.get("bytes_sent", 0) for r in by_peer.values()),
-                "messages_sent": sum(r.get("model_messages_sent", 0) for r in by_peer.values()),
-                "accuracy": sum(r["accuracy"] for r in by_peer.values()) / len(by_peer),
+                "bytes_sent": sum(counter(r, "bytes_sent") for r in counted),
+                "messages_sent": sum(counter(r, "model_messages_sent") for r in counted),
+                "accuracy": sum(r["accuracy"] for r in counted) / len(counted),
             }
         )
     return curve
@@ -229,25 +253,25 @@ def summary_of(run: Run | RunDir, wall_time_s: float | None = None) -> dict[str,
                 "id": peer_id,
                 "accuracy": _last(records, "accuracy"),
                 "own_accuracy": _last(records, "own_accuracy"),  # natural splits only
-                "bytes_sent": last.get("bytes_sent", 0),
-                "header_bytes_sent": last.get("header_bytes_sent", 0),
-                "bytes_received": last.get("bytes_received", 0),
-                "messages_sent": last.get("model_messages_sent", 0),
-                "socket_messages_sent": last.get("messages_sent", 0),
-                "syncs": last.get("syncs", 0),
-                "messages_dropped": last.get("messages_dropped", 0),
+                "bytes_sent": counter(last, "bytes_sent"),
+                "header_bytes_sent": counter(last, "header_bytes_sent"),
+                "bytes_received": counter(last, "bytes_received"),
+                "messages_sent": counter(last, "model_messages_sent"),
+                "socket_messages_sent": counter(last, "messages_sent"),
+                "syncs": counter(last, "syncs"),
+                "messages_dropped": counter(last, "messages_dropped"),
                 "dropped_reasons": last.get("dropped_reasons", {}),
-                "steps": last.get("step", 0),
+                "steps": counter(last, "step"),
                 "finished": bool(last.get("final")) and not last.get("stopped_early", False),
                 "loss": _last(records, "loss"),
-                "idle_s": last.get("idle_s", 0.0),
-                "neighbour_misses": last.get("neighbour_misses", 0),
-                "time_s": last.get("time", 0.0),
+                "idle_s": counter(last, "idle_s"),
+                "neighbour_misses": counter(last, "neighbour_misses"),
+                "time_s": counter(last, "time"),
                 "device": last.get("device"),
             }
         )
     servers = run.servers()
-    server_bytes = sum(s.get("bytes_sent", 0) for s in servers)
+    server_bytes = sum(counter(s, "bytes_sent") for s in servers)
     accuracies = [p["accuracy"] for p in peers if p["accuracy"] is not None]
     own = [p["own_accuracy"] for p in peers if p["own_accuracy"] is not None]
     finished = [p["accuracy"] for p in peers if p["finished"] and p["accuracy"] is not None]
@@ -268,7 +292,7 @@ def summary_of(run: Run | RunDir, wall_time_s: float | None = None) -> dict[str,
         "consensus_distance": consensus_distance(run, [p["id"] for p in peers]),
         "total_bytes_sent": sum(p["bytes_sent"] for p in peers) + server_bytes,
         "total_header_bytes_sent": sum(p["header_bytes_sent"] for p in peers)
-        + sum(s.get("header_bytes_sent", 0) for s in servers),
+        + sum(counter(s, "header_bytes_sent") for s in servers),
         "server_bytes_sent": server_bytes,
         "total_bytes_received": sum(p["bytes_received"] for p in peers),
         "total_messages_sent": sum(p["messages_sent"] for p in peers),
