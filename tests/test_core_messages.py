@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import zmq
 
 from gossipdl.averaging.registry import build_averager
 from gossipdl.averaging.triggers import parse_trigger
 from gossipdl.protocol.core import GossipCore, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
-from gossipdl.transport.wire import NONCE, WireError, decode, encode
+from gossipdl.transport.wire import NONCE, Message, WireError, decode, encode
 
 A, B = Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0)
 
@@ -137,3 +138,33 @@ def test_numbers_kept_for_members_forgotten_are_dropped_and_rise_when_they_are_b
     assert len(numbers) == 36 and numbers == sorted(
         set(numbers)
     )  # never repeated: 100 new each time
+
+
+def test_a_listed_key_cannot_take_the_id_of_a_member_with_another_key() -> None:
+    """Over CURVE a joiner took a live member's id (asking to rejoin as it, or naming its
+    address), even the answering member's own: the owner's messages were then refused as
+    ``wrong_key``. The owner's own key still rejoins, and without CURVE nothing changes."""
+    k0, k1, k2 = (zmq.curve_keypair()[0].decode() for _ in range(3))
+
+    def member_0(keys: tuple[str, str]) -> GossipCore:
+        table = [Member(i, f"tcp://10.0.0.{i + 1}:5555", 0, key=k) for i, k in enumerate(keys)]
+        answerer = core(0, table)
+        answerer.round = 40
+        return answerer
+
+    def join(answerer: GossipCore, address: str, key: str, **meta: object) -> Member | None:
+        meta = {"address": address, "key": key, NONCE: "n", **meta}
+        msg = Message("join", -1, 0, 0, meta=meta, key=key)
+        return answerer.answer_join(1.0, msg, started=True).admitted
+
+    for address, meta in [
+        ("tcp://10.0.0.3:5555", {"want_id": 1, "rejoin": True}),
+        ("tcp://10.0.0.2:5555", {"incarnation": 5}),  # peer 1's address
+        ("tcp://10.0.0.3:5555", {"want_id": 0, "rejoin": True}),  # the answerer's own id
+    ]:
+        answerer = member_0((k0, k1))
+        assert join(answerer, address, k2, **meta) is None
+        assert [m.key for m in answerer.membership.members()] == [k0, k1]
+        if meta.get("want_id") == 1:  # its owner's key is let back in
+            assert join(answerer, address, k1, **meta) is not None
+    assert join(member_0(("", "")), "tcp://10.0.0.3:5555", "", want_id=1, rejoin=True) is not None

@@ -159,7 +159,7 @@ def admit(
         again = False
     if member is not None and again:
         return Admission(member, again=True, rejoined=False)
-    refused = refusal(table, swarm, member, want, rejoin)
+    refused = refusal(table, swarm, member, want, rejoin, key)
     if refused is not None:
         return refused
     if member is not None:
@@ -174,10 +174,15 @@ def admit(
 
 
 def refusal(
-    table: MemberTable, swarm: SwarmState, member: Member | None, want: Any, rejoin: bool
+    table: MemberTable,
+    swarm: SwarmState,
+    member: Member | None,
+    want: Any,
+    rejoin: bool,
+    key: str = "",
 ) -> Refusal | None:
     """Why a join cannot be let in, or None if it can (``member``: the entry at the joiner's
-    address, if any)."""
+    address, if any; ``key``: the joiner's CURVE key, "" without)."""
     if swarm.ring and swarm.started:
         return Refusal("a ring all-reduce cannot take members once it started; start all together")
     final = swarm.final_round
@@ -187,13 +192,15 @@ def refusal(
             f"the swarm has finished training (its last round is {final}, it is at round "
             f"{swarm.round}): a newcomer would train no step; start a new swarm"
         )
-    if member is not None:
-        return None  # back on its own address, under its own id
+    if member is not None:  # back on its own address, under its own id: if it is its key
+        return other_key(member, key)
     if want is not None and not (
         isinstance(want, int) and not isinstance(want, bool) and 0 <= want <= MAX_ID
     ):
         return Refusal(f"id {want!r} is not an integer in 0..{MAX_ID}; choose another rank")
     known = table.get(want) if want is not None else None
+    if known is not None and (wrong := other_key(known, key)) is not None:
+        return wrong
     if known is not None and known.until is None and not rejoin:
         return Refusal(f"id {want} is taken; choose another rank or leave it out")
     size = len(table.members())
@@ -206,6 +213,18 @@ def refusal(
     if want is None and table.next_id() > MAX_ID:
         return Refusal(f"no id left up to {MAX_ID}; give a free rank", "too_many_members")
     return None
+
+
+def other_key(entry: Member, key: str) -> Refusal | None:
+    """A refusal when the id a joiner would take (``entry``, by id or address) belongs to
+    another CURVE key: over CURVE a key is who a member is, and a listed key that took
+    another's id had the owner's messages refused as ``wrong_key``, its own id included."""
+    if not entry.key or not key or entry.key == key:
+        return None
+    return Refusal(
+        f"id {entry.id} (at {entry.address}) belongs to another key: join without asking "
+        "for it, from an address of your own"
+    )
 
 
 def check_welcome(msg: Message, limit: int) -> list[Member]:
