@@ -87,6 +87,35 @@ def test_a_ring_member_is_evicted_once_both_neighbours_accuse_it_and_refused_bac
     assert other.refusal(decode(full, 1 << 20)) is not None and other.may_rejoin(0.0)  # it may pass
 
 
+def test_an_evicted_peer_let_back_in_by_a_member_that_never_counted_is_out_again() -> None:
+    """Bans are each member's own: a newcomer let in after the eviction let the evicted
+    peer back in, and the members that had evicted it merged that table and took it back
+    into their topology. They end it again instead, and the end reaches the newcomer."""
+    core0 = _ring_core(0)
+    _accuse(core0, 2, 3)
+    _accuse(core0, 4, 3)
+    newcomer = GossipCore(
+        -1, Membership([]), averager=build_averager("dense", defence="balance"),
+        trigger=parse_trigger("always"), settings=Settings(evict_after=5), model=torch.zeros(4),
+    )  # fmt: skip
+    ask = newcomer.ask("join", "tcp://h:10", {"address": "tcp://h:30", "want_id": None}, "n1")
+    welcome = next(s for s in core0.receive(1.0, ask.frames) if s.kind == "welcome")
+    newcomer.receive(1.1, welcome.frames)
+    assert newcomer.welcomed(1.1, newcomer.answers.pop()).id == 8
+    join = {"address": "tcp://h:13", "rejoin": True, "want_id": 3, NONCE: "x"}
+    answer = newcomer.receive(2.0, encode("join", -1, 0, 0, meta=join))
+    assert newcomer.membership.get(3).until is None  # the newcomer never heard of the eviction
+    for send in answer:
+        if send.kind == "members" and send.to == 0:
+            core0.receive(2.1, send.frames)
+    back = core0.membership.get(3)
+    assert back.until is not None and 3 not in core0.membership.active(back.until)
+    for send in core0.announce():
+        if send.to == 8:
+            newcomer.receive(2.2, send.frames)
+    assert newcomer.membership.get(3).until == back.until  # one table again
+
+
 def test_a_swarm_that_evicts_nobody_refuses_accusations() -> None:
     with pytest.raises(WireError, match="evicts nobody"):
         _accuse(_ring_core(0, evict_after=0), 2, 3)

@@ -965,10 +965,17 @@ class GossipCore:
 
     def merge(self, members: list[Member], now: float) -> list[Member]:
         """Merge entries into the member table; a member new or back starts over (its rounds,
-        and its silence from ``now``). Returns the entries that changed."""
+        and its silence from ``now``). Returns the entries that changed. One this peer evicted
+        (its address or key) is out again a join margin ahead: a member that did not count
+        the quorum let it back in, and the end reaches that one with our table."""
         changed = self.membership.merge(members)
         for member in changed:
-            if member.until is None:
+            evicted = self.evictions.banned(member.address, member.key)
+            if member.until is None and evicted is not None:
+                until = self.round + self.join_margin()
+                self.membership.end(member.id, until)
+                self.notes.append(f"peer {member.id} back, but {evicted}: out from round {until}")
+            elif member.until is None:
                 self.forget_rounds(member.id)
                 self.detector.heard(member.id, now)
         return changed
