@@ -373,3 +373,35 @@ def test_requests_naming_fresh_reply_addresses_keep_a_bounded_number_of_keys(
         assert few.keys_held == 4
     finally:
         few.close(0)
+
+
+def test_member_keys_of_addresses_no_member_has_now_are_let_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listed key rejoining as one id from fresh address after fresh address left one
+    member key per address for good (only a forgotten member's current one was let go)."""
+    import gossipdl.peers.peer
+    from gossipdl.transport import Transport, encode
+
+    monkeypatch.setattr(gossipdl.peers.peer, "MAX_STRANGER_SOCKETS", 4)
+    dir_a, key_a = _keys(tmp_path, "a")
+    dir_b, key_b = _keys(tmp_path, "b")
+    allowed = _allow(tmp_path / "allowed", key_a, key_b)
+    peer = Peer(torch.nn.Linear(4, 2), None, listen="tcp://127.0.0.1:0", min_peers=1,
+                max_members=4, curve=load_curve(dir_a, allowed))  # fmt: skip
+    client = Transport("tcp://127.0.0.1:0", lambda m: None, curve=load_curve(dir_b, allowed))
+    client.set_key(peer.address, key_a)
+    try:
+        before = peer.transport.keys_held
+        for i in range(30):  # under the answer rate
+            meta = {"address": f"tcp://127.0.0.1:{20000 + i}", "want_id": 1, "rejoin": True,
+                    "key": key_b, "nonce": f"n{i}", "incarnation": i + 1}  # fmt: skip
+            client.send(peer.address, encode("join", -1, 0, 0, meta=meta))
+            time.sleep(1 / 15)
+        assert client.flush(30)
+        wait_for(lambda: peer.membership.get(1) is not None, 10, "the joiner let in")
+        wait_for(lambda: peer.membership.get(1).incarnation == 30, 10, "its last life")
+        assert peer.transport.keys_held - before <= 4 + (4 + 4)  # members' + reply keys
+    finally:
+        client.close(0.5)
+        peer.close()

@@ -1182,7 +1182,9 @@ class Peer:
                 self.transport.set_key(member.address, member.key)
 
     def _members_changed(self) -> None:
-        """Wake whoever waits on the member table (formation, rounds) and report it."""
+        """Wake whoever waits on the member table (formation, rounds) and report it; only
+        members' addresses keep member keys (CURVE: :meth:`Transport.retain_keys`)."""
+        self.transport.retain_keys({m.address for m in self.membership.members()})
         self._wake()
         if self._on_members is not None:
             # Threads report in turn, each the table as it is then: a thread that read the

@@ -259,10 +259,24 @@ class Transport:
         newest ``max_sockets`` such keys: requests that name fresh addresses do not grow
         this peer's memory (a member's key is :meth:`set_key`'s)."""
         with self._keys_lock:
-            self._reply_keys[address] = key
-            self._reply_keys.move_to_end(address)
-            while len(self._reply_keys) > self._max_sockets:
-                self._reply_keys.popitem(last=False)
+            self._keep_reply_key(address, key)
+
+    def _keep_reply_key(self, address: str, key: str) -> None:
+        """Keep ``key`` for ``address`` among the newest ``max_sockets`` reply keys (the keys
+        lock held)."""
+        self._reply_keys[address] = key
+        self._reply_keys.move_to_end(address)
+        while len(self._reply_keys) > self._max_sockets:
+            self._reply_keys.popitem(last=False)
+
+    def retain_keys(self, addresses: set[str]) -> None:
+        """Only ``addresses`` (the members') hold member keys: any other's key (an earlier
+        life's address, one a join tried) joins the reply keys, where it still reaches that
+        address until newer ones push it out. Rejoins from fresh addresses grew the member
+        keys for good."""
+        with self._keys_lock:
+            for address in [a for a in self._keys if a not in addresses]:
+                self._keep_reply_key(address, self._keys.pop(address))
 
     def forget(self, address: str) -> None:
         """Close the connection to ``address`` and forget its key (its member was forgotten):
