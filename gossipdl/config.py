@@ -181,7 +181,7 @@ class Config:
         default=False,
         metadata={
             "help": "ring mode, every peer on this host: all-reduce through shared memory "
-            "(GPU tensors on the GPU) instead of the TCP ring; byte counts then stay 0"
+            "(GPU tensors on the GPU) instead of the TCP ring; bytes sent: heartbeats only"
         },
     )
     startup_timeout: float = field(
