@@ -150,6 +150,12 @@ _SET = typer.Option(
 _PROGRESS = typer.Option(
     True, help="Show the live per-peer progress display.", rich_help_panel=OUTPUT
 )
+_STEP_TIME = typer.Option(
+    None,
+    help="Simulated: virtual time of one local step where no profile says (e.g. 250ms) "
+    "\\[default: measured once on this host].",
+    rich_help_panel=OUTPUT,
+)
 
 
 def _opt(name: str, envvar: str | None = None) -> Any:
@@ -319,12 +325,7 @@ def simulate(
     config_file: Path | None = typer.Argument(
         None, help="TOML experiment file; flags override it."
     ),
-    step_time: str | None = typer.Option(
-        None,
-        help="Virtual time of one local step where no profile says (e.g. 250ms) "
-        "\\[default: measured once on this host].",
-        rich_help_panel=OUTPUT,
-    ),
+    step_time: str | None = _STEP_TIME,
     progress: bool = _PROGRESS,
     faults: str | None = typer.Option(
         None,
@@ -365,18 +366,22 @@ def simulate(
     line for the range and exits 0, or for each broken seed the invariant, the events
     before it and the command that replays it, and exits 1.
     """
-    from gossipdl.conditions import ConditionError, parse_duration
-
     _setup_logging(rich=True, level=logging.WARNING)
     if faults is not None or seeds is not None:
         _search_faults(faults, seeds, jobs, config_file, overrides, progress)
         return
     config = _load(config_file, overrides)
+    _simulate(config, progress, _step_seconds(step_time))
+
+
+def _step_seconds(step_time: str | None) -> float | None:
+    """``--step-time`` in seconds (None: not given); exit code 2 for one that is no time."""
+    from gossipdl.conditions import ConditionError, parse_duration
+
     try:
-        seconds = None if step_time is None else parse_duration(step_time, "--step-time")
+        return None if step_time is None else parse_duration(step_time, "--step-time")
     except ConditionError as exc:
         _fail(str(exc))
-    _simulate(config, progress, seconds)
 
 
 def _search_faults(
@@ -533,6 +538,7 @@ def sweep(
         "(gossipdl simulate), on virtual time.",
         rich_help_panel=OUTPUT,
     ),
+    step_time: str | None = _STEP_TIME,
     progress: bool = _PROGRESS,
     *,
     overrides: dict[str, Any],
@@ -543,6 +549,10 @@ def sweep(
     """
     if engine not in ("real", "sim"):
         _fail(f"--engine {engine!r}: use real (local processes) or sim (the simulator)")
+    if step_time is not None and engine != "sim":
+        _fail("--step-time sets the simulator's step: add --engine sim, or give step_time "
+              "in the profiles")  # fmt: skip
+    seconds = _step_seconds(step_time)
     from gossipdl.experiments.display import sweep_table
     from gossipdl.experiments.simulated import refuse_outside_real
     from gossipdl.experiments.sweep import parse_grid, plan, run_sweep
@@ -566,7 +576,9 @@ def sweep(
 
     def one(config: Config) -> dict[str, Any]:
         try:
-            return _launch(config, progress) if engine == "real" else _simulate(config, progress)
+            if engine == "real":
+                return _launch(config, progress)
+            return _simulate(config, progress, seconds)
         except typer.Exit:
             raise RuntimeError(f"the run into {config.out} failed (see above)") from None
 

@@ -185,13 +185,14 @@ def test_a_sweep_runs_its_variants_in_the_simulator_with_engine_sim(
     config = small_config(tmp_path, peers=4, steps=20, out=str(tmp_path / "sweep"))
     done = CliRunner().invoke(cli.app, [
         "sweep", str(_toml(tmp_path, config)), "--grid", "codec=none,topk:0.1",
-        "--engine", "sim", "--no-progress"])  # fmt: skip
+        "--engine", "sim", "--step-time", "10ms", "--no-progress"])  # fmt: skip
     assert done.exit_code == 0, done.output
     summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
     assert len(summaries) == 2
     for path in summaries:
         summary = json.loads(path.read_text())
         assert summary["engine"] == "sim" and summary["peers_finished"] == 4
+        assert summary["step_time_s"] == 0.01  # --step-time, for every variant
     # one seed, one size, two swarms: report must not merge them as one run across machines
     assert len(runs_of([tmp_path / "sweep"])) == 2
 
@@ -210,3 +211,7 @@ def test_a_sim_sweep_refuses_a_real_peer_setting_before_its_first_variant(
     said = " ".join(done.stderr.split())
     assert "variant seed-1: csv: these feed a real peer's metrics lines" in said
     assert not (tmp_path / "sweep").exists()  # not even the first variant ran
+    real = CliRunner().invoke(
+        cli.app, ["sweep", str(_toml(tmp_path, config)), "--grid", "seed=1,2", "--step-time", "1s"]
+    )
+    assert real.exit_code == 2 and "add --engine sim" in " ".join(real.stderr.split())
