@@ -146,3 +146,20 @@ def test_a_table_longer_than_the_members_limit_is_refused_whole() -> None:
         ours.receive(1.0, frames("members", 1, members=table))
     assert refused.value.reason == "too_many_members"
     assert [m.id for m in ours.membership.members()] == [0, 1, 2]
+
+
+def test_a_table_that_gives_us_a_later_life_rejoins_even_from_an_earlier_life_of_its_writer() -> (
+    None
+):
+    """Seed 125255 again, without the hold: each side of a healed cut let the other's members
+    in, with lives they never took up, and each ignored the other's tables for good as
+    written in an earlier life than the one it had given their writer. The later life a
+    table gives us comes first: we rejoin through its writer (a table written before a cut
+    cannot name a life of ours later than the one we hold)."""
+    from gossipdl.protocol.joining import Verdict, hear_table
+
+    ours = MemberTable([Member(0, address(0), 0), Member(1, address(1), 40)])  # 1: given 40
+    theirs = [Member(0, address(0), 40), Member(1, address(1), 0)]  # 0: given 40, by 1
+    assert hear_table(ours, 0, 1, theirs) is Verdict.REJOIN
+    stale = [Member(0, address(0), 0), Member(1, address(1), 0)]  # before the cut: ignored
+    assert hear_table(ours, 0, 1, stale) is Verdict.IGNORE

@@ -943,9 +943,9 @@ class GossipCore:
         joins are rejoins decided on a view of our side taken before it shrank (a leave just
         after a heal: both sides rejoined the other, fault-search seed 125255) or copies of
         them delayed past their timeout. Let in, each side gives lives to the other side's
-        members, who never take them up, and ignores the other's tables as written in an
-        earlier life for good. Others (a third side of a cut in three, seed 17708) are let
-        in."""
+        members, who take them up only through a rejoin of their own (``hear_table``; before
+        it did so, they ignored each other's tables as written in an earlier life for good).
+        Others (a third side of a cut in three, seed 17708) are let in."""
         if self.rejoin_via is not None:
             return True
         held = now < self.rejoin_held_until

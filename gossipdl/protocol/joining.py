@@ -273,6 +273,12 @@ def hear_table(table: MemberTable, me: int, sender: int, members: list[Member]) 
     theirs = {m.id: m for m in members}
     said_of_us, own = theirs.get(me), table.get(me)
     known, said = table.get(sender), theirs.get(sender)
+    if own is not None and said_of_us is not None and said_of_us.since > own.since:
+        # a life of ours we never took up: its welcome was lost. Before the earlier-life
+        # check: two sides that each gave the other's members lives ignored each other's
+        # tables for good (fault-search seed 125255); a table written before a cut cannot
+        # name a life of ours later than the one we hold
+        return Verdict.REJOIN
     if known is not None and (said is None or said.since < known.since):
         return Verdict.IGNORE
     # out: the life we ended is the one it speaks for (one let back in since speaks for
@@ -283,8 +289,6 @@ def hear_table(table: MemberTable, me: int, sender: int, members: list[Member]) 
         and said is not None
         and said.since == known.since
     )
-    if own is not None and said_of_us is not None and said_of_us.since > own.since:
-        return Verdict.REJOIN  # a life of ours we never took up: its welcome was lost
     stale_about_us = own is not None and said_of_us is not None and own.since > said_of_us.since
     if said_of_us is None or said_of_us.until is None or stale_about_us:
         return Verdict.IGNORE if sender_out else Verdict.MERGE
