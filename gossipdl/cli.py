@@ -846,16 +846,17 @@ def data_fetch(
         None, help="A mirror of the archive; its published MD5 and size are still checked."
     ),
 ) -> None:
-    """Download a data set, check its published checksum and keep its files."""
+    """Download a data set, check its published checksum and keep its files. Ctrl-C or
+    SIGTERM stops it (exit 130 or 143) with nothing half-written left."""
     from dataclasses import replace
 
     from gossipdl.data.fetch import SOURCES, FetchError, fetch
-    from gossipdl.data.published import default_data_dir
+    from gossipdl.experiments.launcher import StopOnSignal
 
-    where = data_dir or default_data_dir()
     source = replace(SOURCES[name], url=url) if url and name in SOURCES else None
     try:
-        kept = fetch(name, where, source, progress=console.is_terminal)
+        with StopOnSignal(at_once=True):  # SIGTERM unwinds as Ctrl-C does: files removed
+            kept = fetch(name, data_dir, source, progress=console.is_terminal, console=console)
     except FetchError as exc:
         _fail(str(exc))
     console.print(f"[bold]{name}[/]: " + ", ".join(escape(str(p)) for p in kept))

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from typing import Any
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def is_dotted(name: str) -> bool:
+    """Whether ``name`` is an absolute dotted Python name (``pkg.mod``, ``Class``): what
+    each half of a plug-in spec must be, so that a relative one (``.mod``, which
+    importlib refuses with a TypeError) or a path is refused before any import."""
+    return _DOTTED.fullmatch(name) is not None
 
 
 def load_callable(spec: str, what: str, error: type[Exception]) -> Callable[..., Any]:
@@ -13,8 +23,11 @@ def load_callable(spec: str, what: str, error: type[Exception]) -> Callable[...,
     ``what`` names the kind of thing in messages, e.g. ``"custom dataset"``.
     """
     module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise error(f"{what} {spec!r} must be of the form 'module.path:function'")
+    if not is_dotted(module_name) or not is_dotted(attr):
+        raise error(
+            f"{what} {spec!r} must be of the form 'module.path:function' (an importable, "
+            "absolute module name: no leading dot)"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

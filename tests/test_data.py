@@ -229,6 +229,8 @@ def test_custom_dataset_loads() -> None:
         ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
         (":fn", "module.path:function"),
         (f"{__name__}:", "module.path:function"),
+        (".mymod:load", "module.path:function"),  # relative: importlib raised a TypeError
+        ("..:f", "module.path:function"),
     ],
 )
 def test_custom_dataset_errors(spec: str, message: str) -> None:

@@ -5,10 +5,18 @@ fetch`` checks what it downloads (from an HTTP server on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import http.server
 import io
 import json
+import re
+import shlex
+import signal
+import socketserver
+import subprocess
+import sys
 import tarfile
 import threading
 from collections.abc import Callable, Iterator
@@ -267,11 +275,13 @@ def test_batched_peers_crop_and_mirror_cifar_batches_as_the_per_peer_engine_does
 
 
 def test_corrupt_leaf_files_name_themselves(tmp_path: Path) -> None:
+    """Arrays nested deeper than json's parser recurses escaped as a RecursionError."""
     leaf(tmp_path, "femnist")
     bad = tmp_path / "femnist" / "test" / "all_data_1.json"
-    bad.write_text('{"users": ["a"]')
-    with pytest.raises(DataError, match=rf"{bad}.*not LEAF's JSON.*gossipdl data fetch femnist"):
-        load_dataset("femnist", tmp_path)
+    for text in ('{"users": ["a"]', "[" * 100_000):
+        bad.write_text(text)
+        with pytest.raises(DataError, match=rf"{bad}.*not LEAF's JSON.*data fetch femnist"):
+            load_dataset("femnist", tmp_path)
     with pytest.raises(DataError, match=r"no train files.*gossipdl data fetch shakespeare"):
         load_dataset("shakespeare", tmp_path)
 
@@ -300,6 +310,11 @@ def halve_texts(doc: dict[str, Any]) -> None:
         ("femnist", lambda d: d["users"].append("u10"), r"user 'u10' is in both .*all_data_1"),
         ("femnist", lambda d: first_user(d)["x"][0].__setitem__(5, float("nan")), "784 finite"),
         ("femnist", lambda d: first_user(d)["x"][0].pop(), "784 finite"),
+        ("femnist", lambda d: first_user(d)["x"][0].__setitem__(5, 10**400), "784 finite"),
+        ("femnist", lambda d: first_user(d)["y"].__setitem__(0, 10**29), r"label .* 0\.\.61"),
+        ("femnist", lambda d: first_user(d)["y"].__setitem__(0, 2.5), r"label .* 0\.\.61"),
+        # refused when met: the bad entry after it is never looked at (nor paid for)
+        ("femnist", lambda d: d["users"].extend([d["users"][0], 5]), "lists a user twice"),
         ("shakespeare", lambda d: halve_texts(d), "80 characters"),
     ],
 )
@@ -307,7 +322,8 @@ def test_leaf_files_with_a_repeated_user_or_a_bad_sample_are_refused_naming_the_
     tmp_path: Path, name: str, change: Callable[[dict[str, Any]], None], error: str
 ) -> None:
     """A user listed twice (in one file or two) doubled its samples; a NaN pixel or a sample
-    of the wrong length failed later, naming no file."""
+    of the wrong length failed later, naming no file; a number too large for its type
+    (a 401-digit pixel, a label of 10**29) escaped as an OverflowError."""
     leaf(tmp_path, name)
     user_data = tmp_path / name / "train" / "all_data_0.json"
     if "in both" in error:  # u10 is all_data_1's: list it in all_data_0 too, with samples
@@ -317,6 +333,39 @@ def test_leaf_files_with_a_repeated_user_or_a_bad_sample_are_refused_naming_the_
     with pytest.raises(DataError, match=rf"{name}: .*{error}") as info:
         load_dataset(name, tmp_path)
     assert str(tmp_path / name / "train") in str(info.value)
+    assert f"gossipdl data fetch {name}" in str(info.value)
+
+
+def test_a_leaf_file_over_the_size_limit_is_refused_before_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """json.load read a file of any size, holding several times it in memory."""
+    leaf(tmp_path, "femnist")
+    limit = max(f.stat().st_size for f in (tmp_path / "femnist").rglob("*.json"))
+    big = tmp_path / "femnist" / "train" / "all_data_1.json"
+    big.write_text(big.read_text().ljust(limit + 1))  # one byte over the limit
+    monkeypatch.setattr(published, "LEAF_FILE_LIMIT", limit)
+    loads, load = [], json.load
+    monkeypatch.setattr(published.json, "load", lambda f: loads.append(f.name) or load(f))
+    with pytest.raises(DataError, match=rf"{big} holds .* bytes, more than a LEAF file may"):
+        load_dataset("femnist", tmp_path)
+    assert str(big) not in loads
+
+
+@pytest.mark.parametrize("name", ["femnist", "shakespeare"])
+def test_a_leaf_file_without_users_adds_no_samples_and_a_split_without_any_is_refused(
+    tmp_path: Path, name: str
+) -> None:
+    """FEMNIST refused an empty file as 'a sample is not 784 finite numbers', while the
+    Shakespeare reader took it."""
+    leaf(tmp_path, name)
+    empty = {"users": [], "num_samples": [], "user_data": {}}
+    (tmp_path / name / "train" / "all_data_2.json").write_text(json.dumps(empty))
+    assert load_dataset(name, tmp_path).num_train == 4 * 10
+    for part in range(2):
+        (tmp_path / name / "test" / f"all_data_{part}.json").write_text(json.dumps(empty))
+    with pytest.raises(DataError, match=rf"the test files in {tmp_path / name / 'test'} hold no"):
+        load_dataset(name, tmp_path)
 
 
 def test_fedprox_synthetic_is_generated_by_device() -> None:
@@ -371,6 +420,19 @@ def test_the_papers_models_refuse_shapes_and_widths_they_do_not_take() -> None:
         build_model("leaf-lstm", (1, 28, 28), 62)
 
 
+@contextlib.contextmanager
+def http_server(handler: type[socketserver.BaseRequestHandler]) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 answering with ``handler``, in a thread; its URL."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """An HTTP server on 127.0.0.1 serving ``tmp_path/www``."""
@@ -384,13 +446,8 @@ def server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         def log_message(self, *args: object) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", root
-    finally:
-        httpd.shutdown()
+    with http_server(Quiet) as url:
+        yield url, root
 
 
 def tiny_archive(path: Path, members: dict[str, bytes]) -> Source:
@@ -445,3 +502,222 @@ def test_the_fetch_command_refuses_a_mirror_that_changed_the_file(
     assert list((tmp_path / "d").iterdir()) == []
     leafed = runner.invoke(cli.app, ["data", "fetch", "femnist"], env={"COLUMNS": "200"})
     assert leafed.exit_code == 2 and "preprocess.sh" in leafed.stderr
+
+
+def replying(reply: bytes) -> type[socketserver.StreamRequestHandler]:
+    """A handler that reads a request's head and answers ``reply``, whatever that is."""
+
+    class Raw(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                pass
+            self.wfile.write(reply)
+
+    return Raw
+
+
+def stalled(
+    blob: bytes, requested: threading.Event, go: threading.Event
+) -> type[http.server.BaseHTTPRequestHandler]:
+    """A handler that announces all of ``blob``, sends its first half, sets ``requested``
+    and sends the rest only once ``go`` is set."""
+
+    class Stalled(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(blob)))
+            self.end_headers()
+            self.wfile.write(blob[: len(blob) // 2])
+            self.wfile.flush()
+            requested.set()
+            go.wait(60)
+            with contextlib.suppress(OSError):  # the client may be gone
+                self.wfile.write(blob[len(blob) // 2 :])
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return Stalled
+
+
+def files_in(folder: Path) -> list[str]:
+    """The files under ``folder``, relative to it."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+MEMBER = "cifar-10-batches-bin/test_batch.bin"
+
+
+def test_a_bad_mirror_or_url_is_a_fetch_error_naming_the_url(tmp_path: Path) -> None:
+    """http.client's errors (not an HTTP server, a chunked body cut short or malformed, a
+    bad port) and urllib's ValueError for a malformed URL escaped as tracebacks."""
+    replies = (
+        b"SSH-2.0-OpenSSH_9.6\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\n0123",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    )
+    with contextlib.ExitStack() as servers:
+        urls = [servers.enter_context(http_server(replying(r))) + "/c.tar.gz" for r in replies]
+        for url in [*urls, "http://127.0.0.1:80a/c.tar.gz", "http://[::1/c.tar.gz"]:
+            with pytest.raises(FetchError, match=rf"download of {re.escape(url)} failed .*URL"):
+                fetch("cifar10", tmp_path, Source(url, "", 1 << 20, ()), progress=False)
+    assert files_in(tmp_path) == []
+
+
+def test_a_fetch_that_cannot_write_says_where_and_why_and_leaves_nothing(
+    server: tuple[str, Path], tmp_path: Path
+) -> None:
+    """A full disk while the archive streamed in or a member was written escaped as a raw
+    OSError and left the member's .part file; a --data-dir naming a file, as a
+    FileExistsError. A file-size limit fails writes as a full disk does, in a process of
+    its own (here: first the archive's, then the member's)."""
+    url, www = server
+    archive = tiny_archive(www / "c.tar.gz", {MEMBER: bytes(1 << 20)})
+    source = dataclasses.replace(archive, url=f"{url}/c.tar.gz")
+    a_file = tmp_path / "a file"
+    a_file.write_text("x")
+    with pytest.raises(FetchError, match=rf"cannot write its files in {a_file}: it is not a dir"):
+        fetch("cifar10", a_file, source, progress=False)
+    data_dir = tmp_path / "data"
+    limits = [archive.size // 2, 64 << 10]  # under the archive's size, then the member's
+    child = (
+        "import dataclasses, resource, sys\n"
+        "from gossipdl.data.fetch import FetchError, Source, fetch\n"
+        f"source = Source({source.url!r}, {source.md5!r}, {source.size}, {source.members!r})\n"
+        f"for limit in {limits}:\n"
+        "    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))\n"
+        "    try:\n"
+        f"        fetch('cifar10', {str(data_dir)!r}, source, progress=False)\n"
+        "    except FetchError as exc:\n"
+        "        print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        assert f"cannot write its files in {data_dir}: File too large" in line, line
+    assert files_in(data_dir) == []
+
+
+class Interrupting(tarfile.ExFileObject):
+    """A member's reader that is interrupted (Ctrl-C) after its first block."""
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self.tell():
+            raise KeyboardInterrupt
+        return super().read(size)
+
+
+def test_ctrl_c_while_a_member_is_written_leaves_no_part_file(
+    server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The member's .part file had no cleanup: Ctrl-C left it in the data directory."""
+    url, www = server
+    source = tiny_archive(www / "c.tar.gz", {MEMBER: bytes(3 << 20)})
+    monkeypatch.setattr(tarfile.TarFile, "fileobject", Interrupting)
+    data_dir = tmp_path / "data"
+    source = dataclasses.replace(source, url=f"{url}/c.tar.gz")
+    with pytest.raises(KeyboardInterrupt):
+        fetch("cifar10", data_dir, source, progress=False)
+    assert files_in(data_dir) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_the_fetch_command_with_nothing_left(tmp_path: Path, signum: int) -> None:
+    """SIGTERM killed the command, which had no handler for it, leaving its (up to 170 MB)
+    download in the data directory; now it unwinds as Ctrl-C does: exit 128 + the signal."""
+    requested, go = threading.Event(), threading.Event()
+    data_dir = tmp_path / "d"
+    with http_server(stalled(bytes(1 << 20), requested, go)) as url:
+        command = ["data", "fetch", "cifar10", "--data-dir", str(data_dir), "--url", url]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gossipdl", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert requested.wait(60), "the command never asked for the archive"
+            proc.send_signal(signum)
+            _, stderr = proc.communicate(timeout=30)
+        finally:
+            go.set()
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 128 + signum, stderr
+    assert stderr.strip().splitlines()[-1] == "interrupted"
+    assert files_in(data_dir) == []
+
+
+def test_two_fetches_into_one_directory_do_not_share_a_download(
+    server: tuple[str, Path], tmp_path: Path
+) -> None:
+    """Both streamed into .cifar10.download: the second truncated the first's file and
+    deleted it, and the first failed after its whole download on a file that was gone."""
+    url, www = server
+    data = RNG.integers(0, 256, 3073 * 100, dtype=np.uint8).tobytes()
+    source = tiny_archive(www / "c.tar.gz", {MEMBER: data})
+    requested, go = threading.Event(), threading.Event()
+    data_dir, outcome = tmp_path / "data", {}
+
+    def first(slow: str) -> None:
+        try:
+            fresh = dataclasses.replace(source, url=slow)
+            outcome["kept"] = fetch("cifar10", data_dir, fresh, progress=False)
+        except BaseException as exc:  # reported below, with the test's failure
+            outcome["kept"] = exc
+
+    blob = (www / "c.tar.gz").read_bytes()
+    with http_server(stalled(blob, requested, go)) as slow_url:
+        thread = threading.Thread(target=first, args=(f"{slow_url}/c.tar.gz",))
+        thread.start()
+        assert requested.wait(30), "the first fetch never asked for the archive"
+        fast = dataclasses.replace(source, url=f"{url}/c.tar.gz")
+        second = fetch("cifar10", data_dir, fast, progress=False)
+        go.set()
+        thread.join(60)
+    assert outcome["kept"] == second == [data_dir / MEMBER]
+    assert (data_dir / MEMBER).read_bytes() == data and files_in(data_dir) == [MEMBER]
+
+
+def test_the_fetch_commands_progress_bar_goes_to_the_terminal_it_was_shown_for(
+    server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command showed the bar when stderr was a terminal but drew it on stdout, so
+    `gossipdl data fetch cifar10 > log` put the bar into the log."""
+    url, www = server
+    (www / "c.tar.gz").write_bytes(b"not the archive")
+    terminal = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=terminal, force_terminal=True, width=100))
+    done = CliRunner().invoke(
+        cli.app,
+        ["data", "fetch", "cifar10", "--data-dir", str(tmp_path), "--url", f"{url}/c.tar.gz"],
+    )
+    assert done.exit_code == 2 and done.stdout == ""
+    assert "━" in terminal.getvalue()  # the bar
+
+
+def test_a_data_dir_with_a_tilde_or_a_space_is_the_folder_the_fetch_hint_names(
+    server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config file's data_dir = "~/cdata" was read as ./~/cdata while the error's fetch
+    command, expanded by the shell, wrote to ~/cdata; a folder with a space got an unquoted
+    --data-dir."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cifar10(tmp_path / "c data")
+    config = tmp_path / "config.toml"
+    config.write_text('dataset = "cifar10"\ndata_dir = "~/c data"\n')
+    assert dataset_of(load_config(config)).num_train == 5 * CIFAR10_PER_FILE
+    with pytest.raises(DataError) as info:
+        load_dataset("cifar10", "~/no data")
+    command = shlex.split(str(info.value).split("`")[1])
+    assert command[-2:] == ["--data-dir", str(tmp_path / "no data")]
+    url, www = server
+    source = tiny_archive(www / "c.tar.gz", {MEMBER: bytes(3073 * 2)})
+    source = dataclasses.replace(source, url=f"{url}/c.tar.gz")
+    kept = fetch("cifar10", "~/fetched", source, progress=False)
+    assert kept == [tmp_path / "fetched" / MEMBER]

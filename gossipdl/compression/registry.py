@@ -46,6 +46,7 @@ from gossipdl.compression.powersgd import PowerSGD
 from gossipdl.compression.quantization import QSGD, Sign, Ternary, Uniform
 from gossipdl.compression.sparse import RandomK, SparseCodec, Sparsifier, Threshold, TopK
 from gossipdl.numerals import is_decimal
+from gossipdl.plugins import is_dotted
 
 __all__ = [
     "DEFAULT_INDEX_CODER",
@@ -62,7 +63,6 @@ CodecFactory = Callable[[str | None, int], Codec]
 """Builds a whole-vector codec from ``(arg, seed)``; ``arg`` is the text after ``:`` or None."""
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9_\-]*")
-_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 @dataclass(frozen=True)
@@ -390,7 +390,7 @@ def _build_stage(part: str, spec: str, seed: int) -> tuple[str, object]:
             if not getattr(built, "spec", ""):
                 built.spec = part
         return stage.kind, built
-    if len(args) == 1 and _DOTTED.fullmatch(head) and _DOTTED.fullmatch(args[0]):
+    if len(args) == 1 and is_dotted(head) and is_dotted(args[0]):
         return "codec", _load_class(head, args[0], seed)
     raise CodecError(f"codec spec {spec!r}: unknown stage {part!r}; {_choices()}")
 

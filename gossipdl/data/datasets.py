@@ -493,7 +493,7 @@ def load_dataset(name: str, data_dir: Path | str | None = None) -> Dataset:
     if name in _BUILTIN:
         return _BUILTIN[name]()
     if name in published.PUBLISHED:
-        return published.load_published(name, Path(data_dir) if data_dir else None)
+        return published.load_published(name, data_dir)
     fedprox = published.parse_fedprox(name)
     if fedprox is not None:
         return published.load_fedprox(*fedprox)

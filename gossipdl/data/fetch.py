@@ -10,18 +10,25 @@ how LEAF's scripts make the JSON files and where to put them.
 
 from __future__ import annotations
 
+import errno
+import gzip
 import hashlib
+import http.client
 import os
 import tarfile
+import tempfile
 import urllib.request
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
+from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from gossipdl.data.datasets import DataError
-from gossipdl.data.published import CIFAR_RECORDS, cifar_files
+from gossipdl.data.published import CIFAR_RECORDS, cifar_files, data_root
 
 CHUNK = 1 << 20
 
@@ -83,44 +90,80 @@ def leaf_howto(name: str, data_dir: Path) -> str:
 
 
 def fetch(
-    name: str, data_dir: Path, source: Source | None = None, *, progress: bool = True
+    name: str,
+    data_dir: Path | str | None = None,
+    source: Source | None = None,
+    *,
+    progress: bool = True,
+    console: Console | None = None,
 ) -> list[Path]:
-    """Download data set ``name`` into ``data_dir`` from ``source`` (default: its published
-    one, :data:`SOURCES`), check its size and MD5, keep the files the readers need;
-    returns their paths. FetchError names what went wrong; nothing half-written is left."""
+    """Download data set ``name`` into ``data_dir`` (:func:`data_root`: ``~`` expanded, the
+    default data directory if None) from ``source`` (default: its published one,
+    :data:`SOURCES`), check its size and MD5, keep the files the readers need; returns their
+    paths. The progress bar goes to ``console`` (default: rich's, on stdout).
+
+    FetchError names what went wrong. Nothing half-written is left, whatever stops it (an
+    exception, Ctrl-C): the archive streams into an unnamed temporary file of this process
+    alone, checked and extracted from that same open file, and each kept file is written
+    under a temporary name of its own, renamed into place only when complete.
+    """
+    root = data_root(data_dir)
     if name in LEAF_FLAGS:
-        raise FetchError(leaf_howto(name, data_dir))
+        raise FetchError(leaf_howto(name, root))
     if source is None:
         if name not in SOURCES:
             known = ", ".join([*SOURCES, *LEAF_FLAGS])
             raise FetchError(f"no data set {name!r} to fetch; known: {known}")
         source = SOURCES[name]
-    data_dir.mkdir(parents=True, exist_ok=True)
-    archive = data_dir / f".{name}.download"
     try:
-        _download(name, source, archive, progress)
-        return _extract(name, source, archive, data_dir)
-    finally:
-        archive.unlink(missing_ok=True)
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root, prefix=f".{name}.", suffix=".download") as archive:
+            _download(name, source, archive, progress, console)
+            archive.seek(0)
+            return _extract(name, source, archive, root)
+    except OSError as exc:  # the archive's own read errors are FetchErrors by now
+        raise _unwritable(name, root, exc) from None
+
+
+def _unwritable(name: str, root: Path, exc: OSError) -> FetchError:
+    """What a failure to write in data directory ``root`` says: where, why, what to do."""
+    fix = "name another directory with --data-dir"
+    if root.exists() and not root.is_dir():
+        cause, fix = "it is not a directory", "name a directory with --data-dir"
+    else:
+        cause = (exc.strerror or str(exc)) + (f" ({exc.filename})" if exc.filename else "")
+    if exc.errno == errno.ENOSPC:
+        fix = f"free space there, or {fix}"
+    return FetchError(
+        f"{name}: cannot write its files in {root}: {cause}; {fix} (nothing half-written was left)"
+    )
 
 
 def _chunks(url: str) -> Iterator[bytes]:
-    """The bytes at ``url``, a chunk at a time."""
+    """The bytes at ``url``, a chunk at a time; FetchError if they cannot be had."""
     try:
         with urllib.request.urlopen(url, timeout=60) as response:
             while chunk := response.read(CHUNK):
                 yield chunk
-    except OSError as exc:
-        raise FetchError(f"download of {url} failed: {exc}") from None
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        # HTTPException: not an HTTP server, a body cut short, a bad port; ValueError: a
+        # malformed URL (urllib's own refusal)
+        reason = " ".join(str(exc).split())  # a server's status line may end in \r\n
+        raise FetchError(
+            f"download of {url} failed ({type(exc).__name__}: {reason}); check that the URL "
+            "(--url) serves the archive over http(s), or try again later"
+        ) from None
 
 
-def _download(name: str, source: Source, archive: Path, progress: bool) -> None:
+def _download(
+    name: str, source: Source, archive: IO[bytes], progress: bool, console: Console | None
+) -> None:
     """Stream ``source`` into ``archive``, checking size and MD5 on the way."""
     if not source.url.startswith(("https://", "http://")):
         raise FetchError(f"{name}: {source.url!r} is not an http(s) URL")
     digest, got = hashlib.md5(usedforsecurity=False), 0
     columns = (TextColumn(f"{name}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    with Progress(*columns, disable=not progress) as bar, archive.open("wb") as out:
+    with Progress(*columns, console=console, disable=not progress) as bar:
         task = bar.add_task(name, total=source.size)
         for chunk in _chunks(source.url):
             got += len(chunk)
@@ -130,7 +173,7 @@ def _download(name: str, source: Source, archive: Path, progress: bool) -> None:
                     "stopped (a wrong or changed file)"
                 )
             digest.update(chunk)
-            out.write(chunk)
+            archive.write(chunk)
             bar.update(task, advance=len(chunk))
     if got != source.size or digest.hexdigest() != source.md5:
         raise FetchError(
@@ -140,25 +183,41 @@ def _download(name: str, source: Source, archive: Path, progress: bool) -> None:
         )
 
 
-def _extract(name: str, source: Source, archive: Path, data_dir: Path) -> list[Path]:
+_NOT_THE_ARCHIVE = (tarfile.TarError, KeyError, EOFError, zlib.error, gzip.BadGzipFile)
+"""What reading an archive that is not what was published raises (BadGzipFile is an OSError,
+caught before the write errors are)."""
+
+
+def _extract(name: str, source: Source, archive: IO[bytes], data_dir: Path) -> list[Path]:
     """Copy the archive's needed regular files, each of its expected size, to our paths."""
     kept = []
     try:
-        with tarfile.open(archive, "r:gz") as tar:
+        with tarfile.open(fileobj=archive, mode="r:gz") as tar:
             for member_name, size in source.members:
                 member = tar.getmember(member_name)
                 if not member.isfile() or member.size != size:
                     raise FetchError(f"{name}: {member_name} in the archive is not {size:,} bytes")
-                target = data_dir / member_name  # our constant path, not the archive's word
-                target.parent.mkdir(parents=True, exist_ok=True)
-                partial = target.with_name(target.name + ".part")
                 reader = tar.extractfile(member)
-                assert reader is not None
-                with reader, partial.open("wb") as out:
-                    while block := reader.read(CHUNK):
-                        out.write(block)
-                os.replace(partial, target)
+                assert reader is not None  # a regular file's
+                target = data_dir / member_name  # our constant path, not the archive's word
+                with reader:
+                    _keep(reader, target)
                 kept.append(target)
-    except (tarfile.TarError, KeyError, EOFError) as exc:
+    except _NOT_THE_ARCHIVE as exc:
         raise FetchError(f"{name}: the archive is not what was published ({exc})") from None
     return kept
+
+
+def _keep(reader: IO[bytes], target: Path) -> None:
+    """Write ``reader``'s bytes to ``target`` through a temporary file of this process beside
+    it, renamed into place when complete and removed on any failure or interruption."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            while block := reader.read(CHUNK):
+                out.write(block)
+        os.replace(partial, target)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -68,25 +69,39 @@ SHAKESPEARE_LETTERS = (
 _LETTER = {c: i for i, c in enumerate(SHAKESPEARE_LETTERS)}
 SHAKESPEARE_SEQUENCE = 80  # LEAF's: 80 characters in, the next one out
 FEMNIST_CLASSES, FEMNIST_SIDE = 62, 28
+_FEMNIST_PIXELS = FEMNIST_SIDE * FEMNIST_SIDE
 
 
 def default_data_dir() -> Path:
     """Where published data sets are read from by default: ``$GOSSIPDL_DATA``, else
     ``data/`` in :func:`~gossipdl.data.datasets.cache_dir`."""
     explicit = os.environ.get("GOSSIPDL_DATA")
-    return Path(explicit).expanduser() if explicit else cache_dir() / "data"
+    return data_root(explicit) if explicit else cache_dir() / "data"
+
+
+def data_root(data_dir: Path | str | None = None) -> Path:
+    """The data directory ``data_dir`` names, ``~`` expanded (a config file's ``data_dir =
+    "~/data"`` reaches us unexpanded, while the fetch command a hint suggests has it
+    expanded by the shell: both must mean one folder), else :func:`default_data_dir`.
+
+    Example:
+        >>> data_root("~/data") == Path.home() / "data"
+        True
+    """
+    return Path(data_dir).expanduser() if data_dir else default_data_dir()
 
 
 def fetch_hint(name: str, data_dir: Path) -> str:
-    """How to get data set ``name`` into ``data_dir``: the command to run."""
-    where = "" if data_dir == default_data_dir() else f" --data-dir {data_dir}"
+    """How to get data set ``name`` into ``data_dir``: the command to run, ready to paste
+    into a shell (the directory quoted)."""
+    where = "" if data_dir == default_data_dir() else f" --data-dir {shlex.quote(str(data_dir))}"
     return f"run `gossipdl data fetch {name}{where}`"
 
 
-def load_published(name: str, data_dir: Path | None = None) -> Dataset:
-    """Data set ``name`` (one of :data:`PUBLISHED`) from ``data_dir``; DataError naming the
-    missing or corrupt file and the command that fetches it."""
-    root = Path(data_dir) if data_dir is not None else default_data_dir()
+def load_published(name: str, data_dir: Path | str | None = None) -> Dataset:
+    """Data set ``name`` (one of :data:`PUBLISHED`) from ``data_dir`` (:func:`data_root`);
+    DataError naming the missing or corrupt file and the command that fetches it."""
+    root = data_root(data_dir)
     if name in _CIFAR:
         return _load_cifar(name, root)
     if name in ("femnist", "shakespeare"):
@@ -155,6 +170,16 @@ def _load_cifar(name: str, root: Path) -> Dataset:
 # --------------------------------------------------------------------------- LEAF
 
 
+LEAF_FILE_LIMIT = 2 << 30
+"""The largest LEAF JSON file read, in bytes (2 GiB), checked before reading it: ``json.load``
+holds several times a file's size in memory (5-10x for FEMNIST's numbers), with nothing in
+the file bounding it. LEAF's ``preprocess.sh`` writes files of a few hundred MB at most (our
+estimate from the data sets' sample counts), even for a whole data set (``--sf 1.0``:
+FEMNIST's writers spread over 36 files, Shakespeare's 4.2 million 80-character samples in
+one), and the usual sampled versions far smaller ones; a bigger file can be split, as every
+``*.json`` in the folder is read."""
+
+
 def _leaf_files(name: str, root: Path, split: str) -> list[Path]:
     folder = root / name / split
     files = sorted(folder.glob("*.json")) if folder.is_dir() else []
@@ -166,50 +191,81 @@ def _leaf_files(name: str, root: Path, split: str) -> list[Path]:
     return files
 
 
-def _leaf_samples(name: str, path: Path, root: Path) -> list[tuple[str, list[Any], list[Any]]]:
-    """``(user, xs, ys)`` of every user in one LEAF JSON file, checked."""
+def _corrupt(name: str, path: Path, root: Path, what: str) -> DataError:
+    """A LEAF file that cannot be used: the file, ``what`` is wrong with it, the way out."""
+    return DataError(f"{name}: {path}: {what}; delete it and {fetch_hint(name, root)}")
+
+
+def _leaf_document(name: str, path: Path, root: Path) -> tuple[list[Any], dict[str, Any]]:
+    """The ``users`` and ``user_data`` of one LEAF JSON file, read only if it is no larger
+    than :data:`LEAF_FILE_LIMIT`; DataError naming the file if it cannot be read as LEAF's."""
     try:
+        size = path.stat().st_size
+        if size > LEAF_FILE_LIMIT:
+            raise DataError(
+                f"{name}: {path} holds {size:,} bytes, more than a LEAF file may "
+                f"(gossipdl.data.published.LEAF_FILE_LIMIT, {LEAF_FILE_LIMIT:,}; LEAF writes "
+                "files of a few hundred MB at most): split its users over several *.json "
+                f"files in that folder, or delete it and {fetch_hint(name, root)}"
+            )
         with path.open(encoding="utf-8") as f:
             doc = json.load(f)
         users, data = doc["users"], doc["user_data"]
-        out = [(str(u), data[u]["x"], data[u]["y"]) for u in users]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DataError(
-            f"{name}: {path} is not LEAF's JSON ({type(exc).__name__}: {exc}); delete it and "
-            f"{fetch_hint(name, root)}"
-        ) from None
-    for user, xs, ys in out:
+        if not isinstance(users, list) or not isinstance(data, dict):
+            raise TypeError("'users' is not a list or 'user_data' not an object")
+    except DataError:  # the size's, a ValueError too
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        # RecursionError: arrays nested deeper than json's parser recurses
+        raise _corrupt(name, path, root, f"not LEAF's JSON ({type(exc).__name__}: {exc})") from None
+    return users, data
+
+
+def _leaf_samples(name: str, path: Path, root: Path) -> list[tuple[str, list[Any], list[Any]]]:
+    """``(user, xs, ys)`` of every user in one LEAF JSON file, checked; a user listed twice is
+    refused when it is met, before the rest of a long list costs memory."""
+    users, data = _leaf_document(name, path, root)
+    out, seen = [], set()
+    for user in users:
+        entry = data.get(user) if isinstance(user, str) else None
+        xs, ys = (entry.get("x"), entry.get("y")) if isinstance(entry, dict) else (None, None)
         if not isinstance(xs, list) or not isinstance(ys, list) or len(xs) != len(ys):
-            raise DataError(f"{name}: {path}: user {user!r} has x and y of different lengths")
-    if len({user for user, _, _ in out}) < len(out):
-        raise DataError(
-            f"{name}: {path} lists a user twice; delete it and {fetch_hint(name, root)}"
-        )
+            raise _corrupt(name, path, root, f"user {user!r} has no x and y lists of one length")
+        if user in seen:
+            raise _corrupt(name, path, root, f"it lists a user twice ({user!r})")
+        seen.add(user)
+        out.append((user, xs, ys))
     return out
 
 
-def _femnist_arrays(
-    path: Path, samples: list[tuple[str, list[Any], list[Any]]]
-) -> tuple[np.ndarray, np.ndarray]:
-    xs = [x for _, user_x, _ in samples for x in user_x]
-    ys = [y for _, _, user_y in samples for y in user_y]
-    pixels = FEMNIST_SIDE * FEMNIST_SIDE
+def _femnist_pixels(xs: list[Any]) -> np.ndarray | None:
+    """FEMNIST samples as float32 rows of 784 finite numbers; None if they are not (ragged,
+    not numbers, an integer too large for a float)."""
     try:
-        x = np.asarray(xs, dtype=np.float32).reshape(len(xs), -1)
-        y = np.asarray(ys, dtype=np.int64)
-    except (ValueError, TypeError):
-        x = np.empty((0, 0), np.float32)  # not one length: refused below
-        y = np.empty(0, np.int64)
-    if x.shape != (len(xs), pixels) or not np.isfinite(x).all():
-        raise DataError(f"femnist: {path}: a sample is not {pixels} finite numbers")
-    if len(y) != len(ys) or (len(y) and (y.min() < 0 or y.max() >= FEMNIST_CLASSES)):
-        raise DataError(f"femnist: {path}: labels outside 0..{FEMNIST_CLASSES - 1}")
-    return x.reshape(-1, 1, FEMNIST_SIDE, FEMNIST_SIDE), y
+        x = np.asarray(xs, dtype=np.float32).reshape(len(xs), _FEMNIST_PIXELS)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    return x if np.isfinite(x).all() else None
+
+
+def _femnist_arrays(
+    path: Path, root: Path, samples: list[tuple[str, list[Any], list[Any]]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The images (``[N, 1, 28, 28]``) and int64 classes of one FEMNIST file's samples."""
+    x = _femnist_pixels([x for _, user_x, _ in samples for x in user_x])
+    if x is None:
+        raise _corrupt("femnist", path, root, f"a sample is not {_FEMNIST_PIXELS} finite numbers")
+    ys = [y for _, _, user_y in samples for y in user_y]
+    if not all(type(y) is int and 0 <= y < FEMNIST_CLASSES for y in ys):
+        raise _corrupt("femnist", path, root, f"a label is not one of 0..{FEMNIST_CLASSES - 1}")
+    return x.reshape(-1, 1, FEMNIST_SIDE, FEMNIST_SIDE), np.array(ys, dtype=np.int64)
 
 
 def _shakespeare_arrays(
-    path: Path, samples: list[tuple[str, list[Any], list[Any]]]
+    path: Path, root: Path, samples: list[tuple[str, list[Any], list[Any]]]
 ) -> tuple[np.ndarray, np.ndarray]:
+    """The character classes (``[N, 80]``) and next-character classes of one Shakespeare
+    file's samples."""
     texts = [text for _, user_x, _ in samples for text in user_x]
     labels = [label for _, _, user_y in samples for label in user_y]
     try:
@@ -218,16 +274,20 @@ def _shakespeare_arrays(
         x = np.array([[_LETTER[c] for c in text] for text in texts], dtype=np.float32)
         y = np.array([_LETTER[label] for label in labels], dtype=np.int64)
     except (KeyError, ValueError, TypeError):
-        raise DataError(
-            f"shakespeare: {path}: a sample is not {SHAKESPEARE_SEQUENCE} characters of LEAF's "
-            "vocabulary, or a label not one of them"
+        raise _corrupt(
+            "shakespeare",
+            path,
+            root,
+            f"a sample is not {SHAKESPEARE_SEQUENCE} characters of LEAF's vocabulary, or a "
+            "label not one of them",
         ) from None
     return x.reshape(-1, SHAKESPEARE_SEQUENCE), y
 
 
 def _load_leaf(name: str, root: Path) -> Dataset:
     """A LEAF data set: every user's train and test samples, each kept with its owner's
-    number (users numbered in sorted order)."""
+    number (users numbered in sorted order). A file with no samples adds none; a split
+    with none at all is refused."""
     arrays = _femnist_arrays if name == "femnist" else _shakespeare_arrays
     splits: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
     for split in ("train", "test"):
@@ -242,10 +302,15 @@ def _load_leaf(name: str, root: Path) -> Dataset:
                         f"({split}); delete them and {fetch_hint(name, root)}"
                     )
                 listed[user] = path
-            x, y = arrays(path, samples)
+            x, y = arrays(path, root, samples)
             xs.append(x)
             ys.append(y)
             owners += [user for user, _, user_y in samples for _ in user_y]
+        if not owners:
+            raise DataError(
+                f"{name}: the {split} files in {root / name / split} hold no samples; "
+                f"{fetch_hint(name, root)} (it says how LEAF's scripts make them)"
+            )
         splits[split] = (np.concatenate(xs), np.concatenate(ys), owners)
     users = sorted(set(splits["train"][2]))
     number = {u: i for i, u in enumerate(users)}

@@ -202,10 +202,16 @@ class Placement:
 
 class StopOnSignal:
     """While active (in the main thread): SIGINT and SIGTERM set ``signum`` instead of raising
-    at whatever line the launcher is on, so a Ctrl-C always ends in an orderly stop."""
+    at whatever line the launcher is on, so a Ctrl-C always ends in an orderly stop.
 
-    def __init__(self) -> None:
+    ``at_once``: the first of them raises :class:`Interrupted` where the program is instead
+    (later ones are ignored), for work whose ``finally`` clauses are its orderly stop, such
+    as a download that removes its temporary files: SIGTERM then cleans up as Ctrl-C does,
+    rather than killing the process with its files left behind."""
+
+    def __init__(self, *, at_once: bool = False) -> None:
         self.signum: int | None = None
+        self.at_once = at_once
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopOnSignal:
@@ -215,7 +221,10 @@ class StopOnSignal:
         return self
 
     def _ask(self, signum: int, frame: object) -> None:
+        first = self.signum is None
         self.signum = self.signum or signum
+        if first and self.at_once:
+            raise Interrupted(signum)
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():

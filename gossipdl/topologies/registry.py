@@ -8,6 +8,7 @@ import operator
 import re
 from collections.abc import Callable
 
+from gossipdl.plugins import is_dotted
 from gossipdl.topologies.base import Topology, check_peer_count
 from gossipdl.topologies.edge_file import read_edge_file
 from gossipdl.topologies.errors import TopologyError
@@ -31,7 +32,6 @@ _FACTORIES: dict[str, TopologyFactory] = {}
 _USAGE: dict[str, str] = {}
 _READS_A_FILE = frozenset({"edges"})  # families whose argument is a path on this machine
 _NAME = re.compile(r"[a-z0-9][a-z0-9_\-]*")
-_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 def register_topology(
@@ -115,7 +115,7 @@ def build_topology(spec: str, n: int, seed: int = 0) -> Topology:
     topology: object
     if factory is not None:
         topology = factory(n, arg, seed)
-    elif arg is not None and _DOTTED.fullmatch(head) and _DOTTED.fullmatch(arg):
+    elif arg is not None and is_dotted(head) and is_dotted(arg):
         topology = _load_class(head, arg, n, seed)
     else:
         raise TopologyError(f"unknown topology {head!r} in spec {spec!r}; choose from {_choices()}")
