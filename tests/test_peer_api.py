@@ -226,11 +226,15 @@ def test_a_peer_that_fails_to_start_leaves_the_model_free_to_train() -> None:
 
 
 def train_a_ring(
-    overlap: bool, steps: int = 2, device: str = "cpu", shared_memory: bool = False
+    overlap: bool,
+    steps: int = 2,
+    device: str = "cpu",
+    shared_memory: bool = False,
+    slow: LinkProfile | None = None,
 ) -> tuple[list[torch.Tensor], list[int]]:
     """Three peers all-reduce their gradients (mode ring) over ``steps`` steps of an MLP
-    with one frozen bias; their parameters after, and per peer the buckets that had gone
-    out when the first backward ended."""
+    with one frozen bias (peer 0's uplink ``slow``); their parameters after, and per peer
+    the buckets that had gone out when the first backward ended."""
     addresses = free_addresses(3)
     torch.manual_seed(0)
     template = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
@@ -244,7 +248,7 @@ def train_a_ring(
         g = torch.Generator().manual_seed(rank)
         peer = Peer(
             model, opt, rank=rank, peers=addresses, algorithm="allreduce", overlap=overlap,
-            shared_memory=shared_memory,
+            shared_memory=shared_memory, link=slow if rank == 0 else None, round_timeout=20,
         )  # fmt: skip
         with peer:
             for step in range(steps):
@@ -275,6 +279,16 @@ def test_a_ring_overlapping_backward_averages_the_gradients_it_would_without(
     assert all(torch.equal(m, overlapped[0]) for m in overlapped)
     torch.testing.assert_close(overlapped[0], whole[0], rtol=0, atol=1e-6)
     assert min(early) >= 1  # buckets went out before step() was called
+
+
+def test_a_ring_overlapping_backward_agrees_when_its_last_chunk_is_still_on_the_way() -> None:
+    """A rank's all-reduce ends with the chunk it finished still queued for its successor
+    (nothing it waits for needs it read); sent from the bucket buffer itself, the next
+    backward's gradients went out in its place on a slow link, and ranks held different
+    models (0.3 apart). It goes out as a copy."""
+    slow = LinkProfile(latency_s=0.1, jitter_s=0.1)
+    models, _ = train_a_ring(overlap=True, steps=6, slow=slow)
+    assert all(torch.equal(m, models[0]) for m in models)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

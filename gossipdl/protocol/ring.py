@@ -337,7 +337,11 @@ class RingCore:
         if last:
             mine /= n
         with np.errstate(over="ignore"):  # a mean past float16's range: refused just below
-            sent = mine if exact else mine.astype(wire)
+            # the finished chunk goes out as a copy: nothing this rank still waits for needs
+            # its successor to have read it, so the all-reduce may return with it queued,
+            # and the caller's next writes to its buffer (the next backward's gradients,
+            # with overlap) went out in its place: ranks then held different means
+            sent = (mine.copy() if last else mine) if exact else mine.astype(wire)
         if last:  # what goes out: a finite mean past float16's range is Inf on the wire
             if not all_finite(sent):  # NaN and Inf survive every addition
                 self.failure = RingFailure(
