@@ -292,6 +292,63 @@ def test_a_ring_overlapping_backward_agrees_when_its_last_chunk_is_still_on_the_
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_a_ring_leaves_frozen_parameters_alone_and_gradients_of_their_own_dtype(
+    overlap: bool,
+) -> None:
+    """Mode ring gave a frozen parameter a zero gradient, which weight decay then moved
+    (torch leaves it alone); without overlap it made float64 gradients float32 views, and
+    Adam refused them."""
+    addresses = free_addresses(2)
+    torch.manual_seed(0)
+    template = torch.nn.Linear(4, 3).double()
+    template.bias.requires_grad_(False)
+    frozen = template.bias.detach().clone()
+    errors = []
+
+    def work(rank: int) -> None:
+        model = copy.deepcopy(template)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        with Peer(model, opt, rank=rank, peers=addresses, algorithm="allreduce",
+                  overlap=overlap) as peer:  # fmt: skip
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(8, 4, dtype=torch.float64)).pow(2).sum().backward()
+                peer.step()
+        if not (torch.equal(model.bias, frozen) and model.bias.grad is None):
+            errors.append(f"rank {rank}: the frozen bias moved or has a gradient")
+        if model.weight.grad is None or model.weight.grad.dtype != torch.float64:
+            errors.append(f"rank {rank}: the weight's gradient is not float64")
+
+    assert not in_threads(work, range(2))
+    assert not errors, errors
+
+
+def test_a_failed_bucket_cancels_the_buckets_queued_behind_it() -> None:
+    """With overlap, a ring that failed (a dead peer) left its other buckets queued: each
+    started an all-reduce of its own and waited out the timeout again, so closing a peer
+    took one round_timeout a bucket (217 s for 44)."""
+    from gossipdl.coordinator.buckets import OverlappedGradients
+    from gossipdl.coordinator.ring import RingError
+
+    calls = []
+
+    class DeadRing:
+        def allreduce_mean_(self, values: torch.Tensor) -> torch.Tensor:
+            calls.append(values.numel())
+            time.sleep(0.05)  # the timeout it waits out
+            raise RingError("nothing from peer 2 (its predecessor)")
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+    buckets = OverlappedGradients(list(model.parameters()), DeadRing, bucket_numel=40)
+    assert len(buckets.bounds) > 10
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(RingError, match="peer 2"):
+        buckets.wait()
+    buckets.close()
+    assert len(calls) <= 2  # the bucket that failed, and one that had already started
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 def test_a_ring_through_shared_memory_averages_as_the_tcp_ring(
     monkeypatch: pytest.MonkeyPatch, overlap: bool
 ) -> None:

@@ -33,7 +33,11 @@ def bucket_bounds(numel: int, most: int) -> list[tuple[int, int]]:
     [(0, 4), (4, 8), (8, 10)]
     >>> bucket_bounds(10_700_000, 6_553_600)
     [(0, 5350000), (5350000, 10700000)]
+    >>> bucket_bounds(0, 4)  # a model of empty parameters (it divided by zero)
+    []
     """
+    if numel == 0:  # a model of empty parameters: nothing to all-reduce
+        return []
     count = -(-numel // most)
     size = -(-numel // count)
     return [(a, min(a + size, numel)) for a in range(0, numel, size)]
@@ -60,7 +64,7 @@ class OverlappedGradients:
             at += self.params[i].numel()
         self.flat = torch.zeros(at, device=self.params[0].device)
         self.bounds = bucket_bounds(at, bucket_numel)
-        self.size = self.bounds[0][1]
+        self.size = self.bounds[0][1] if self.bounds else 0
         self._ring = ring
         self._padded = torch.zeros(self.size, device=self.flat.device)  # a short last bucket
         self._buckets_of = {
@@ -121,8 +125,8 @@ class OverlappedGradients:
         while self._sent < len(self.bounds) and self._missing[self._sent] == 0:
             copied = None
             if self._stream is not None:  # the copies queued so far, on this thread's stream
-                copied = torch.cuda.Event()
-                copied.record()
+                copied = torch.cuda.Event()  # (of the buckets' device: not the current one)
+                copied.record(torch.cuda.current_stream(self.flat.device))
             self._futures.append(self._reduces.submit(self._reduce, self._sent, copied))
             self._sent += 1
 
@@ -132,8 +136,8 @@ class OverlappedGradients:
         lo, hi = self.bounds[b]
         values, ring = self.flat[lo:hi], self._ring()
         with torch.cuda.stream(self._stream):
-            if copied is not None:
-                torch.cuda.current_stream().wait_event(copied)
+            if copied is not None and self._stream is not None:
+                self._stream.wait_event(copied)
             if hi - lo == self.size:
                 ring.allreduce_mean_(values)
             else:
@@ -143,7 +147,7 @@ class OverlappedGradients:
             if copied is None:
                 return None
             done = torch.cuda.Event()
-            done.record()
+            done.record(self._stream)
             return done
 
     @torch.no_grad()
@@ -157,11 +161,18 @@ class OverlappedGradients:
             self._send_ready()
             futures = self._futures
             self._reset()
-        for future in futures:
-            done = future.result()
-            if done is not None:  # the gradients are written on this thread's stream
-                torch.cuda.current_stream().wait_event(done)
+        try:
+            for future in futures:
+                done = future.result()
+                if done is not None:  # the gradients are written on this thread's stream
+                    torch.cuda.current_stream(self.flat.device).wait_event(done)
+        except BaseException:  # the ring failed: the buckets queued behind would each wait
+            for future in futures:  # out its timeout again, in close() too
+                future.cancel()
+            raise
         for i, p in enumerate(self.params):
+            if not p.requires_grad:  # frozen: no gradient (weight decay would move it)
+                continue
             at, n = self._offset[i], p.numel()
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -171,4 +182,4 @@ class OverlappedGradients:
         """Remove the hooks and stop the all-reduce thread."""
         for hook in self._hooks:
             hook.remove()
-        self._reduces.shutdown(wait=True)
+        self._reduces.shutdown(wait=True, cancel_futures=True)

@@ -20,7 +20,6 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from torch.nn.utils import vector_to_parameters
 
 from gossipdl.averaging import build_averager
 from gossipdl.averaging.attacks import Attack
@@ -445,8 +444,8 @@ class Peer:
             return
         x, ready = self.flat_params.copy(), None  # training goes on beside the round
         if self._stream is not None:  # the round's stream starts once x is written
-            ready = torch.cuda.Event()
-            ready.record()
+            ready = torch.cuda.Event()  # on x's device, which need not be the current one
+            ready.record(torch.cuda.current_stream(x.device))
             x.record_stream(self._stream)
         self._pending = self._rounds.submit(self._round_behind, x, ready)
 
@@ -461,8 +460,9 @@ class Peer:
         with self._core:
             self.core.counters.idle_s += time.monotonic() - waited
         if done is not None:  # training's stream goes on once the round's work is done
-            torch.cuda.current_stream().wait_event(done)
-            new.record_stream(torch.cuda.current_stream())
+            training = torch.cuda.current_stream(new.device)
+            training.wait_event(done)
+            new.record_stream(training)
         self.flat_params.load_(new)
 
     def _round_behind(
@@ -473,10 +473,11 @@ class Peer:
         with torch.no_grad(), self._gossip_stream():  # a thread's own modes
             if ready is None:
                 return self._core_round(x), None
-            torch.cuda.current_stream().wait_event(ready)
+            assert self._stream is not None  # a GPU's round: its own stream, named (the
+            self._stream.wait_event(ready)  # current device need not be the model's)
             new = self._core_round(x)
             done = torch.cuda.Event()
-            done.record()
+            done.record(self._stream)
             return new, done
 
     def _gossip_stream(self) -> AbstractContextManager[Any]:
@@ -589,11 +590,14 @@ class Peer:
         if self._gradients is not None:
             self._gradients.wait()
             return
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        vector_to_parameters(self._reducer().allreduce_mean_(self._flat_gradients(grads)), grads)
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
+        mean = self._reducer().allreduce_mean_(self._flat_gradients(grads))
+        at = 0
+        for p, grad in zip(self.params, grads, strict=True):
+            if p.requires_grad:  # frozen: zeros in the ring, no gradient (weight decay)
+                p.grad = grad  # of its own dtype: Adam refuses another
+                grad.copy_(mean[at : at + grad.numel()].view_as(grad))
+            at += grad.numel()
 
     def _ring_round(self, x: torch.Tensor) -> torch.Tensor:
         """The mean of the parameters; low-rank: the mean change since the last round."""
