@@ -196,6 +196,31 @@ def test_sigint_to_gossipdl_run_stops_its_peers_and_exits_130(tmp_path: Path) ->
     assert (out / "summary.json").is_file()
 
 
+def test_a_ring_whose_member_stops_a_step_first_still_evaluates_and_saves_every_peer(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C reaches a ring's peers a moment apart: one that stopped a step sooner left
+    the others' all-reduce, and they failed without their final line and model (4 of 12
+    Ctrl-Cs in a review). Here one peer hears it 0.3 s before the rest."""
+    config = small_config(tmp_path, peers=3, steps=1_000_000, mode="ring")
+    out = tmp_path / "run"
+    proc = start(gossipdl_cmd("run", str(write_config(tmp_path / "ring.toml", config)),
+                              "--out", str(out), "--no-progress"), tmp_path)  # fmt: skip
+    try:
+        wait_for(lambda: all(last_record(out / "peers" / f"{i}.jsonl") for i in range(3)),
+                 60, "the peers to train")  # fmt: skip
+        os.kill(peer_pids(out)[0], signal.SIGINT)  # as the launcher will, to peer 0 first
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        code, stderr = stopped(proc)
+    finally:
+        cleanup(proc)
+    assert code == 130, stderr
+    for i in range(3):
+        assert last_record(out / "peers" / f"{i}.jsonl").get("final"), (i, stderr)
+        assert (out / "models" / f"{i}.pt").is_file(), i
+
+
 def test_every_process_a_swarm_starts_is_told_the_same_run_start(tmp_path: Path) -> None:
     config = small_config(tmp_path, peers=2, steps=1_000_000)
     run = RunDir(config.out).create()

@@ -22,7 +22,10 @@ import torch
 from gossipdl.averaging.local_optimizer import LocalOptimizer
 from gossipdl.conditions import DeviceProfile, device_of
 from gossipdl.config import Config, to_dict
+from gossipdl.coordinator.cuda_ipc import CudaIpcError
+from gossipdl.coordinator.ring import RingError
 from gossipdl.coordinator.server import serve
+from gossipdl.coordinator.shared_reduce import SharedReduceError
 from gossipdl.coordinator.worker import ServerWorker
 from gossipdl.data import Dataset, evaluation_inputs
 from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -53,6 +56,12 @@ from gossipdl.transport.curve import Curve
 from gossipdl.transport.probe import CONNECT_WAIT_S
 
 log = logging.getLogger(__name__)
+RING_FAILURES = (RingError, SharedReduceError, CudaIpcError)  # a ring all-reduce that failed
+RING_STOP_GRACE_S = 2.0
+"""How long a ring peer whose all-reduce failed waits for a stop signal of its own before it
+reports the failure: Ctrl-C reaches every peer of a ``gossipdl run`` a moment apart, and one
+that stopped a step sooner left the others' all-reduce; they stop in order too (evaluate,
+save), as the README promises, instead of failing without their final line and model."""
 # Counters a resumed peer carries on from its last life (the others are states, not sums).
 CARRIED = (
     "bytes_sent",
@@ -345,7 +354,12 @@ def _loop(
             computed = time.monotonic()
             loss = local_gradients(config, model, optimizer, sampler, peer.steps)
             _take_as_long(emulated, computed)
-            peer.step()
+            try:
+                peer.step()
+            except RING_FAILURES:
+                if not stop.wait(RING_STOP_GRACE_S):  # a member died or stalled: the error
+                    raise
+                break  # a member stopped a step sooner on the same Ctrl-C: so do we, in order
             losses.append(loss.detach())
             if config.checkpoint_every and peer.steps % config.checkpoint_every == 0:
                 _settle(peer)
