@@ -348,6 +348,28 @@ def test_a_failed_bucket_cancels_the_buckets_queued_behind_it() -> None:
     assert len(calls) <= 2  # the bucket that failed, and one that had already started
 
 
+def test_a_parameter_that_changes_size_is_refused_by_the_overlapped_buckets() -> None:
+    """The buckets lay out the sizes they started with: a parameter rebound to more values
+    took its neighbour's gradient as its own, silently."""
+    from gossipdl.coordinator.buckets import OverlappedGradients
+
+    class Alone:  # a ring of one: the mean is the values
+        def allreduce_mean_(self, values: torch.Tensor) -> torch.Tensor:
+            return values
+
+    model = torch.nn.Linear(4, 2)
+    buckets = OverlappedGradients(list(model.parameters()), Alone, bucket_numel=4)
+    model(torch.randn(3, 4)).sum().backward()
+    buckets.wait()
+    model.bias.data = torch.zeros(3)
+    model.zero_grad()
+    with pytest.raises(RuntimeError, match="parameter 1 changed size"):
+        torch.nn.functional.linear(torch.randn(3, 4), model.weight).sum().backward()
+        model.bias.sum().backward()
+        buckets.wait()
+    buckets.close()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_ring_through_shared_memory_averages_as_the_tcp_ring(
     monkeypatch: pytest.MonkeyPatch, overlap: bool

@@ -58,10 +58,11 @@ class OverlappedGradients:
         self.params = list(params)
         order = list(reversed(range(len(self.params))))  # backward's order
         self._offset: dict[int, int] = {}
+        self._numel = [p.numel() for p in self.params]  # the sizes the offsets were laid out for
         at = 0
         for i in order:
             self._offset[i] = at
-            at += self.params[i].numel()
+            at += self._numel[i]
         self.flat = torch.zeros(at, device=self.params[0].device)
         self.bounds = bucket_bounds(at, bucket_numel)
         self.size = self.bounds[0][1] if self.bounds else 0
@@ -110,7 +111,12 @@ class OverlappedGradients:
 
     def _take(self, i: int, grad: torch.Tensor | None) -> None:
         """Copy parameter ``i``'s gradient (None: zeros) into its place (holding the lock)."""
-        at, n = self._offset[i], self.params[i].numel()
+        at, n = self._offset[i], self._numel[i]
+        if self.params[i].numel() != n:  # its values would overlap its neighbour's
+            raise RuntimeError(
+                f"parameter {i} changed size ({n} values, now {self.params[i].numel()}): the "
+                "gradient all-reduce overlapped with backward lays out the sizes it started with"
+            )
         place = self.flat[at : at + n]
         if grad is None:
             place.zero_()
