@@ -196,6 +196,62 @@ def test_sigint_to_gossipdl_run_stops_its_peers_and_exits_130(tmp_path: Path) ->
     assert (out / "summary.json").is_file()
 
 
+def test_ctrl_c_while_the_swarm_starts_stops_it_with_code_130_and_a_summary(
+    tmp_path: Path,
+) -> None:
+    """A terminal's Ctrl-C reaches the launcher and its peers together: peer 0, stopped
+    before it listened, made the launcher fail with code 2 and no summary, and a signal to
+    the launcher alone waited for peer 0 and then started the others anyway."""
+    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=3, steps=10**6))
+    out = tmp_path / "run"
+    proc = start(gossipdl_cmd("run", str(config), "--out", str(out), "--no-progress"), tmp_path)
+    try:
+        wait_for(lambda: (out / "peers" / "0.log").exists(), 60, "peer 0 to be started")
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole group
+        code, stderr = stopped(proc)
+    finally:
+        cleanup(proc)
+    assert code == 130, stderr
+    assert "Traceback" not in stderr and "did not start listening" not in stderr
+    assert (out / "summary.json").is_file()
+    assert not (out / "peers" / "2.log").exists()  # nobody started after the signal
+
+
+def test_a_gossip_peer_dead_before_the_swarm_formed_stops_the_launch_at_once(
+    tmp_path: Path,
+) -> None:
+    """A gossip swarm carries on without a dead peer, but before it formed the others wait
+    for it: the launch waited out startup_timeout (129 s in a review) to say so."""
+    (tmp_path / "slow.py").write_text(  # 2 s to load: the swarm forms after that
+        "import time\nfrom gossipdl.data import load_dataset\n"
+        "def data():\n    time.sleep(2)\n    return load_dataset('synthetic')\n"
+    )
+    config = small_config(tmp_path, peers=3, steps=10**6, startup_timeout=120.0,
+                          dataset="slow:data")  # fmt: skip
+    out = tmp_path / "run"
+    command = gossipdl_cmd("run", str(write_config(tmp_path / "exp.toml", config)),
+                           "--out", str(out), "--no-progress")  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)})  # fmt: skip
+
+    def peers() -> list[int]:  # the fork server's children, the launcher's its own
+        live = live_processes()
+        servers = {p for p, (parent, _) in live.items() if parent == proc.pid}
+        return sorted(p for p, (parent, _) in live.items() if parent in servers)
+
+    try:
+        wait_for(lambda: len(peers()) == 3 and not list((out / "peers").glob("*.jsonl")), 60,
+                 "three peers, not training yet")  # fmt: skip
+        os.kill(peers()[-1], signal.SIGKILL)
+        began = time.monotonic()
+        code, stderr = stopped(proc)
+    finally:
+        cleanup(proc)
+    assert code == 2 and "died before the swarm formed" in stderr, stderr
+    assert time.monotonic() - began < STOP_S
+
+
 def test_a_ring_whose_member_stops_a_step_first_still_evaluates_and_saves_every_peer(
     tmp_path: Path,
 ) -> None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_forked, small_config, write_config
+from conftest import gossipdl_cmd, run_forked, small_config, write_config
 
 from gossipdl.config import Config, ConfigError
 from gossipdl.experiments.launcher import launch
@@ -122,3 +125,37 @@ def test_a_sink_that_cannot_work_stops_the_peer_before_it_listens(tmp_path: Path
     )  # fmt: skip
     assert done.returncode == 2 and "listening on" not in done.stdout
     assert "metrics_hook = 'nosuchmodule:sink': cannot load it" in " ".join(done.stderr.split())
+
+
+PRINTER = """
+def sink(peer_id, run_dir):
+    def write(line):
+        print("a plug-in talking on stdout " * 40, flush=True)
+    return write
+"""
+
+
+def test_a_peer_that_prints_to_stdout_runs_to_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing read a launched peer's stdout after its address line: 64 KB of prints (a
+    plug-in's, a metrics hook's) filled the pipe and blocked the peer, and the swarm with
+    it. What a peer prints goes to its log."""
+    (tmp_path / "printer.py").write_text(PRINTER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    config = small_config(tmp_path, peers=2, steps=150, log_every=1, metrics_hook="printer:sink")
+    command = gossipdl_cmd("run", str(write_config(tmp_path / "exp.toml", config)), "--no-progress")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the swarm stalled on its peers' stdout")
+    assert proc.returncode == 0, stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["peers_finished"] == 2
+    for i in (0, 1):
+        assert (
+            "a plug-in talking on stdout" in (tmp_path / "run" / "peers" / f"{i}.log").read_text()
+        )

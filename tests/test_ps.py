@@ -256,7 +256,7 @@ def test_a_server_shard_that_dies_fails_the_run_naming_it_even_where_workers_may
     normally, saying the others carried on when none did)."""
     swarms: list[Swarm] = []
     start = Swarm.start
-    monkeypatch.setattr(Swarm, "start", lambda self: swarms.append(self) or start(self))
+    monkeypatch.setattr(Swarm, "start", lambda self, *a: swarms.append(self) or start(self, *a))
     config = small_config(tmp_path, mode="ps", ps="async", peers=2, steps=1_000_000,
                           round_timeout=3.0)  # fmt: skip
 

@@ -165,23 +165,59 @@ def _log_tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def _read_address(proc: Process, log_path: Path, timeout: float, who: str = "peer 0") -> str:
-    """Wait for a process's 'listening on ADDRESS' line (the founder's, or a server's)."""
+def _read_address(
+    proc: Process,
+    log_path: Path,
+    timeout: float,
+    who: str = "peer 0",
+    stopped: Callable[[], bool] = lambda: False,
+) -> str | None:
+    """Wait for a process's 'listening on ADDRESS' line (the founder's, or a server's); None
+    once ``stopped`` says a signal asked the launch to stop (the process may have ended on
+    the same Ctrl-C), then copy the rest of its stdout to its log (:func:`_drain`)."""
     assert proc.stdout is not None
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stopped():
         if selector.select(0.2):
             line = proc.stdout.readline()
             if line.startswith(LISTENING):
+                _drain(proc.stdout, log_path)
                 return line[len(LISTENING) :].strip()
             if not line:
                 break
         if proc.poll() is not None:
             break
+    if stopped() or _signal_arrives(stopped):
+        return None
     proc.kill()
     raise LaunchError(f"{who} did not start listening; its log {log_path}:\n{_log_tail(log_path)}")
+
+
+def _signal_arrives(stopped: Callable[[], bool], within: float = 0.5) -> bool:
+    """Whether ``stopped`` turns true within ``within`` seconds: a Ctrl-C to the process
+    group may end a peer before the launcher's own handler has run."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if stopped():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _drain(stream: IO[str], log_path: Path) -> None:
+    """Copy what a launched process writes to stdout into its log, on a thread of its own
+    until the process ends: a pipe nobody reads fills at 64 KB, and then the process (a
+    plug-in's or a metrics hook's print) blocked for good, and the whole swarm with it."""
+
+    def copy() -> None:
+        with log_path.open("a") as log:
+            for line in stream:
+                log.write(line)
+                log.flush()
+
+    threading.Thread(target=copy, name=f"drain {log_path.name}", daemon=True).start()
 
 
 def carries_on(config: Config) -> bool:
@@ -258,8 +294,9 @@ class Swarm:
             RUN_START_ENV: f"{time.time():.6f}",
         }
 
-    def start(self) -> None:
-        """Spawn peer 0, learn its address, then spawn the others pointing at it.
+    def start(self, stopped: Callable[[], bool] = lambda: False) -> None:
+        """Spawn peer 0, learn its address, then spawn the others pointing at it; no more
+        once ``stopped`` (a signal asked the launch to stop).
 
         In ps mode the server shards start first and every worker gets their addresses.
         """
@@ -271,20 +308,31 @@ class Swarm:
             for k in range(self.config.ps_shards):
                 args = server_args(self.run.config, self.run.root, k, listen)
                 self.servers[k] = self._spawn(args, self.run.server_log(k))
-            servers = [
-                _read_address(p, self.run.server_log(k), self.config.startup_timeout, f"shard {k}")
+            shards = [
+                _read_address(
+                    p, self.run.server_log(k), self.config.startup_timeout, f"shard {k}", stopped
+                )
                 for k, p in self.servers.items()
             ]
+            if stopped():
+                return
+            servers = [a for a in shards if a is not None]
         address = None
         for rank in range(n):
+            if stopped():
+                return
             args = peer_args(
                 self.run.config, self.run.root, rank, self._listen(rank), self._threads, address,
                 servers,
             )  # fmt: skip
             prefix = self._place(rank).prefix
-            self.procs[rank] = self._spawn(args, self.run.log(rank), prefix=prefix)
+            self.procs[rank] = proc = self._spawn(args, self.run.log(rank), prefix=prefix)
             if address is None and servers is None:
-                address = _read_address(self.procs[0], self.run.log(0), self.config.startup_timeout)
+                timeout = self.config.startup_timeout
+                address = _read_address(proc, self.run.log(0), timeout, "peer 0", stopped)
+            else:
+                assert proc.stdout is not None
+                _drain(proc.stdout, self.run.log(rank))
 
     def _listen(self, rank: int) -> str:
         return f"tcp://{self._place(rank).host or self.config.host}:0"
@@ -301,9 +349,11 @@ class Swarm:
                        self._threads, None),
             "--resume", str(self.run.root),
         ]  # fmt: skip
-        self.procs[rank] = self._spawn(
+        self.procs[rank] = proc = self._spawn(
             args, self.run.log(rank), prefix=self._place(rank).prefix, mode="a"
         )
+        assert proc.stdout is not None
+        _drain(proc.stdout, self.run.log(rank))
 
     def _spawn(
         self, args: list[str], log_path: Path, prefix: tuple[str, ...] = (), mode: str = "w"
@@ -405,7 +455,7 @@ def launch(
     stop = StopOnSignal()
     with stop, LiveProgress(run, config.steps, console=console, enabled=progress) as display:
         try:
-            swarm.start()
+            swarm.start(lambda: stop.signum is not None)
             while swarm.running() and stop.signum is None:
                 time.sleep(0.25)
                 display.refresh()
@@ -419,8 +469,11 @@ def launch(
                     swarm.stop()
                     break
                 failed = swarm.failed()
-                if failed and not carries_on(config):
-                    log.error("peer(s) %s died; stopping the swarm", sorted(failed))
+                formed = bool(run.peer_ids())  # a metrics file: training began; before it,
+                # the others wait for the dead one until startup_timeout
+                if failed and not (carries_on(config) and formed):
+                    before = "" if formed else " before the swarm formed"
+                    log.error("peer(s) %s died%s; stopping the swarm", sorted(failed), before)
                     swarm.stop()
                     break
         except KeyboardInterrupt:
