@@ -79,9 +79,13 @@ def write_config(path: Path, config: Config) -> Path:
     return path
 
 
-def in_threads(work: Callable[[Any], object], items: Iterable[Any]) -> list[BaseException]:
+def in_threads(
+    work: Callable[[Any], object], items: Iterable[Any], timeout: float = 240.0
+) -> list[BaseException]:
     """``work(item)`` for every item, each on a thread of its own (e.g. the ranks of one
-    group in this process, over real sockets); waits for them all; the errors raised."""
+    group in this process, over real sockets); waits for them all, ``timeout`` seconds at
+    most; the errors raised, and a TimeoutError for each still running (it returned as if
+    all had ended, and a test read the results of one that had not)."""
     errors: list[BaseException] = []
 
     def run(item: Any) -> None:
@@ -93,9 +97,13 @@ def in_threads(work: Callable[[Any], object], items: Iterable[Any]) -> list[Base
     threads = [threading.Thread(target=run, args=(item,)) for item in items]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout
     for t in threads:
-        t.join(60)
-    return errors
+        t.join(max(0.0, deadline - time.monotonic()))
+    late = [
+        TimeoutError(f"{t.name} still running after {timeout:g} s") for t in threads if t.is_alive()
+    ]
+    return errors + late
 
 
 FREE_PORTS = range(10_000, 20_000)

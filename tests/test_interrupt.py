@@ -264,7 +264,7 @@ def test_a_ring_whose_member_stops_a_step_first_still_evaluates_and_saves_every_
                               "--out", str(out), "--no-progress"), tmp_path)  # fmt: skip
     try:
         wait_for(lambda: all(last_record(out / "peers" / f"{i}.jsonl") for i in range(3)),
-                 60, "the peers to train")  # fmt: skip
+                 120, "the peers to train")  # fmt: skip
         os.kill(peer_pids(out)[0], signal.SIGINT)  # as the launcher will, to peer 0 first
         time.sleep(0.3)
         proc.send_signal(signal.SIGINT)
