@@ -197,6 +197,11 @@ def parse_profile(name: str, table: Mapping[str, Any], peers: int) -> DeviceProf
     ):
         raise ConditionError(f"{what}: slowdown = {slowdown!r}; use a number >= 1 (2: 2x slower)")
     step_time = parse_duration(table.get("step_time", 0), f"{what}: step_time")
+    for key in LINK_KEYS:  # one value each: a comma would smuggle in another key
+        if key in table and not (
+            isinstance(table[key], str | int | float) and "," not in str(table[key])
+        ):
+            raise ConditionError(f"{what}: {key} = {table[key]!r}; give one value, e.g. 10mbit")
     try:
         link = parse_link(",".join(f"{k}={table[k]}" for k in LINK_KEYS if k in table))
         offline = parse_windows(table.get("offline", []))

@@ -147,9 +147,11 @@ def test_example_configs_are_the_ones_the_readme_promises() -> None:
 def test_windows_parse_sorted_and_bad_ones_show_the_form() -> None:
     assert parse_windows("20s-40s,5-10") == ((5.0, 10.0), (20.0, 40.0))
     assert parse_windows([]) == ()
-    for bad in ("5", "a-b", "5s-5s"):
+    for bad in ("5", "a-b", "5s-5s", "1.2.3s-5s", 5):  # the last two were tracebacks
         with pytest.raises(LinkError, match="START-END"):
-            parse_windows(bad)
+            parse_windows(bad)  # type: ignore[arg-type]
+    with pytest.raises(ConditionError, match="up = '10mbit,loss=50%'; give one value"):
+        parse_profiles({"p": {"peers": "0", "up": "10mbit,loss=50%"}}, 1)  # loss smuggled in
 
 
 def test_a_link_is_down_only_inside_its_windows_counted_from_its_start() -> None:

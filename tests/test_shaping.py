@@ -128,6 +128,10 @@ def test_link_specs_parse_and_bad_ones_say_the_form() -> None:
         ("speed=1mbit", "KEY=NUMBER"),
         ("latency=5ms,jitter=10ms", "exceeds latency"),
         ("loss=100%", "loss"),
+        ("up=.mbit", "not a finite number"),  # these were tracebacks, or an infinite link
+        ("latency=1.2.3ms", "not a finite number"),
+        ("latency=1e999s,jitter=1e999s", "not a finite number"),
+        ("latency=7200s", "at most 3600 s"),
     ]:
         with pytest.raises(LinkError, match=needle):
             parse_link(bad)

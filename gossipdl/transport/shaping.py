@@ -21,6 +21,9 @@ import random
 import re
 from dataclasses import dataclass
 
+MAX_LINK_DELAY_S = 3600.0
+"""The longest latency a link may have: a message an hour on its way is no link, and times
+past it (``1e999s`` read as infinity) broke both engines' clocks."""
 _SPEC = re.compile(r"^(up|down|latency|jitter|loss)=([0-9.eE+-]+)(mbit|kbit|ms|s|%)?$")
 _WINDOW = re.compile(r"^([0-9.]+)s?-([0-9.]+)s?$")
 Window = tuple[float, float]
@@ -43,8 +46,12 @@ class LinkProfile:
 
     def __post_init__(self) -> None:
         for name in ("uplink_bps", "downlink_bps", "latency_s", "jitter_s"):
-            if getattr(self, name) < 0:
-                raise LinkError(f"link {name} = {getattr(self, name)}; must not be negative")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise LinkError(
+                    f"link {name} = {getattr(self, name)}; must be a finite number >= 0"
+                )
+        if self.latency_s > MAX_LINK_DELAY_S:
+            raise LinkError(f"link latency {self.latency_s:g} s; at most {MAX_LINK_DELAY_S:g} s")
         if self.jitter_s > self.latency_s:
             raise LinkError(
                 f"link jitter {self.jitter_s * 1e3:g} ms exceeds latency "
@@ -66,12 +73,17 @@ def parse_windows(spec: str | list[str]) -> tuple[Window, ...]:
         >>> parse_windows(["20s-40s", "5-10"])
         ((5.0, 10.0), (20.0, 40.0))
     """
+    if not isinstance(spec, str | list):
+        raise LinkError(f'offline windows {spec!r}: give "START-END" text or a list of them')
     parts = spec.split(",") if isinstance(spec, str) else list(spec)
     windows = []
     for part in parts:
         match = _WINDOW.match(str(part).replace(" ", ""))
-        start, end = (float(match[1]), float(match[2])) if match else (0.0, -1.0)
-        if not 0 <= start < end:
+        try:
+            start, end = (float(match[1]), float(match[2])) if match else (0.0, -1.0)
+        except ValueError:  # "1.2.3s": digits and dots, no number
+            start, end = 0.0, -1.0
+        if not 0 <= start < end < math.inf:
             raise LinkError(
                 f"offline window {part!r}: use START-END in seconds after training starts, "
                 'START < END, e.g. "20s-40s"'
@@ -101,7 +113,12 @@ def parse_link(spec: str) -> LinkProfile:
                 "loss=1% (offline windows go in a [profiles.NAME] table)"
             )
         key, number, unit = match.groups()
-        value = float(number)
+        try:
+            value = float(number)
+        except ValueError:  # ".", "1.2.3": the pattern's digits and dots, no number
+            value = math.nan
+        if not math.isfinite(value):
+            raise LinkError(f"link part {part!r}: {number!r} is not a finite number")
         scale = {"mbit": 1e6, "kbit": 1e3, "ms": 1e-3, "s": 1.0, "%": 0.01, None: 1.0}[unit]
         units = {"up": ("mbit", "kbit"), "down": ("mbit", "kbit"), "loss": ("%", None)}
         allowed = units.get(key, ("ms", "s"))
