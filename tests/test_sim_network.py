@@ -134,3 +134,35 @@ def test_offline_windows_and_unknown_nodes() -> None:
         net.send(0, 9, _model(0))
     with pytest.raises(NetworkError, match="rates must be in"):
         net.inject(loss=1.0)
+
+
+def test_a_restarted_node_loses_what_its_downlink_held_and_gets_a_fresh_link() -> None:
+    """A killed node's downlink kept carrying what arrived before its death and handed it to
+    its next life (9 of 10 messages, the new life's own first message queued behind them);
+    its offline windows went on counting from its first start; an offline sender counted
+    the bytes it never sent. As a real restart: lost, a new link, nothing counted."""
+    link = LinkProfile(downlink_bps=8e6, offline=((2.0, 3.0),))  # 1 MB/s in
+    clock, net, seen = _swarm(2, link=link)
+    net.start_link(0)
+    net.start_link(1)
+    for r in range(10):  # 10 MB: ten seconds of downlink, all arrived at once
+        net.send(0, 1, _model(r, size=250_000))
+    clock.run(until=1.5)
+    net.kill(1)
+    clock.run(until=4.0)
+    net.revive(1)
+    net.send(0, 1, _model(99, size=250_000))
+    clock.run(until=5.5)
+    assert [r for _, _, _, r in seen] == [0, 99]  # its first life read one; the rest died
+    assert seen[-1][0] == pytest.approx(5.0, abs=0.01)  # a fresh downlink: 1 s for 1 MB
+    assert net.online(1)  # its windows count from the restart: 2 s in is 6 s
+    clock.run(until=6.5)
+    assert not net.online(1)
+    clock.run()
+    assert net.ledger["dead"] == 9 and net.balanced()
+    net.kill(0)  # a sender offline sends nothing: no bytes counted
+    net.revive(0)
+    clock.run(until=clock.now + 2.5)
+    before = net.stats(0).bytes_sent
+    net.send(0, 1, _model(7))
+    assert net.stats(0).bytes_sent == before and net.stats(0).dropped["offline"] == 1

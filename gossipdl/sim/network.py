@@ -54,6 +54,7 @@ class _Node:
     link: Link
     stats: TransportStats = field(default_factory=TransportStats)  # the real counters
     alive: bool = True
+    life: int = 0  # kills so far: what its downlink held dies with the process
 
 
 class SimNetwork:
@@ -78,12 +79,20 @@ class SimNetwork:
         self._nodes[node] = _Node(handler, Link(profile, self.seed * 7919 + node))
 
     def kill(self, node: int) -> None:
-        """The node is gone: what it would receive is dropped as ``dead``, even if in flight."""
-        self._node(node).alive = False
+        """The node is gone: what it would receive is dropped as ``dead``, even if in flight
+        or already on its downlink (held by the process that died)."""
+        dead = self._node(node)
+        dead.alive = False
+        dead.life += 1
 
     def revive(self, node: int) -> None:
-        """The node, dead before, is back (a restart): messages reach it again."""
-        self._node(node).alive = True
+        """The node, dead before, is back (a restart): messages reach it again, over a link
+        of its new process (nothing queued on it, its offline windows counted from now, as
+        a real restart's)."""
+        back = self._node(node)
+        back.alive = True
+        back.link = Link(back.link.profile, self.seed * 7919 + node + 104_729 * back.life)
+        back.link.start(self.clock.now)
 
     def start_link(self, node: int) -> None:
         """Start the node's offline-window clock now (when it starts training)."""
@@ -149,14 +158,14 @@ class SimNetwork:
         # bytes are immutable: a header the encoder made as bytes goes as it is
         copied = [f if type(f) is bytes else bytes(memoryview(f)) for f in frames]
         stats = sender.stats
-        stats.bytes_sent += _nbytes(copied)
-        stats.header_bytes_sent += len(copied[0])
-        stats.messages_sent += 1
         self.ledger["sent"] += 1
         if not _online(sender.link, self.clock.now):
             self.ledger["offline"] += 1
-            stats.drop("offline")  # counted where the real transport counts it
+            stats.drop("offline")  # as the real transport: counted, no bytes sent
             return
+        stats.bytes_sent += _nbytes(copied)
+        stats.header_bytes_sent += len(copied[0])
+        stats.messages_sent += 1
         if self._groups is not None and self._side(src) != self._side(dst):
             self.ledger["partition"] += 1
             return
@@ -191,15 +200,21 @@ class SimNetwork:
             self.clock.at(arrival + extra, partial(then, src, dst, frames, size))
 
     def _arrive(self, src: int, dst: int, frames: list[bytes], size: int) -> None:
-        """At the receiver's downlink: it is read once the downlink has carried it."""
-        node = self._nodes[dst]
-        ready = node.link.receive(size, self.clock.now)
-        self.clock.at(ready, partial(self._deliver, src, dst, frames, size))
-
-    def _deliver(self, src: int, dst: int, frames: list[bytes], size: int) -> None:
-        self._in_flight -= 1
+        """At the receiver's downlink: it is read once the downlink has carried it, by the
+        process that took it in (one that dies meanwhile loses it)."""
         node = self._nodes[dst]
         if not node.alive:
+            self._deliver(src, dst, frames, size)  # dropped there as dead
+            return
+        ready = node.link.receive(size, self.clock.now)
+        self.clock.at(ready, partial(self._deliver, src, dst, frames, size, node.life))
+
+    def _deliver(
+        self, src: int, dst: int, frames: list[bytes], size: int, life: int | None = None
+    ) -> None:
+        self._in_flight -= 1
+        node = self._nodes[dst]
+        if not node.alive or life not in (None, node.life):
             self.ledger["dead"] += 1
             return
         if not _online(node.link, self.clock.now):
