@@ -111,3 +111,12 @@ def test_missing_netem_is_detected_and_said() -> None:
     with Hosts(1) as hosts:
         reason = hosts.netem_missing()
     assert reason is None or "latency and loss stay in user space" in reason
+
+
+def test_two_sets_of_hosts_at_once_have_names_of_their_own() -> None:
+    """Two in one process took the same names: the second's setup failed, and its cleanup
+    deleted the first's namespaces while it used them."""
+    with Hosts(1) as first, Hosts(1) as second:
+        assert first.names != second.names and first.bridge != second.bridge
+        done = subprocess.run([*first.prefix(0), "true"], capture_output=True, timeout=30)
+        assert done.returncode == 0

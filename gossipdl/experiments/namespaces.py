@@ -8,9 +8,11 @@ says what is missing so callers can skip with that reason.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
+from pathlib import Path
 from types import TracebackType
 
 
@@ -46,6 +48,22 @@ def why_not() -> str | None:
     return None
 
 
+_INSTANCES = itertools.count()  # Hosts made in this process: each gets names of its own
+
+
+def _free_tag() -> str:
+    """A tag for a new :class:`Hosts`' names that nothing on this machine uses: this process's
+    and its count of them (two in one process, or in two whose pids end alike, took the same
+    names, and one's failed setup tore down the other's namespaces)."""
+    while True:
+        tag = f"{os.getpid() % 10000}{next(_INSTANCES) % 100:02d}"
+        taken = (
+            Path(f"/run/netns/gdl{tag}h0").exists() or Path(f"/sys/class/net/gdl{tag}br").exists()
+        )
+        if not taken:
+            return tag
+
+
 class Hosts:
     """``n`` namespaces on a bridge, host k at ``10.S.0.(k+1)`` (S from the pid, so runs at
     the same time do not collide); removed again on exit.
@@ -62,7 +80,7 @@ class Hosts:
         reason = why_not()
         if reason is not None:
             raise NamespaceError(reason)
-        tag = os.getpid() % 10000
+        tag = _free_tag()
         self.n = n
         self.subnet = 100 + os.getpid() % 100
         self.names = [f"gdl{tag}h{k}" for k in range(n)]
