@@ -166,3 +166,22 @@ def test_a_restarted_node_loses_what_its_downlink_held_and_gets_a_fresh_link() -
     before = net.stats(0).bytes_sent
     net.send(0, 1, _model(7))
     assert net.stats(0).bytes_sent == before and net.stats(0).dropped["offline"] == 1
+
+
+def test_a_clog_released_after_a_partition_or_while_its_sender_is_away_drops_it() -> None:
+    """unclog released what it held "as if sent now" but skipped what a send now checks: a
+    held message crossed a partition made after it, and one left an offline sender."""
+    clock, net, seen = _swarm(3, link=LinkProfile(offline=((1.0, 5.0),)))
+    net.clog(0, 1)
+    net.clog(2, 1)
+    net.send(0, 1, _model(1))
+    net.send(2, 1, _model(2))
+    net.partition([[0], [1, 2]])
+    net.unclog(0, 1)  # 0 is cut off from 1 now
+    for node in range(3):
+        net.start_link(node)
+    clock.run(until=2.0)
+    net.unclog(2, 1)  # 2 is offline now
+    clock.run()
+    assert seen == [] and net.ledger["partition"] == 1 and net.ledger["offline"] == 1
+    assert net.balanced()

@@ -134,10 +134,17 @@ class SimNetwork:
         self._clogged.setdefault((src, dst), [])
 
     def unclog(self, src: int, dst: int) -> None:
-        """Release what the clog held, in order, as if sent now."""
+        """Release what the clog held, in order, as if sent now: across a partition made
+        since, or from a sender offline now, it is dropped as a message sent now would be."""
         for sender, frames in self._clogged.pop((src, dst), []):
             self._in_flight -= 1
-            self._travel(sender, dst, frames)
+            if not _online(self._nodes[sender].link, self.clock.now):
+                self.ledger["offline"] += 1
+                self._nodes[sender].stats.drop("offline")
+            elif self._cut(sender, dst):
+                self.ledger["partition"] += 1
+            else:
+                self._travel(sender, dst, frames)
 
     def inject(self, loss: float = 0.0, duplicate: float = 0.0, reorder_s: float = 0.0) -> None:
         """From now on drop a fraction ``loss`` of messages (``injected_loss``), deliver a
@@ -166,7 +173,7 @@ class SimNetwork:
         stats.bytes_sent += _nbytes(copied)
         stats.header_bytes_sent += len(copied[0])
         stats.messages_sent += 1
-        if self._groups is not None and self._side(src) != self._side(dst):
+        if self._cut(src, dst):
             self.ledger["partition"] += 1
             return
         if (src, dst) in self._clogged:
@@ -174,6 +181,10 @@ class SimNetwork:
             self._in_flight += 1
             return
         self._travel(src, dst, copied)
+
+    def _cut(self, src: int, dst: int) -> bool:
+        """Whether a partition separates ``src`` from ``dst`` now."""
+        return self._groups is not None and self._side(src) != self._side(dst)
 
     def _side(self, node: int) -> int:
         assert self._groups is not None
