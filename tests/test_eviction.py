@@ -71,6 +71,7 @@ def test_a_ring_member_is_evicted_once_both_neighbours_accuse_it_and_refused_bac
     assert sorted(s.to for s in sends if s.kind == "members") == [1, 2, 3, 4, 5, 6, 7]
     assert core.metrics()["evicted"] == 1
     assert _accuse(core, 2, 3, seq=2) == []  # evicted already: nothing more to count
+    assert _accuse(core, 4, 3, seq=2) == [] and core.metrics()["evicted"] == 1
     join = encode("join", -1, 0, 0, meta={"address": "tcp://h:13", "rejoin": True, NONCE: "n"})
     (welcome,) = core.receive(1.0, join)
     assert welcome.kind == "welcome" and welcome.address == "tcp://h:13"

@@ -231,10 +231,12 @@ def train_a_ring(
     device: str = "cpu",
     shared_memory: bool = False,
     slow: LinkProfile | None = None,
+    rings: dict[int, list[str]] | None = None,
 ) -> tuple[list[torch.Tensor], list[int]]:
     """Three peers all-reduce their gradients (mode ring) over ``steps`` steps of an MLP
     with one frozen bias (peer 0's uplink ``slow``); their parameters after, and per peer
-    the buckets that had gone out when the first backward ended."""
+    the buckets that had gone out when the first backward ended (in ``rings``, per peer,
+    the kinds of all-reduce it made)."""
     addresses = free_addresses(3)
     torch.manual_seed(0)
     template = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
@@ -258,6 +260,8 @@ def train_a_ring(
                 if step == 0 and peer._gradients is not None:
                     early[rank] = peer._gradients._sent
                 peer.step()
+            if rings is not None:
+                rings[rank] = sorted({type(r).__name__ for r in peer._shared_rings} or {"tcp"})
         models[rank] = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 
     errors = in_threads(work, range(3))
@@ -379,8 +383,10 @@ def test_a_ring_through_shared_memory_averages_as_the_tcp_ring(
     import gossipdl.peers.peer as peer_module
 
     monkeypatch.setattr(peer_module, "GRADIENT_BUCKET_NUMEL", 10)
-    shared, _ = train_a_ring(overlap=overlap, steps=3, shared_memory=True)
+    rings: dict[int, list[str]] = {}
+    shared, _ = train_a_ring(overlap=overlap, steps=3, shared_memory=True, rings=rings)
     tcp, _ = train_a_ring(overlap=False, steps=3)
+    assert rings == {r: ["SharedRing"] for r in range(3)}  # not the TCP ring beside it
     assert all(torch.equal(m, shared[0]) for m in shared)
     torch.testing.assert_close(shared[0], tcp[0], rtol=0, atol=1e-6)
 
