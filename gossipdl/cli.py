@@ -43,6 +43,7 @@ from gossipdl.config import (  # noqa: E402
     ADVERTISE_ENV,
     DEFAULTS,
     FIELDS,
+    MAX_THREADS,
     TABLE_KEYS,
     Config,
     ConfigError,
@@ -51,7 +52,6 @@ from gossipdl.config import (  # noqa: E402
     parse_value,
     read_config_file,
     resolved,
-    to_toml,
 )
 from gossipdl.rundir import RunDir, default_run_dir  # noqa: E402
 from gossipdl.transport.curve import Curve, CurveError  # noqa: E402
@@ -633,10 +633,28 @@ def _how(config: Config) -> str:
     return f"{config.topology}, {config.algorithm}{gamma}{every}, {codec}"
 
 
-def _stop_on_signals(training: threading.Event, stop: threading.Event) -> None:
-    """First SIGINT/SIGTERM while training: finish the step, save, report. Before: abort,
-    exiting 128 + the signal (:class:`~gossipdl.experiments.launcher.Interrupted`)."""
+class _Signalled:
+    """The signal (SIGINT or SIGTERM) that stopped a command in order; None while none came."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def exit_if_caught(self) -> None:
+        """After the orderly stop (the final line, the summary written): end as ``run`` does,
+        with the one ``interrupted`` line and exit code 128 + the signal (130, 143)."""
+        from gossipdl.experiments.launcher import Interrupted
+
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+
+
+def _stop_on_signals(training: threading.Event, stop: threading.Event) -> _Signalled:
+    """First SIGINT/SIGTERM while training: finish the step, save, report, and it is kept in
+    the returned record for the exit code. Before: abort, exiting 128 + the signal
+    (:class:`~gossipdl.experiments.launcher.Interrupted`)."""
     from gossipdl.experiments.launcher import Interrupted
+
+    signalled = _Signalled()
 
     def handler(signum: int, frame: object) -> None:
         if not training.is_set():
@@ -646,10 +664,12 @@ def _stop_on_signals(training: threading.Event, stop: threading.Event) -> None:
         # the Event's lock, so later SIGINTs are ignored (SIGTERM then terminates at once).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signalled.signum = signum
         stop.set()
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    return signalled
 
 
 def _train(
@@ -667,30 +687,35 @@ def _train(
     curve: Curve | None = None,
     launched: bool = False,
 ) -> None:
-    """Run one peer of a swarm into its run directory; Ctrl-C before training exits 130.
+    """Run one peer of a swarm into its run directory; what cannot run (data, model,
+    partition, device, threads, a directory of another run) exits 2 before it listens.
+    Ctrl-C or SIGTERM exits 128 + the signal: before training at once, after in order.
     ``launched``: every rank started at once, so rank 0 may not listen yet."""
     import torch
 
     from gossipdl.coordinator import RingError, ServerError
+    from gossipdl.data import DataError
     from gossipdl.experiments.summary import summarize
+    from gossipdl.models import ModelError
     from gossipdl.peers.peer import PeerError
-    from gossipdl.peers.runner import train_peer
-    from gossipdl.sim.faults import refuse_outside_simulation
+    from gossipdl.peers.runner import prepare_run_dir, train_peer
     from gossipdl.transport import TransportError
     from gossipdl.transport.probe import CONNECT_WAIT_S
 
+    founder = bootstrap is None and servers is None
+    own_id = rank if rank is not None else (0 if founder else None)  # a joiner's: the swarm's
+    run = RunDir(out or config.out or default_run_dir())
     try:
-        refuse_outside_simulation(config)
+        _check_threads(threads)
+        _preflight(config)
+        prepare_run_dir(run, config, own_id, resume=resume)
     except ConfigError as exc:
         _fail(str(exc))
     if threads:
         torch.set_num_threads(threads)
-    run = RunDir(out or config.out or default_run_dir()).create()
-    if not run.config.exists():
-        run.config.write_text(to_toml(resolved(config.replace(out=str(run.root)))))
     log.info("%s: %s", config.mode, _how(config))
     training, stop = threading.Event(), threading.Event()
-    _stop_on_signals(training, stop)
+    signalled = _stop_on_signals(training, stop)
 
     def announce(address: str) -> None:
         print(f"listening on {address}", flush=True)
@@ -713,10 +738,47 @@ def _train(
         )
     except (TransportError, PeerError, RingError, ServerError, ConfigError) as exc:
         _fail(str(exc))
+    except (DataError, ModelError) as exc:  # past the preflight: the data changed meanwhile
+        _fail(str(exc))
     except KeyboardInterrupt as exc:
         _interrupted("interrupted before training started", getattr(exc, "exit_code", 130))
     if summary:
         summarize(run)
+    signalled.exit_if_caught()
+
+
+def _check_threads(threads: int | None) -> None:
+    """ConfigError for a --threads torch cannot take (it fails on a negative count mid-start)."""
+    if threads is not None and not 0 <= threads <= MAX_THREADS:
+        raise ConfigError(f"--threads {threads}: use 0 (torch's choice) to {MAX_THREADS}")
+
+
+def _preflight(config: Config) -> None:
+    """The checks ``run`` makes before any peer starts, made by one peer before it listens or
+    joins: data present, partition possible, device here, model fits the data; ConfigError
+    naming the key. Simulated faults are refused too (only ``simulate`` runs them)."""
+    from gossipdl.experiments.launcher import preflight
+    from gossipdl.sim.faults import refuse_outside_simulation
+
+    refuse_outside_simulation(config)
+    preflight(config)
+
+
+def _check_addresses(listen: str | None, dialled: dict[str, str | None]) -> None:
+    """ConfigError naming the flag whose address a socket would misread: ``listen`` binds (any
+    host, port 0 for any free one); ``dialled`` (flag -> comma-separated addresses, None: not
+    given) are dialled, each one machine's port. ZeroMQ wraps a port past 65535 round."""
+    from gossipdl.transport.address_syntax import address_problem, listen_problem
+
+    problem = listen_problem(listen) if listen is not None else None
+    if problem is not None:
+        raise ConfigError(f"--listen {listen!r}: {problem}")
+    given = {flag: value for flag, value in dialled.items() if value is not None}
+    for flag, value in given.items():
+        for address in (a.strip() for a in value.split(",")):
+            problem = address_problem(address)
+            if problem is not None:
+                raise ConfigError(f"{flag} {address!r}: {problem}")
 
 
 @app.command()
@@ -768,6 +830,7 @@ def peer(
 
     _setup_logging(rich=False)
     try:
+        _check_addresses(listen, {"--bootstrap": bootstrap, "--servers": servers})
         if resume is not None:
             config_file = config_file or RunDir(resume).config
             out = str(resume)
@@ -890,6 +953,7 @@ def server(
 
     _setup_logging(rich=False)
     try:
+        _check_addresses(listen, {})
         curve = _curve(secure, keys, allow)
         config = load_config(config_file)
         if config.mode != "ps" or not 0 <= shard < config.ps_shards:
@@ -897,10 +961,11 @@ def server(
                 f"a server needs mode = 'ps' and 0 <= shard < ps_shards; got mode = "
                 f"{config.mode!r}, shard {shard}, ps_shards = {config.ps_shards}"
             )
+        _preflight(config.replace(device="cpu"))  # a server trains nothing: no GPU needed
         run_dir = RunDir(out or config.out or default_run_dir()).create()
-        stop = threading.Event()
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        stop, serving = threading.Event(), threading.Event()
+        serving.set()  # a signal stops it in order at any time: its counters are written
+        signalled = _stop_on_signals(serving, stop)
 
         def announce(address: str) -> None:
             print(f"listening on {address}", flush=True)
@@ -908,6 +973,7 @@ def server(
         run_shard(config, shard, listen, run_dir, on_listening=announce, stop=stop, curve=curve)
     except (ConfigError, TransportError, CurveError) as exc:
         _fail(str(exc))
+    signalled.exit_if_caught()
 
 
 @app.command()
@@ -947,6 +1013,7 @@ def join(
 
     _setup_logging(rich=False)
     try:
+        _check_addresses(listen, {"ADDRESS": address})
         curve = _curve(secure, keys, allow)
         local = {**(read_config_file(config_file) if config_file is not None else {}), **overrides}
         info = fetch_swarm_info(address, listen=listen, timeout=timeout, curve=curve)

@@ -28,6 +28,9 @@ OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 _PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+MAX_THREADS = 4096
+"""The most torch threads a peer may ask for: more than any machine has cores (torch starts
+as many as it is told; past 2**31 it cannot even read the count)."""
 # ``peer`` and ``join`` read ``advertise`` from here when no --advertise is given: a launcher's
 # way to tell each peer it starts the address other machines reach it at.
 ADVERTISE_ENV = "GOSSIPDL_ADVERTISE"
@@ -747,6 +750,7 @@ def _validate(c: Config) -> None:
             f"{name} = {getattr(c, name):g}; above float32's largest value ({FLOAT32_MAX:.4g}), "
             "which the model's tensors cannot hold",
         )
+    _check(c.threads <= MAX_THREADS, f"threads = {c.threads}; use at most {MAX_THREADS}")
     _check(0 <= c.momentum < 1, f"momentum = {c.momentum}; must be in [0, 1)")
     _check(all(h >= 1 for h in c.hidden), f"hidden = {list(c.hidden)}; widths must be >= 1")
     _check(

@@ -131,12 +131,17 @@ def dumps(value: Any, **options: Any) -> str:
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
-    """Write JSON so readers never see a half-written file (tmp + rename). Each call has
+    """Write JSON so readers never see a half-written file (:func:`write_text_atomic`)."""
+    write_text_atomic(path, dumps(value, indent=2) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` so readers never see a half-written file (tmp + rename). Each call has
     its own tmp file: a peer's threads and the peers of a run rewrite one file at once."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(dumps(value, indent=2) + "\n")
+            f.write(text)
         os.chmod(tmp, 0o644)  # as a plain write would make it; mkstemp makes it 0o600
         os.replace(tmp, path)
     except BaseException:

@@ -19,7 +19,7 @@ import pytest
 import tomllib
 import torch
 import typer
-from conftest import small_config, start_peer, write_config
+from conftest import fork_gossipdl, last_record, small_config, start_peer, wait_for, write_config
 from typer.testing import CliRunner
 
 import gossipdl.cli as cli
@@ -37,6 +37,9 @@ from gossipdl.config import (
     to_dict,
 )
 from gossipdl.experiments import launcher
+from gossipdl.peers import bootstrap
+from gossipdl.peers.runner import prepare_run_dir
+from gossipdl.rundir import RunDir
 
 PANELS = ("Swarm", "Data and model", "Optimisation", "Communication", "Faults and links", "Output")
 
@@ -374,6 +377,39 @@ def test_ctrl_c_of_a_founding_peer_waiting_for_others_exits_at_once(
     )
 
 
+@pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_while_training_stops_a_peer_or_server_in_order_then_exits_with_its_code(
+    tmp_path: Path, signum: int, exit_code: int
+) -> None:
+    """`peer` (and `join`, the same code) and `server` stopped in order on a signal, then
+    exited 0, where the README promises 130 or 143 as `run` gives (a review)."""
+    config = small_config(tmp_path, mode="single", steps=1_000_000)
+    out = tmp_path / "p"
+    peer, _ = start_peer("--config", str(write_config(tmp_path / "p.toml", config)),
+                         "--out", str(out), log=tmp_path / "p.log")  # fmt: skip
+    ps = small_config(tmp_path, mode="ps", peers=2)
+    server = fork_gossipdl("server", "--config", str(write_config(tmp_path / "ps.toml", ps)),
+                           "--out", str(tmp_path / "s"), log=tmp_path / "s.log")  # fmt: skip
+    try:
+        assert server.stdout is not None and server.stdout.readline().startswith("listening on")
+        wait_for(lambda: (last_record(out / "peers" / "0.jsonl") or {}).get("step"), 60,
+                 "the peer to train")  # fmt: skip
+        for proc in (peer, server):
+            proc.send_signal(signum)
+        codes = [peer.wait(60), server.wait(60)]
+    finally:
+        for proc in (peer, server):
+            if proc.poll() is None:
+                proc.kill()
+    logs = [(tmp_path / f"{name}.log").read_text() for name in ("p", "s")]
+    assert codes == [exit_code, exit_code], logs
+    for log in logs:
+        assert log.rstrip().endswith("interrupted") and "Traceback" not in log
+    final = last_record(out / "peers" / "0.jsonl")
+    assert final is not None and final["final"] and final["stopped_early"]
+    assert (out / "summary.json").is_file() and (tmp_path / "s" / "servers" / "0.json").is_file()
+
+
 def test_ctrl_c_in_run_or_sweep_exits_with_the_signal_code_and_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -500,3 +536,84 @@ def test_hostile_but_plausible_values_are_one_clear_error_before_anything_runs(
                  *args)  # fmt: skip
     assert says in said, said
     assert not out.exists()  # refused before the run directory
+
+
+BY_HAND = ["--peers", "2", "--steps", "5", "--dataset", "synthetic", "--model", "logistic",
+           "--startup-timeout", "3"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--dataset", "cifar10", "--data-dir", "nodata"], "dataset = 'cifar10': cifar10: nodata"),
+        (["--dataset", "nosuchmod:fn"], "dataset = 'nosuchmod:fn': custom dataset"),
+        (["--model", "cnn2d"], "model = 'cnn2d': model 'cnn2d' needs input_shape"),
+        pytest.param(["--device", "cuda"], "device = 'cuda': device 'cuda'", marks=NO_GPU),
+        (["--partition", "shards:100000"], "partition = 'shards:100000': partition spec"),
+        (["--threads", "-1"], "--threads -1: use 0 (torch's choice) to 4096"),
+        (["--threads", "99999999999"], "--threads 99999999999: use 0 (torch's choice) to"),
+        (["--listen", "tcp://127.0.0.1:99999"], "--listen 'tcp://127.0.0.1:99999': port '99999'"),
+        (["--bootstrap", "tcp://127.0.0.1:99999"], "--bootstrap 'tcp://127.0.0.1:99999': port"),
+        (["--advertise", "tcp://10.0.0.5:99999"], "advertise = 'tcp://10.0.0.5:99999': port"),
+    ],
+)
+def test_a_peer_refuses_what_cannot_run_in_one_line_before_it_listens(
+    args: list[str], says: str, tmp_path: Path
+) -> None:
+    """A review's probes: `run` checked these before any peer started, `peer` did not: a
+    traceback each, a shard split the founder found impossible only once the joiner came,
+    a port past 65535 wrapped round to another (99999: 34463)."""
+    out = tmp_path / "run"
+    said = fails("peer", *BY_HAND, "--out", str(out), *args)
+    assert says in said, said
+    assert not out.exists()  # refused before the run directory
+
+
+def test_join_checks_the_swarms_config_and_its_own_values_before_it_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    swarm = to_dict(small_config(tmp_path, peers=2, partition="shards:100000"))
+    monkeypatch.setattr(bootstrap, "fetch_swarm_info", lambda *a, **k: {"config": swarm})
+    out = str(tmp_path / "j")
+    said = fails("join", "tcp://10.0.0.5:5555", "--out", out)
+    assert "partition = 'shards:100000': partition spec" in said, said
+    for args, says in [
+        (["--threads", "-1"], "--threads -1: use 0"),
+        (["--listen", "tcp://0.0.0.0:65536"], "--listen 'tcp://0.0.0.0:65536': port '65536'"),
+    ]:
+        assert says in fails("join", "tcp://10.0.0.5:5555", "--out", out, *args)
+    assert "ADDRESS 'tcp://10.0.0.5:70000': port '70000'" in fails("join", "tcp://10.0.0.5:70000")
+    assert not Path(out).exists()
+
+
+def test_a_server_refuses_what_cannot_run_in_one_line(tmp_path: Path) -> None:
+    ps = write_config(tmp_path / "ps.toml", small_config(tmp_path, mode="ps", peers=2))
+    assert "--listen 'tcp://127.0.0.1:99999'" in fails(
+        "server", "--config", str(ps), "--listen", "tcp://127.0.0.1:99999"
+    )
+    nodata = small_config(tmp_path, mode="ps", peers=2, dataset="cifar10", data_dir="nodata")
+    said = fails("server", "--config", str(write_config(tmp_path / "n.toml", nodata)))
+    assert "dataset = 'cifar10': cifar10: nodata" in said, said
+
+
+def test_a_peer_shares_an_out_with_its_swarm_but_refuses_another_runs(tmp_path: Path) -> None:
+    """Two hand-started swarms one after the other into one --out mixed their runs (two lives
+    in peers/0.jsonl, the first run's config.toml kept, a summary of both); the peers of
+    one swarm on one machine may still share it (each writes peers/<id>.jsonl)."""
+    config = small_config(tmp_path, peers=2, steps=60)
+    path = write_config(tmp_path / "exp.toml", config)
+    run = RunDir(config.out)
+    prepare_run_dir(run, config, 0, resume=False)  # as the first swarm's founder did
+    recorded = run.config.read_text()
+    said = fails("peer", "--config", str(path), "--steps", "40", "--lr", "0.01",
+                 "--startup-timeout", "3")  # fmt: skip
+    assert "already holds another run (steps = 60 there, 40 here; lr = 0.1 there" in said, said
+    run.metrics(0).write_text('{"peer":0,"step":0}\n')
+    said = fails("peer", "--config", str(path), "--startup-timeout", "3")
+    assert "already holds a run with a peer 0" in said and "--rank 0 to carry" in said, said
+    assert run.config.read_text() == recorded
+    # The same swarm's peer 1, with this machine's own settings, and peer 0 resumed: welcome.
+    ours = config.replace(threads=4, device="cpu", advertise="tcp://10.0.0.7:5555")
+    prepare_run_dir(run, ours, 1, resume=False)
+    prepare_run_dir(run, config.replace(steps=80), 0, resume=True)
+    assert run.config.read_text() == recorded

@@ -33,6 +33,16 @@ def test_slurm_variables_use_the_first_node_and_torchruns_default_port() -> None
     )
 
 
+def test_the_highest_master_port_leaves_the_swarm_a_port() -> None:
+    env = from_environment({**TORCHRUN, "MASTER_PORT": "65534"})
+    assert env is not None and env.bootstrap == "tcp://10.0.0.5:65535"
+    env = from_environment({**SLURM, "MASTER_PORT": "65535"})
+    assert env is not None and env.bootstrap == "tcp://gpu03:65535"
+    with pytest.raises(LaunchEnvError) as refused:
+        from_environment({**TORCHRUN, "MASTER_PORT": "65535"})
+    assert "the swarm listens on MASTER_PORT + 1 (torchrun's store holds" in str(refused.value)
+
+
 def test_no_launcher_means_no_launch_env() -> None:
     assert from_environment({"RANK": "1"}) is None and from_environment({}) is None
 
@@ -53,6 +63,10 @@ def test_first_host_of_a_slurm_node_list(nodelist: str, host: str) -> None:
         ({**SLURM, "SLURM_NODELIST": "n[①-2]"}, "cannot read the range"),
         ({**TORCHRUN, "RANK": "4"}, "rank 4 is not below the world size 4"),
         ({**TORCHRUN, "MASTER_PORT": "-1"}, "MASTER_PORT='-1'"),
+        # a port past 65535 wrapped round to another in silence (99998 + 1: 34463)
+        ({**TORCHRUN, "MASTER_PORT": "65535"}, "MASTER_PORT='65535': the swarm listens on"),
+        ({**TORCHRUN, "MASTER_PORT": "99998"}, "give a MASTER_PORT of at most 65534"),
+        ({**SLURM, "MASTER_PORT": "65536"}, "listens on MASTER_PORT, which must be at most 65535"),
         ({**TORCHRUN, "MASTER_ADDR": " "}, "MASTER_ADDR is empty"),
         ({**SLURM, "SLURM_NODELIST": "[1-2]"}, "names no host"),
         ({**SLURM, "SLURM_NODELIST": "n[a-b]"}, "cannot read the range"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,12 @@ from gossipdl import Peer
 from gossipdl.averaging import TriggerError, age_weighted_merge, parse_trigger
 from gossipdl.conditions import Drift, parse_drift, parse_slowdown
 from gossipdl.config import ConfigError
+from gossipdl.data import evaluation_inputs
 from gossipdl.experiments.simulated import simulate
+from gossipdl.peers.runner import _loop
 from gossipdl.protocol.mailbox import Mailbox
 from gossipdl.rundir import RunDir
+from gossipdl.training import dataset_of, evaluation, initial_model, make_optimizer
 
 # ----------------------------------------------------------------- pure parts
 
@@ -232,6 +236,48 @@ def test_drift_permutes_labels_mid_run(tmp_path: Path) -> None:
     for peer_id in (0, 1):
         loss = {r["step"]: r["loss"] for r in run.records(peer_id) if r.get("loss")}
         assert loss[25] > 3 * loss[20]  # the learnt mapping is suddenly wrong
+
+
+def test_a_real_life_that_starts_past_the_drift_step_is_first_evaluated_on_drifted_labels(
+    tmp_path: Path,
+) -> None:
+    """A peer resumed (or let in late) past the drift step wrote its first line's accuracy
+    on the old labels, the drift applied only at its first step (a review's bogus point)."""
+    config = small_config(tmp_path, peers=2, steps=400, drift="100:permute")
+    run = RunDir(config.out).create()
+    dataset = dataset_of(config)
+    model = initial_model(config, dataset)
+    peer = Peer(model, make_optimizer(config, model), rank=0, listen="tcp://127.0.0.1:0",
+                min_peers=1, resume_step=250)  # fmt: skip
+    stop = threading.Event()
+    stop.set()  # the life's first line and its final one, no step between
+    try:
+        _loop(config, run, peer, dataset, torch.device("cpu"), stop, resumed=True)
+    finally:
+        peer.close()
+    first = next(run.records(0))
+    x, y = evaluation_inputs(dataset, torch.device("cpu")), torch.as_tensor(dataset.y_test)
+    new_label = torch.as_tensor(Drift.permutation(dataset.num_classes, config.seed))
+    drifted, old = (evaluation(model, x, labels)["accuracy"] for labels in (new_label[y], y))
+    assert first["start"] and first["step"] == 250 and drifted != old
+    assert first["accuracy"] == drifted
+
+
+def test_a_simulated_restart_past_the_drift_step_is_first_evaluated_on_drifted_labels(
+    tmp_path: Path,
+) -> None:
+    """The simulator's restart as the real runner's resume: the restarted life's first line
+    scores its checkpoint's model about as its first life did at that step (it scored it on
+    the old labels: 0.62 against 0.20)."""
+    faults = [{"at": "1s", "kill": "2"}, {"at": "3s", "restart": "2"}]
+    config = small_config(tmp_path, peers=6, steps=60, heartbeat=0.25, dead_after=1.0,
+                          round_timeout=0.5, faults=faults, checkpoint_every=10, eval_every=10,
+                          drift="5:permute")  # fmt: skip
+    simulate(config, step_time=0.05)
+    scored = [r for r in RunDir(config.out).records(2) if "accuracy" in r]
+    back = next(r for r in scored if r.get("resumed"))
+    before = next(r for r in scored if r["step"] == back["step"] and not r.get("start"))
+    assert back["step"] >= 10 and abs(back["accuracy"] - before["accuracy"]) < 0.05
 
 
 def test_cli_runs_each_new_option_and_records_it_in_the_summary(tmp_path: Path) -> None:

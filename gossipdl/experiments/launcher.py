@@ -220,6 +220,10 @@ def _drain(stream: IO[str], log_path: Path) -> None:
     threading.Thread(target=copy, name=f"drain {log_path.name}", daemon=True).start()
 
 
+STOPPED_CODES = (0, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+"""Exit codes of a peer that ended in order: finished, or stopped by a signal."""
+
+
 def carries_on(config: Config) -> bool:
     """Whether the run goes on when a peer dies: a gossip swarm declares it dead and repairs
     its topology, an asynchronous or FedAvg parameter server drops it; a ring and a
@@ -370,9 +374,10 @@ class Swarm:
         )
 
     def failed(self) -> dict[int, int]:
-        """Peers that exited with an error: id -> exit code."""
+        """Peers that exited with an error: id -> exit code (not one a signal stopped in
+        order, as Ctrl-C does: 130, or 143 for SIGTERM)."""
         codes = {i: p.poll() for i, p in self.procs.items()}
-        return {i: code for i, code in codes.items() if code is not None and code != 0}
+        return {i: code for i, code in codes.items() if code not in (None, *STOPPED_CODES)}
 
     def servers_failed(self) -> dict[int, int]:
         """Server shards that exited with an error: shard -> exit code. Every worker needs

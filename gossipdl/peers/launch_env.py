@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gossipdl.numerals import is_decimal
+from gossipdl.transport.address_syntax import MAX_PORT
 
 DEFAULT_PORT = 29500
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -57,6 +58,23 @@ def _int(env: Mapping[str, str], name: str, minimum: int) -> int:
     return int(value)
 
 
+def _swarm_port(env: Mapping[str, str], source: str) -> int:
+    """The port rank 0 founds the swarm on: ``MASTER_PORT`` (+ 1 under torchrun, whose
+    rendezvous store holds ``MASTER_PORT`` itself), or :data:`DEFAULT_PORT`; refused where it
+    would pass :data:`MAX_PORT` (a socket would wrap it round to another port in silence)."""
+    if "MASTER_PORT" not in env:
+        return DEFAULT_PORT
+    shift = 1 if source == "torchrun" else 0
+    port = _int(env, "MASTER_PORT", 1) + shift
+    if port > MAX_PORT:
+        rule = "MASTER_PORT + 1 (torchrun's store holds MASTER_PORT)" if shift else "MASTER_PORT"
+        raise LaunchEnvError(
+            f"MASTER_PORT={env['MASTER_PORT']!r}: the swarm listens on {rule}, which must "
+            f"be at most {MAX_PORT}; give a MASTER_PORT of at most {MAX_PORT - shift}"
+        )
+    return port
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list.
 
@@ -88,9 +106,7 @@ def from_environment(env: Mapping[str, str]) -> LaunchEnv | None:
     else:
         return None
     local_rank = _int(env, local, 0) if local in env else 0
-    port = _int(env, "MASTER_PORT", 1) if "MASTER_PORT" in env else DEFAULT_PORT
-    if source == "torchrun":
-        port += 1  # torchrun's rendezvous store holds MASTER_PORT itself
+    port = _swarm_port(env, source)
     if rank >= world:
         raise LaunchEnvError(f"rank {rank} is not below the world size {world} ({source})")
     if not host.strip():

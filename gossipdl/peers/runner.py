@@ -21,7 +21,16 @@ import torch
 
 from gossipdl.averaging.local_optimizer import LocalOptimizer
 from gossipdl.conditions import DeviceProfile, device_of
-from gossipdl.config import Config, to_dict
+from gossipdl.config import (
+    FIELDS,
+    Config,
+    ConfigError,
+    from_dict,
+    read_config_file,
+    resolved,
+    to_dict,
+    to_toml,
+)
 from gossipdl.coordinator.cuda_ipc import CudaIpcError
 from gossipdl.coordinator.ring import RingError
 from gossipdl.coordinator.server import serve
@@ -33,7 +42,7 @@ from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import Peer, PeerError
 from gossipdl.peers.sinks import MetricsSinks, check_sinks
-from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic
+from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic, write_text_atomic
 from gossipdl.training import (
     AWAY_POLL_S,
     byzantine_of,
@@ -54,6 +63,7 @@ from gossipdl.training import (
 )
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.probe import CONNECT_WAIT_S
+from gossipdl.trust import LOCAL_KEYS
 
 log = logging.getLogger(__name__)
 RING_FAILURES = (RingError, SharedReduceError, CudaIpcError)  # a ring all-reduce that failed
@@ -89,6 +99,66 @@ def run_start() -> float | None:
             f"{RUN_START_ENV}={value!r} is not a unix time; unset it or give seconds"
         ) from None
     return start if start is None or math.isfinite(start) else None
+
+
+def prepare_run_dir(run: RunDir, config: Config, peer_id: int | None, *, resume: bool) -> None:
+    """Create ``run`` for one peer, with the swarm's resolved config in ``config.toml`` unless
+    another peer of the swarm wrote it first. Peers of one swarm may share a directory (each
+    writes ``peers/<id>.jsonl``), but not with another run: ConfigError (``resume``: the
+    peer carries on in its own run, unchecked)."""
+    if run.root.exists() and not run.root.is_dir():
+        raise ConfigError(f"out = {str(run.root)!r} is a file; name a directory for the run")
+    if not resume:
+        _refuse_other_settings(run, config)
+        if peer_id is not None:
+            refuse_earlier_life(run, peer_id)
+    try:
+        run.create()
+    except OSError as exc:
+        raise ConfigError(f"out = {str(run.root)!r}: cannot create it ({exc})") from None
+    if not run.config.exists():  # atomic: the peers of a torchrun job read it as they start
+        write_text_atomic(run.config, to_toml(resolved(config.replace(out=str(run.root)))))
+
+
+def refuse_earlier_life(run: RunDir, peer_id: int) -> None:
+    """ConfigError if ``run`` already holds metrics of ``peer_id`` (a run before this one):
+    a new life would be mixed into them; only ``--resume`` carries on in them."""
+    if run.metrics(peer_id).exists():
+        raise ConfigError(
+            f"{run.root} already holds a run with a peer {peer_id} ({run.metrics(peer_id)}): "
+            f"its metrics would be mixed with this one's; choose another --out, or give "
+            f"--resume {run.root} --rank {peer_id} to carry that peer on from its checkpoint"
+        )
+
+
+def _refuse_other_settings(run: RunDir, config: Config) -> None:
+    """ConfigError if ``run``'s ``config.toml`` records another swarm: settings other than
+    ``config``'s, each peer's own (:func:`_swarm_settings`) aside."""
+    if not run.config.is_file():
+        return
+    try:
+        values = read_config_file(run.config, known_keys=False)
+        recorded = _swarm_settings(from_dict({k: v for k, v in values.items() if k in FIELDS}))
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{run.root} holds a config.toml that is not a run's ({exc}); choose another --out"
+        ) from None
+    ours = _swarm_settings(config)
+    differ = [k for k in ours if ours[k] != recorded[k]]
+    if differ:
+        shown = "; ".join(f"{k} = {recorded[k]!r} there, {ours[k]!r} here" for k in differ[:3])
+        more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+        raise ConfigError(
+            f"{run.root} already holds another run ({shown}{more}): its metrics would be mixed "
+            "with this one's; choose another --out (the peers of one swarm may share one)"
+        )
+
+
+def _swarm_settings(config: Config) -> dict[str, Any]:
+    """What makes two peers' configs one swarm's: every key as it runs, but this machine's
+    and how long this peer waits for the others to start."""
+    own = LOCAL_KEYS | {"startup_timeout"}
+    return {k: v for k, v in to_dict(resolved(config)).items() if k not in own}
 
 
 def train_peer(
@@ -306,6 +376,8 @@ def _loop(
     own = None if own_indices is None else torch.as_tensor(own_indices, device=device)
     emulated = _device(config, peer.id)
     drift = drift_of(config, peer.id)
+    if not resumed:  # an id the swarm gave us: unknown before it formed
+        refuse_earlier_life(run, peer.id)
     previous = _last_life(run, peer.id) if resumed else None
     sinks = MetricsSinks(config, run, peer.id)  # first: a sink that fails leaves no file open
     metrics = run.append_metrics(peer.id)
@@ -335,22 +407,29 @@ def _loop(
         losses.clear()
         return line
 
+    def follow_drift() -> None:
+        """Permute the labels once, at the drift step; a life that starts past it (resumed, a
+        late joiner) at once, before its first line is evaluated on the old labels."""
+        nonlocal drift, y_test
+        if drift is not None and peer.steps >= drift.step:
+            y_test = drifted(config, dataset, sampler, y_test)
+            log.info("peer %d: labels permuted at step %d (drift)", peer.id, peer.steps)
+            drift = None
+
     peer.sync_at_step(config.steps)  # dynamic trigger: the swarm ends on an agreed model
     try:
         first = {"start": True, "swarm": swarm, "swarm_start": round(start, 3), "pid": os.getpid()}
         if previous is not None:  # the gap while this peer was down shows in its time
             down = time.time() - start - previous.get("time", 0.0)
             first.update(resumed=True, down_s=round(max(0.0, down), 3))
+        follow_drift()
         record(**evaluation(model, x_test, y_test, own), **first)
         while not _finished(config, peer) and not stop.is_set():
             if not peer.transport.online:  # the device is away (churn): no steps, no traffic
                 stop.wait(AWAY_POLL_S)
                 record()
                 continue
-            if drift is not None and peer.steps >= drift.step:  # once; a late joiner too
-                y_test = drifted(config, dataset, sampler, y_test)
-                log.info("peer %d: labels permuted at step %d (drift)", peer.id, peer.steps)
-                drift = None
+            follow_drift()
             computed = time.monotonic()
             loss = local_gradients(config, model, optimizer, sampler, peer.steps)
             _take_as_long(emulated, computed)

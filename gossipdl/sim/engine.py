@@ -396,12 +396,18 @@ class Simulation:
             self._record(peer)
             self._after(peer, AWAY_POLL_S, self._step)
             return False
-        if peer.drift is not None and peer.steps >= peer.drift.step:  # once; a late joiner too
-            peer.y_test = drifted(self.config, self.dataset, peer.sampler, self.y_test)
-            peer.drift = None
+        self._follow_drift(peer)
         loss = local_gradients(self.config, peer.model, peer.optimizer, peer.sampler, peer.steps)
         peer.losses.append(loss.item())
         return True
+
+    def _follow_drift(self, peer: VirtualPeer) -> None:
+        """Permute the peer's labels once, at the drift step; a life that starts past it
+        (restarted, a late joiner) at once, before its first line is evaluated on the old
+        labels (as the real runner does)."""
+        if peer.drift is not None and peer.steps >= peer.drift.step:
+            peer.y_test = drifted(self.config, self.dataset, peer.sampler, self.y_test)
+            peer.drift = None
 
     def _step(self, peer: VirtualPeer) -> None:
         """One local step's compute ends now; the step ends too unless the round behind it
@@ -659,6 +665,7 @@ class Simulation:
         peer.dead, peer.started, peer.timer_at, peer.losses = False, False, None, []
         peer.behind, peer.held, peer.stepped, peer.alone_until = False, None, False, -1
         self.network.revive(peer_id)
+        self._follow_drift(peer)
         self._record(
             peer,
             **self._evaluation(peer),
@@ -704,6 +711,7 @@ class Simulation:
         try:
             for peer in self.peers:
                 peer.metrics = self.run_dir.metrics(peer.id).open("w", buffering=1)
+                self._follow_drift(peer)
                 self._record(
                     peer,
                     **self._evaluation(peer),

@@ -12,6 +12,7 @@ from gossipdl.numerals import is_decimal
 from gossipdl.transport.wire import WireError
 
 MAX_ADDRESS_CHARS = 300
+MAX_PORT = 65535
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 
 
@@ -33,8 +34,8 @@ def address_problem(value: Any) -> str | None:
     if len(value) > MAX_ADDRESS_CHARS:
         return f"longer than {MAX_ADDRESS_CHARS} characters"
     host, port = host_port(value)
-    if not (is_decimal(port) and 0 < int(port) < 65536):
-        return f"port {port!r} is not in 1..65535"
+    if not (is_decimal(port) and 0 < int(port) <= MAX_PORT):
+        return f"port {port!r} is not in 1..{MAX_PORT}"
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
@@ -43,6 +44,23 @@ def address_problem(value: Any) -> str | None:
         return None
     if ip.is_unspecified or ip.is_multicast or ip == ipaddress.ip_address("255.255.255.255"):
         return f"host {host} is not one machine (wildcard, broadcast or multicast)"
+    return None
+
+
+def listen_problem(value: str) -> str | None:
+    """Why ``value`` is not an address a peer may bind, or None if it is one: any host (a
+    wildcard, an interface's name) and port 0 (any free one) will do, but a port above
+    :data:`MAX_PORT` must be refused here, as ZeroMQ would wrap it round to another.
+
+    Example:
+        >>> listen_problem("tcp://0.0.0.0:0") is None, listen_problem("tcp://127.0.0.1:99999")
+        (True, "port '99999' is not in 0..65535 (0: any free port)")
+    """
+    if not value.startswith("tcp://"):
+        return "not a tcp://HOST:PORT string"
+    port = host_port(value)[1]
+    if not (is_decimal(port) and int(port) <= MAX_PORT):
+        return f"port {port!r} is not in 0..{MAX_PORT} (0: any free port)"
     return None
 
 
