@@ -222,9 +222,9 @@ def test_a_gossip_peer_dead_before_the_swarm_formed_stops_the_launch_at_once(
 ) -> None:
     """A gossip swarm carries on without a dead peer, but before it formed the others wait
     for it: the launch waited out startup_timeout (129 s in a review) to say so."""
-    (tmp_path / "slow.py").write_text(  # 2 s to load: the swarm forms after that
+    (tmp_path / "slow.py").write_text(  # 1 s to load: the swarm forms after that
         "import time\nfrom gossipdl.data import load_dataset\n"
-        "def data():\n    time.sleep(2)\n    return load_dataset('synthetic')\n"
+        "def data():\n    time.sleep(1)\n    return load_dataset('synthetic')\n"
     )
     config = small_config(tmp_path, peers=3, steps=10**6, startup_timeout=120.0,
                           dataset="slow:data")  # fmt: skip

@@ -130,7 +130,7 @@ def test_a_sink_that_cannot_work_stops_the_peer_before_it_listens(tmp_path: Path
 PRINTER = """
 def sink(peer_id, run_dir):
     def write(line):
-        print("a plug-in talking on stdout " * 40, flush=True)
+        print("a plug-in talking on stdout " * 200, flush=True)  # 5.6 KB a line
     return write
 """
 
@@ -143,7 +143,7 @@ def test_a_peer_that_prints_to_stdout_runs_to_its_end(
     it. What a peer prints goes to its log."""
     (tmp_path / "printer.py").write_text(PRINTER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    config = small_config(tmp_path, peers=2, steps=150, log_every=1, metrics_hook="printer:sink")
+    config = small_config(tmp_path, peers=2, steps=30, log_every=1, metrics_hook="printer:sink")
     command = gossipdl_cmd("run", str(write_config(tmp_path / "exp.toml", config)), "--no-progress")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=tmp_path, start_new_session=True)  # fmt: skip
