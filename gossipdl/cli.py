@@ -53,7 +53,7 @@ from gossipdl.config import (  # noqa: E402
     read_config_file,
     resolved,
 )
-from gossipdl.rundir import RunDir, default_run_dir  # noqa: E402
+from gossipdl.rundir import RUN_START_ENV, RunDir, default_run_dir  # noqa: E402
 from gossipdl.transport.curve import Curve, CurveError  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -707,7 +707,8 @@ def _train(
     run = RunDir(out or config.out or default_run_dir())
     try:
         _check_threads(threads)
-        _preflight(config)
+        if RUN_START_ENV not in os.environ:  # `gossipdl run` checked all this before it began
+            _preflight(config)
         prepare_run_dir(run, config, own_id, resume=resume)
     except ConfigError as exc:
         _fail(str(exc))
