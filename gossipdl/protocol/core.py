@@ -629,20 +629,26 @@ class GossipCore:
             meta = {"sent": self.sent_round, "life": life, TABLE: self.membership.digest()}
             tick.sends.append(Send(j, "alive", encode("alive", self.id, 0, self.round, meta=meta)))
         for j, silent in verdicts.dead:
-            until = self.round + self.join_margin()
-            if self.membership.end(j, until) is not None:
+            until = self._end_soon(j)
+            if until is not None:
                 self.counters.declared_dead += 1
                 tick.dead.append((j, silent, until))
                 tick.sends += self.announce()
         for j, silent in verdicts.overdue:  # an end far ahead does not hold its place for good
-            until = self.round + self.join_margin()
-            if self.membership.end(j, until) is not None:
+            until = self._end_soon(j)
+            if until is not None:
                 self.notes.append(
                     f"peer {j}, silent {silent:.1f} s, ends before its announced round: out of "
                     f"the topology from round {until}"
                 )
                 tick.sends += self.announce()
         return tick
+
+    def _end_soon(self, j: int) -> int | None:
+        """End member ``j`` a join margin from now (the notice a change gets); the round it is
+        out from, or None if it was out by then already."""
+        until = self.round + self.join_margin()
+        return until if self.membership.end(j, until) is not None else None
 
     def leave(self, reason: str = "") -> list[Send]:
         """This peer stops: every member still in drops it from the same round (ours plus
@@ -869,8 +875,8 @@ class GossipCore:
         self.membership.mark_left(suspect, reason)
         self.evictions.ban(reason, member.address, member.key)
         self.counters.evicted += 1
-        until = self.round + self.join_margin()
-        if self.membership.end(suspect, until) is None:
+        until = self._end_soon(suspect)
+        if until is None:
             self.notes.append(f"peer {suspect} {reason}")
             return []  # a table ended it before the accusations made a quorum here
         self.notes.append(f"peer {suspect} {reason}; out of the topology from round {until}")
@@ -972,8 +978,7 @@ class GossipCore:
         for member in changed:
             evicted = self.evictions.banned(member.address, member.key)
             if member.until is None and evicted is not None:
-                until = self.round + self.join_margin()
-                self.membership.end(member.id, until)
+                until = self._end_soon(member.id)
                 self.notes.append(f"peer {member.id} back, but {evicted}: out from round {until}")
             elif member.until is None:
                 self.forget_rounds(member.id)

@@ -76,7 +76,7 @@ class SimNetwork:
     def attach(self, node: int, handler: Handler, link: LinkProfile | None = None) -> None:
         """Add (or bring back, after :meth:`kill`) ``node``, whose messages go to ``handler``."""
         profile = link or LinkProfile()
-        self._nodes[node] = _Node(handler, Link(profile, self.seed * 7919 + node))
+        self._nodes[node] = _Node(handler, self._link(profile, node, life=0))
 
     def kill(self, node: int) -> None:
         """The node is gone: what it would receive is dropped as ``dead``, even if in flight
@@ -91,8 +91,12 @@ class SimNetwork:
         a real restart's)."""
         back = self._node(node)
         back.alive = True
-        back.link = Link(back.link.profile, self.seed * 7919 + node + 104_729 * back.life)
+        back.link = self._link(back.link.profile, node, back.life)
         back.link.start(self.clock.now)
+
+    def _link(self, profile: LinkProfile, node: int, life: int) -> Link:
+        """The link of ``node``'s process in life ``life``: its loss draws seeded by both."""
+        return Link(profile, self.seed * 7919 + node + 104_729 * life)
 
     def start_link(self, node: int) -> None:
         """Start the node's offline-window clock now (when it starts training)."""
@@ -138,10 +142,9 @@ class SimNetwork:
         since, or from a sender offline now, it is dropped as a message sent now would be."""
         for sender, frames in self._clogged.pop((src, dst), []):
             self._in_flight -= 1
-            if not _online(self._nodes[sender].link, self.clock.now):
-                self.ledger["offline"] += 1
-                self._nodes[sender].stats.drop("offline")
-            elif self._cut(sender, dst):
+            if self._offline(sender):
+                continue
+            if self._cut(sender, dst):
                 self.ledger["partition"] += 1
             else:
                 self._travel(sender, dst, frames)
@@ -166,9 +169,7 @@ class SimNetwork:
         copied = [f if type(f) is bytes else bytes(memoryview(f)) for f in frames]
         stats = sender.stats
         self.ledger["sent"] += 1
-        if not _online(sender.link, self.clock.now):
-            self.ledger["offline"] += 1
-            stats.drop("offline")  # as the real transport: counted, no bytes sent
+        if self._offline(src):  # as the real transport: counted, no bytes sent
             return
         stats.bytes_sent += _nbytes(copied)
         stats.header_bytes_sent += len(copied[0])
@@ -181,6 +182,15 @@ class SimNetwork:
             self._in_flight += 1
             return
         self._travel(src, dst, copied)
+
+    def _offline(self, node: int) -> bool:
+        """Whether ``node``'s link is down now: a message it sends or would receive is then
+        dropped, counted ``offline``."""
+        if _online(self._nodes[node].link, self.clock.now):
+            return False
+        self.ledger["offline"] += 1
+        self._nodes[node].stats.drop("offline")
+        return True
 
     def _cut(self, src: int, dst: int) -> bool:
         """Whether a partition separates ``src`` from ``dst`` now."""
@@ -228,9 +238,7 @@ class SimNetwork:
         if not node.alive or life not in (None, node.life):
             self.ledger["dead"] += 1
             return
-        if not _online(node.link, self.clock.now):
-            self.ledger["offline"] += 1
-            node.stats.drop("offline")
+        if self._offline(dst):
             return
         self.ledger["delivered"] += 1
         node.stats.bytes_received += size
