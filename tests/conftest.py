@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import random
@@ -77,6 +78,12 @@ def write_config(path: Path, config: Config) -> Path:
     """Write ``config`` as TOML and return the path."""
     path.write_text(to_toml(config))
     return path
+
+
+def restore_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI sets up logging for the process it runs in: give the next tests theirs back."""
+    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
 
 
 def in_threads(

@@ -4,7 +4,6 @@ config.toml, and Ctrl-C ending with exit code 130."""
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import signal
@@ -19,7 +18,15 @@ import pytest
 import tomllib
 import torch
 import typer
-from conftest import fork_gossipdl, last_record, small_config, start_peer, wait_for, write_config
+from conftest import (
+    fork_gossipdl,
+    last_record,
+    restore_logging,
+    small_config,
+    start_peer,
+    wait_for,
+    write_config,
+)
 from typer.testing import CliRunner
 
 import gossipdl.cli as cli
@@ -47,8 +54,7 @@ PANELS = ("Swarm", "Data and model", "Optimisation", "Communication", "Faults an
 @pytest.fixture(autouse=True)
 def _restore_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CLI sets up logging for the process; give the next tests theirs back."""
-    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
-    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    restore_logging(monkeypatch)
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:

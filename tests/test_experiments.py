@@ -5,7 +5,6 @@ into one directory, one table and overlaid real PNGs."""
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import gossipdl_cmd
+from conftest import gossipdl_cmd, restore_logging
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -29,12 +28,6 @@ def axes_of(path: Path) -> list[dict[str, Any]]:
         pixels = np.asarray(image.convert("RGB")).reshape(-1, 3)
         assert len(np.unique(pixels, axis=0)) > 20, f"{path.name} looks blank"
         return list(json.loads(image.text[AXES_KEY]))
-
-
-def restore_logging(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CLI sets up logging for the process; give the next tests theirs back."""
-    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
-    monkeypatch.setattr(logging.root, "level", logging.root.level)
 
 
 def cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:

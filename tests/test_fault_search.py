@@ -5,11 +5,10 @@ any machine, so each bug the search found is pinned here by its seed."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
-from conftest import small_config
+from conftest import restore_logging, small_config
 from typer.testing import CliRunner
 
 import gossipdl.cli as cli
@@ -151,8 +150,7 @@ FOUND = {
 @pytest.fixture(autouse=True)
 def _restore_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CLI sets up logging for the process; give the next tests theirs back."""
-    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
-    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    restore_logging(monkeypatch)
 
 
 def test_a_seed_draws_a_small_swarm_and_a_valid_schedule_the_same_way_every_time() -> None:

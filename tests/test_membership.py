@@ -3,7 +3,6 @@ member-table rules those rest on."""
 
 from __future__ import annotations
 
-import logging
 import signal
 import subprocess
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import last_record, small_config, start_peer, wait_for, write_config
+from conftest import last_record, restore_logging, small_config, start_peer, wait_for, write_config
 from typer.testing import CliRunner
 
 import gossipdl.cli as cli
@@ -409,8 +408,7 @@ def test_resume_without_a_checkpoint_fails_clearly(
     """A run started without checkpoint_every (its config and member list as a peer leaves
     them): --resume names the missing checkpoint, before it dials anyone. The CLI runs in
     this process (it sets up logging for it: the next tests get theirs back)."""
-    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
-    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    restore_logging(monkeypatch)
     out = tmp_path / "run"
     run = RunDir(out).create()
     write_config(run.config, small_config(tmp_path, peers=2))

@@ -4,13 +4,12 @@ virtual clock, refused by the real engine."""
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tomllib
-from conftest import small_config
+from conftest import restore_logging, small_config
 from typer.testing import CliRunner
 
 import gossipdl.cli as cli
@@ -34,8 +33,7 @@ from gossipdl.sim.faults import (
 @pytest.fixture(autouse=True)
 def _restore_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CLI sets up logging for the process; give the next tests theirs back."""
-    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
-    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    restore_logging(monkeypatch)
 
 
 def fast_swarm(tmp_path: Path, faults: list[dict[str, Any]], **changes: Any) -> Config:

@@ -4,7 +4,6 @@ real ring's bytes and accuracy, identical models, PowerSGD, a dead member, deter
 from __future__ import annotations
 
 import json
-import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import run_files, small_config
+from conftest import restore_logging, run_files, small_config
 from typer.testing import CliRunner
 
 import gossipdl.cli as cli
@@ -228,8 +227,7 @@ def test_a_dead_member_stops_the_simulated_ring_within_its_timeout_naming_it(
     args = ["simulate", "--mode", "ring", "--peers", "3", "--steps", "1000", "--round-timeout",
             "1", "--set", 'faults=[{at="0.1s", kill="1"}]', "--step-time", "10ms",
             "--out", str(tmp_path / "cli"), "--no-progress"]  # fmt: skip
-    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))  # the CLI's
-    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    restore_logging(monkeypatch)
     done = CliRunner().invoke(cli.app, args)
     assert done.exit_code == 2, done.output  # as `gossipdl run` fails when a ring breaks
     assert "peer 2 stopped: peer 2, ring all-reduce" in " ".join(done.output.split())

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import run_files, small_config
+from conftest import restore_logging, run_files, small_config
 from typer.testing import CliRunner
 
 import gossipdl.cli as cli
@@ -153,8 +152,7 @@ def test_gossipdl_simulate_writes_a_run_directory_report_reads(
 
     from gossipdl.experiments.plots import AXES_KEY
 
-    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))  # the CLI's
-    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    restore_logging(monkeypatch)
     out = tmp_path / "run"
     done = CliRunner().invoke(cli.app, [
         "simulate", "--peers", "20", "--steps", "30", "--dataset", "synthetic",
@@ -180,8 +178,7 @@ def test_gossipdl_simulate_writes_a_run_directory_report_reads(
 def test_a_sweep_runs_its_variants_in_the_simulator_with_engine_sim(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))  # the CLI's
-    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    restore_logging(monkeypatch)
     config = small_config(tmp_path, peers=4, steps=20, out=str(tmp_path / "sweep"))
     done = CliRunner().invoke(cli.app, [
         "sweep", str(_toml(tmp_path, config)), "--grid", "codec=none,topk:0.1",
@@ -200,8 +197,7 @@ def test_a_sweep_runs_its_variants_in_the_simulator_with_engine_sim(
 def test_a_sim_sweep_refuses_a_real_peer_setting_before_its_first_variant(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))  # the CLI's
-    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    restore_logging(monkeypatch)
     config = small_config(tmp_path, peers=2, steps=4, out=str(tmp_path / "sweep"))
     done = CliRunner().invoke(cli.app, [
         "sweep", str(_toml(tmp_path, config)), "--grid", "seed=1,2",

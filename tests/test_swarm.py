@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import gossipdl_cmd, last_record, peer_pids, small_config, wait_for
+from conftest import gossipdl_cmd, last_record, peer_pids, restore_logging, small_config, wait_for
 from typer.testing import CliRunner
 
 import gossipdl.cli as cli
@@ -39,8 +38,7 @@ SUMMARY_PEER_KEYS = {
 @pytest.fixture
 def _restore_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CLI, run in this process, sets up logging; give the next tests theirs back."""
-    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
-    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    restore_logging(monkeypatch)
 
 
 def test_swarm_trains_and_writes_the_run_directory_and_never_reuses_it(tmp_path: Path) -> None:
