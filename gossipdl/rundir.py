@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from gossipdl.config import ConfigError
 from gossipdl.numerals import is_decimal
 
 # The unix time a launcher started the run; every peer it starts counts ``time`` from it.
@@ -156,9 +157,15 @@ class RunDir:
         self.root = Path(root)
 
     def create(self) -> RunDir:
-        """Make the directory tree (idempotent)."""
-        (self.root / "peers").mkdir(parents=True, exist_ok=True)
-        (self.root / "models").mkdir(exist_ok=True)
+        """Make the directory tree (idempotent); ConfigError naming ``out`` where it cannot be
+        made (a file on the path, no permission, a full disk)."""
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"out = {str(self.root)!r} is a file; name a directory for the run")
+        try:
+            (self.root / "peers").mkdir(parents=True, exist_ok=True)
+            (self.root / "models").mkdir(exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"out = {str(self.root)!r}: cannot create it ({exc})") from None
         return self
 
     @property

@@ -451,6 +451,9 @@ def test_an_out_that_is_a_file_is_refused_by_run_simulate_sweep_and_report(
         if args[0] == "report":
             assert invoke("simulate", str(path), "--out", str(tmp_path / "r"))[0] == 0
         assert says in fails(*args, "--out", str(afile)), args
+    below = afile / "x"  # run and simulate crashed with NotADirectoryError
+    for command in ("simulate", "run"):
+        assert "': cannot create it (" in fails(command, str(path), "--out", str(below))
     assert afile.read_text() == "mine"
 
 

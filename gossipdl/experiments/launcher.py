@@ -68,8 +68,6 @@ def fresh_run(config: Config, caution: bool = True) -> tuple[RunDir, Config]:
     ``caution`` its :func:`~gossipdl.config.cautions` are logged as warnings (the fault
     search draws such settings on purpose)."""
     run = RunDir(config.out or default_run_dir())
-    if run.root.exists() and not run.root.is_dir():
-        raise ConfigError(f"out = {str(run.root)!r} is a file; name a directory for the run")
     if run.peer_ids() or run.summary.exists():
         raise ConfigError(
             f"{run.root} already holds a run (its metrics would be mixed with the new ones); "

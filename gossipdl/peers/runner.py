@@ -106,16 +106,11 @@ def prepare_run_dir(run: RunDir, config: Config, peer_id: int | None, *, resume:
     another peer of the swarm wrote it first. Peers of one swarm may share a directory (each
     writes ``peers/<id>.jsonl``), but not with another run: ConfigError (``resume``: the
     peer carries on in its own run, unchecked)."""
-    if run.root.exists() and not run.root.is_dir():
-        raise ConfigError(f"out = {str(run.root)!r} is a file; name a directory for the run")
     if not resume:
         _refuse_other_settings(run, config)
         if peer_id is not None:
             refuse_earlier_life(run, peer_id)
-    try:
-        run.create()
-    except OSError as exc:
-        raise ConfigError(f"out = {str(run.root)!r}: cannot create it ({exc})") from None
+    run.create()
     if not run.config.exists():  # atomic: the peers of a torchrun job read it as they start
         write_text_atomic(run.config, to_toml(resolved(config.replace(out=str(run.root)))))
 
