@@ -53,6 +53,7 @@ from gossipdl.config import (  # noqa: E402
     read_config_file,
     resolved,
 )
+from gossipdl.experiments.orphans import stop_with_launcher  # noqa: E402
 from gossipdl.rundir import RUN_START_ENV, RunDir, default_run_dir  # noqa: E402
 from gossipdl.transport.curve import Curve, CurveError  # noqa: E402
 
@@ -669,6 +670,7 @@ def _stop_on_signals(training: threading.Event, stop: threading.Event) -> _Signa
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    stop_with_launcher()  # started by `gossipdl run`: stop with it
     return signalled
 
 

@@ -4,6 +4,7 @@ the run's start."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -194,6 +195,56 @@ def test_sigint_to_gossipdl_run_stops_its_peers_and_exits_130(tmp_path: Path) ->
     assert "Traceback" not in stderr and "interrupted" in stderr
     assert not peer_pids(out), "peer processes left running"
     assert (out / "summary.json").is_file()
+
+
+def test_peers_of_a_launcher_killed_with_sigkill_stop_in_order(tmp_path: Path) -> None:
+    """A launcher killed with SIGKILL cannot stop its peers: they trained on to their last
+    step (a million here). Each watches the launcher and stops as a SIGTERM stops it."""
+    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2, steps=1_000_000))
+    out = tmp_path / "run"
+    proc = start(gossipdl_cmd("run", str(config), "--out", str(out), "--no-progress"), tmp_path)
+    try:
+        wait_for(lambda: all(last_record(out / "peers" / f"{i}.jsonl") for i in (0, 1)),
+                 60, "the peers to train")  # fmt: skip
+        assert len(peer_pids(out)) == 2
+        proc.kill()
+        proc.wait()  # not its pipes: the fork server it started holds them while peers run
+        wait_for(lambda: not peer_pids(out), STOP_S, "the peers to stop")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # what a failure left in its session
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    for rank in (0, 1):
+        assert (out / "models" / f"{rank}.pt").is_file()  # each stopped in order: it saved
+        assert (out / "peers" / f"{rank}.log").read_text().rstrip().endswith("interrupted")
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "polling"])
+def test_a_launched_process_is_sent_sigterm_once_its_launcher_ends(pidfd: bool) -> None:
+    """:func:`stop_with_launcher` in a process of its own, whose stand-in launcher ends."""
+    script = f"""
+import os, signal, subprocess, sys, time
+from gossipdl.experiments import orphans
+if not {pidfd}:
+    del os.pidfd_open  # as on a platform without it
+    orphans.ORPHAN_POLL_S = 0.05
+got = []
+signal.signal(signal.SIGTERM, lambda *_: got.append(time.monotonic()))
+launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+assert not orphans.stop_with_launcher({{}}), "no launcher named: nothing to watch"
+assert orphans.stop_with_launcher({{orphans.LAUNCHER_PID_ENV: str(launcher.pid)}})
+time.sleep(0.5)
+assert not got, "stopped while its launcher ran"
+launcher.kill()
+launcher.wait()  # as the launcher's shell reaps it
+ended = time.monotonic()
+while not got and time.monotonic() - ended < 5:
+    time.sleep(0.01)
+print("stopped" if got else "not stopped", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=30)  # fmt: skip
+    assert done.stdout.strip() == "stopped", done.stderr
 
 
 def test_ctrl_c_while_the_swarm_starts_stops_it_with_code_130_and_a_summary(

@@ -31,6 +31,7 @@ from gossipdl.data import DataError
 from gossipdl.experiments import forking
 from gossipdl.experiments.display import LiveProgress
 from gossipdl.experiments.forking import ForkedCommand
+from gossipdl.experiments.orphans import LAUNCHER_PID_ENV
 from gossipdl.experiments.summary import summarize
 from gossipdl.models import ModelError, build_model
 from gossipdl.peers.device import pick_device
@@ -294,6 +295,7 @@ class Swarm:
             "OMP_NUM_THREADS": str(self._threads),
             "PYTHONUNBUFFERED": "1",
             RUN_START_ENV: f"{time.time():.6f}",
+            LAUNCHER_PID_ENV: str(os.getpid()),
         }
 
     def start(self, stopped: Callable[[], bool] = lambda: False) -> None:
