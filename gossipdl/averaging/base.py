@@ -237,9 +237,10 @@ class Averager(ABC):
         return (x if self.origin is None else self.origin).clone()
 
     def vouch(self) -> Payload:
-        """What a peer sends in its first round instead of :meth:`public_copy`: the copy's
-        sha256 alone. A neighbour whose own copy has that digest (peers that start from
-        the same model) takes its own as this one; any other asks for the dense copy."""
+        """What a founding peer sends in the swarm's first round instead of
+        :meth:`public_copy`: the copy's sha256 alone. A neighbour whose own copy has that
+        digest (peers that start from the same model) takes its own as this one; any other
+        asks for the dense copy."""
         (copy,) = self.public_copy().arrays
         return Payload((), {VOUCH: model_digest(copy)})
 

@@ -166,14 +166,14 @@ class Beer(PublicCopies):
         self.gamma = round_gamma(self.given_gamma, self.codec, x.numel(), rnd)
         # at learning rate 0 the own direction is unknown (no step was taken): keep the last
         direction = (x - self._last).div_(rnd.lr) if rnd.lr > 0 else self._direction
-        mixing = self.resynced is not None
+        mixing = self.can_mix(rnd)
         centre_h, centre_g = self.centres()
         # a judge rules on the models first: a neighbour whose model it rejects is not
         # followed; without one the model's pull waits for the tracker's step to be done,
         # so the two pulls are never held at once
         judged = mixing and self.judge is not None
         pull_h = self._pull(self.models, self.s_h, centre_h, rnd) if judged else None
-        if mixing and rnd.reshaped:  # members came or went: track from the own direction again
+        if rnd.reshaped:  # members came or went: track from the own direction again
             self.v = direction.clone()
         elif mixing:
             pull = self._pull(self.trackers, self.s_g, centre_g, rnd, self._rejected())
@@ -269,8 +269,7 @@ class Beer(PublicCopies):
             dense = self.vouched(
                 {j: a for j, a in arrived.items() if a.dense}, torch.cat([self.h, self.g])
             )
-            self.needs_resync = set(dense) != set(rnd.weights)
-            if not self.needs_resync:
+            if self.complete(rnd, dense):
                 pairs = {j: a.value if isinstance(a.value, Pair) else own for j, a in dense.items()}
                 if self.models is not None and self.trackers is not None:
                     self.models.rebuild({j: pair.model for j, pair in pairs.items()})
@@ -280,8 +279,7 @@ class Beer(PublicCopies):
                     for j, pair in pairs.items():
                         self.s_h.add_(pair.model, alpha=dense[j].weight)
                         self.s_g.add_(pair.tracker, alpha=dense[j].weight)
-                self._synced_at.update(dict.fromkeys(pairs, rnd.index))
-                self.resynced = rnd.index
+                self.rebuilt(rnd, pairs)
         if self.models is not None:
             self.models.new_round()
         for j, arrival in [*arrived.items(), *late]:

@@ -309,9 +309,10 @@ class GossipCore:
             sync = rnd.resync or bool(dense_to) or t in alarms
         payload = self.averager.outgoing(x, rnd) if sync else None
         public = None
-        if dense_to:  # in its first round a peer vouches for its copy instead of sending it
-            first = t == self.first_round
-            public = self.averager.vouch() if first else self.averager.public_copy()
+        if dense_to:  # the swarm's first round: a founder vouches for its copy instead
+            # (a newcomer's copy is a model its neighbours do not hold: they need it dense)
+            founding = t == self.first_round == 0
+            public = self.averager.vouch() if founding else self.averager.public_copy()
         for j in self.live(rnd.weights):
             if public is not None and j in dense_to:
                 sends += self.send(j, "public", t, public, tag)
