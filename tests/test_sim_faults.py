@@ -3,20 +3,26 @@ virtual clock, refused by the real engine."""
 
 from __future__ import annotations
 
+import copy
 import json
+from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tomllib
+import torch
 from conftest import restore_logging, small_config
+from torch.nn.utils import parameters_to_vector
 from typer.testing import CliRunner
 
 import gossipdl.cli as cli
 from gossipdl.conditions import ConditionError
 from gossipdl.config import Config, ConfigError, from_dict, parse_setting, to_toml
 from gossipdl.experiments.simulated import simulate
-from gossipdl.sim.engine import SimulationError
+from gossipdl.protocol.joining import RETRY_S
+from gossipdl.sim.engine import Simulation, SimulationError
 from gossipdl.sim.faults import (
     ClockRate,
     Clog,
@@ -28,6 +34,8 @@ from gossipdl.sim.faults import (
     Unclog,
     parse_faults,
 )
+from gossipdl.sim.network import SimNetwork
+from gossipdl.transport.wire import decode
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +60,37 @@ def fast_swarm(tmp_path: Path, faults: list[dict[str, Any]], **changes: Any) -> 
 
 def lines(run: Path, peer: int) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (run / "peers" / f"{peer}.jsonl").read_text().splitlines()]
+
+
+@dataclass
+class LateStart:
+    """One ``Simulation.start_late`` of a peer (the end of its join): whether it was handed
+    a model (else it keeps its own), its model before and after, its checkpoint's model."""
+
+    took_model: bool
+    before: torch.Tensor
+    after: torch.Tensor
+    checkpoint: torch.Tensor | None
+
+
+def spy_late_starts(monkeypatch: pytest.MonkeyPatch, peer_id: int) -> list[LateStart]:
+    """Every late start (join, rejoin, restart) of peer ``peer_id`` from now, in order."""
+    starts: list[LateStart] = []
+    real = Simulation.start_late
+
+    def spy(self: Simulation, peer: Any, start: int, model: Any, swarm_round: Any = None) -> None:
+        before = peer.flat().clone()
+        checkpoint = None
+        if peer.saved is not None:
+            saved = copy.deepcopy(self.template)
+            saved.load_state_dict(peer.saved[1])
+            checkpoint = parameters_to_vector(saved.parameters()).detach()
+        real(self, peer, start, model, swarm_round)
+        if peer.id == peer_id:
+            starts.append(LateStart(model is not None, before, peer.flat().clone(), checkpoint))
+
+    monkeypatch.setattr(Simulation, "start_late", spy)
+    return starts
 
 
 # -- the schedule as the config gives it ----------------------------------------------------
@@ -180,16 +219,24 @@ def test_a_partition_splits_the_ring_each_side_carries_on_and_the_heal_merges_th
         assert last["rejoins"] == (1 if peer >= 3 else 0)  # the outranked side rejoined
 
 
-def test_a_restarted_peer_resumes_from_its_checkpoint_and_rejoins(tmp_path: Path) -> None:
+def test_a_restarted_peer_resumes_from_its_checkpoint_and_rejoins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Killed at 1 s, restarted at 3 s (after the others declared it dead): it starts from
-    its checkpoint of step 10, keeping that model, and rejoins; everyone finishes."""
+    its checkpoint of step 10, keeping that model and that step count (not a neighbour's
+    model and the swarm's count, as a newcomer), and rejoins; everyone finishes."""
+    starts = spy_late_starts(monkeypatch, 2)
     faults = [{"at": "1s", "kill": "2"}, {"at": "3s", "restart": "2"}]
     summary = simulate(fast_swarm(tmp_path, faults, checkpoint_every=10), step_time=0.05)
     assert summary["peers_finished"] == 6 and "failed" not in summary
     back = [x for x in lines(tmp_path / "run", 2) if x.get("start")]
     assert len(back) == 2 and back[1]["resumed"] and back[1]["step"] == 10
     assert back[1]["down_s"] == pytest.approx(2.0)
+    (resumed,) = starts  # let back in once, with the checkpoint's model, nobody else's
+    assert not resumed.took_model and resumed.checkpoint is not None
+    assert torch.equal(resumed.after, resumed.checkpoint)
     after = [x for x in lines(tmp_path / "run", 2) if x["time"] > 3.0 and not x.get("start")]
+    assert after[0]["step"] <= 20  # on from the checkpoint's 10, not the swarm's count (> 40)
     assert after[0]["members"] == 6 and after[-1]["final"] and after[-1]["step"] == 100
     for peer in (0, 1, 3, 4, 5):
         seen = [x["members"] for x in lines(tmp_path / "run", peer)]
@@ -215,27 +262,57 @@ def test_restart_is_refused_where_the_real_engine_cannot_restart(tmp_path: Path,
         simulate(fast_swarm(tmp_path, faults, mode=mode, peers=4), step_time=0.05)
 
 
-def test_a_peer_restarted_without_a_checkpoint_takes_a_neighbours_model(tmp_path: Path) -> None:
+def test_a_peer_restarted_without_a_checkpoint_takes_a_neighbours_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without a checkpoint the restarted peer is a newcomer on its old address: it gets its
     id back, takes a neighbour's model and step count, trains on from there in step with the
-    swarm (alone until its first round, a join margin on), and finishes with the others."""
+    swarm (alone until its first round, a join margin on), and finishes with the others.
+    Its first two model requests are lost: it keeps asking, each ``RETRY_S``, until one
+    is answered."""
+    asked: list[tuple[float, int]] = []  # (time, to) of each model request of peer 2
+    send = SimNetwork.send
+
+    def lossy(self: SimNetwork, src: int, dst: int, frames: list[bytes]) -> None:
+        if src == 2 and decode(frames, 1 << 30).kind == "model_request":
+            asked.append((self.clock.now, dst))
+            if len(asked) <= 2:
+                return  # lost on the way
+        send(self, src, dst, frames)
+
+    monkeypatch.setattr(SimNetwork, "send", lossy)
     faults = [{"at": "1s", "kill": "2"}, {"at": "3s", "restart": "2"}]
-    summary = simulate(fast_swarm(tmp_path, faults), step_time=0.05)
-    assert summary["peers_finished"] == 6
+    summary = simulate(fast_swarm(tmp_path, faults, steps=150), step_time=0.05)
+    assert summary["peers_finished"] == 6 and "failed" not in summary
+    assert asked == [(pytest.approx(3.0 + i * RETRY_S), 1) for i in range(3)]  # a neighbour
     back = [x for x in lines(tmp_path / "run", 2) if x["time"] > 3.0 and not x.get("start")]
     neighbour = {x["time"]: x["step"] for x in lines(tmp_path / "run", 1)}
     # the swarm's step count (not its own 20, nor its first round's, a margin on), at once:
     # it trains from the reply on instead of waiting a margin of rounds for the swarm
-    assert back[0]["step"] > 40 and back[0]["time"] < 3.5
+    assert back[0]["step"] > 60 and back[0]["time"] < asked[-1][0] + 0.5
     assert all(abs(x["step"] - neighbour[x["time"]]) <= 5 for x in back if x["time"] in neighbour)
     assert back[-1]["final"] and back[-1]["time"] == pytest.approx(summary["simulated_time_s"])
 
 
 def test_injected_loss_duplicates_and_reordering_are_counted_and_the_run_finishes(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Messages are lost, delivered twice and overtaken by later ones (a link is first in,
+    first out without the injection; a delay of up to two steps lets a round's message pass
+    the one before); the receivers drop the second copies and nothing else, so a message
+    that came after later ones is taken, and every peer finishes."""
+    delivered: dict[tuple[int, int], list[tuple[float, int]]] = {}  # (from, to): (time, seq)
+    deliver = SimNetwork._deliver
+
+    def spy(self: SimNetwork, src: int, dst: int, frames: list[bytes], *rest: Any) -> None:
+        seq = decode(frames, 1 << 30).seq
+        if seq > 0:  # numbered: each sender numbers what it sends each member in order
+            delivered.setdefault((src, dst), []).append((self.clock.now, seq))
+        deliver(self, src, dst, frames, *rest)
+
+    monkeypatch.setattr(SimNetwork, "_deliver", spy)
     faults = [
-        {"at": "0.5s", "inject": {"loss": 0.05, "duplicate": 0.1, "reorder": "20ms"}},
+        {"at": "0.5s", "inject": {"loss": 0.05, "duplicate": 0.1, "reorder": "100ms"}},
         {"at": "3s", "inject": {}},  # ends it
     ]
     summary = simulate(fast_swarm(tmp_path, faults, peers=4, dead_after=5.0), step_time=0.05)
@@ -243,8 +320,19 @@ def test_injected_loss_duplicates_and_reordering_are_counted_and_the_run_finishe
     assert network["injected_loss"] > 0 and network["duplicated"] > 0
     assert summary["peers_finished"] == 4
     assert all(peer["finished"] and peer["steps"] == 100 for peer in summary["peers"])
+
+    def overtaken(start: float, end: float) -> int:  # delivered after a later one
+        late = 0
+        for arrivals in delivered.values():
+            seqs = [q for t, q in arrivals if start <= t < end]
+            late += sum(q < max(seqs[:i], default=0) for i, q in enumerate(seqs))
+        return late
+
+    assert overtaken(0.0, 0.5) == overtaken(3.2, float("inf")) == 0  # no injection: in order
+    assert overtaken(0.5, 3.2) > 0  # reordered while it lasted
+    copies = sum(len(a) - len({q for _, q in a}) for a in delivered.values())
     seen_twice = sum(p["dropped_reasons"].get("duplicate", 0) for p in summary["peers"])
-    assert 0 < seen_twice <= network["duplicated"]  # the receivers drop the second copy
+    assert 0 < seen_twice == copies <= network["duplicated"]  # second copies, and only those
 
 
 def test_a_compressed_broadcast_swarm_agrees_again_after_its_losses(tmp_path: Path) -> None:
@@ -270,14 +358,17 @@ def test_a_killed_peer_stops_at_its_time_and_the_others_finish(tmp_path: Path) -
 
 
 def test_a_peer_offline_past_dead_after_is_dropped_then_rejoins_and_ends_with_the_others(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Peer 2's device is away from 1 s to 3 s: the others declare it dead, and once back
     its heartbeat gets the answer that it was dropped; it rejoins with its own model and
     the swarm's step count (the steps it missed are not owed), as a real peer does."""
+    starts = spy_late_starts(monkeypatch, 2)
     away = {"away": {"peers": "2", "offline": ["1s-3s"]}}
     summary = simulate(fast_swarm(tmp_path, [], profiles=away), step_time=0.05)
     assert summary["peers_finished"] == 6 and summary["network"]["offline"] > 0
+    (rejoined,) = starts  # back in once, with the model it trained (no neighbour's)
+    assert not rejoined.took_model and torch.equal(rejoined.after, rejoined.before)
     came_back = [x for x in lines(tmp_path / "run", 2) if x["time"] >= 3.0 and not x.get("final")]
     assert came_back[-1]["rejoins"] == 1 and came_back[-1]["members"] == 6
     assert came_back[-1]["step"] - came_back[0]["step"] > 30  # it jumped to the swarm's step
@@ -320,23 +411,45 @@ def test_a_peer_that_leaves_during_a_sync_says_goodbye_and_is_not_declared_dead(
 
 def test_a_slow_clock_runs_the_peers_timers_late_and_the_swarm_carries_on(tmp_path: Path) -> None:
     """``clock`` sets how fast a peer's own clock runs: at half speed from 1 s to 3 s it
-    reads a second behind true time from then on, and the swarm still finishes."""
+    reads a second behind true time from then on; its heartbeats, due by its own clock,
+    go out half as often in true time meanwhile (every 0.5 s for a heartbeat of 0.25 s),
+    and the swarm still finishes."""
     from gossipdl.rundir import RunDir
-    from gossipdl.sim.engine import Simulation
 
     faults = [
         {"at": "1s", "clock": {"peers": "3", "rate": 0.5}},
         {"at": "3s", "clock": {"peers": "3", "rate": 1}},
     ]
-    config = fast_swarm(tmp_path, faults, profiles={"all": {"peers": "0-5", "step_time": "20ms"}})
+    config = fast_swarm(tmp_path, faults, profiles={"all": {"peers": "0-5", "step_time": "40ms"}})
     run = RunDir(config.out)
     run.create()
     simulation = Simulation(config, run)
+    alive: dict[tuple[int, int], list[float]] = {}  # (from, to): true times of heartbeats
+    send = simulation._send
+
+    def spy(peer: Any, sends: list[Any]) -> None:
+        for s in sends:
+            if s.kind == "alive":
+                alive.setdefault((peer.id, s.to), []).append(simulation.clock.now)
+        send(peer, sends)
+
+    simulation._send = spy  # type: ignore[method-assign]
     simulation.run()
     slow, other = simulation.peers[3], simulation.peers[0]
     assert simulation.local(slow) == pytest.approx(simulation.clock.now - 1.0)
     assert simulation.local(other) == simulation.clock.now
     assert all(p.steps == 100 for p in simulation.peers) and not simulation.failures
+    assert simulation.clock.now > 3.5  # the run outlasts the slow clock's window
+
+    def gaps(sender: int, to: int, start: float, end: float) -> list[float]:
+        times = [t for t in alive[sender, to] if start <= t <= end]
+        assert len(times) >= 3, (sender, to, alive[sender, to])
+        return [round(b - a, 6) for a, b in pairwise(times)]
+
+    # peer 0 is no ring neighbour of 3: what they trade is heartbeats alone
+    assert set(gaps(3, 0, 1.2, 2.9)) == {2 * config.heartbeat}  # by its slow clock
+    assert set(gaps(0, 3, 1.2, 2.9)) == {config.heartbeat}  # the other way, on time
+    assert set(gaps(3, 0, 3.1, simulation.clock.now)) == {config.heartbeat}  # on time again
 
 
 @pytest.mark.parametrize("action", ["leave", "clock"])

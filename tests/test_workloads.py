@@ -41,7 +41,14 @@ from gossipdl.experiments.simulated import simulate
 from gossipdl.models import ModelError, build_model
 from gossipdl.rundir import RunDir
 from gossipdl.sim.batched import BatchedSimulation
-from gossipdl.training import dataset_of, own_test, peer_sampler
+from gossipdl.training import (
+    dataset_of,
+    evaluate,
+    initial_model,
+    own_test,
+    peer_sampler,
+    shard_for,
+)
 
 RNG = np.random.default_rng(0)
 CIFAR10_PER_FILE, CIFAR100_TRAIN, CIFAR100_TEST = 12, 20, 5
@@ -214,10 +221,33 @@ def test_leaf_json_splits_naturally_by_writer_and_trains_the_leaf_models(tmp_pat
     one_step("leaf-lstm", "shakespeare", tmp_path)
 
 
+def assert_own_accuracy_is_on_own_owners(config: Any, summary: dict[str, Any]) -> None:
+    """Each peer's final ``accuracy`` is its saved model's on the whole test set, and its
+    ``own_accuracy`` that model's on the test samples of the owners (writers, devices) of
+    its training shard alone."""
+    data = dataset_of(config)
+    x, y = evaluation_inputs(data), torch.from_numpy(data.y_test)
+    run = RunDir(config.out)
+    assert data.owners_train is not None and data.owners_test is not None
+    for peer in summary["peers"]:
+        own = own_test(config, data, peer["id"])
+        assert own is not None and len(own) > 0
+        shard = shard_for(config, data, peer["id"])
+        assert set(data.owners_test[own]) == set(data.owners_train[shard])
+        assert set(np.flatnonzero(np.isin(data.owners_test, data.owners_train[shard]))) == set(own)
+        model = initial_model(config, data)  # the peer's final model, evaluated here again
+        model.load_state_dict(torch.load(run.model(peer["id"]), weights_only=True))
+        assert peer["accuracy"] == pytest.approx(evaluate(model, x, y)[0], abs=1e-6)
+        assert peer["own_accuracy"] == pytest.approx(evaluate(model, x[own], y[own])[0], abs=1e-6)
+
+
 def test_a_natural_swarm_reports_each_devices_accuracy_on_its_own_data(tmp_path: Path) -> None:
     """Four simulated peers, a writer each: every peer's metrics carry ``own_accuracy``, on
-    its writer's test samples alone."""
+    its writer's test samples alone (each writer writes a letter of its own here, so that
+    differs from the accuracy on every writer's)."""
     leaf(tmp_path / "data", "femnist")
+    for path in (tmp_path / "data" / "femnist").glob("*/all_data_*.json"):
+        edit_leaf(path, one_letter_per_writer)
     config = load_config(
         None, peers=4, steps=6, dataset="femnist", data_dir=str(tmp_path / "data"),
         model="lenet5", partition="natural", eval_every=0, threads=1, out=str(tmp_path / "run"),
@@ -227,7 +257,8 @@ def test_a_natural_swarm_reports_each_devices_accuracy_on_its_own_data(tmp_path:
     for peer in summary["peers"]:
         own = own_test(config, data, peer["id"])
         assert own is not None and len(own) == 3  # one writer's 3 test samples
-        assert 0.0 <= peer["own_accuracy"] <= 1.0
+    assert_own_accuracy_is_on_own_owners(config, summary)
+    assert any(p["own_accuracy"] != p["accuracy"] for p in summary["peers"])
     own = sorted(p["own_accuracy"] for p in summary["peers"])
     assert (summary["min_own_accuracy"], summary["max_own_accuracy"]) == (own[0], own[-1])
     assert summary["mean_own_accuracy"] == pytest.approx(sum(own) / len(own))
@@ -248,9 +279,10 @@ def test_batched_and_per_peer_engines_agree_on_each_devices_own_accuracy(tmp_pat
             partition="natural", eval_every=0, threads=1, batched=batched,
             out=str(tmp_path / str(batched)),
         )  # fmt: skip
-        finals[batched] = {
-            p["id"]: p["own_accuracy"] for p in simulate(config, step_time=0.01)["peers"]
-        }
+        summary = simulate(config, step_time=0.01)
+        assert_own_accuracy_is_on_own_owners(config, summary)
+        finals[batched] = {p["id"]: p["own_accuracy"] for p in summary["peers"]}
+        assert any(p["own_accuracy"] != p["accuracy"] for p in summary["peers"])
     assert finals[True] == pytest.approx(finals[False], abs=1e-6)
     assert len(set(finals[True].values())) > 1  # each device its own
 
@@ -291,6 +323,12 @@ def edit_leaf(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
     doc = json.loads(path.read_text())
     change(doc)
     path.write_text(json.dumps(doc))
+
+
+def one_letter_per_writer(doc: dict[str, Any]) -> None:
+    """Every sample of a writer labelled with one class, the writer's own (u10: class 10)."""
+    for user, samples in doc["user_data"].items():
+        samples["y"] = [int(user[1:])] * len(samples["y"])
 
 
 def first_user(doc: dict[str, Any]) -> dict[str, Any]:
