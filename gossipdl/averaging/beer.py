@@ -152,6 +152,13 @@ class Beer(PublicCopies):
         super().own_draws(peer)
         self._tracker_codec = build_codec(self.codec.spec, codec_seed(self.seed + 1, peer))
 
+    def bind_layout(self, shapes: Sequence[Sequence[int]]) -> None:
+        """Both codecs work layer by layer: the receiver decodes the tracker's half with the
+        model's codec, bound to these shapes (with ``powersgd`` an unbound tracker codec sent
+        one matrix, and every message was refused)."""
+        super().bind_layout(shapes)
+        self._tracker_codec.bind_layout(shapes)
+
     def outgoing(self, x: torch.Tensor, rnd: Round) -> Payload:
         """Steps 1–3: the tracker, the next model, and both compressed differences."""
         if self.h is None:
