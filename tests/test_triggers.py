@@ -6,6 +6,7 @@ import json
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -318,3 +319,27 @@ def test_a_period_longer_than_the_run_is_a_caution_before_it_starts() -> None:
     (said,) = cautions(load_config(None, trigger="dynamic:0.1:10", steps=25))
     assert "last 5 steps are trained alone" in said and "multiple of 10" in said
     assert cautions(load_config(None, trigger="dynamic:0.1:10", steps=30)) == []
+
+
+def test_simulated_gossip_learning_ages_its_models_as_real_peers_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A walking model is a step older after each local step, and merges weigh two models by
+    their ages. The simulator never aged them: every walk went with age 0, and every merge
+    was an even mean, where a real peer's (:meth:`Peer.step`) weighs the older more."""
+    from gossipdl.protocol.core import WALK_AGE, GossipCore
+
+    ages: list[int] = []
+    send = GossipCore.send
+
+    def spy(self: GossipCore, to: int, kind: str, t: int | None, *rest: Any) -> Any:
+        if kind == "walk":
+            ages.append(rest[1][WALK_AGE])
+        return send(self, to, kind, t, *rest)
+
+    monkeypatch.setattr(GossipCore, "send", spy)
+    steps = 30
+    config = small_config(tmp_path, peers=3, steps=steps, algorithm="gossip-learning")
+    assert simulate(config, step_time=0.01)["peers_finished"] == 3
+    assert len(ages) >= 2 * steps and ages[:3] == [1, 1, 1]  # each after its first step
+    assert max(ages) >= steps  # a merge keeps the older age, and steps add to it

@@ -427,6 +427,7 @@ class Simulation:
         peer.behind, peer.held = False, None
         peer.optimizer.step()
         peer.steps += 1
+        peer.core.age += 1  # gossip learning's walking model is a step older (``Peer.step``)
         if self.config.checkpoint_every and peer.steps % self.config.checkpoint_every == 0:
             peer.saved = (peer.steps, *_states(peer))
         if not peer.core.trigger.ends_round(peer.steps):
