@@ -272,3 +272,25 @@ def test_the_same_ps_config_and_seed_give_byte_identical_run_files(tmp_path: Pat
     other = simulate(ps_run(tmp_path, "c", seed=1, **changes))
     assert run_files(tmp_path / "c") != run_files(tmp_path / "a"), "the seed changes nothing"
     assert again["simulated_time_s"] == first["simulated_time_s"] != other["simulated_time_s"]
+
+
+def test_a_fedavg_worker_first_picked_past_the_drift_starts_on_the_drifted_labels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker FedAvg first picks after the drift step: the real runner permutes its labels
+    before its start line is evaluated; the simulator wrote that line on the old ones."""
+    begun: list[tuple[int, bool]] = []  # (steps at its start line, drift still pending)
+    record = PsSimulation._record
+
+    def spy(self: PsSimulation, peer: Any, **fields: Any) -> None:
+        if fields.get("start"):
+            begun.append((peer.steps, peer.drift is not None))
+        record(self, peer, **fields)
+
+    monkeypatch.setattr(PsSimulation, "_record", spy)
+    config = ps_run(tmp_path, "run", ps="fedavg", fraction=0.25, peers=4, steps=80,
+                    drift="12:permute")  # fmt: skip
+    simulate(config, step_time=0.01)
+    late = [pending for steps, pending in begun if steps >= 12]
+    assert late, f"no worker started past the drift step: {begun}"
+    assert not any(late), "a start line past the drift step was evaluated on the old labels"

@@ -235,7 +235,9 @@ class PsSimulation(Simulation):
 
     def _begin(self, peer: VirtualPeer) -> None:
         """The worker trains from now (under FedAvg once a round picked it): its start line,
-        then its first step."""
+        evaluated on drifted labels where it starts past the drift step (as the real runner
+        does), then its first step."""
+        self._follow_drift(peer)
         self._record(
             peer,
             **self._evaluation(peer),
