@@ -27,6 +27,7 @@ import math
 import os
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -233,6 +234,13 @@ class RunDir:
         like a name that is no number, any other is skipped as not the run's."""
         stems = (p.name.removesuffix(suffix) for p in (self.root / folder).glob(f"*{suffix}"))
         return sorted(int(s) for s in stems if is_decimal(s) and str(int(s)) == s)
+
+    def last_record(self, peer_id: int) -> dict[str, Any] | None:
+        """The last complete metrics line of peer ``peer_id`` (None: it wrote none)."""
+        if not self.metrics(peer_id).is_file():
+            return None
+        last = deque(self.records(peer_id), maxlen=1)
+        return last[0] if last else None
 
     def records(self, peer_id: int) -> Iterator[dict[str, Any]]:
         """The metrics lines of one peer, parsed (:func:`parse_records`): a line still being

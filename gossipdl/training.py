@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +258,46 @@ def shard_for(config: Config, dataset: Dataset, peer_id: int) -> np.ndarray:
     if config.mode == "single":
         return np.arange(len(dataset.y_train))
     return parts_of(config, dataset)[peer_id % config.peers]
+
+
+CARRIED = (
+    "bytes_sent",
+    "header_bytes_sent",
+    "bytes_received",
+    "messages_sent",
+    "messages_received",
+    "handshakes_refused",
+    "model_messages_sent",
+    "syncs",
+    "neighbour_misses",
+    "resyncs",
+    "idle_s",
+    "declared_dead",
+    "rejoins",
+)
+"""Counters a peer resumed from a checkpoint carries on from its last life (the other keys
+of a metrics line are states, not sums)."""
+
+
+def carried_from(previous: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What a life resumed from a checkpoint carries on from ``previous``, the last metrics
+    line of its last life: the :data:`CARRIED` sums and the drop reasons (none: nothing)."""
+    if previous is None:
+        return {}
+    return {
+        **{k: previous.get(k, 0) for k in CARRIED},
+        "messages_dropped": dict(previous.get("dropped_reasons", {})),
+    }
+
+
+def carry_on(stats: dict[str, Any], carried: Mapping[str, Any]) -> dict[str, Any]:
+    """``stats``, a life's counters, with what it carried on (:func:`carried_from`) added."""
+    for key, base in carried.items():
+        if key == "messages_dropped":
+            stats[key] = dict(Counter(base) + Counter(stats[key]))
+        else:
+            stats[key] = round(stats[key] + base, 4) if key == "idle_s" else stats[key] + base
+    return stats
 
 
 def metrics_line(

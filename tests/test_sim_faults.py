@@ -460,3 +460,44 @@ def test_leave_and_clock_are_refused_where_the_real_engine_has_no_member_table(
     config = fast_swarm(tmp_path, [{"at": "1s", action: value}], mode="ring", peers=4)
     with pytest.raises(SimulationError, match=f"{action} is not simulated in mode ring"):
         simulate(config, step_time=0.02)
+
+
+def test_syncs_count_the_rounds_a_peer_took_part_in_across_its_lives(tmp_path: Path) -> None:
+    """``syncs`` is the rounds a peer averaged in. For every trigger but the dynamic one it
+    was the round number, so a peer restarted without a checkpoint (let in a join margin
+    ahead of the swarm's round) reported more syncs than the run has rounds before it had
+    averaged at all."""
+    faults = [{"at": "1.2s", "kill": "3"}, {"at": "3s", "restart": "3"}]
+    config = fast_swarm(tmp_path, faults, steps=60, trigger="periodic:5")
+    summary = simulate(config, step_time=0.1)
+    assert summary["peers_finished"] == 6
+    rounds = config.steps // 5
+    back = [x for x in lines(tmp_path / "run", 3) if x["time"] > 3.0]
+    assert all(x["syncs"] <= rounds for x in back), [x["syncs"] for x in back]
+    first = back[0]
+    assert first["syncs"] == 0 and first["model_messages_sent"] == 0  # a new life, no round yet
+    for peer in (0, 1, 2, 4, 5):  # a round every 5 steps, the last one too
+        assert lines(tmp_path / "run", peer)[-1]["syncs"] == rounds
+
+
+@pytest.mark.parametrize("checkpoint_every", [10, 0], ids=["resumed", "newcomer"])
+def test_a_restarted_peers_counters_start_as_a_new_process_s_do(
+    tmp_path: Path, checkpoint_every: int
+) -> None:
+    """A new life is a new process: its counters start at 0, plus, resumed from a checkpoint,
+    what its last life's last line held (``gossipdl peer --resume`` carries those sums on).
+    The simulator restarted the protocol's counters at 0 even when resumed, and carried the
+    network's (bytes, messages) on even for a newcomer."""
+    from gossipdl.training import CARRIED
+
+    faults = [{"at": "1s", "kill": "3"}, {"at": "3s", "restart": "3"}]
+    config = fast_swarm(tmp_path, faults, checkpoint_every=checkpoint_every)
+    assert simulate(config, step_time=0.05)["peers_finished"] == 6
+    records = lines(tmp_path / "run", 3)
+    restart = next(i for i, x in enumerate(records) if x.get("start") and x["time"] >= 3.0)
+    before, first = records[restart - 1], records[restart]
+    assert before["model_messages_sent"] > 0 and before["bytes_sent"] > 0
+    for key in CARRIED:
+        assert first[key] == (before[key] if checkpoint_every else 0), key
+    assert first["dropped_reasons"] == (before["dropped_reasons"] if checkpoint_every else {})
+    assert records[-1]["syncs"] > first["syncs"]  # and counts on from there

@@ -12,7 +12,6 @@ import math
 import os
 import threading
 import time
-from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -46,6 +45,8 @@ from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic, write_text
 from gossipdl.training import (
     AWAY_POLL_S,
     byzantine_of,
+    carried_from,
+    carry_on,
     dataset_of,
     drift_of,
     drifted,
@@ -72,21 +73,6 @@ RING_STOP_GRACE_S = 2.0
 reports the failure: Ctrl-C reaches every peer of a ``gossipdl run`` a moment apart, and one
 that stopped a step sooner left the others' all-reduce; they stop in order too (evaluate,
 save), as the README promises, instead of failing without their final line and model."""
-# Counters a resumed peer carries on from its last life (the others are states, not sums).
-CARRIED = (
-    "bytes_sent",
-    "header_bytes_sent",
-    "bytes_received",
-    "messages_sent",
-    "messages_received",
-    "handshakes_refused",
-    "model_messages_sent",
-    "neighbour_misses",
-    "resyncs",
-    "idle_s",
-    "declared_dead",
-    "rejoins",
-)
 
 
 def run_start() -> float | None:
@@ -296,14 +282,6 @@ def _swarm(peer: Peer | ServerWorker) -> tuple[str, float]:
     return named, run_start() or time.time()
 
 
-def _last_life(run: RunDir, peer_id: int) -> dict[str, Any] | None:
-    """The last metrics line a previous life of ``peer_id`` wrote in ``run`` (None: none)."""
-    if not run.metrics(peer_id).is_file():
-        return None
-    last = deque(run.records(peer_id), maxlen=1)
-    return last[0] if last else None
-
-
 def _device(config: Config, peer_id: int | None) -> DeviceProfile:
     """The emulated device of peer ``peer_id`` (link, slowdown, step time): its profile,
     else the swarm-wide ``link`` and ``slowdown``."""
@@ -373,12 +351,11 @@ def _loop(
     drift = drift_of(config, peer.id)
     if not resumed:  # an id the swarm gave us: unknown before it formed
         refuse_earlier_life(run, peer.id)
-    previous = _last_life(run, peer.id) if resumed else None
+    previous = run.last_record(peer.id) if resumed else None
     sinks = MetricsSinks(config, run, peer.id)  # first: a sink that fails leaves no file open
     metrics = run.append_metrics(peer.id)
     swarm, start = _swarm(peer)
-    carried = {k: previous.get(k, 0) for k in CARRIED} if previous else {}
-    carried_drops: dict[str, int] = dict(previous.get("dropped_reasons", {})) if previous else {}
+    carried = carried_from(previous)
     losses: list[torch.Tensor] = []  # read (one host sync) only when a line is written
     log.info(
         "peer %d: training on %d samples, %s, from step %d%s",
@@ -390,11 +367,8 @@ def _loop(
     )
 
     def record(**extra: Any) -> dict[str, Any]:
-        stats = peer.stats()
-        stats["messages_dropped"] = Counter(carried_drops) + Counter(stats["messages_dropped"])
+        stats = carry_on(peer.stats(), carried)
         now = time.time()
-        for key, base in carried.items():
-            stats[key] = round(stats[key] + base, 4) if key == "idle_s" else stats[key] + base
         means = torch.stack(losses).tolist() if losses else []
         line = metrics_line(peer.id, peer.steps, now - start, now, means, stats, extra)
         metrics.write(json_line(line))

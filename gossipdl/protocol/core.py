@@ -387,18 +387,18 @@ class GossipCore:
             rnd = replace(rnd, mix=took_part)
         new = self._merge(x, rnd, got)
         if took_part:
-            self.counters.syncs += 1
             self.reference = new.clone()
-        return self._end(now, new)
+        return self._end(now, new, synced=took_part)
 
-    def _end(self, now: float, new: torch.Tensor) -> Progress:
-        """Close the round: the next one begins; a resync is asked for if one is due."""
+    def _end(self, now: float, new: torch.Tensor, synced: bool = True) -> Progress:
+        """Close the round (``synced``: this peer took part in it): the next one begins; a
+        resync is asked for if one is due."""
         assert self._open is not None
         if not self.behind:
             self.counters.idle_s += now - self._open[2]
         if new.data_ptr() == self._open[1].data_ptr():  # x is the engine's (its live model)
             new = new.clone()
-        self.advance(now)
+        self.advance(now, synced)
         self.published = (self.round, new)
         self._phase, self._open, self.deadline = _Phase.IDLE, None, None
         self._kept, self._quiet = {}, set()
@@ -409,8 +409,11 @@ class GossipCore:
             sends += self._accuse()
         return Progress(sends, new)
 
-    def advance(self, now: float) -> None:
-        """The next round begins at ``now`` (a round of the ring all-reduce calls it too)."""
+    def advance(self, now: float, synced: bool = True) -> None:
+        """The next round begins at ``now`` (a round of the ring all-reduce calls it too);
+        ``synced``: this peer took part in the one that ended (the ``syncs`` it counts)."""
+        if synced:
+            self.counters.syncs += 1
         self.round += 1
         self._inbox.advance(self.round)
         self._answers.advance(self.round)
@@ -517,7 +520,7 @@ class GossipCore:
         return {
             "round": self.round,
             "model_messages_sent": counters.model_messages_sent,
-            "syncs": counters.syncs if self.trigger.dynamic else self.round,
+            "syncs": counters.syncs,
             "neighbour_misses": counters.neighbour_misses,
             "resyncs": counters.resyncs,
             "idle_s": round(counters.idle_s, 4),

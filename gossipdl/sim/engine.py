@@ -58,6 +58,8 @@ from gossipdl.training import (
     AWAY_POLL_S,
     averager_of,
     byzantine_of,
+    carried_from,
+    carry_on,
     dataset_of,
     drift_of,
     drifted,
@@ -141,6 +143,10 @@ class VirtualPeer:
     held: torch.Tensor | None = None  # that round's model, taken at the step's end
     stepped: bool = False  # the step's compute is done; it waits for the round behind it
     stepped_at: float = 0.0  # since when (local time): the wait counts as idle
+    # a new life's counters start at 0, as a new process's: its node's counters when it
+    # began (and its rejoins), and what it carries on from its last life (resumed)
+    life_base: dict[str, Any] = field(default_factory=dict)
+    carried: dict[str, Any] = field(default_factory=dict)
 
     _flat: tuple[torch.nn.Module | None, FlatParameters | None] = (None, None)
 
@@ -586,13 +592,16 @@ class Simulation:
     def _record(self, peer: VirtualPeer, **extra: Any) -> None:
         """One metrics line, with the real runner's keys."""
         now = self.clock.now
+        net, base = self.network.stats(peer.id).snapshot(), peer.life_base
         stats = {
-            **self.network.stats(peer.id).snapshot(),
+            **{k: v - base.get(k, 0) for k, v in net.items() if k != "messages_dropped"},
+            "messages_dropped": Counter(net["messages_dropped"]) - Counter(base.get("drops", {})),
             **peer.core.metrics(),
-            "rejoins": peer.rejoins,
+            "rejoins": peer.rejoins - base.get("rejoins", 0),
             "online": self.network.online(peer.id),
             "sockets": len(peer.core.membership.in_swarm()) - 1,
         }
+        stats = carry_on(stats, peer.carried)
         line = metrics_line(
             peer.id, peer.steps, now, self.swarm_start + now, peer.losses, stats, extra
         )
@@ -646,6 +655,9 @@ class Simulation:
             optimizer.load_state_dict(state)
         else:
             steps = 0
+        net = self.network.stats(peer_id).snapshot()
+        peer.life_base = {**net, "drops": net["messages_dropped"], "rejoins": peer.rejoins}
+        peer.carried = carried_from(self.run_dir.last_record(peer_id)) if resumed else {}
         old = peer.core
         flat = parameters_to_vector(model.parameters()).detach()
         peer.core = GossipCore(
