@@ -168,3 +168,24 @@ def test_a_listed_key_cannot_take_the_id_of_a_member_with_another_key() -> None:
         if meta.get("want_id") == 1:  # its owner's key is let back in
             assert join(answerer, address, k1, **meta) is not None
     assert join(member_0(("", "")), "tcp://10.0.0.3:5555", "", want_id=1, rejoin=True) is not None
+
+
+def test_a_peer_announces_no_more_sync_alarms_than_a_member_takes() -> None:
+    """It keeps the ``MAX_ALARMS`` earliest alarms it heard; one more raised beneath them
+    went out in a message of ``MAX_ALARMS`` + 1 alarms, which every neighbour refused."""
+    from gossipdl.protocol.kinds import MAX_ALARMS, SYNC_AT
+
+    def dynamic(me: int) -> GossipCore:
+        return GossipCore(
+            me, MemberTable([A, B]), averager=build_averager("dense", "none", 0),
+            trigger=parse_trigger("dynamic:0:1"), settings=Settings(), model=torch.zeros(8),
+        )  # fmt: skip
+
+    peer, neighbour = dynamic(0), dynamic(1)
+    far = list(range(100, 100 + MAX_ALARMS))  # a big graph's alarms, all beyond our horizon
+    peer.receive(0.0, encode("quiet", 1, 1, 0, [], {SYNC_AT: far}))
+    sends = peer.open_round(0.0, torch.ones(8))  # moved from the reference: an alarm of its own
+    (announced,) = [decode(s.frames, 1 << 30).meta[SYNC_AT] for s in sends]
+    assert len(announced) == MAX_ALARMS and announced[0] < 100
+    for s in sends:
+        neighbour.receive(0.0, s.frames)  # taken, not refused

@@ -585,7 +585,8 @@ class GossipCore:
         horizon = t + (self.topologies.over(ids).spread_rounds(t) if len(ids) > 1 else 0)
         covered = any(t <= a <= horizon for a in self._alarms)
         violated = not covered and self.trigger.violated(x, self.reference)
-        self._alarms = {a for a in self._alarms if a >= t} | ({horizon} if violated else set())
+        pending = sorted({a for a in self._alarms if a >= t} | ({horizon} if violated else set()))
+        self._alarms = set(pending[:MAX_ALARMS])  # as many as a member takes: the earliest
         return sorted(self._alarms)
 
     def _request_resync(self) -> list[Send]:
