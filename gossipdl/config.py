@@ -282,6 +282,8 @@ class Config:
     out: str = field(default="", metadata={"help": "run directory (default runs/<timestamp>)"})
 
     def __post_init__(self) -> None:
+        for name in FIELDS:  # the types first, as a file's values: checks compare numbers
+            object.__setattr__(self, name, _coerce(name, getattr(self, name)))
         _validate(self)
 
     @property
@@ -364,9 +366,10 @@ def _check_keys(values: Mapping[str, Any], where: str = "") -> None:
 
 
 def from_dict(values: dict[str, Any]) -> Config:
-    """Build a Config from plain values; unknown keys and bad values raise ConfigError."""
+    """Build a Config from plain values (None: the default); unknown keys and bad values
+    raise ConfigError."""
     _check_keys(values)
-    return Config(**{k: _coerce(k, v) for k, v in values.items() if v is not None})
+    return Config(**{k: v for k, v in values.items() if v is not None})
 
 
 def parse_value(key: str, text: str) -> Any:
@@ -497,11 +500,11 @@ def cautions(c: Config) -> list[str]:
     found = []
     trigger = parse_trigger(c.trigger)
     period = trigger.period
-    if c.mode == "gossip" and period > c.steps:
+    if _follows_trigger(c) and period > c.steps:
         found.append(
             f"trigger = {c.trigger!r} with steps = {c.steps}: a round every {period} steps "
-            "never comes, so the peers train alone and send nothing; lower the period or "
-            "raise steps"
+            f"never comes, so the {'workers' if c.mode == 'ps' else 'peers'} train alone and "
+            "send nothing; lower the period or raise steps"
         )
     elif c.mode == "gossip" and trigger.dynamic and c.steps % period:
         found.append(
@@ -518,6 +521,13 @@ def cautions(c: Config) -> list[str]:
             "peers); leave eviction off there unless liars are the likelier fault"
         )
     return found
+
+
+def _follows_trigger(c: Config) -> bool:
+    """Whether ``c``'s processes talk when its trigger says: gossip, the ring and the
+    parameter server's sync and async workers do; FedAvg rounds last ``local_epochs``, and a
+    single process talks to nobody."""
+    return c.mode in ("gossip", "ring") or (c.mode == "ps" and c.ps != "fedavg")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -1,10 +1,14 @@
-"""Load user code named by a ``module.path:function`` spec (datasets, models)."""
+"""Load and call user code named by a ``module.path:function`` spec (datasets, models,
+topologies, codecs)."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
+import traceback
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -17,10 +21,15 @@ def is_dotted(name: str) -> bool:
     return _DOTTED.fullmatch(name) is not None
 
 
-def load_callable(spec: str, what: str, error: type[Exception]) -> Callable[..., Any]:
-    """The callable ``spec`` names; ``error(message)`` says what is wrong if it cannot be had.
+def load_callable(
+    spec: str, what: str, error: type[Exception], hint: str = ""
+) -> Callable[..., Any]:
+    """The callable ``spec`` names (``module.path:name``, ``name`` may be dotted:
+    ``Class.factory``); ``error(message)`` says what is wrong if it cannot be had.
 
-    ``what`` names the kind of thing in messages, e.g. ``"custom dataset"``.
+    ``what`` names the kind of thing in messages, e.g. ``"custom dataset"``; ``hint`` is
+    added where the module cannot be imported (e.g. the built-in names the spec may have
+    meant).
     """
     module_name, _, attr = spec.partition(":")
     if not is_dotted(module_name) or not is_dotted(attr):
@@ -28,13 +37,59 @@ def load_callable(spec: str, what: str, error: type[Exception]) -> Callable[...,
             f"{what} {spec!r} must be of the form 'module.path:function' (an importable, "
             "absolute module name: no leading dot)"
         )
+    target: object = _import(spec, module_name, what, error, hint)
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise error(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(target):
+        raise error(f"{what} {spec!r}: {attr!r} is not callable (a class or function)")
+    return target
+
+
+def _import(
+    spec: str, module_name: str, what: str, error: type[Exception], hint: str
+) -> ModuleType:
+    """Module ``module_name``; any failure while importing it (not found, a syntax error,
+    an exception its top level raises) is ``error`` naming the spec, the module and the
+    failure, as user code must never end the program with a traceback of ours."""
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ImportError as exc:
-        raise error(f"{what} {spec!r}: cannot import module {module_name!r} ({exc})") from exc
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise error(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise error(f"{what} {spec!r}: {attr!r} is not callable")
-    return fn
+        raise error(f"{what} {spec!r}: cannot import module {module_name!r} ({exc}){hint}") from exc
+    except Exception as exc:
+        raise error(
+            f"{what} {spec!r}: importing module {module_name!r} failed: {_described(exc)}"
+        ) from exc
+
+
+def _described(exc: Exception) -> str:
+    """``exc`` as ``file:line: Type: message``, the place being where it was raised (for a
+    SyntaxError, the offending line of the file)."""
+    if isinstance(exc, SyntaxError):
+        return f"{exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+    return f"{where}{type(exc).__name__}: {exc}"
+
+
+def call_plugin(
+    fn: Callable[..., Any], spec: str, what: str, error: type[Exception], **kwargs: Any
+) -> Any:
+    """``fn(**kwargs)``, the call gossipdl makes of a plug-in; if ``fn``'s signature cannot
+    take exactly these keywords, ``error`` names the spec and the call it must accept
+    (checked before calling, so a TypeError raised inside ``fn`` stays the user's own)."""
+    attr = spec.partition(":")[2]
+    call = f"{attr}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call tells
+        return fn(**kwargs)
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        raise error(
+            f"{what} {spec!r}: calling {call} failed: {exc}; give {attr} the signature "
+            f"{attr}({', '.join(kwargs)})"
+        ) from None
+    return fn(**kwargs)

@@ -297,6 +297,25 @@ def test_a_string_where_a_number_belongs_is_an_error(tmp_path: Path) -> None:
     assert load_config(None, steps=300, lr=1).lr == 1.0  # numbers stay fine
 
 
+def test_a_config_built_directly_checks_types_as_a_file_does() -> None:
+    """``Config(...)`` checked ranges only: ``lr='0.1'`` failed on a bare ``'>' not
+    supported``, ``steps=None`` likewise and ``steps=5.5`` was taken. Each value now goes
+    through the check a file's does, with the same message."""
+    for values in ({"lr": "0.1"}, {"peers": "4"}, {"steps": None}, {"steps": 5.5},
+                   {"hidden": ["64"]}, {"overlap": 1}, {"out": 3}):  # fmt: skip
+        with pytest.raises(ConfigError) as direct:
+            Config(**values)
+        if None not in values.values():  # from_dict reads None as "the default"
+            with pytest.raises(ConfigError) as read:
+                from_dict(values)
+            assert str(direct.value) == str(read.value)
+        assert str(direct.value).startswith(f"{next(iter(values))} = ")
+    config = Config(steps=5.0, lr=1, hidden=[64, 32])  # coerced as a file's values are
+    assert (config.steps, config.lr, config.hidden) == (5, 1.0, (64, 32))
+    assert type(config.steps) is int and type(config.lr) is float
+    assert Config(hidden="64,32").hidden == (64, 32) == load_config(None, hidden="64,32").hidden
+
+
 def test_per_peer_options_are_checked_against_the_peer_count(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"slowdown '9:4' names peer 9.*peers 0\.\.3"):
         Config(peers=4, slowdown="9:4")

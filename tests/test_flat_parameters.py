@@ -10,9 +10,11 @@ import pytest
 import torch
 from conftest import small_config
 
+import gossipdl
 from gossipdl.averaging import build_averager
 from gossipdl.averaging.triggers import parse_trigger
-from gossipdl.models.parameters import FlatParameters
+from gossipdl.models import ModelError, build_model
+from gossipdl.models.parameters import FlatParameters, averaged_parameters
 from gossipdl.peers.membership import Member, Membership
 from gossipdl.protocol.core import GossipCore, Settings
 from gossipdl.rundir import RunDir
@@ -26,6 +28,32 @@ def _mlp() -> torch.nn.Module:
 
 def _gathered(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in params])
+
+
+def test_a_peer_refuses_a_complex_parameter_by_name_and_takes_every_real_dtype() -> None:
+    """A complex parameter failed deep in the first copy with ``torch.cat(): input types
+    can't be cast to the desired output type Float``, naming nothing: it is refused up front,
+    by name, by a Peer and by a custom model's build. Real dtypes go through the float32
+    vector and back, and are taken."""
+    model = _mlp()
+    model.phase = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    peers = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+    with pytest.raises(ValueError, match=r"parameter 'phase' is complex64: .*view_as_real"):
+        gossipdl.Peer(model, None, rank=0, peers=peers, startup_timeout=1)
+    with pytest.raises(ModelError, match=f"custom model '{__name__}:complex_model': .*'phase'"):
+        build_model(f"{__name__}:complex_model", (5,), 3)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool):
+        model = _mlp()
+        model.extra = torch.nn.Parameter(torch.ones(2, dtype=dtype), requires_grad=False)
+        params = averaged_parameters(model)
+        assert params[0] is model.extra  # its own parameters come before its children's
+        assert FlatParameters(params).copy()[:2].tolist() == [1.0, 1.0]
+
+
+def complex_model(input_shape: tuple[int, ...], num_classes: int, hidden: object) -> object:
+    model = torch.nn.Linear(input_shape[0], num_classes)
+    model.phase = torch.nn.Parameter(torch.ones(num_classes, dtype=torch.complex64))
+    return model
 
 
 def test_the_parameters_become_views_of_one_vector_and_train_as_before() -> None:

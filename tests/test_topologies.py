@@ -615,7 +615,7 @@ def test_custom_class_spec(custom_module: str) -> None:
         ("Missing", "has no attribute 'Missing'"),
         ("not_a_topology", "produced list, not a Topology"),
         ("NoSeed", "calling NoSeed"),
-        ("CONSTANT", "not a class or callable"),
+        ("CONSTANT", "is not callable"),
     ],
 )
 def test_custom_class_errors(custom_module: str, attr: str, pattern: str) -> None:

@@ -321,6 +321,27 @@ def test_a_period_longer_than_the_run_is_a_caution_before_it_starts() -> None:
     assert cautions(load_config(None, trigger="dynamic:0.1:10", steps=30)) == []
 
 
+@pytest.mark.parametrize("mode", ["ring", "ps:sync", "ps:async", "ps:fedavg", "single"])
+def test_a_period_longer_than_the_run_is_a_caution_in_every_mode_that_follows_it(
+    mode: str,
+) -> None:
+    """The ring and the parameter server's sync and async workers average every period
+    steps too, and sent nothing with a period past the run, with no warning (only gossip
+    had one). FedAvg's rounds go by local_epochs and a single process talks to nobody."""
+    from gossipdl.config import cautions, load_config
+
+    name, _, rule = mode.partition(":")
+    config = load_config(None, mode=name, ps=rule or "sync", trigger="periodic:50", steps=20)
+    said = cautions(config)
+    if mode in ("ps:fedavg", "single"):
+        assert said == []
+    else:
+        (text,) = said
+        assert "trigger = 'periodic:50' with steps = 20" in text and "never comes" in text
+        assert ("workers" if name == "ps" else "peers") + " train alone" in text
+    assert cautions(config.replace(steps=50)) == []
+
+
 def test_simulated_gossip_learning_ages_its_models_as_real_peers_do(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,7 +24,6 @@ agree on a codec exactly when their normalized specs are equal.
 
 from __future__ import annotations
 
-import importlib
 import math
 import operator
 import re
@@ -46,7 +45,7 @@ from gossipdl.compression.powersgd import PowerSGD
 from gossipdl.compression.quantization import QSGD, Sign, Ternary, Uniform
 from gossipdl.compression.sparse import RandomK, SparseCodec, Sparsifier, Threshold, TopK
 from gossipdl.numerals import is_decimal
-from gossipdl.plugins import is_dotted
+from gossipdl.plugins import call_plugin, is_dotted, load_callable
 
 __all__ = [
     "DEFAULT_INDEX_CODER",
@@ -398,24 +397,8 @@ def _build_stage(part: str, spec: str, seed: int) -> tuple[str, object]:
 def _load_class(module_name: str, attr: str, seed: int) -> Codec:
     """Import ``module_name``, look up ``attr`` and call it with ``seed=seed``."""
     spec = f"{module_name}:{attr}"
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise CodecError(
-            f"codec spec {spec!r}: cannot import module {module_name!r} ({exc})"
-        ) from exc
-    target: object = module
-    for piece in attr.split("."):
-        try:
-            target = getattr(target, piece)
-        except AttributeError:
-            raise CodecError(f"codec spec {spec!r}: {module_name!r} has no {attr!r}") from None
-    if not callable(target):
-        raise CodecError(f"codec spec {spec!r}: {attr!r} is not a class or callable")
-    try:
-        codec = target(seed=seed)
-    except TypeError as exc:
-        raise CodecError(f"codec spec {spec!r}: calling {attr}(seed={seed}) failed: {exc}") from exc
+    target = load_callable(spec, "codec spec", CodecError)
+    codec = call_plugin(target, spec, "codec spec", CodecError, seed=seed)
     if not isinstance(codec, Codec):
         raise CodecError(f"codec spec {spec!r} built {type(codec).__name__}, not a Codec")
     if not getattr(codec, "spec", ""):

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from gossipdl.numerals import is_decimal
-from gossipdl.plugins import load_callable
+from gossipdl.plugins import call_plugin, load_callable
 
 logger = logging.getLogger(__name__)
 
@@ -512,7 +512,7 @@ def load_dataset(name: str, data_dir: Path | str | None = None) -> Dataset:
 def _load_custom(spec: str) -> Dataset:
     fn = load_callable(spec, "custom dataset", DataError)
     attr = spec.partition(":")[2]
-    result = fn()
+    result = call_plugin(fn, spec, "custom dataset", DataError)
     if not isinstance(result, Dataset):
         raise DataError(
             f"custom dataset {spec!r}: {attr}() returned {type(result).__name__}, "

@@ -20,6 +20,30 @@ def set_params(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
         offset += n
 
 
+def averaged_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of ``model`` that peers average, in order; a ValueError naming the
+    first one they cannot. Peers average a model as one float32 vector, which every real
+    dtype goes into and comes back from (float16, bfloat16, float64, and the integer or
+    bool parameters that are never trained but still averaged); a complex one cannot, and
+    would otherwise fail deep inside the first copy with a TypeError naming nothing.
+
+    >>> len(averaged_parameters(torch.nn.Linear(2, 1)))
+    2
+    """
+    named = list(model.named_parameters())
+    if not named:
+        raise ValueError("the model has no parameters to average")
+    for name, p in named:
+        if p.is_complex():
+            raise ValueError(
+                f"parameter {name!r} is {str(p.dtype).removeprefix('torch.')}: peers average "
+                "a model as one real vector, which cannot hold complex values; keep its real "
+                "and imaginary parts as a real parameter (torch.view_as_real) and rebuild it "
+                "in forward (torch.view_as_complex)"
+            )
+    return [p for _, p in named]
+
+
 class FlatParameters:
     """A model's parameters as views into one persistent float32 vector, as DDP's buckets
     hold gradients: a round reads the model as a vector without gathering it and writes

@@ -11,7 +11,8 @@ from torch import nn
 from gossipdl.models.benchmark_models import VGG11, LeafCNN, LeafLSTM, LeNet5, ResNet20
 from gossipdl.models.cnn import CNN1d, CNN2d
 from gossipdl.models.mlp import MLP
-from gossipdl.plugins import load_callable
+from gossipdl.models.parameters import averaged_parameters
+from gossipdl.plugins import call_plugin, load_callable
 
 logger = logging.getLogger(__name__)
 
@@ -184,13 +185,25 @@ def _build_custom(
 ) -> nn.Module:
     fn = load_callable(spec, "custom model", ModelError)
     attr = spec.partition(":")[2]
-    model = fn(input_shape=input_shape, num_classes=num_classes, hidden=hidden)
+    model = call_plugin(
+        fn,
+        spec,
+        "custom model",
+        ModelError,
+        input_shape=input_shape,
+        num_classes=num_classes,
+        hidden=hidden,
+    )
     if not isinstance(model, nn.Module):
         raise ModelError(
             f"custom model {spec!r}: {attr}() returned {type(model).__name__}, "
             f"expected torch.nn.Module"
         )
     _check_output(spec, model, input_shape, num_classes)
+    try:
+        averaged_parameters(model)
+    except ValueError as exc:
+        raise ModelError(f"custom model {spec!r}: {exc}") from None
     if any(isinstance(m, nn.modules.batchnorm._NormBase) for m in model.modules()):
         logger.warning(
             "custom model %r has BatchNorm/InstanceNorm running statistics; "

@@ -40,7 +40,7 @@ from gossipdl.coordinator.ring import (
 )
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
 from gossipdl.coordinator.shared_reduce import on_this_host
-from gossipdl.models.parameters import FlatParameters
+from gossipdl.models.parameters import FlatParameters, averaged_parameters
 from gossipdl.peers.membership import MAX_MEMBERS, Member, Membership, parse_members
 from gossipdl.protocol.core import CORE_KINDS, GossipCore, Send, Settings
 from gossipdl.protocol.joining import (
@@ -250,9 +250,7 @@ class Peer:
             )
         self.model = model
         self.optimizer = optimizer
-        self.params = [p for p in model.parameters()]
-        if not self.params:
-            raise ValueError("the model has no parameters to average")
+        self.params = averaged_parameters(model)
         self.flat_params = FlatParameters(self.params)  # the parameters become views of one vector
         self.numel = self.flat_params.numel
         self.device = self.flat_params.device

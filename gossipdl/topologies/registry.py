@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 import operator
 import re
 from collections.abc import Callable
 
-from gossipdl.plugins import is_dotted
+from gossipdl.plugins import call_plugin, is_dotted, load_callable
 from gossipdl.topologies.base import Topology, check_peer_count
 from gossipdl.topologies.edge_file import read_edge_file
 from gossipdl.topologies.errors import TopologyError
@@ -139,29 +138,10 @@ def _checked(spec: str, topology: object, n: int) -> Topology:
 def _load_class(module_name: str, attr: str, n: int, seed: int) -> object:
     """Import ``module_name``, look up ``attr`` and call it with ``n`` and ``seed``."""
     spec = f"{module_name}:{attr}"
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise TopologyError(
-            f"topology spec {spec!r}: cannot import module {module_name!r} ({exc}); "
-            f"built-in topologies are {_choices()}"
-        ) from exc
-    target: object = module
-    for part in attr.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise TopologyError(
-                f"topology spec {spec!r}: module {module_name!r} has no attribute {attr!r}"
-            ) from None
-    if not callable(target):
-        raise TopologyError(f"topology spec {spec!r}: {attr!r} is not a class or callable")
-    try:
-        return target(n=n, seed=seed)
-    except TypeError as exc:
-        raise TopologyError(
-            f"topology spec {spec!r}: calling {attr}(n={n}, seed={seed}) failed: {exc}"
-        ) from exc
+    target = load_callable(
+        spec, "topology spec", TopologyError, hint=f"; built-in topologies are {_choices()}"
+    )
+    return call_plugin(target, spec, "topology spec", TopologyError, n=n, seed=seed)
 
 
 def _no_arg(name: str, arg: str | None) -> None:
