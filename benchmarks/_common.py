@@ -12,6 +12,11 @@ Every script describes its table as a list of :class:`Column` and hands rows
 
 Numbers in the JSON are the unrounded values; the table only formats them.
 
+Bad arguments are usage errors (exit 2, naming the option) before any run starts:
+:func:`at_least` and :func:`peer_counts` check numbers as they are parsed, ``--json`` is
+checked then too, :func:`usage_errors` turns a config no run could take into one, and
+:func:`check_device` a device this machine lacks.
+
 Every script ends with ``run_script(main)``: SIGINT (Ctrl-C) or SIGTERM stops the
 whole benchmark, with the processes it started, and exits with 128 + the signal
 (130 or 143) after one line on stderr; the next setting never starts.
@@ -20,6 +25,7 @@ whole benchmark, with the processes it started, and exits with 128 + the signal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import platform
@@ -28,7 +34,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -39,10 +45,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gossipdl.cli import use_huge_pages
-from gossipdl.config import Config
+from gossipdl.config import Config, ConfigError
 from gossipdl.experiments import forking
 from gossipdl.experiments.launcher import Interrupted
-from gossipdl.rundir import RunDir, dumps
+from gossipdl.peers.device import pick_device
+from gossipdl.rundir import RunDir, dumps, write_text_atomic
 from gossipdl.training import dataset_of, initial_model
 
 T = TypeVar("T")
@@ -118,17 +125,106 @@ def start_worker(process: BaseProcess) -> None:
 
 def benchmark_parser(doc: str, quick: str) -> argparse.ArgumentParser:
     """A script's parser: the first paragraph of its docstring as the description, ``--quick``
-    (``quick`` says what the run shrinks to) and ``--json FILE``."""
+    (``quick`` says what the run shrinks to) and ``--json FILE`` (checked as it is parsed:
+    see :func:`json_file`)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument(
         "--json",
         metavar="FILE",
-        type=Path,
+        type=json_file,
         default=None,
-        help='also write {"benchmark", "rows", "meta"} as JSON to FILE',
+        help='also write {"benchmark", "rows", "meta"} as JSON to FILE (missing parent '
+        "directories are created)",
     )
     return parser
+
+
+def json_file(value: str) -> Path:
+    """``--json``'s FILE, refused before the run rather than after it: not a directory, and
+    its nearest existing parent a directory this process may write into (:func:`report`
+    creates the missing ones under it, then writes FILE)."""
+    path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is a directory; give a file name in it")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{value}: {parent} is a file, not a directory; pick another path"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{value}: cannot write in {parent}; pick another path")
+    return path
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number ``>= minimum`` (a count where fewer means nothing)."""
+
+    def whole(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = minimum - 1
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"{value!r}: give a whole number >= {minimum}")
+        return number
+
+    return whole
+
+
+def peer_counts(value: str) -> list[int]:
+    """An argparse type: comma-separated counts of peers or processes, in the order given,
+    each at least 2 (one alone has no one to talk to)."""
+    try:
+        counts = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 2:
+        raise argparse.ArgumentTypeError(f"{value!r}: comma-separated counts >= 2, e.g. 4,8,16")
+    return counts
+
+
+@contextlib.contextmanager
+def usage_errors(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    flags: Mapping[str, str] | None = None,
+) -> Iterator[None]:
+    """Build the runs' configs (or check other specs) inside: a ``ValueError`` there (a
+    ``ConfigError`` names its config key) becomes a usage error naming the option that set
+    the value (exit 2), before the first run rather than a traceback after the earlier ones.
+    The option is ``flags[key]``, else the one of the same name (``lr_schedule``:
+    ``--lr-schedule``), else ``--config`` (the base config's value)."""
+    try:
+        yield
+    except ValueError as exc:
+        # "steps = -5; ...", "profile 'edge': step_time = 'x'; ...": the key before " = "
+        said, equals, _ = str(exc).partition(" = ")
+        key = said.split()[-1] if isinstance(exc, ConfigError) and equals and said else ""
+        flag = (flags or {}).get(key) or (f"--{key.replace('_', '-')}" if key in vars(args) else "")
+        if not flag and getattr(args, "config", None) is not None:
+            flag = f"--config {args.config}"
+        parser.error(f"{flag}: {exc}" if flag else str(exc))
+
+
+def check_device(parser: argparse.ArgumentParser, spec: str, flag: str = "--device") -> None:
+    """Refuse a device name torch does not know, or a GPU this machine lacks, as a usage
+    error naming ``flag`` (``auto``: a GPU where there is one, else the CPU)."""
+    import torch
+
+    if spec != "auto":
+        try:
+            torch.device(spec)
+        except RuntimeError:  # not a device name
+            parser.error(f"{flag} {spec}: use auto, cpu, cuda[:N] or mps")
+    try:
+        device = pick_device(spec)
+    except RuntimeError as exc:  # a GPU asked for where CUDA is not available
+        parser.error(f"{flag} {spec}: {exc}")
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        parser.error(f"{flag} {spec}: this machine has {torch.cuda.device_count()} GPU(s)")
 
 
 def add_swarm_options(
@@ -137,9 +233,9 @@ def add_swarm_options(
     """The options of a script that launches swarms: ``--peers`` (``peers``: its help),
     ``--steps`` (when ``steps`` gives its help), ``--seed``, ``--config`` (a base TOML
     config) and ``--out`` (default ``runs/bench-NAME``)."""
-    parser.add_argument("--peers", type=int, default=None, help=peers)
+    parser.add_argument("--peers", type=at_least(1), default=None, help=peers)
     if steps:
-        parser.add_argument("--steps", type=int, default=None, help=steps)
+        parser.add_argument("--steps", type=at_least(1), default=None, help=steps)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--config", type=Path, default=None, help="base TOML config (lr, batch_size, ...)"
@@ -329,6 +425,12 @@ def report(
             "rows": rows if json_rows is None else json_rows,
             "meta": {**meta, "env": environment()},
         }
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(dumps(document, indent=2) + "\n")
+        write_atomically(json_path, dumps(document, indent=2) + "\n")
         console.print(f"wrote {json_path}")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (:func:`write_text_atomic`), creating
+    missing parent directories."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, text)

@@ -72,7 +72,17 @@ import time
 from typing import Any
 
 import torch
-from _common import Column, benchmark_parser, mark, report, run_script, start_worker
+from _common import (
+    Column,
+    at_least,
+    benchmark_parser,
+    check_device,
+    mark,
+    peer_counts,
+    report,
+    run_script,
+    start_worker,
+)
 
 from gossipdl.experiments import forking
 
@@ -96,13 +106,6 @@ def parse_size(text: str) -> int:
     if value < 1 or value != int(value):
         raise argparse.ArgumentTypeError(f"size must be a positive whole number: {text!r}")
     return int(value)
-
-
-def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 2:
-        raise argparse.ArgumentTypeError(f"need process counts >= 2, got {text!r}")
-    return values
 
 
 def _size_list(text: str) -> list[int]:
@@ -273,7 +276,7 @@ def run_config(
 def main() -> None:
     parser = benchmark_parser(__doc__, quick="2 processes, 100k floats, 1 + 3")
     parser.add_argument(
-        "--procs", type=_int_list, default=[2, 4], help="comma-separated process counts (2,4)"
+        "--procs", type=peer_counts, default=[2, 4], help="comma-separated process counts (2,4)"
     )
     parser.add_argument(
         "--sizes",
@@ -281,16 +284,17 @@ def main() -> None:
         default=[1_000_000, 10_000_000, 25_000_000],
         help="comma-separated float32 element counts; k/M/G suffixes (1M,10M,25M)",
     )
-    parser.add_argument("--repeats", type=int, default=7, help="timed repetitions (median)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    parser.add_argument("--repeats", type=at_least(1), default=7, help="timed repetitions (median)")
+    parser.add_argument(
+        "--warmup", type=at_least(1), default=2, help="untimed repetitions first (>= 1: checked)"
+    )
     parser.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="where each rank's vector lives"
     )
     args = parser.parse_args()
+    check_device(parser, args.device)
     if args.quick:
         args.procs, args.sizes, args.repeats, args.warmup = [2], [100_000], 3, 1
-    if args.repeats < 1 or args.warmup < 1:
-        parser.error("--repeats and --warmup must be at least 1 (the first warm-up is checked)")
 
     ctx = forking.context()  # preloaded: a worker starts without importing torch
     table, rows = [], []

@@ -61,13 +61,15 @@ each row has ``attack`` ("none" for the attack-free runs, "absent" for the refer
 runs without the liars), ``defence``, ``algorithm``, ``codec``, ``byzantine``
 (how many lie), ``topology``, ``partition``, ``accuracy`` (the honest peers'),
 ``seed``, ``evict_after``, ``engine`` and ``run_dir``; ``meta`` holds the settings, each
-target's verdict (over each cell's mean across seeds) and, under ``targets.absent``, each
-reference run's accuracy and its points below the attack-free run.
+target's verdict (over each cell's mean across seeds; null, not run, when no cell ran the
+rows it needs) and, under ``targets.absent``, each reference run's accuracy and its points
+below the attack-free run.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -75,12 +77,14 @@ from typing import Any
 import torch
 from _common import (
     Column,
+    at_least,
     benchmark_parser,
     fresh_run_dir,
     mark,
     report,
     run_script,
     run_tasks,
+    usage_errors,
 )
 
 from gossipdl.averaging.robust import EVICTING_RULES, parse_defence
@@ -134,6 +138,14 @@ class Run:
 
 def _names(value: str) -> list[str]:
     return [v for v in value.split(",") if v]
+
+
+def _liar_counts(value: str) -> list[int]:
+    """``--liars``: comma-separated, each one of :data:`LIAR_COUNTS`."""
+    counts = _names(value)
+    if not counts or not set(counts) <= {str(n) for n in LIAR_COUNTS}:
+        raise argparse.ArgumentTypeError(f"{value!r}: each of {list(LIAR_COUNTS)}, e.g. 1,2")
+    return [int(n) for n in counts]
 
 
 def config_for(args: argparse.Namespace, run: Run) -> Config:
@@ -243,7 +255,8 @@ def seed_means(rows: list[dict[str, Any]]) -> dict[Cell, float]:
 
 def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The two targets, per topology and partition: the worst gap of the best defence with
-    two liars, and the dearest defence without an attack (each cell's mean over seeds)."""
+    two liars, and the dearest defence without an attack (each cell's mean over seeds); a
+    target no cell ran the rows for (``--liars 1``: no gap with 2) is None, not run."""
     by_key = seed_means(rows)
     out: dict[str, Any] = {"best_within": {}, "defence_cost": {}, "absent": {}}
     defences = sorted({r["defence"] for r in rows} - {"none"})  # whichever ran
@@ -279,7 +292,21 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "cost_points": costs,
                 "met": max(costs.values()) <= DEFENCE_COST_POINTS,
             }
+    for target in ("best_within", "defence_cost"):
+        out[target] = out[target] or None  # no cell had its rows: not run
     return out
+
+
+def verdict_lines(
+    target: str, cells: dict[str, Any] | None, detail: Callable[[dict[str, Any]], str]
+) -> list[str]:
+    """A target's lines under the table: one per cell it was judged on (``detail`` says by
+    what), or one saying it was not run."""
+    if cells is None:
+        return [f"{target} — {mark(None)} (no cell ran the rows it needs)"]
+    return [
+        f"{where}: {target} — {mark(v['met'])} ({detail(v)})" for where, v in sorted(cells.items())
+    ]
 
 
 def spreads(rows: list[dict[str, Any]]) -> list[str]:
@@ -302,7 +329,7 @@ def main() -> None:
         __doc__ or "", "8 peers, logistic on synthetic, ring, iid, 60 steps, 2 attacks"
     )
     parser.add_argument("--peers", type=int, default=None, help="default 16")
-    parser.add_argument("--steps", type=int, default=None, help="default 1500")
+    parser.add_argument("--steps", type=at_least(1), default=None, help="default 1500")
     parser.add_argument("--attacks", type=_names, default=None, help=",".join(ATTACKS))
     parser.add_argument(
         "--defences",
@@ -312,8 +339,8 @@ def main() -> None:
     )
     parser.add_argument("--topologies", type=_names, default=None, help=",".join(TOPOLOGIES))
     parser.add_argument("--partitions", type=_names, default=None, help=",".join(PARTITIONS))
-    parser.add_argument("--liars", type=_names, default=None, help="1,2")
-    parser.add_argument("--jobs", type=int, default=1, help="simulations at once")
+    parser.add_argument("--liars", type=_liar_counts, default=None, help="1,2")
+    parser.add_argument("--jobs", type=at_least(1), default=1, help="simulations at once")
     parser.add_argument(
         "--engine", choices=("batched", "per-peer"), default="batched",
         help="batched (default; a swarm that diverges reruns per peer) or per-peer",
@@ -333,8 +360,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench-byzantine"))
     args = parser.parse_args()
     quick = args.quick
-    args.peers = args.peers or (8 if quick else 16)
-    args.steps = args.steps or (60 if quick else 1500)
+    if args.peers is None:
+        args.peers = 8 if quick else 16
+    if args.steps is None:
+        args.steps = 60 if quick else 1500
     args.dataset, args.model = ("synthetic", "logistic") if quick else ("mnist1d", "cnn1d")
     copies = args.algorithm != "dense"  # public copies: CHOCO's or BEER's
     if args.codec is not None and not copies:
@@ -346,7 +375,7 @@ def main() -> None:
     args.defences = args.defences or (["none", "clip"] if quick else list(DEFENCES))
     args.topologies = args.topologies or (["ring"] if quick else list(TOPOLOGIES))
     args.partitions = args.partitions or (["iid"] if quick else list(PARTITIONS))
-    args.liars = [int(n) for n in (args.liars or (["1"] if quick else ["1", "2"]))]
+    args.liars = args.liars or ([1] if quick else [1, 2])
     unknown = sorted(set(args.attacks) - set(ATTACKS))
     if unknown:
         parser.error(f"--attacks: unknown {unknown}; known: {', '.join(ATTACKS)}")
@@ -366,11 +395,10 @@ def main() -> None:
         parser.error(f"--peers {args.peers}: the grid needs at least 4 (2 liars, 2 honest)")
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: at least 1")
-    if not set(args.liars) <= set(LIAR_COUNTS) or args.jobs < 1:
-        parser.error(f"--liars: each of {list(LIAR_COUNTS)}; --jobs N needs N >= 1")
-
     runs = grid(args)
-    tasks = [(run, config_for(args, run)) for run in runs]
+    flags = {"topology": "--topologies", "partition": "--partitions", "defence": "--defences"}
+    with usage_errors(parser, args, flags):  # every swarm's config before the first runs
+        tasks = [(run, config_for(args, run)) for run in runs]
     rows = run_tasks(
         run_one,
         tasks,
@@ -396,21 +424,21 @@ def main() -> None:
         *(Column(d, f"{d} (honest acc)" if d == "none" else d, "{:.4f}") for d in args.defences),
     ]
     notes = (
-        [
-            f"{where}: best defence within {BEST_WITHIN_POINTS:g} pts with 2 liars — "
-            f"{mark(v['met'])} (worst gap {max(v['gaps_points'].values()):.1f} pts)"
-            for where, v in sorted(judged["best_within"].items())
-        ]
+        verdict_lines(
+            f"best defence within {BEST_WITHIN_POINTS:g} pts with 2 liars",
+            judged["best_within"],
+            lambda v: f"worst gap {max(v['gaps_points'].values()):.1f} pts",
+        )
         + [
             f"{where}: with the 2 liars absent from the start the honest peers reach "
             f"{v['accuracy']:.4f}, {v['below_clean_points']:.1f} pts below the attack-free run"
             for where, v in sorted(judged["absent"].items())
         ]
-        + [
-            f"{where}: no defence costs over {DEFENCE_COST_POINTS:g} pt without an attack — "
-            f"{mark(v['met'])} (dearest {max(v['cost_points'].values()):.1f} pts)"
-            for where, v in sorted(judged["defence_cost"].items())
-        ]
+        + verdict_lines(
+            f"no defence costs over {DEFENCE_COST_POINTS:g} pt without an attack",
+            judged["defence_cost"],
+            lambda v: f"dearest {max(v['cost_points'].values()):.1f} pts",
+        )
         + (spreads(rows) if args.seeds > 1 else [])
     )
     meta = {

@@ -56,7 +56,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from _common import Column, benchmark_parser, mark, report, run_script
+from _common import Column, at_least, benchmark_parser, check_device, mark, report, run_script
 
 from gossipdl.compression import build_codec
 from gossipdl.compression._kernels import native_kernels, numpy_kernels
@@ -143,12 +143,17 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
 
 def main() -> None:
     parser = benchmark_parser(__doc__, quick="200k elements, 3 rounds")
-    parser.add_argument("--numel", type=int, default=10_000_000, help="float32 elements")
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds (median of these)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--numel", type=at_least(1), default=10_000_000, help="float32 elements")
+    parser.add_argument(
+        "--rounds", type=at_least(1), default=7, help="timed rounds (median of these)"
+    )
+    parser.add_argument(
+        "--threads", type=at_least(0), default=0, help="torch threads (0: torch default)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where the tensor lives: cpu, cuda")
     args = parser.parse_args()
+    check_device(parser, args.device)
     if args.quick:
         args.numel, args.rounds = 200_000, 3
     if args.threads:

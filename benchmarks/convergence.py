@@ -83,6 +83,7 @@ from _common import (
     Column,
     add_only_option,
     add_swarm_options,
+    at_least,
     benchmark_parser,
     fresh_run_dir,
     mark,
@@ -90,6 +91,7 @@ from _common import (
     run_script,
     run_swarm,
     run_tasks,
+    usage_errors,
 )
 
 from gossipdl.averaging import auto_gamma
@@ -163,7 +165,7 @@ def config_for(job: Job, args: argparse.Namespace) -> Config:
         peers=job.peers,
         steps=args.steps,
         model="mlp",
-        hidden=[int(w) for w in args.hidden.split(",")],
+        hidden=args.hidden,
         dataset="mnist1d",
         partition=job.partition,
         seed=args.seed,
@@ -313,9 +315,9 @@ def plot_topology(rows: list[dict[str, Any]], topology: str, out: Path, title: s
     )
 
 
-def parameter_count(hidden: str) -> int:
+def parameter_count(hidden: tuple[int, ...]) -> int:
     """Parameters of the benchmarked MLP on MNIST-1D (40 inputs, 10 classes)."""
-    model = build_model("mlp", (40,), 10, [int(w) for w in hidden.split(",")])
+    model = build_model("mlp", (40,), 10, list(hidden))
     return sum(p.numel() for p in model.parameters())
 
 
@@ -328,7 +330,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--exponential-peers",
-        type=int,
+        type=at_least(1),
         default=None,
         help="peers on the exponential graph, default 16 (quick: the ring's)",
     )
@@ -357,19 +359,27 @@ def main() -> None:
         help="sim: the simulator (default); real: local processes",
     )
     parser.add_argument(
-        "--jobs", type=int, default=1, help="runs at once (sim only), each with one torch thread"
+        "--jobs",
+        type=at_least(1),
+        default=1,
+        help="runs at once (sim only), each with one torch thread",
     )
     add_only_option(parser, [s.key for s in SETTINGS])
     args = parser.parse_args()
-    if args.jobs < 1 or (args.jobs > 1 and args.engine != "sim"):
-        parser.error("--jobs N needs N >= 1, and N > 1 only with --engine sim")
-    args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
-    args.peers = args.peers or (QUICK_PEERS if args.quick else 8)
-    exponential = args.exponential_peers or (args.peers if args.quick else 16)
-    args.hidden = args.hidden or (QUICK_HIDDEN if args.quick else DEFAULT_HIDDEN)
+    if args.jobs > 1 and args.engine != "sim":
+        parser.error("--jobs N: N > 1 only with --engine sim")
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
+    if args.peers is None:
+        args.peers = QUICK_PEERS if args.quick else 8
+    exponential = args.exponential_peers
+    if exponential is None:
+        exponential = args.peers if args.quick else 16
+    if args.hidden is None:
+        args.hidden = QUICK_HIDDEN if args.quick else DEFAULT_HIDDEN
     peers = {"ring": args.peers, "exponential": exponential}
     topologies = [t for t in args.topologies.split(",") if t]
-    if not set(topologies) <= set(peers):
+    if not topologies or not set(topologies) <= set(peers):
         parser.error(f"--topologies: choose from {', '.join(peers)}")
     chosen = [s for s in SETTINGS if s.key in args.only]
     jobs = [Job(s, t, peers[t]) for t in topologies for s in chosen]
@@ -379,8 +389,13 @@ def main() -> None:
         parser.error(f"--non-iid-setting {','.join(unknown)}: choose from the settings of --only")
     if "ring" in topologies:
         jobs += [Job(s, "ring", args.peers, NON_IID) for s in chosen if s.key in extra]
-    numel = parameter_count(args.hidden)
-    tasks = [(job, config_for(job, args), args.engine, numel) for job in jobs]
+    configs = []
+    for job in jobs:  # every run's config before the first run
+        flags = {"peers": "--exponential-peers"} if job.topology == "exponential" else {}
+        with usage_errors(parser, args, flags):
+            configs.append(config_for(job, args))
+    numel = parameter_count(configs[0].hidden)
+    tasks = [(job, config, args.engine, numel) for job, config in zip(jobs, configs, strict=True)]
 
     rows = run_all(tasks, args.jobs)
     for row in rows:

@@ -65,6 +65,7 @@ from _common import (
     report,
     run_script,
     run_swarm,
+    usage_errors,
 )
 from rich.console import Console
 
@@ -243,13 +244,17 @@ def options(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_only_option(parser, list(SETTINGS))
     add_engine_option(parser)
     args = parser.parse_args(argv)
-    args.peers = args.peers or (3 if args.quick else 8)
+    if args.peers is None:
+        args.peers = 3 if args.quick else 8
     if args.target is None:
         args.target = 0.6 if args.quick else 0.45
     if args.budget is None:
         args.budget = 20.0 if args.quick else 600.0
     if args.budget <= 0:
         parser.error(f"--budget {args.budget:g}: give the seconds each setting may take, > 0")
+    with usage_errors(parser, args, {"trigger": "--delta"}):  # every setting's, before the first
+        for key in args.only:
+            config_for(key, args)
     return args
 
 

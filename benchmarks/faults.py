@@ -55,6 +55,7 @@ from _common import (
     fresh_run_dir,
     report,
     run_script,
+    usage_errors,
 )
 from rich.console import Console
 
@@ -224,15 +225,32 @@ def _last(run: RunDir, peer_id: int) -> dict[str, Any]:
 def main() -> None:
     parser = benchmark_parser(__doc__, quick="4 peers, logistic, 600 steps")
     add_swarm_options(parser, "faults", steps=f"default {DEFAULT_STEPS}")
-    parser.add_argument("--down", type=float, default=None, help="restart: seconds dead (10)")
-    parser.add_argument("--cut", type=float, default=None, help="partition: seconds cut (20)")
+    parser.add_argument(
+        "--down", type=float, default=None, help="restart: seconds dead, >= 0 (10; --quick 2)"
+    )
+    parser.add_argument(
+        "--cut", type=float, default=None, help="partition: seconds cut, > 0 (20; --quick 5)"
+    )
     parser.add_argument("--loopback", action="store_true", help="no namespaces, even as root")
     add_only_option(parser, list(SCENARIOS))
     args = parser.parse_args()
-    args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
-    args.peers = args.peers or (4 if args.quick else 8)
-    args.down = args.down or (2.0 if args.quick else 10.0)
-    args.cut = args.cut or (5.0 if args.quick else 20.0)
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
+    if args.peers is None:
+        args.peers = 4 if args.quick else 8
+    if args.down is None:
+        args.down = 2.0 if args.quick else 10.0
+    if args.cut is None:
+        args.cut = 5.0 if args.quick else 20.0
+    if args.down < 0:
+        parser.error(f"--down {args.down:g}: the seconds the killed peers stay down, >= 0")
+    if args.cut <= 0:
+        parser.error(f"--cut {args.cut:g}: the seconds host 2's link is cut, > 0")
+    if args.peers < 4 and {"kill", "restart"} & set(args.only):
+        parser.error(f"--peers {args.peers}: kill and restart need 4 (two die, not the founder)")
+    with usage_errors(parser, args):  # every scenario's config before the first run
+        for key in args.only:
+            config_for(key, args, "127.0.0.1")
 
     console = Console(stderr=True)
     rows = []

@@ -42,7 +42,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import Column, add_only_option, benchmark_parser, report, run_script
+from _common import (
+    Column,
+    add_only_option,
+    at_least,
+    benchmark_parser,
+    check_device,
+    report,
+    run_script,
+)
 
 from gossipdl.averaging import build_averager, parse_trigger
 from gossipdl.averaging.local_optimizer import current_lr, mask_momentum
@@ -194,17 +202,18 @@ def audit(
 def main() -> None:
     parser = benchmark_parser(__doc__, quick="a 64-wide MLP, 4 steps")
     parser.add_argument("--device", default="cuda", help="the GPU to audit (cpu: the path alone)")
-    parser.add_argument("--steps", type=int, default=20, help="steps counted")
-    parser.add_argument("--warmup", type=int, default=3, help="steps first, not counted")
-    parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden width")
+    parser.add_argument("--steps", type=at_least(1), default=20, help="steps counted")
+    parser.add_argument("--warmup", type=at_least(0), default=3, help="steps first, not counted")
+    parser.add_argument("--width", type=at_least(1), default=1024, help="the MLP's hidden width")
     parser.add_argument(
-        "--peers", type=int, default=2, help="peers on the ring (a defence's rules want 3+)"
+        "--peers", type=at_least(2), default=2, help="peers on the ring (a defence's rules want 3+)"
     )
     add_only_option(parser, list(SETTINGS))
     args = parser.parse_args()
     if args.quick:
         args.device = "cpu" if not torch.cuda.is_available() else args.device
         args.steps, args.width = 4, 64
+    check_device(parser, args.device)
     device = pick_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -49,6 +49,7 @@ from _common import (
     report,
     run_script,
     run_swarm,
+    usage_errors,
 )
 from rich.console import Console
 
@@ -121,13 +122,16 @@ def main() -> None:
     add_only_option(parser, list(SETTINGS))
     add_engine_option(parser)
     args = parser.parse_args()
-    args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
-    args.peers = args.peers or (3 if args.quick else 8)
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
+    if args.peers is None:
+        args.peers = 3 if args.quick else 8
+    with usage_errors(parser, args):  # every setting's config before the first run
+        configs = {key: config_for(key, args) for key in args.only}
 
     console = Console(stderr=True)
     rows = []
-    for key in args.only:
-        config = config_for(key, args)
+    for key, config in configs.items():
         fresh_run_dir(Path(config.out))
         console.print(f"running {key}: {describe(config)} …")
         rows.append(run_setting(key, config, args.engine))

@@ -46,13 +46,16 @@ from _common import (
     Column,
     add_only_option,
     add_swarm_options,
+    at_least,
     benchmark_parser,
+    check_device,
     fresh_run_dir,
     mark,
     parameters,
     report,
     run_script,
     step_time,
+    usage_errors,
 )
 from rich.console import Console
 
@@ -112,19 +115,24 @@ def main() -> None:
     add_swarm_options(parser, "overhead", peers="default 2", steps=f"default {STEPS}")
     add_only_option(parser, [name for name in SETTINGS if name != "alone"])
     parser.add_argument("--hidden", default=None, help=f"MLP widths, default {HIDDEN}")
-    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--log-every", type=at_least(1), default=5)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples a step (32)")
+    parser.add_argument("--batch-size", type=at_least(1), default=32, help="samples a step (32)")
     args = parser.parse_args()
-    args.peers = args.peers or 2
-    args.hidden = args.hidden or (QUICK_HIDDEN if args.quick else HIDDEN)
-    args.steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+    check_device(parser, args.device)
+    if args.peers is None:
+        args.peers = 2
+    if args.hidden is None:
+        args.hidden = QUICK_HIDDEN if args.quick else HIDDEN
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else STEPS
     warm_up = min(2 * args.log_every, args.steps // 3)
+    with usage_errors(parser, args):  # every setting's config before the first run
+        configs = {name: config_for(args, name) for name in ["alone", *args.only]}
 
     console = Console(stderr=True)
     rows = []
-    for name in ["alone", *args.only]:
-        config = config_for(args, name)
+    for name, config in configs.items():
         fresh_run_dir(Path(config.out))
         console.print(f"running {name}: {config.peers} peers, {config.steps} steps …")
         summary = launch(config, progress=False)

@@ -35,7 +35,7 @@ each row has ``setting``, ``mode``, ``processes``, ``steps``, ``batch``,
 ``mean_accuracy``, ``min_accuracy``, ``max_accuracy``, ``wall_time_s``,
 ``total_bytes_sent``, ``consensus_distance``, ``peers_finished``, ``run_dir``;
 ``meta`` holds the settings, ``gap_points``, ``target_points``,
-``within_target`` and the environment.
+``within_target`` (null when a run has no accuracy) and the environment.
 """
 
 from __future__ import annotations
@@ -44,7 +44,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from _common import Column, add_swarm_options, benchmark_parser, fresh_run_dir, report, run_script
+from _common import (
+    Column,
+    add_swarm_options,
+    benchmark_parser,
+    fresh_run_dir,
+    report,
+    run_script,
+    usage_errors,
+)
 from rich.console import Console
 
 from gossipdl.config import Config, load_config
@@ -96,6 +104,15 @@ def row(name: str, config: Config, summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def judge(single: float | None, gossip: float | None) -> tuple[float | None, bool | None]:
+    """The gap (single − gossip mean accuracy, points) and whether it is within the target;
+    both None when a run has no accuracy (nothing to judge: not outside the target)."""
+    if single is None or gossip is None:
+        return None, None
+    gap = (single - gossip) * 100
+    return gap, gap <= TARGET_POINTS
+
+
 def main() -> None:
     parser = benchmark_parser(__doc__, quick=f"{QUICK_PEERS} peers, {QUICK_STEPS} steps")
     add_swarm_options(parser, "parity", steps=f"default {DEFAULT_STEPS}")
@@ -107,16 +124,17 @@ def main() -> None:
     if args.peers is None:
         args.peers = QUICK_PEERS if args.quick else 8
 
+    with usage_errors(parser, args):  # both configs before the first run
+        runs = configs(args)
+
     console = Console(stderr=True)
     rows = []
-    for name, config in configs(args).items():
+    for name, config in runs.items():
         fresh_run_dir(Path(config.out))
         console.print(f"running {name}: {config.processes} process(es), {config.steps} steps …")
         rows.append(row(name, config, launch(config, progress=False)))
 
-    single, gossip = (r["mean_accuracy"] for r in rows)
-    gap = (single - gossip) * 100 if single is not None and gossip is not None else None
-    within = gap is not None and gap <= TARGET_POINTS
+    gap, within = judge(*(r["mean_accuracy"] for r in rows))
     meta = {
         "steps": args.steps,
         "peers": args.peers,
@@ -139,7 +157,7 @@ def main() -> None:
         Column("consensus_distance", "consensus dist", "{:.3g}"),
         Column("peers_finished", "finished"),
     ]
-    verdict = "[green]within[/]" if within else "[red]outside[/]"
+    verdict = {None: "not judged against", True: "[green]within[/]", False: "[red]outside[/]"}
     gap_text = f"{gap:+.2f} points" if gap is not None else "unknown (no accuracy)"
     report(
         "parity",
@@ -149,7 +167,7 @@ def main() -> None:
         meta,
         args.json,
         notes=[
-            f"gap (single − gossip mean accuracy) = {gap_text} — {verdict} the "
+            f"gap (single − gossip mean accuracy) = {gap_text} — {verdict[within]} the "
             f"{TARGET_POINTS:g}-point target"
         ],
     )

@@ -47,17 +47,21 @@ from typing import Any
 from _common import (
     Column,
     add_only_option,
+    at_least,
     benchmark_parser,
+    check_device,
     fresh_run_dir,
     mark,
+    peer_counts,
     report,
     run_script,
+    usage_errors,
 )
 from rich.console import Console
 from rich.progress import Progress
 from simulate import run_simulated
 
-from gossipdl.config import load_config
+from gossipdl.config import Config, load_config
 from gossipdl.experiments.plots import pyplot
 from gossipdl.peers.device import pick_device
 
@@ -107,12 +111,10 @@ def plan(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
-def run_one(run: Run, args: argparse.Namespace) -> dict[str, Any]:
-    """Simulate ``run`` in a child process; its row."""
+def config_for(run: Run, args: argparse.Namespace) -> Config:
+    """The simulated swarm of ``run``."""
     algorithm, codec = ALGORITHMS[run.algorithm]
-    out = args.out / run.name
-    fresh_run_dir(out)
-    config = load_config(
+    return load_config(
         args.config,
         peers=run.peers,
         max_members=max(512, run.peers),
@@ -128,8 +130,13 @@ def run_one(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         batched=run.batched,
         device=args.device,
-        out=str(out),
+        out=str(args.out / run.name),
     )
+
+
+def run_one(run: Run, config: Config) -> dict[str, Any]:
+    """Simulate ``run`` (its ``config``) in a child process; its row."""
+    fresh_run_dir(Path(config.out))
     summary, peak_mb = run_simulated(config)
     wall = summary["host_time_s"]
     return {
@@ -138,7 +145,7 @@ def run_one(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         "algorithm": run.algorithm,
         "topology": run.topology,
         "engine": run.engine,
-        "device": str(pick_device(args.device)) if run.batched else "cpu",
+        "device": str(pick_device(config.device)) if run.batched else "cpu",
         "steps": run.steps,
         "s_per_step": wall / run.steps,
         "wall_s": wall,
@@ -214,16 +221,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _counts(value: str) -> list[int]:
-    try:
-        counts = [int(v) for v in value.split(",")]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 2:
-        raise argparse.ArgumentTypeError(f"{value!r}: peer counts >= 2, e.g. 16,64,256")
-    return sorted(set(counts))
-
-
 def _topologies(value: str) -> list[str]:
     names = value.split(",")
     unknown = sorted(set(names) - set(TOPOLOGIES))
@@ -234,12 +231,17 @@ def _topologies(value: str) -> list[str]:
 
 def main() -> None:
     parser = benchmark_parser(__doc__, quick=f"16 and 64 peers, {QUICK_STEPS} steps")
-    parser.add_argument("--peers", type=_counts, default=None, help="default 16,...,10000")
+    parser.add_argument("--peers", type=peer_counts, default=None, help="default 16,...,10000")
     parser.add_argument("--topologies", type=_topologies, default=list(TOPOLOGIES))
-    parser.add_argument("--cnn-steps", type=int, default=None, help="default 1500")
-    parser.add_argument("--logistic-steps", type=int, default=None, help="default 500")
-    parser.add_argument("--samples-per-peer", type=int, default=250)
-    parser.add_argument("--unbatched-up-to", type=int, default=UNBATCHED_UP_TO)
+    parser.add_argument("--cnn-steps", type=at_least(1), default=None, help="default 1500")
+    parser.add_argument("--logistic-steps", type=at_least(1), default=None, help="default 500")
+    parser.add_argument(
+        "--samples-per-peer",
+        type=at_least(0),
+        default=250,
+        help="generated training samples a peer, default 250 (0: the data set's own size)",
+    )
+    parser.add_argument("--unbatched-up-to", type=at_least(0), default=UNBATCHED_UP_TO)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--device",
@@ -250,17 +252,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench-scale"))
     add_only_option(parser, list(ALGORITHMS))
     args = parser.parse_args()
-    quick = QUICK_STEPS if args.quick else None
-    args.peers = args.peers or list(QUICK_PEERS if args.quick else PEERS)
-    args.cnn_steps = args.cnn_steps or quick or 1500
-    args.logistic_steps = args.logistic_steps or quick or 500
+    check_device(parser, args.device)
+    args.peers = sorted(set(args.peers or (QUICK_PEERS if args.quick else PEERS)))
+    if args.cnn_steps is None:
+        args.cnn_steps = QUICK_STEPS if args.quick else 1500
+    if args.logistic_steps is None:
+        args.logistic_steps = QUICK_STEPS if args.quick else 500
     runs = plan(args)
+    with usage_errors(parser, args):  # every run's config before the first run
+        configs = [config_for(run, args) for run in runs]
     rows = []
     with Progress(console=Console(stderr=True)) as progress:
         bar = progress.add_task("simulating", total=len(runs))
-        for run in runs:
+        for run, config in zip(runs, configs, strict=True):
             progress.update(bar, description=run.name)
-            rows.append(run_one(run, args))
+            rows.append(run_one(run, config))
             progress.advance(bar)
     plot_path = args.out / "seconds_per_step.png"
     plot(rows, plot_path)

@@ -94,12 +94,14 @@ from typing import Any
 
 from _common import (
     Column,
+    at_least,
     benchmark_parser,
     fresh_run_dir,
     mark,
     report,
     run_script,
     start_worker,
+    usage_errors,
 )
 from edge import TIME_LOG, config_for, name_of, options, over, run_setting, setting_row
 from rich.console import Console
@@ -511,31 +513,37 @@ def main() -> None:
         "instead of running them for real here (~25 min)",
     )
     parser.add_argument(
-        "--steps", type=int, default=None, help="quickstart and choco steps, default 1500"
+        "--steps", type=at_least(1), default=None, help="quickstart and choco steps, default 1500"
     )
-    parser.add_argument("--peers", type=int, default=None, help="choco and edge peers, default 8")
-    parser.add_argument("--edge-steps", type=int, default=None, help="edge steps, default 400")
+    parser.add_argument(
+        "--peers", type=at_least(2), default=None, help="choco and edge peers, default 8"
+    )
+    parser.add_argument(
+        "--edge-steps", type=at_least(1), default=None, help="edge steps, default 400"
+    )
     parser.add_argument("--step-time", default=None, help='edge profile step_time, default "300ms"')
     parser.add_argument(
         "--target", type=float, default=None, help="edge target accuracy, default 0.45"
     )
-    parser.add_argument("--scale-peers", type=int, default=None, help="default 256")
-    parser.add_argument("--scale-steps", type=int, default=None, help="default 1000")
+    parser.add_argument("--scale-peers", type=at_least(2), default=None, help="default 256")
+    parser.add_argument("--scale-steps", type=at_least(1), default=None, help="default 1000")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-simulate"))
     args = parser.parse_args()
     quick = args.quick
-    args.steps = args.steps or (40 if quick else 1500)
-    args.peers = args.peers or (4 if quick else 8)
-    args.edge_steps = args.edge_steps or (40 if quick else 400)
-    args.step_time = args.step_time or ("50ms" if quick else "300ms")
-    args.target = args.target or (0.2 if quick else 0.45)
-    args.scale_peers = args.scale_peers or (16 if quick else 256)
-    args.scale_steps = args.scale_steps or (20 if quick else 1000)
-
+    defaults = {  # --quick's, the full run's
+        "steps": (40, 1500), "peers": (4, 8), "edge_steps": (40, 400),
+        "step_time": ("50ms", "300ms"), "target": (0.2, 0.45), "scale_peers": (16, 256),
+        "scale_steps": (20, 1000),
+    }  # fmt: skip
+    for key, (small, full) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, small if quick else full)
+    with usage_errors(parser, args):  # each case's config before the first run
+        cases = cases_for(args)
     console = Console(stderr=True)
     rows, verdicts = [], {}
-    for case in cases_for(args):
+    for case in cases:
         by_engine = {}
         for engine in case.engines:
             console.print(f"running {case.key} ({engine}): {case.config.peers} peers …")

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import Column, benchmark_parser, fresh_run_dir, mark, report, run_script
+from _common import Column, benchmark_parser, fresh_run_dir, mark, peer_counts, report, run_script
 
 from gossipdl.rundir import RunDir
 
@@ -97,11 +97,14 @@ def measure(setting: str, peers: int, args: list[str], out: Path) -> dict[str, A
 def main() -> None:
     parser = benchmark_parser(__doc__ or "", "4 peers, no quick start")
     parser.add_argument(
-        "--peers", default=None, help="comma-separated, default 4,8,16 (--quick: 4)"
+        "--peers",
+        type=peer_counts,
+        default=None,
+        help="comma-separated, default 4,8,16 (--quick: 4)",
     )
     parser.add_argument("--out", type=Path, default=Path("runs/bench-startup"))
     args = parser.parse_args()
-    counts = [int(n) for n in (args.peers or ("4" if args.quick else "4,8,16")).split(",")]
+    counts = args.peers or ([4] if args.quick else [4, 8, 16])
     rows = [
         measure("decentralizepy job", n, ["--peers", str(n), *JOB], args.out / f"peers-{n}")
         for n in counts

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from _common import Column, benchmark_parser, report, run_script, start_worker
+from _common import Column, at_least, benchmark_parser, report, run_script, start_worker
 
 from gossipdl.experiments import forking
 from gossipdl.transport import Message, Transport, decode, encode
@@ -240,9 +240,13 @@ def decode_ms(numel: int, repeats: int = 5) -> float:
 
 def main() -> None:
     parser = benchmark_parser(__doc__, quick="1M elements, 1 + 5 messages")
-    parser.add_argument("--numel", type=int, default=10_000_000, help="float32 elements/message")
-    parser.add_argument("--messages", type=int, default=50, help="timed messages per impl")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed messages per impl first")
+    parser.add_argument(
+        "--numel", type=at_least(1), default=10_000_000, help="float32 elements/message"
+    )
+    parser.add_argument("--messages", type=at_least(1), default=50, help="timed messages per impl")
+    parser.add_argument(
+        "--warmup", type=at_least(0), default=5, help="untimed messages per impl first"
+    )
     args = parser.parse_args()
     if args.quick:
         args.numel, args.messages, args.warmup = 1_000_000, 5, 1

@@ -60,6 +60,7 @@ from _common import (
     report,
     run_script,
     run_swarm,
+    usage_errors,
 )
 from rich.console import Console
 
@@ -99,6 +100,11 @@ def run(config: Config, engine: str) -> tuple[dict[str, Any], list[dict[str, flo
     return summary, accuracy_curve(RunDir(config.out))
 
 
+def _name(trigger: str) -> str:
+    """A run directory's name for ``trigger``: ``dynamic:1%:10`` -> ``dynamic-1pct-10``."""
+    return trigger.replace(":", "-").replace("%", "pct")
+
+
 def drift_figures(curve: list[dict[str, float]], step: int, window: int) -> dict[str, Any]:
     """Accuracy around the drift and transmissions just before vs just after it."""
 
@@ -132,18 +138,27 @@ def main() -> None:
     args = parser.parse_args()
     if REFERENCE not in args.only:
         parser.error(f"--only must include {REFERENCE}: every row is compared with it")
-    args.steps = args.steps or (60 if args.quick else 1500)
-    args.peers = args.peers or (3 if args.quick else 8)
+    if args.steps is None:
+        args.steps = 60 if args.quick else 1500
+    if args.peers is None:
+        args.peers = 3 if args.quick else 8
     args.model = args.model or ("logistic" if args.quick else "cnn1d")
     args.dataset = args.dataset or ("synthetic" if args.quick else "mnist1d")
     dynamic = args.dynamic.split(",") if args.dynamic else DYNAMIC
+    if not all(trigger.startswith("dynamic:") for trigger in dynamic):
+        parser.error(f"--dynamic {args.dynamic}: dynamic triggers only (dynamic:DELTA[%][:B])")
+    drift_step = args.steps // 2
+    eval_every = max(args.steps // 30, 1)
+    with usage_errors(parser, args, {"trigger": "--dynamic"}):  # every run's, before the first
+        configs = {t: config_for(t, args, _name(t)) for t in args.only + dynamic}
+        config_for(REFERENCE, args, "drift", drift=f"{drift_step}:permute", eval_every=eval_every)
+        # (the drift runs' settings: the second run's trigger is one of those above)
 
     console = Console(stderr=True)
     rows = []
-    for trigger in args.only + dynamic:
+    for trigger, config in configs.items():
         console.print(f"running {trigger} …")
-        name = trigger.replace(":", "-").replace("%", "pct")
-        summary, _ = run(config_for(trigger, args, name), args.engine)
+        summary, _ = run(config, args.engine)
         rows.append(
             {
                 "trigger": trigger,
@@ -152,7 +167,7 @@ def main() -> None:
                 "bytes": summary["total_bytes_sent"],
                 "syncs": sum(p["syncs"] for p in summary["peers"]),
                 "wall_time_s": summary["wall_time_s"],
-                "run_dir": str(args.out / name),
+                "run_dir": config.out,
             }
         )
     reference = next(r for r in rows if r["trigger"] == REFERENCE)
@@ -174,15 +189,16 @@ def main() -> None:
         else max(dynamic_rows, key=lambda r: r["fewer_than_periodic10"])
     )
 
-    drift_step = args.steps // 2
     window = max(args.steps // 10, 1)
-    eval_every = max(args.steps // 30, 1)
     curves, drift = {}, {}
     for trigger in (REFERENCE, best["trigger"]):
         console.print(f"running {trigger} with drift at step {drift_step} …")
-        name = "drift-" + trigger.replace(":", "-").replace("%", "pct")
         config = config_for(
-            trigger, args, name, drift=f"{drift_step}:permute", eval_every=eval_every
+            trigger,
+            args,
+            f"drift-{_name(trigger)}",
+            drift=f"{drift_step}:permute",
+            eval_every=eval_every,
         )
         _, curve = run(config, args.engine)
         curves[trigger] = curve

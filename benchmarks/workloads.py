@@ -33,6 +33,7 @@ from _common import (
     add_engine_option,
     add_only_option,
     add_swarm_options,
+    at_least,
     benchmark_parser,
     fresh_run_dir,
     parameters,
@@ -40,6 +41,7 @@ from _common import (
     run_script,
     run_swarm,
     step_time,
+    usage_errors,
 )
 from rich.console import Console
 
@@ -85,13 +87,13 @@ def config_for(args: Any, workload: str, setting: str) -> Config:
     )
 
 
-def measure(args: Any, workload: str, setting: str, warm_up: int) -> dict[str, Any]:
-    """One row: the swarm's step time and bytes per round, or why it did not run."""
+def measure(args: Any, workload: str, setting: str, config: Config, warm_up: int) -> dict[str, Any]:
+    """One row: the swarm's (``config``'s) step time and bytes per round, or why it did not
+    run."""
     dataset, model, _ = WORKLOADS[workload]
     row: dict[str, Any] = {"workload": workload, "dataset": dataset, "model": model,
                            "setting": setting, "parameters": None, "s_per_step": None,
                            "bytes_per_round": None, "skipped": None}  # fmt: skip
-    config = config_for(args, workload, setting)
     try:
         dataset_of(config)
     except DataError as exc:
@@ -114,17 +116,20 @@ def main() -> None:
     add_only_option(parser, list(WORKLOADS))
     add_engine_option(parser)
     parser.add_argument("--data-dir", type=Path, default=None, help="where the data sets are")
-    parser.add_argument("--log-every", type=int, default=3)
+    parser.add_argument("--log-every", type=at_least(1), default=3)
     args = parser.parse_args()
-    args.peers = args.peers or 8
-    args.steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+    if args.peers is None:
+        args.peers = 8
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else STEPS
     warm_up = min(2 * args.log_every, args.steps // 3)
+    with usage_errors(parser, args):  # every swarm's config before the first run
+        configs = {(w, s): config_for(args, w, s) for w in args.only for s in SETTINGS}
     console = Console(stderr=True)
     rows = []
-    for workload in args.only:
-        for setting in SETTINGS:
-            console.print(f"running {workload}, {setting}: {args.peers} peers …")
-            rows.append(measure(args, workload, setting, warm_up))
+    for (workload, setting), config in configs.items():
+        console.print(f"running {workload}, {setting}: {args.peers} peers …")
+        rows.append(measure(args, workload, setting, config, warm_up))
     skipped = sorted({f"{r['workload']}: {r['skipped']}" for r in rows if r["skipped"]})
     columns = [
         Column("workload", "workload"),

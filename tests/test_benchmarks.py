@@ -5,13 +5,16 @@ for real), else on the simulator (``--engine sim``), which the scripts' numbers 
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +83,160 @@ def test_every_benchmark_stops_whole_on_a_signal(name: str) -> None:
     (tests/test_interrupt.py shows it on a swarm-launching and a process-spawning one)."""
     source = (ROOT / "benchmarks" / f"{name}.py").read_text()
     assert source.endswith('if __name__ == "__main__":\n    run_script(main)\n')
+
+
+NO_GPU = "" if torch.cuda.is_available() else "cuda"  # --device cuda: refused only without one
+# script, arguments, what the usage error must say: each refused at once (exit 2, no
+# traceback), before any run (the bad value of a later setting, or the verdict's, used to
+# come after the earlier runs, or only as the JSON was written).
+REFUSED = [
+    ("transport", ["--numel", "-5"], "argument --numel: '-5': give a whole number >= 1"),
+    ("transport", ["--messages", "0"], "argument --messages: '0'"),
+    ("transport", ["--warmup", "-1"], "argument --warmup: '-1': give a whole number >= 0"),
+    ("transport", ["--quick", "--json", "{file}/x.json"], "argument --json: "),
+    ("transport", ["--quick", "--json", "{tmp}"], "is a directory; give a file name in it"),
+    ("codecs", ["--numel", "0"], "argument --numel: '0'"),
+    ("codecs", ["--rounds", "0"], "argument --rounds: '0'"),
+    ("codecs", ["--threads", "-3"], "argument --threads: '-3'"),
+    ("codecs", ["--device", "bogus"], "--device bogus: use auto, cpu, cuda[:N] or mps"),
+    ("codecs", ["--device", "cuda:99"], "--device cuda:99: "),
+    ("parity", ["--steps", "-5"], "argument --steps: '-5'"),
+    ("parity", ["--peers", "-1"], "argument --peers: '-1'"),
+    ("parity", ["--peers", "1"], "--peers: peers = 1; the gossip mode needs at least 2"),
+    ("parity", ["--config", "{bad_config}"], "--config {bad_config}: lr = 'x' is a string"),
+    ("convergence", ["--steps", "0"], "argument --steps: '0'"),
+    ("convergence", ["--lr-schedule", "bogus"], "--lr-schedule: lr_schedule = 'bogus'"),
+    ("convergence", ["--exponential-peers", "-3"], "argument --exponential-peers: '-3'"),
+    ("convergence", ["--quick", "--exponential-peers", "1"], "--exponential-peers: peers = 1"),
+    ("convergence", ["--hidden", "abc"], "--hidden: hidden = 'abc'"),
+    ("byzantine", ["--steps", "-5"], "argument --steps: '-5'"),
+    ("byzantine", ["--topologies", "bogus"], "--topologies: topology = 'bogus'"),
+    ("byzantine", ["--partitions", "bogus"], "--partitions: partition = 'bogus'"),
+    ("byzantine", ["--liars", "3"], "argument --liars: '3': each of [1, 2]"),
+    ("faults", ["--steps", "-5"], "argument --steps: '-5'"),
+    ("faults", ["--peers", "-1"], "argument --peers: '-1'"),
+    ("faults", ["--quick", "--cut", "0"], "--cut 0: the seconds host 2's link is cut, > 0"),
+    ("modes", ["--steps", "-5"], "argument --steps: '-5'"),
+    ("modes", ["--peers", "-1"], "argument --peers: '-1'"),
+    ("simulate", ["--steps", "-5"], "argument --steps: '-5'"),
+    ("simulate", ["--peers", "-1"], "argument --peers: '-1'"),
+    ("simulate", ["--quick", "--step-time", "bogus"], "--step-time: profile 'edge': step_time"),
+    ("triggers", ["--steps", "-5"], "argument --steps: '-5'"),
+    ("triggers", ["--peers", "-1"], "argument --peers: '-1'"),
+    ("triggers", ["--dynamic", "dynamic:1%:10,dynamic:bogus"], "--dynamic: trigger = "),
+    ("triggers", ["--dynamic", "periodic:3"], "--dynamic periodic:3: dynamic triggers only"),
+    ("workloads", ["--steps", "-5"], "argument --steps: '-5'"),
+    ("workloads", ["--peers", "-1"], "argument --peers: '-1'"),
+    ("edge", ["--peers", "-1"], "argument --peers: '-1'"),
+    ("edge", ["--delta", "bogus"], "--delta: trigger = 'dynamic:bogus'"),
+    ("overhead", ["--steps", "-5"], "argument --steps: '-5'"),
+    ("overhead", ["--peers", "-1"], "argument --peers: '-1'"),
+    ("overhead", ["--batch-size", "0"], "argument --batch-size: '0'"),
+    ("scale", ["--samples-per-peer", "-3"], "argument --samples-per-peer: '-3'"),
+    ("scale", ["--device", "bogus"], "--device bogus: use auto, cpu, cuda[:N] or mps"),
+    ("scale", ["--quick", "--logistic-steps", "-5"], "argument --logistic-steps: '-5'"),
+    ("scale", ["--quick", "--samples-per-peer", "100000"], "--samples-per-peer: samples_per"),
+    ("startup", ["--peers", "abc"], "argument --peers: 'abc': comma-separated counts >= 2"),
+    ("stability", ["--rounds", "0"], "argument --rounds: '0': give a whole number >= 2"),
+    ("stability", ["--rounds", "-1"], "argument --rounds: '-1'"),
+    ("gpu_syncs", ["--device", "bogus"], "--device bogus: use auto, cpu, cuda[:N] or mps"),
+    *(
+        [
+            ("codecs", ["--device", NO_GPU], "CUDA is not available here"),
+            ("allreduce", ["--device", NO_GPU, "--quick"], "CUDA is not available here"),
+        ]
+        if NO_GPU
+        else []
+    ),
+]
+
+
+REFUSE = """
+import contextlib, io, json, os, runpy, sys, traceback
+scripts, cwd, cases = sys.argv[1:4]
+sys.path.insert(0, scripts)  # as `python benchmarks/NAME.py` has it
+found = []
+for case, (name, args) in enumerate(json.loads(cases)):
+    os.chdir(os.path.join(cwd, str(case)))
+    sys.argv = [f"{name}.py", *args]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            runpy.run_path(f"{scripts}/{name}.py", run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        code = traceback.format_exc()
+    found.append({"code": code, "stderr": err.getvalue(), "ran": os.path.exists("runs")})
+print(json.dumps(found))
+"""
+
+
+def test_a_benchmark_refuses_a_bad_argument_before_any_run(tmp_path: Path) -> None:
+    """A usage error that names the option (exit 2, no traceback) before anything ran (no
+    run directory under the default ``runs/``): every case of :data:`REFUSED` run as
+    ``__main__`` in turn, in one interpreter (one start-up, not fifty)."""
+    (tmp_path / "afile").touch()
+    (tmp_path / "bad.toml").write_text('lr = "x"\n')
+    paths = {"file": tmp_path / "afile", "tmp": tmp_path, "bad_config": tmp_path / "bad.toml"}
+    cases = [(name, [arg.format(**paths) for arg in args]) for name, args, _ in REFUSED]
+    for case in range(len(cases)):
+        (tmp_path / str(case)).mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", REFUSE, str(ROOT / "benchmarks"), str(tmp_path), json.dumps(cases)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for (name, args), (_, _, says), got in zip(
+        cases, REFUSED, json.loads(done.stdout), strict=True
+    ):
+        what = f"{name}.py {' '.join(args)}: {got['stderr']}"
+        assert got["code"] == 2 and not got["ran"], f"{what} (exit {got['code']})"
+        assert says.format(**paths) in got["stderr"] and "Traceback" not in got["stderr"], what
+        assert got["stderr"].startswith(f"usage: {name}.py"), what
+
+
+def test_json_file_is_checked_as_parsed_and_written_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--json FILE``: a directory, a path under a file or in a directory this process may
+    not write into is refused as the arguments are parsed; missing parent directories are
+    created, and the file is written through a temporary one renamed into place (a stop
+    halfway leaves the previous file, never half a new one)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import _common
+
+    (tmp_path / "afile").touch()
+    for bad, says in (
+        (tmp_path, "is a directory"),
+        (tmp_path / "afile" / "x.json", "is a file, not a directory"),
+        (tmp_path / "afile" / "deeper" / "x.json", "is a file, not a directory"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            _common.json_file(str(bad))
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not os.access(locked, os.W_OK):  # root may write anywhere
+        with pytest.raises(argparse.ArgumentTypeError, match="cannot write in"):
+            _common.json_file(str(locked / "x.json"))
+    target = _common.json_file(str(tmp_path / "new" / "dirs" / "x.json"))
+    assert not target.parent.exists()  # created when the results are written, not before
+    columns = [_common.Column("name", "name")]
+    _common.report("demo", "Demo", columns, [{"name": "a"}], {"k": 1}, target)
+    document = json.loads(target.read_text())
+    assert document["rows"] == [{"name": "a"}] and document["meta"]["k"] == 1
+    assert sorted(p.name for p in target.parent.iterdir()) == ["x.json"]  # no temporary left
+
+    def fail(source: str, destination: Path) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        _common.write_atomically(target, "{}")
+    monkeypatch.undo()
+    assert json.loads(target.read_text()) == document  # the previous file, whole
+    assert sorted(p.name for p in target.parent.iterdir()) == ["x.json"]
 
 
 def test_transport_benchmark_compares_with_raw_pyzmq(tmp_path: Path) -> None:
@@ -311,6 +468,30 @@ def test_stability_benchmark_finds_a_critical_step_above_the_automatic_one(tmp_p
     assert 0 < row["auto_gamma"] < row["critical_gamma"] < 1  # a margin, measured
     assert row["ratio"] == pytest.approx(row["auto_gamma"] / row["critical_gamma"])
     assert result["meta"]["margin"]["met"] and result["meta"]["rounds"] == 300
+
+
+def test_stability_quick_keeps_only_and_a_target_without_its_rows_is_not_run(
+    tmp_path: Path,
+) -> None:
+    """``--quick --only sign``: the sign row, not --quick's top-1% (``--quick`` dropped
+    ``--only``); the top-k target has no row to judge, so it is not run (null), not met."""
+    result = run_benchmark("stability", tmp_path, "--quick", "--only", "sign", "--rounds", "20")
+    assert [(r["codec"], r["graph"], r["peers"]) for r in result["rows"]] == [("sign", "ring", 8)]
+    assert result["meta"]["slowest"] == {"met": None} and result["meta"]["rounds"] == 20
+    assert result["meta"]["margin"]["met"] in (True, False)
+    stdout = (tmp_path / ".stability.stdout").read_text()
+    assert "target (top-k's auto γ >= 0.1 γ*): not run" in stdout
+
+
+def test_parity_does_not_judge_a_gap_it_could_not_measure(monkeypatch) -> None:
+    """A run without an accuracy leaves the gap unknown: not judged (null), not outside."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import parity
+
+    assert parity.judge(None, 0.9) == parity.judge(0.9, None) == (None, None)
+    gap, within = parity.judge(0.90, 0.89)
+    assert gap == pytest.approx(1.0) and within is True
+    assert parity.judge(0.90, 0.85)[1] is False
 
 
 def test_triggers_benchmark_counts_transmissions_and_plots_the_drift(tmp_path: Path) -> None:
@@ -591,6 +772,26 @@ def test_a_target_whose_runs_were_left_out_is_not_run_not_missed(monkeypatch) ->
     assert edge.speedup_met([gossip, ring], 2.0) is False
     assert edge.speedup_met([ran("CHOCO top-1%", None), ring], None) is False  # ran, missed
     assert edge.speedup_met([gossip, ring], edge.TARGET_SPEEDUP) is True
+
+
+def test_byzantine_target_without_its_rows_says_not_run(monkeypatch) -> None:
+    """``--liars 1`` (as ``--quick`` has it) has no gap with 2 liars to judge: the target is
+    not run (null in the JSON, a line saying so under the table), not left out silently."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import byzantine
+
+    def row(attack: str, liars: int, defence: str, accuracy: float) -> dict:
+        return {"topology": "ring", "partition": "iid", "attack": attack, "byzantine": liars,
+                "defence": defence, "accuracy": accuracy}  # fmt: skip
+
+    judged = byzantine.verdicts(
+        [row("none", 0, "none", 0.9), row("none", 0, "clip", 0.895), row("scaled", 1, "clip", 0.8)]
+    )
+    assert judged["best_within"] is None and judged["defence_cost"]["ring/iid"]["met"]
+    (line,) = byzantine.verdict_lines("best defence within 2 pts", judged["best_within"], str)
+    assert line.startswith("best defence within 2 pts — not run")
+    lines = byzantine.verdict_lines("cost", judged["defence_cost"], lambda v: "detail")
+    assert lines == ["ring/iid: cost — [green]met[/] (detail)"]
 
 
 def test_byzantine_reference_runs_the_liars_killed_at_the_start(monkeypatch) -> None:
