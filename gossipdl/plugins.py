@@ -74,22 +74,31 @@ def _described(exc: Exception) -> str:
 
 
 def call_plugin(
-    fn: Callable[..., Any], spec: str, what: str, error: type[Exception], **kwargs: Any
+    fn: Callable[..., Any],
+    spec: str,
+    what: str,
+    error: type[Exception],
+    /,
+    *args: tuple[str, Any],
+    **kwargs: Any,
 ) -> Any:
-    """``fn(**kwargs)``, the call gossipdl makes of a plug-in; if ``fn``'s signature cannot
-    take exactly these keywords, ``error`` names the spec and the call it must accept
-    (checked before calling, so a TypeError raised inside ``fn`` stays the user's own)."""
+    """``fn(*values, **kwargs)``, the call gossipdl makes of a plug-in, ``args`` being the
+    positional ones as ``(name, value)`` pairs; if ``fn``'s signature cannot take exactly
+    these, ``error`` names the spec and the call it must accept (checked before calling, so
+    a TypeError raised inside ``fn`` stays the user's own)."""
     attr = spec.partition(":")[2]
-    call = f"{attr}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+    values = [value for _, value in args]
+    shown = [repr(value) for value in values] + [f"{k}={v!r}" for k, v in kwargs.items()]
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read (some builtins): the call tells
-        return fn(**kwargs)
+        return fn(*values, **kwargs)
     try:
-        signature.bind(**kwargs)
+        signature.bind(*values, **kwargs)
     except TypeError as exc:
+        names = [name for name, _ in args] + list(kwargs)
         raise error(
-            f"{what} {spec!r}: calling {call} failed: {exc}; give {attr} the signature "
-            f"{attr}({', '.join(kwargs)})"
+            f"{what} {spec!r}: calling {attr}({', '.join(shown)}) failed: {exc}; give {attr} "
+            f"the signature {attr}({', '.join(names)})"
         ) from None
-    return fn(**kwargs)
+    return fn(*values, **kwargs)

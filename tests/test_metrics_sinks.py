@@ -83,13 +83,18 @@ def _scalars(directory: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def test_sinks_refuse_a_hook_that_is_not_there_or_not_a_sink(tmp_path: Path) -> None:
-    (tmp_path / "badhook.py").write_text("def sink(peer_id, run_dir):\n    return 3\n")
+    (tmp_path / "badhook.py").write_text(
+        "def sink(peer_id, run_dir):\n    return 3\n\ndef one(peer_id):\n    return print\n"
+    )
+    (tmp_path / "brokenhook.py").write_text("def sink(:\n")
     sys.path.insert(0, str(tmp_path))
     try:
         for spec, message in (
             ("badhook:sink", "returned int, not a callable"),
-            ("badhook:missing", "cannot load it"),
-            ("nosuchmodule:sink", "cannot load it"),
+            ("badhook:missing", "has no attribute 'missing'"),
+            ("nosuchmodule:sink", "cannot import module 'nosuchmodule'"),
+            ("brokenhook:sink", "brokenhook.py:1: SyntaxError"),  # a traceback before
+            ("badhook:one", "give one the signature one(peer_id, run_dir)"),  # a TypeError
         ):
             try:
                 MetricsSinks(Config(metrics_hook=spec), RunDir(tmp_path), 0)
@@ -124,7 +129,8 @@ def test_a_sink_that_cannot_work_stops_the_peer_before_it_listens(tmp_path: Path
         log=tmp_path / "peer.log", timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and "listening on" not in done.stdout
-    assert "metrics_hook = 'nosuchmodule:sink': cannot load it" in " ".join(done.stderr.split())
+    said = " ".join(done.stderr.split())
+    assert "metrics_hook = 'nosuchmodule:sink': cannot import module 'nosuchmodule'" in said
 
 
 PRINTER = """

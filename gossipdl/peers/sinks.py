@@ -10,13 +10,13 @@ training starts. A hook is the user's own code, named in their own config
 from __future__ import annotations
 
 import csv
-import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from gossipdl.config import Config, ConfigError
+from gossipdl.plugins import call_plugin, load_callable
 from gossipdl.rundir import RunDir
 
 Sink = Callable[[dict[str, Any]], None]
@@ -94,16 +94,10 @@ def _summary_writer(root: str) -> Any:
     return SummaryWriter
 
 
-def _hook_factory(spec: str) -> Callable[[int, Path], Any]:
-    """The user's ``module:function``, imported (not called)."""
-    module_name, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(
-            f"metrics_hook = {spec!r}: cannot load it ({exc}); give module:function importable "
-            "from the current directory"
-        ) from None
+def _hook_factory(spec: str) -> Callable[..., Any]:
+    """The user's ``module:function``, imported (not called): ConfigError naming it if it
+    cannot be (:func:`~gossipdl.plugins.load_callable`)."""
+    return load_callable(spec, "metrics_hook =", ConfigError)
 
 
 def check_sinks(config: Config) -> None:
@@ -117,7 +111,10 @@ def check_sinks(config: Config) -> None:
 
 def _hook(spec: str, run: RunDir, peer_id: int) -> Sink:
     """The user's ``module:function(peer_id, run_dir)``, called once; returns the sink."""
-    sink = _hook_factory(spec)(peer_id, run.root)
+    factory = _hook_factory(spec)
+    sink = call_plugin(
+        factory, spec, "metrics_hook =", ConfigError, ("peer_id", peer_id), ("run_dir", run.root)
+    )
     if not callable(sink):
         raise ConfigError(
             f"metrics_hook = {spec!r} returned {type(sink).__name__}, not a callable taking a "
