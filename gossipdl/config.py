@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -332,10 +334,11 @@ def _coerce(name: str, value: Any) -> Any:
         if kind == "tuple[int, ...]":
             if isinstance(value, str):
                 return tuple(int(v) for v in value.replace(" ", "").split(",") if v)
-            items = value if isinstance(value, list | tuple) else [value]
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+            iterable = hasattr(value, "__iter__") and not isinstance(value, dict)
+            items = list(value) if iterable else [value]  # a list, a tuple, an array
+            if any(isinstance(v, bool) for v in items):
                 raise ValueError
-            return tuple(items)
+            return tuple(operator.index(v) for v in items)  # numpy's integers too
         if kind == "int":
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
@@ -347,6 +350,8 @@ def _coerce(name: str, value: Any) -> Any:
             if not math.isfinite(number):  # nor could config.toml hold it (TOML has no inf)
                 raise ValueError
             return number
+        if isinstance(value, os.PathLike):  # a path given from Python
+            return os.fspath(value)
         if not isinstance(value, str):
             raise ValueError
         return value

@@ -83,22 +83,27 @@ def call_plugin(
     **kwargs: Any,
 ) -> Any:
     """``fn(*values, **kwargs)``, the call gossipdl makes of a plug-in, ``args`` being the
-    positional ones as ``(name, value)`` pairs; if ``fn``'s signature cannot take exactly
-    these, ``error`` names the spec and the call it must accept (checked before calling, so
-    a TypeError raised inside ``fn`` stays the user's own)."""
+    positional ones as ``(name, value)`` pairs. If ``fn``'s own signature (a decorator's
+    wrapper's, not the function it wraps) cannot take exactly these, ``error`` names the
+    spec and the call it must accept; whatever the call raises (but ``error`` itself) is
+    ``error`` too, naming the spec and where it was raised, chained to it."""
     attr = spec.partition(":")[2]
     values = [value for _, value in args]
     shown = [repr(value) for value in values] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    call = f"{attr}({', '.join(shown)})"
     try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # no signature to read (some builtins): the call tells
-        return fn(*values, **kwargs)
-    try:
-        signature.bind(*values, **kwargs)
+        inspect.signature(fn, follow_wrapped=False).bind(*values, **kwargs)
+    except ValueError:  # no signature to read (some builtins): the call tells
+        pass
     except TypeError as exc:
         names = [name for name, _ in args] + list(kwargs)
         raise error(
-            f"{what} {spec!r}: calling {attr}({', '.join(shown)}) failed: {exc}; give {attr} "
-            f"the signature {attr}({', '.join(names)})"
+            f"{what} {spec!r}: calling {call} failed: {exc}; give {attr} the signature "
+            f"{attr}({', '.join(names)})"
         ) from None
-    return fn(*values, **kwargs)
+    try:
+        return fn(*values, **kwargs)
+    except error:
+        raise
+    except Exception as exc:
+        raise error(f"{what} {spec!r}: {call} raised {_described(exc)}") from exc

@@ -314,6 +314,11 @@ def test_a_config_built_directly_checks_types_as_a_file_does() -> None:
     assert (config.steps, config.lr, config.hidden) == (5, 1.0, (64, 32))
     assert type(config.steps) is int and type(config.lr) is float
     assert Config(hidden="64,32").hidden == (64, 32) == load_config(None, hidden="64,32").hidden
+    import numpy as np  # what Python callers pass, taken as before the check: paths, arrays
+
+    assert Config(out=Path("/tmp/x"), data_dir=Path("d")).out == "/tmp/x"
+    from_numpy = Config(hidden=(np.int64(16), 8)).hidden
+    assert Config(hidden=np.array([16, 8])).hidden == (16, 8) == from_numpy
 
 
 def test_per_peer_options_are_checked_against_the_peer_count(tmp_path: Path) -> None:

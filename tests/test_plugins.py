@@ -4,6 +4,7 @@ with the caller's own error naming the spec, never a traceback."""
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -73,10 +74,28 @@ def test_a_factory_whose_signature_does_not_fit_names_the_call_it_must_take() ->
 
 
 def test_a_type_error_inside_a_factory_is_not_taken_for_a_wrong_signature() -> None:
-    """Only the signature is checked before the call: the user's own bug keeps its
-    exception (and traceback into their code)."""
-    with pytest.raises(TypeError, match="the builder's own bug"):
+    """Only the signature is checked before the call: the user's own bug is named as such,
+    with the line that raised it, and chained to it (its traceback into their code)."""
+    with pytest.raises(ModelError, match=r"buggy\(.*\) raised .*test_plugins.py:\d+: Type") as got:
         build_model(f"{__name__}:buggy", (4,), 2)
+    assert "give buggy the signature" not in str(got.value)
+    assert isinstance(got.value.__cause__, TypeError)
+
+
+def test_a_decorated_factory_is_checked_by_its_wrappers_own_signature() -> None:
+    """``functools.wraps`` makes ``inspect.signature`` read the wrapped function's: a
+    wrapper taking ``(n, seed)`` around a function of three was refused."""
+    topology = build_topology(f"{__name__}:wrapped_ring", 4, seed=0)
+    assert topology.n == 4
+
+
+def _ring_with(n: int, seed: int, extra: str) -> object:
+    return build_topology("ring", n, seed=seed)
+
+
+@functools.wraps(_ring_with)
+def wrapped_ring(n: int, seed: int) -> object:
+    return _ring_with(n, seed, "filled in")
 
 
 def no_hidden(input_shape: tuple[int, ...], num_classes: int) -> object:

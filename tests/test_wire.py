@@ -175,3 +175,27 @@ def test_meta_int_takes_integers_only_and_names_the_field() -> None:
         with pytest.raises(WireError, match="count") as caught:
             meta_int(bad, "k", "count")
         assert caught.value.reason == "bad_meta"
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"round": 2**64 - 1},  # a shard answer's round: the worker's next pull is round + 1
+        {"meta": {"_age": 2**64 - 1}},  # a walk's age: the receiver's next step adds one
+        {"meta": {"members": [[0, "tcp://h:1", 2**64 - 1, None, ""]]}},  # a life's round
+        {"meta": {"x": [[[-(2**63)]]]}},  # however deep, and below too
+    ],
+    ids=["round", "walk age", "table", "nested negative"],
+)
+def test_an_integer_beyond_int64_is_refused_so_counting_on_from_it_cannot_overflow(
+    changes: dict[str, object],
+) -> None:
+    """msgpack carries up to 2**64 − 1. A member table's round of 2**64 − 1 that a peer
+    counted on by one made every table it encoded after that fail (OverflowError), which
+    stopped its receive thread; a walk's age and a shard's round did the same elsewhere."""
+    good = encode("params", 1, 2, 3, [np.zeros(2, np.float32)], {"seed": 2**63 - 1})
+    assert decode(good, LIMIT).meta["seed"] == 2**63 - 1  # random-k's 63-bit seeds pass
+    with pytest.raises(WireError) as refused:
+        decode(with_header(good, **changes), LIMIT)
+    assert refused.value.reason == "malformed_header" and "int64" in str(refused.value)
+    assert encode("params", 1, 2, 2**63 - 1 + 1, [])  # one on from the largest: still encodable

@@ -24,6 +24,10 @@ import numpy as np
 PROTOCOL_VERSION = 2  # 2: requests carry a nonce their replies echo
 MAX_HEADER_BYTES = 4 * 2**20
 MAX_HEADER_CONTAINERS = 2**18  # maps and lists in one header: beyond, ``malformed_header``
+# The largest integer (in size) a header may hold, an int64's: a round, a life or an age
+# taken from a message and counted on by one is still encodable (msgpack stops at 2**64 - 1;
+# a table's round of 2**64 - 1 plus one made every later table unencodable, stopping the peer)
+MAX_WIRE_INT = 2**63 - 1
 MAX_ARRAYS = 4096
 MAX_NDIM = 8
 
@@ -260,18 +264,29 @@ class _TooManyContainers(Exception):
     """A header holds more than :data:`MAX_HEADER_CONTAINERS` maps and lists."""
 
 
+class _HugeInteger(Exception):
+    """A header holds an integer beyond ±:data:`MAX_WIRE_INT`."""
+
+
+def _huge(values: Any) -> bool:
+    return any(type(v) is int and not -MAX_WIRE_INT <= v <= MAX_WIRE_INT for v in values)
+
+
 def _unpack_header(buffer: memoryview) -> Any:
     """The header's msgpack, parsed with every map and list counted as it is built: a 4 MiB
     header of empty maps is 4 million Python objects (290 MiB, 0.4 s), so parsing stops at
     :data:`MAX_HEADER_CONTAINERS`, some 25 MiB of them (a table of 100,000 members holds
-    100,001 lists, and is refused whole as too many members after it is parsed)."""
+    100,001 lists, and is refused whole as too many members after it is parsed). Every
+    integer is looked at in the container that holds it (:data:`MAX_WIRE_INT`)."""
     built = 0
 
-    def counted(container: Any) -> Any:
+    def counted(container: Any, values: Any) -> Any:
         nonlocal built
         built += 1
         if built > MAX_HEADER_CONTAINERS:
             raise _TooManyContainers
+        if _huge(values):
+            raise _HugeInteger
         return container
 
     return msgpack.unpackb(
@@ -280,8 +295,8 @@ def _unpack_header(buffer: memoryview) -> Any:
         strict_map_key=True,
         max_bin_len=0,
         max_ext_len=0,
-        object_hook=counted,
-        list_hook=counted,
+        object_hook=lambda mapping: counted(mapping, mapping.values()),
+        list_hook=lambda items: counted(items, items),
     )
 
 
@@ -309,6 +324,10 @@ def decode(
     except _TooManyContainers:
         raise WireError(
             "malformed_header", f"more than {MAX_HEADER_CONTAINERS} maps and lists in the header"
+        ) from None
+    except _HugeInteger:
+        raise WireError(
+            "malformed_header", f"an integer in the header is beyond ±{MAX_WIRE_INT} (int64)"
         ) from None
     except Exception as exc:  # msgpack raises many types for garbage
         raise WireError("malformed_header", f"not msgpack ({type(exc).__name__})") from None
