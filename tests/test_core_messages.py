@@ -189,3 +189,35 @@ def test_a_peer_announces_no_more_sync_alarms_than_a_member_takes() -> None:
     assert len(announced) == MAX_ALARMS and announced[0] < 100
     for s in sends:
         neighbour.receive(0.0, s.frames)  # taken, not refused
+
+
+def test_a_resync_request_is_refused_where_the_swarm_keeps_no_public_copies() -> None:
+    """Dense gossip never answers one, and never let one go: each stayed filed for the whole
+    run (8 per sender, from every id that ever joined)."""
+    victim = core(0, [A, B])
+    with pytest.raises(WireError, match="unexpected"):
+        victim.receive(0.0, encode("resync_request", 1, 1, 0, meta={"round": 3}))
+    assert not victim._dense_for
+    choco = core(0, [A, B], algorithm="choco", codec="topk:0.5")
+    choco.receive(0.0, encode("resync_request", 1, 1, 0, meta={"round": 3}))
+    assert choco._dense_for == {3: {1}}  # where it is answered, it is taken
+
+
+def test_resync_requests_for_far_rounds_or_too_many_are_refused() -> None:
+    """A member asks for resyncs it will never take: one too far ahead, or more than
+    ``MAX_RESYNCS_PER_SENDER`` pending, is refused before it is filed."""
+    from gossipdl.protocol.kinds import MAX_RESYNC_AHEAD, MAX_RESYNCS_PER_SENDER
+
+    victim = core(0, [A, B], algorithm="choco", codec="topk:0.5")
+    for i in range(20):
+        with pytest.raises(WireError, match="resync_too_far"):
+            victim.receive(0.0, encode("resync_request", 1, 1 + i, 0,
+                                       meta={"round": MAX_RESYNC_AHEAD + 1 + i}))  # fmt: skip
+    for i in range(MAX_RESYNCS_PER_SENDER + 20):
+        request = encode("resync_request", 1, 100 + i, 0, meta={"round": 10 + i})
+        if i < MAX_RESYNCS_PER_SENDER:
+            victim.receive(0.0, request)
+        else:
+            with pytest.raises(WireError, match="too_many_pending"):
+                victim.receive(0.0, request)
+    assert sum(len(who) for who in victim._dense_for.values()) == MAX_RESYNCS_PER_SENDER

@@ -765,6 +765,9 @@ class GossipCore:
             raise WireError("unexpected", f"a {msg.kind!r} message, but the trigger is not dynamic")
         elif msg.kind == "walk" and not self.averager.asynchronous:
             raise WireError("unexpected", "a walking model, but this swarm does not gossip-learn")
+        elif msg.kind == "resync_request" and not self.averager.uses_public_copies:
+            # nothing would ever answer it, nor let it go: it was kept for the whole run
+            raise WireError("unexpected", "a resync request, but this swarm keeps no public copies")
         elif msg.kind == "quiet":
             self._hear_alarms(msg)
             self._inbox.put(msg.sender, msg.round, (None, False))
