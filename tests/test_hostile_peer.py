@@ -771,3 +771,25 @@ def test_a_newcomer_told_it_was_dropped_while_it_waits_joins_again(hostile: Host
         thread.join(30)
         for peer in made:
             peer.close()
+
+
+def test_a_table_from_a_sender_not_known_yet_is_held_without_a_payload(
+    hostile: Hostile,
+) -> None:
+    """Such tables wait a while for news of their sender (``MAX_EARLY`` of them): one
+    carrying arrays pinned them too, 32 x ``max_message_mb`` for a stranger's tables."""
+    import numpy as np
+
+    address, thread, made = founder(model=torch.nn.Linear(3, 2), round_timeout=600)
+    join_as_member(hostile, address)
+    thread.join(30)
+    (peer,) = made
+    try:
+        table = [[0, peer.address, 0, None, ""]]
+        blob = np.ones(1024, np.float32)
+        hostile.send(address, encode("members", 1000, 0, 0, [blob], meta={"members": table}))
+        hostile.send(address, encode("members", 1001, 0, 0, meta={"members": table}))
+        wait_for(lambda: dropped(peer, "bad_payload") == 1, 10, "the table with arrays refused")
+        wait_for(lambda: len(peer._early) == 1, 10, "the one without held")
+    finally:
+        peer.close()

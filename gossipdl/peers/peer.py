@@ -1351,6 +1351,8 @@ class Peer:
             return
         sender = self.membership.get(msg.sender)
         if sender is None and msg.kind in ("ready", "members", "dropped"):
+            if msg.arrays:  # a table is all meta: held, a payload would be memory for nothing
+                raise WireError("bad_payload", f"a {msg.kind} table carries no arrays")
             self._hold_early(msg)
             return
         if sender is None:
