@@ -13,7 +13,8 @@ never come from a peer at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gossipdl.config import Config, ConfigError, from_dict
@@ -93,4 +94,32 @@ def config_from_peer(remote: Any, source: str, local: dict[str, Any] | None = No
             f"config file of your own ({key} = {value!r}) and run: gossipdl join {source} "
             "--config FILE"
         )
-    return from_dict({**swarm, **local})
+    config = from_dict({**swarm, **local})
+    if "hidden" not in local:
+        _refuse_unsendable_widths(config, source)
+    return config
+
+
+def least_parameters(hidden: Sequence[int]) -> int:
+    """A lower bound on the parameters of any built-in model with these widths, whatever
+    its input: each width is a layer's output (a bias or more apiece), and each two in a
+    row a weight of their product at least (a matrix, or a convolution's kernels).
+
+    >>> least_parameters([256, 256])
+    66048
+    """
+    return sum(hidden) + sum(a * b for a, b in itertools.pairwise(hidden))
+
+
+def _refuse_unsendable_widths(config: Config, source: str) -> None:
+    """ConfigError if the swarm's ``hidden`` widths make a model this machine could not
+    send dense under its own ``max_message_mb`` (a join's model, a resync's copy), before
+    anything allocates it: ``hidden = [10**7, 10**7]`` from a member was 10**14 parameters."""
+    size = 4 * least_parameters(config.hidden)
+    if size > config.max_message_mb * 2**20:
+        raise ConfigError(
+            f"the swarm at {source} names hidden = {list(config.hidden)}, a model of at least "
+            f"{size / 2**20:,.0f} MiB, more than this machine's max_message_mb = "
+            f"{config.max_message_mb:g}: it could not take the model a join sends; raise "
+            "max_message_mb in a config file of your own if you mean to join it"
+        )

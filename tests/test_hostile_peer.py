@@ -793,3 +793,13 @@ def test_a_table_from_a_sender_not_known_yet_is_held_without_a_payload(
         wait_for(lambda: len(peer._early) == 1, 10, "the one without held")
     finally:
         peer.close()
+
+
+def test_a_swarms_widths_that_no_message_could_carry_are_refused_before_building() -> None:
+    """A member's ``hidden = [10**7, 10**7]`` was taken, and the joiner allocated 10**14
+    parameters (a raw allocator error; just under the RAM, it would have succeeded)."""
+    with pytest.raises(ConfigError, match=r"hidden = \[10000000, 10000000\], a model of at least"):
+        config_from_peer({"model": "mlp", "hidden": [10**7, 10**7]}, "tcp://10.0.0.5:5555")
+    assert config_from_peer({"hidden": [1024, 512]}, "tcp://10.0.0.5:5555").hidden == (1024, 512)
+    mine = config_from_peer({"hidden": [10**7, 10**7]}, "tcp://10.0.0.5:5555", {"hidden": [8]})
+    assert mine.hidden == (8,)  # the user's own widths decide
