@@ -641,23 +641,41 @@ def test_every_shard_a_server_answers_with_is_exactly_the_version_it_claims() ->
     pusher, puller = Hostile(), Hostile()
     ones = np.ones(100_000, np.float32)
     replies: list[tuple[int, np.ndarray]] = []
+    failed: list[BaseException] = []
+
+    def ask(worker: Hostile, kind: str) -> None:
+        """200 requests, each echoing the ticket of the answer before (as a worker does):
+        the puller's answers are sent while the pusher's pushes apply."""
+        ticket = 0
+        try:
+            for n in range(200):  # each push adds 1 everywhere: version v is all v
+                meta = {"address": worker.address, "clock": n + 1}
+                arrays = [ones] if kind == "push" else []
+                worker.send(where[0], encode(kind, 0 if kind == "push" else 1, ticket, 0,
+                                             arrays, meta))  # fmt: skip
+                header = worker.receive(10)
+                assert header is not None and header["kind"] == "shard"
+                replies.append(
+                    (header["meta"]["version"], np.frombuffer(header["frames"][0], np.float32))
+                )
+                ticket = header["seq"]
+        except BaseException as exc:
+            failed.append(exc)
+
+    pairs = ((pusher, "push"), (puller, "pull"))
+    threads = [threading.Thread(target=ask, args=pair) for pair in pairs]
     try:
-        for batch in range(25):  # each push adds 1 everywhere: version v is all v
-            for i in range(8):  # replies to one batch are sent while the next pushes apply
-                meta = {"address": pusher.address, "clock": 8 * batch + i}
-                pusher.send(where[0], encode("push", 0, 0, 0, [ones], meta))
-                puller.send(where[0], encode("pull", 1, 0, 0, meta={"address": puller.address}))
-            for worker in (pusher, puller):
-                for _ in range(8):
-                    header = worker.receive(10)
-                    assert header is not None and header["kind"] == "shard"
-                    array = np.frombuffer(header["frames"][0], np.float32)
-                    replies.append((header["meta"]["version"], array))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
     finally:
         stop.set()
         thread.join(10)
         pusher.close()
         puller.close()
+    assert not failed, failed
+    assert len(replies) == 400
     torn = [(v, np.unique(a)[:4]) for v, a in replies if not (a == v).all()]
     assert not torn, f"{len(torn)} of {len(replies)} answers are not their version: {torn[:5]}"
 

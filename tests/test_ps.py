@@ -28,6 +28,7 @@ from gossipdl.coordinator.ring import chunk_bounds
 from gossipdl.experiments.launcher import LaunchError, Swarm, launch
 from gossipdl.rundir import RunDir
 from gossipdl.transport import Message, WireError
+from gossipdl.transport.wire import decode
 
 WORKERS, STEPS, BATCH = 3, 12, 8
 
@@ -191,6 +192,60 @@ def test_a_shard_owes_each_worker_one_reply_and_a_refused_message_changes_nothin
     with pytest.raises(WireError, match="unexpected"):
         server.handle(stranger, 5.1)
     assert not server.known[1].alive and server.known[1].address == "tcp://127.0.0.1:6001"
+
+
+def _refused(server: ShardServer, msg: Message, now: float = 0.0) -> str:
+    """The drop reason of ``msg`` at ``server`` ("" if it was taken); ticks it after."""
+    try:
+        server.handle(msg, now)
+    except WireError as exc:
+        return exc.reason
+    finally:
+        server.tick(now)
+    return ""
+
+
+def test_a_shard_answers_a_named_address_once_until_a_request_echoes_its_ticket() -> None:
+    """Without CURVE anyone can claim a worker id: 200 pulls (20 KB) naming a third party's
+    address made a shard send that address 200 copies of its slice (763 MiB of a 4 MB
+    slice), and a message naming another address took a live worker's answers."""
+    victim = {"address": "tcp://victim.test:9", "clock": 0}
+    server = ShardServer(torch.zeros(2), rule="sync", workers=2)
+    reasons = [_refused(server, Message("pull", 0, 0, 0, "none", [], victim)) for _ in range(200)]
+    assert [a for a, _ in server.outbox] == [victim["address"]]  # one answer, not 200
+    assert reasons == [""] + ["bad_ticket"] * 199
+    ((_, frames),) = server.outbox
+    server.outbox.clear()
+    ticket = decode([bytes(memoryview(f)) for f in frames], 1 << 20).seq  # its sequence number
+    assert ticket == server.known[0].ticket > 0
+    echo = Message("pull", 0, ticket, 0, "none", [], victim)
+    assert _refused(server, echo) == "" and len(server.outbox) == 1  # whoever receives them
+    # a live worker's address is bound: another one is refused, even with its ticket
+    server.outbox.clear()
+    own = {"address": "tcp://127.0.0.1:6001", "clock": 0}
+    assert _refused(server, Message("alive", 1, 0, 0, "none", [], own)) == ""
+    for kind in ("alive", "pull", "push", "leave"):
+        hijack = Message(kind, 1, 0, 0, "none", [np.ones(2, np.float32)], victim)
+        assert _refused(server, hijack) == "bad_address"
+    assert server.known[1].address == own["address"] and server.known[1].alive
+    assert not server.outbox and torch.equal(server.x, torch.zeros(2))
+
+
+def test_a_worker_declared_dead_may_come_back_at_a_new_address_and_is_answered_there() -> None:
+    """A restarted process (a new life) binds its new address; its old life's ticket is
+    not asked of it, and once answered only the new ticket is taken."""
+    server = ShardServer(torch.zeros(2), rule="fedavg", workers=2, rounds=3, timeout=1.0)
+    first = {"address": "tcp://127.0.0.1:6000", "clock": 0}
+    assert _refused(server, Message("pull", 0, 0, 0, "none", [], first)) == ""
+    assert len(server.outbox) == 1 and server.known[0].ticket
+    server.outbox.clear()
+    server.tick(5.0)
+    assert not server.known[0].alive  # silent past the timeout
+    again = {"address": "tcp://127.0.0.1:7000", "clock": 0}
+    assert _refused(server, Message("pull", 0, 0, 0, "none", [], again), 5.0) == ""
+    assert [a for a, _ in server.outbox] == [again["address"]] and server.known[0].alive
+    assert _refused(server, Message("pull", 0, 0, 0, "none", [], again), 5.0) == "bad_ticket"
+    assert _refused(server, Message("pull", 0, 0, 0, "none", [], first), 5.0) == "bad_address"
 
 
 def test_fedavg_weights_updates_by_sample_count_and_picks_the_same_workers_per_round() -> None:

@@ -44,7 +44,9 @@ def serve(
     per worker of the run); this thread applies them, so the shard's state has
     one writer. ``report`` gets the stats every ``report_every`` seconds and once
     at the end. With ``curve``, only the allow-list's keys get in, and a worker
-    is answered over the key its messages came with.
+    is answered over the key its messages came with, held for its bound reply address
+    only (one per worker: the shard binds a worker's address, and an earlier life's key
+    joins the transport's bounded reply keys).
     """
     inbox: queue.Queue[Message] = queue.Queue(MAX_QUEUED_PER_WORKER * (server.workers + 1))
 
@@ -74,9 +76,14 @@ def serve(
             now = time.monotonic()
             if msg is not None:
                 try:
+                    before = server.known.get(msg.sender)
+                    bound = before.address if before is not None else ""
                     server.handle(msg, now)
-                    if msg.key:
-                        transport.set_key(server.known[msg.sender].address, msg.key)
+                    address = server.known[msg.sender].address
+                    if msg.key and address != bound:  # first contact, or a new life elsewhere
+                        transport.set_key(address, msg.key)
+                        if bound:  # the earlier life's key joins the bounded reply keys
+                            transport.retain_keys({s.address for s in server.known.values()})
                 except WireError as exc:
                     transport.stats.drop(exc.reason)
                     log.warning(

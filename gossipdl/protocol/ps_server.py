@@ -23,6 +23,17 @@ the wall clock, :class:`gossipdl.sim.ps.PsSimulation` on virtual time. A worker
 unheard of for ``timeout`` seconds (workers send a heartbeat every
 ``HEARTBEAT_S``) is declared dead: rounds stop waiting for it, SSP stops holding
 others for it.
+
+Without CURVE anyone can send a message that claims to be worker w and names any reply
+address, so a shard answers only addresses that show they receive its answers. A worker's
+reply address is bound at its first message: another address for a worker that is alive
+or left is refused (``bad_address``); only a worker declared dead starts a new life (a
+restarted process) at a new address. Every answer's sequence number is a fresh random
+ticket (as TCP's are, for the same reason) and a worker's messages carry as theirs the
+ticket of the shard's last answer it took; a request (a pull, a push that is answered) is
+answered only with the ticket of the shard's last answer to that worker, or while none was
+sent in its life (``bad_ticket``). So requests that name a third party's address, or a
+worker's own, make a shard send one answer, not one per request.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ from gossipdl.transport.wire import Message, WireError, encode, meta_int
 log = logging.getLogger(__name__)
 
 PS_RULES = ("sync", "async", "fedavg")
+_TICKETS = random.SystemRandom()  # an answer's ticket: nobody who does not receive it guesses it
 HEARTBEAT_S = 1.0  # how often a worker tells every shard it is alive
 TICK_S = 0.1  # how often a shard with nothing to handle looks at its workers and rounds
 
@@ -59,6 +71,7 @@ class WorkerState:
     alive: bool = True
     left: bool = False  # said goodbye (a dead worker is not alive and did not leave)
     key: str = ""  # CURVE: the public key its messages come over ("" without CURVE)
+    ticket: int = 0  # the ticket of the last answer sent to it in this life (0: none yet)
 
 
 @dataclass
@@ -154,11 +167,21 @@ class ShardServer:
         known = self.known.get(worker)
         if known is not None and known.address and known.key != msg.key:
             raise WireError("wrong_key", f"{msg.kind} claims to be worker {worker}")  # CURVE
+        ticket = msg.seq  # the ticket of the shard's last answer it took (0: none yet)
+        same_life = self._same_life(worker, known, address, ticket)
+        answered = msg.kind == "pull" or (msg.kind == "push" and self.rule != "fedavg")
+        if answered and same_life and known is not None and known.ticket not in (0, ticket):
+            raise WireError(
+                "bad_ticket",
+                f"a {msg.kind} of worker {worker} without the ticket of the shard's last answer",
+            )
         clock = meta_int(msg.meta, "clock", "clock", default=known.clock if known else 0)
         pushed = self._checked_push(worker, known, msg, clock) if msg.kind == "push" else None
         if self.first_heard is None:
             self.first_heard = now
         state = self.known.setdefault(worker, WorkerState("", now))
+        if not same_life:
+            state.ticket = 0  # a new life: its first answer goes out unasked
         state.heard, state.address, state.key = now, address, msg.key
         if not state.alive and not state.left:
             log.info("shard %d: worker %d is back", self.shard, worker)
@@ -170,6 +193,23 @@ class ShardServer:
         elif pushed is not None:
             state.clock = clock
             self._push(worker, state, msg, *pushed)
+
+    def _same_life(self, worker: int, known: WorkerState | None, address: str, ticket: int) -> bool:
+        """Whether a message naming ``address`` with ``ticket`` comes from the life of
+        ``worker`` the shard knows. False for its first message (it binds the address) and
+        for a worker declared dead that names another address or not its ticket (a
+        restarted process); WireError ``bad_address`` for another address of a worker that
+        is alive or left (replies would go to whoever the sender names)."""
+        if known is None or not known.address:
+            return False
+        if known.alive or known.left:
+            if address != known.address:
+                raise WireError(
+                    "bad_address",
+                    f"worker {worker} answers at {known.address}, not {address[:80]}",
+                )
+            return True
+        return address == known.address and ticket == known.ticket
 
     def _checked_push(
         self, worker: int, known: WorkerState | None, msg: Message, clock: int
@@ -318,7 +358,8 @@ class ShardServer:
                 )
                 meta["done"] = self.done
         state.base = self.version
-        frames = encode("shard", -1 - self.shard, 0, self.round, [self.snapshot()], meta)
+        state.ticket = (1 << 31) | _TICKETS.getrandbits(31)  # 5 bytes of msgpack, every one
+        frames = encode("shard", -1 - self.shard, state.ticket, self.round, [self.snapshot()], meta)
         self.outbox.append((state.address, frames))
         return True
 

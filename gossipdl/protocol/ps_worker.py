@@ -93,6 +93,7 @@ class WorkerCore:
         ]
         self.residuals: list[torch.Tensor | None] = [None] * shards
         self.shard_keys = [""] * shards
+        self.tickets = [0] * shards  # each shard's last answer's sequence number, echoed
         self.reference = model.detach().to(torch.float32).clone()  # the model last pulled
         self.steps = 0
         self.round = 0
@@ -157,6 +158,7 @@ class WorkerCore:
                 raise WireError("bad_meta", f"shard {shard}'s {key} is not true or false")
         self._check_answers_the_wait(shard, msg)
         self.replies[shard] = msg
+        self.tickets[shard] = msg.seq  # the shard answers the next request only with it
 
     def _check_answers_the_wait(self, shard: int, msg: Message) -> None:
         """WireError ``unexpected`` unless ``msg`` answers the open wait: a copy of an earlier
@@ -292,10 +294,13 @@ class WorkerCore:
         arrays: Any = (),
         round: int = 0,
     ) -> Send:
-        """One message to ``shard``, carrying the reply address and this worker's step."""
+        """One message to ``shard``, carrying the reply address and this worker's step; its
+        sequence number is the ticket of the shard's last answer taken, which shows the
+        shard that the address receives its answers."""
         codec = self.codecs[shard].spec if kind == "push" else "none"
         meta = {**(meta or {}), "address": self.address, "clock": self.steps}
-        return Send(shard, kind, encode(kind, self.id, 0, round, arrays, meta, codec))
+        ticket = self.tickets[shard]
+        return Send(shard, kind, encode(kind, self.id, ticket, round, arrays, meta, codec))
 
     def _push(self, x: torch.Tensor, round: int) -> list[Send]:
         """Each shard's slice of (parameters − last pulled model), compressed; a lossy codec's
