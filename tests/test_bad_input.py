@@ -57,7 +57,7 @@ def bad_messages() -> dict[str, list]:
         # for a round the peer will take (a late one is refused as late, before decoding)
         "bad_payload": encode("params", 1, UNUSED_SEQ, 10_000, [np.zeros(NUMEL + 1, np.float32)]),
         "non_finite": encode("params", 1, UNUSED_SEQ, 0, [nan]),
-        "bad_meta": encode("resync_request", 1, UNUSED_SEQ, 0, meta={"round": "soon"}),
+        "bad_meta": encode("alive", 1, UNUSED_SEQ, 0, meta={"sent": "soon"}),
         "unknown_sender": encode("params", 77, 1, 0, [good]),
         "oversize": encode("params", 1, UNUSED_SEQ, 0, [np.zeros(200_000, np.float32)]),
     }
