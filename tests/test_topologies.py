@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -394,6 +395,27 @@ def test_edges_file(tmp_path: Path) -> None:
     assert topo.name == f"edges:{path}"
     assert [topo.neighbors(i) for i in range(4)] == [[1, 2, 3], [0, 2], [0, 1, 3], [0, 2]]
     assert_good_static(topo)
+
+
+def test_an_edges_file_breaks_lines_at_newlines_alone_and_takes_a_byte_order_mark(
+    tmp_path: Path,
+) -> None:
+    """``splitlines`` broke at U+2028 and form feeds too: a comment's text after one was
+    read as an edge, and the lines after a form feed were numbered one too far; an
+    editor's byte-order mark made the first edge unreadable."""
+    path = tmp_path / "edges.txt"
+    path.write_bytes("\ufeff0 1\r\n# ring \u2028edited by bob\n1 2\n\x0c\n2 0\n".encode())
+    topo = build_topology(f"edges:{path}", 3)
+    assert [topo.neighbors(i) for i in range(3)] == [[1, 2], [0, 2], [0, 1]]
+    path.write_text("0 1\n\x0c\nnot an edge\n")
+    with pytest.raises(TopologyError, match=re.escape(f"{path}:3:")):
+        build_topology(f"edges:{path}", 2)
+
+
+def test_a_negative_seed_is_refused_by_name() -> None:
+    """numpy's generators take no seed below 0: a traceback from ``topology show``."""
+    with pytest.raises(TopologyError, match="seed must be 0 or more, got seed=-1"):
+        build_topology("random-regular:3", 8, seed=-1)
 
 
 def test_edges_file_missing(tmp_path: Path) -> None:

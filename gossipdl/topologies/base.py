@@ -129,12 +129,14 @@ class Topology(ABC):
         return _remember(self._spread_cache, self._round_key(round), self._spread)
 
     def _spread(self, round: int) -> int:
-        known = np.eye(self.n, dtype=np.int64)  # known[i, j]: peer j has heard peer i's news
+        # known[i, j]: peer j has heard peer i's news. float32 products run on BLAS (int64
+        # ones do not: 13 s for a ring of 400) and are exact: 0/1 entries, sums <= n < 2**24
+        known = np.eye(self.n, dtype=np.float32)
         for k in range(self.n * self.period + 1):
             if known.all():
                 return k
-            edges = self._checked_adjacency(round + k).astype(np.int64)
-            known = (known + known @ edges > 0).astype(np.int64)
+            edges = self._checked_adjacency(round + k).astype(np.float32)
+            known = (known + known @ edges > 0).astype(np.float32)
         raise TopologyError(
             f"{self.name}: some peer never hears from another over {self.period} round(s); "
             "the graph is not connected"

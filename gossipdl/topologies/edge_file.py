@@ -42,14 +42,17 @@ def read_edge_file(path: str | os.PathLike[str], n: int) -> StaticTopology:
                 f"edges file {file} is over {MAX_EDGE_FILE_BYTES // 2**20} MiB; a graph's "
                 "edges, one 'i j' a line, take far less"
             )
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # an editor's byte-order mark is no edge
     except FileNotFoundError:
         raise TopologyError(f"edges file not found: {file}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise TopologyError(f"cannot read edges file {file}: {exc}") from exc
 
     edges: list[tuple[int, int]] = []
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    # lines end at "\n" (and "\r\n") alone: splitlines() also broke at form feeds and
+    # U+2028, which took text out of a comment and numbered the lines after them wrong
+    for lineno, raw in enumerate(text.split("\n"), start=1):
+        raw = raw.removesuffix("\r")
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue

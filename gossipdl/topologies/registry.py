@@ -107,6 +107,8 @@ def build_topology(spec: str, n: int, seed: int = 0) -> Topology:
     if isinstance(seed, bool) or not hasattr(type(seed), "__index__"):
         raise TopologyError(f"seed must be an integer, got seed={seed!r}")
     seed = operator.index(seed)
+    if seed < 0:  # numpy's generators take none below 0
+        raise TopologyError(f"seed must be 0 or more, got seed={seed}")
     spec = spec.strip()
     head, colon, tail = spec.partition(":")
     arg = tail.strip() if colon else None
