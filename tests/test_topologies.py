@@ -646,9 +646,50 @@ def test_custom_class_errors(custom_module: str, attr: str, pattern: str) -> Non
 
 
 def test_custom_topology_adjacency_is_validated(custom_module: str) -> None:
-    topo = build_topology(f"{custom_module}:Directed", 3)
+    """When it is built, not in the first round that reads it (a traceback there)."""
     with pytest.raises(TopologyError, match="not symmetric"):
-        topo.neighbors(0)
+        build_topology(f"{custom_module}:Directed", 3)
+
+
+class _Split(Topology):
+    """Two pairs, apart."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        super().__init__(n, name="split")
+
+    def adjacency(self, round: int = 0) -> np.ndarray:
+        a = np.zeros((self.n, self.n), bool)
+        for i in range(0, self.n - 1, 2):
+            a[i, i + 1] = a[i + 1, i] = True
+        return a
+
+
+class _CopyPeerZero(Topology):
+    """A ring whose weights have every peer copy peer 0: not a neighbour of peer 2."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        super().__init__(n, name="copy-zero")
+
+    def adjacency(self, round: int = 0) -> np.ndarray:
+        return build_topology("ring", self.n).adjacency()
+
+    def _mixing(self, round: int) -> np.ndarray:
+        w = np.zeros((self.n, self.n))
+        w[:, 0] = 1.0
+        return w
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [("_Split", "not connected"), ("_CopyPeerZero", "not symmetric, doubly stochastic")],
+)
+def test_a_plugin_topology_is_checked_for_what_averaging_needs_when_it_is_built(
+    name: str, says: str
+) -> None:
+    """A disconnected graph was taken (consensus never comes, and the dynamic trigger failed
+    in a round), and so were weights that move the swarm's mean."""
+    with pytest.raises(TopologyError, match=says):
+        build_topology(f"{__name__}:{name}", 4)
 
 
 def test_custom_module_missing() -> None:

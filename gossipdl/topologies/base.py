@@ -163,10 +163,25 @@ class Topology(ABC):
         return adjacency
 
     def _checked_mixing(self, key: int) -> FloatMatrix:
+        """The weights of round ``key``: symmetric, doubly stochastic and nonnegative, and
+        nonzero only on the round's edges and the diagonal, as averaging needs (a plug-in's
+        ``_mixing`` may promise that and break it)."""
         w = np.array(self._mixing(key), dtype=np.float64)
         if w.shape != (self.n, self.n):
             raise TopologyError(
                 f"{self.name}: mixing matrix has shape {w.shape}, expected ({self.n}, {self.n})"
+            )
+        stochastic = np.allclose(w.sum(axis=1), 1.0, atol=1e-9) and np.allclose(w, w.T, atol=1e-9)
+        if not (stochastic and np.all(w >= 0)):
+            raise TopologyError(
+                f"{self.name}: the mixing matrix of round {key} is not symmetric, doubly "
+                "stochastic and nonnegative; averaging with it would move the swarm's mean"
+            )
+        off_edges = ~(self._checked_adjacency(key) | np.eye(self.n, dtype=bool))
+        if np.any(w[off_edges] != 0):
+            raise TopologyError(
+                f"{self.name}: the mixing matrix of round {key} weighs peers that are not "
+                "neighbours in that round"
             )
         w.setflags(write=False)
         return w

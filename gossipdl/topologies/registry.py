@@ -117,7 +117,7 @@ def build_topology(spec: str, n: int, seed: int = 0) -> Topology:
     if factory is not None:
         topology = factory(n, arg, seed)
     elif arg is not None and is_dotted(head) and is_dotted(arg):
-        topology = _load_class(head, arg, n, seed)
+        return _sound(_checked(spec, _load_class(head, arg, n, seed), n))
     else:
         raise TopologyError(f"unknown topology {head!r} in spec {spec!r}; choose from {_choices()}")
     return _checked(spec, topology, n)
@@ -134,6 +134,20 @@ def _checked(spec: str, topology: object, n: int) -> Topology:
             f"topology spec {spec!r} produced a graph over {getattr(topology, 'n', '?')} peers, "
             f"expected n={n}"
         )
+    return topology
+
+
+PLUGIN_ROUNDS_CHECKED = 64
+"""The rounds of a plug-in topology's period checked when it is built (its first ones)."""
+
+
+def _sound(topology: Topology) -> Topology:
+    """A plug-in topology, its graph and weights checked now, not inside the first round
+    that reads them (a traceback there): symmetric edges, symmetric doubly stochastic
+    weights on them, and every peer's news reaching every other."""
+    for t in range(min(topology.period, PLUGIN_ROUNDS_CHECKED)):
+        topology.mixing_matrix(t)
+    topology.spread_rounds()
     return topology
 
 
