@@ -600,6 +600,7 @@ def _validate(c: Config) -> None:
         c.max_members >= c.peers,
         f"max_members = {c.max_members} is below peers = {c.peers}; raise max_members",
     )
+    _check(0 <= c.seed < 2**32, f"seed = {c.seed}; use 0 <= seed < 2**32")  # draws the graph
     static_graph = True
     if c.mode == "gossip":
         try:
@@ -727,7 +728,6 @@ def _validate(c: Config) -> None:
     )
     for name in ("steps", "batch_size", "log_every"):
         _check(getattr(c, name) >= 1, f"{name} = {getattr(c, name)}; must be at least 1")
-    _check(0 <= c.seed < 2**32, f"seed = {c.seed}; use 0 <= seed < 2**32")
     _check(c.host.strip() != "", 'host = ""; give the address launched peers listen on')
     if c.samples_per_peer and c.dataset in ("mnist1d", "synthetic"):
         most = sized_limit(c.dataset) // c.peers
