@@ -386,6 +386,14 @@ def environment() -> dict[str, Any]:
     }
 
 
+def fill_defaults(args: argparse.Namespace, **defaults: tuple[Any, Any]) -> None:
+    """Each option ``name`` left out (None) takes ``defaults[name]``'s first value under
+    ``--quick``, else its second; a value given, 0 included, stays."""
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+
+
 def mark(met: bool | None) -> str:
     """A target's verdict as the tables print it: met, missed, or not run (None)."""
     if met is None:

@@ -79,6 +79,7 @@ from _common import (
     Column,
     at_least,
     benchmark_parser,
+    fill_defaults,
     fresh_run_dir,
     mark,
     report,
@@ -360,10 +361,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench-byzantine"))
     args = parser.parse_args()
     quick = args.quick
-    if args.peers is None:
-        args.peers = 8 if quick else 16
-    if args.steps is None:
-        args.steps = 60 if quick else 1500
+    fill_defaults(args, peers=(8, 16), steps=(60, 1500))
     args.dataset, args.model = ("synthetic", "logistic") if quick else ("mnist1d", "cnn1d")
     copies = args.algorithm != "dense"  # public copies: CHOCO's or BEER's
     if args.codec is not None and not copies:

@@ -85,6 +85,7 @@ from _common import (
     add_swarm_options,
     at_least,
     benchmark_parser,
+    fill_defaults,
     fresh_run_dir,
     mark,
     report,
@@ -368,15 +369,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.jobs > 1 and args.engine != "sim":
         parser.error("--jobs N: N > 1 only with --engine sim")
-    if args.steps is None:
-        args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
-    if args.peers is None:
-        args.peers = QUICK_PEERS if args.quick else 8
+    fill_defaults(
+        args,
+        steps=(QUICK_STEPS, DEFAULT_STEPS),
+        peers=(QUICK_PEERS, 8),
+        hidden=(QUICK_HIDDEN, DEFAULT_HIDDEN),
+    )
     exponential = args.exponential_peers
     if exponential is None:
         exponential = args.peers if args.quick else 16
-    if args.hidden is None:
-        args.hidden = QUICK_HIDDEN if args.quick else DEFAULT_HIDDEN
     peers = {"ring": args.peers, "exponential": exponential}
     topologies = [t for t in args.topologies.split(",") if t]
     if not topologies or not set(topologies) <= set(peers):

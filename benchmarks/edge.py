@@ -60,6 +60,7 @@ from _common import (
     add_only_option,
     add_swarm_options,
     benchmark_parser,
+    fill_defaults,
     fresh_run_dir,
     mark,
     report,
@@ -244,12 +245,7 @@ def options(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_only_option(parser, list(SETTINGS))
     add_engine_option(parser)
     args = parser.parse_args(argv)
-    if args.peers is None:
-        args.peers = 3 if args.quick else 8
-    if args.target is None:
-        args.target = 0.6 if args.quick else 0.45
-    if args.budget is None:
-        args.budget = 20.0 if args.quick else 600.0
+    fill_defaults(args, peers=(3, 8), target=(0.6, 0.45), budget=(20.0, 600.0))
     if args.budget <= 0:
         parser.error(f"--budget {args.budget:g}: give the seconds each setting may take, > 0")
     with usage_errors(parser, args, {"trigger": "--delta"}):  # every setting's, before the first

@@ -52,6 +52,7 @@ from _common import (
     add_only_option,
     add_swarm_options,
     benchmark_parser,
+    fill_defaults,
     fresh_run_dir,
     report,
     run_script,
@@ -234,14 +235,9 @@ def main() -> None:
     parser.add_argument("--loopback", action="store_true", help="no namespaces, even as root")
     add_only_option(parser, list(SCENARIOS))
     args = parser.parse_args()
-    if args.steps is None:
-        args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
-    if args.peers is None:
-        args.peers = 4 if args.quick else 8
-    if args.down is None:
-        args.down = 2.0 if args.quick else 10.0
-    if args.cut is None:
-        args.cut = 5.0 if args.quick else 20.0
+    fill_defaults(
+        args, steps=(QUICK_STEPS, DEFAULT_STEPS), peers=(4, 8), down=(2.0, 10.0), cut=(5.0, 20.0)
+    )
     if args.down < 0:
         parser.error(f"--down {args.down:g}: the seconds the killed peers stay down, >= 0")
     if args.cut <= 0:

@@ -45,6 +45,7 @@ from _common import (
     add_only_option,
     add_swarm_options,
     benchmark_parser,
+    fill_defaults,
     fresh_run_dir,
     report,
     run_script,
@@ -122,10 +123,7 @@ def main() -> None:
     add_only_option(parser, list(SETTINGS))
     add_engine_option(parser)
     args = parser.parse_args()
-    if args.steps is None:
-        args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
-    if args.peers is None:
-        args.peers = 3 if args.quick else 8
+    fill_defaults(args, steps=(QUICK_STEPS, DEFAULT_STEPS), peers=(3, 8))
     with usage_errors(parser, args):  # every setting's config before the first run
         configs = {key: config_for(key, args) for key in args.only}
 

@@ -49,6 +49,7 @@ from _common import (
     at_least,
     benchmark_parser,
     check_device,
+    fill_defaults,
     fresh_run_dir,
     mark,
     parameters,
@@ -120,12 +121,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=at_least(1), default=32, help="samples a step (32)")
     args = parser.parse_args()
     check_device(parser, args.device)
-    if args.peers is None:
-        args.peers = 2
-    if args.hidden is None:
-        args.hidden = QUICK_HIDDEN if args.quick else HIDDEN
-    if args.steps is None:
-        args.steps = QUICK_STEPS if args.quick else STEPS
+    fill_defaults(args, peers=(2, 2), hidden=(QUICK_HIDDEN, HIDDEN), steps=(QUICK_STEPS, STEPS))
     warm_up = min(2 * args.log_every, args.steps // 3)
     with usage_errors(parser, args):  # every setting's config before the first run
         configs = {name: config_for(args, name) for name in ["alone", *args.only]}

@@ -48,6 +48,7 @@ from _common import (
     Column,
     add_swarm_options,
     benchmark_parser,
+    fill_defaults,
     fresh_run_dir,
     report,
     run_script,
@@ -119,10 +120,7 @@ def main() -> None:
     parser.add_argument("--model", default="cnn1d")
     parser.add_argument("--dataset", default="mnist1d")
     args = parser.parse_args()
-    if args.steps is None:
-        args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
-    if args.peers is None:
-        args.peers = QUICK_PEERS if args.quick else 8
+    fill_defaults(args, steps=(QUICK_STEPS, DEFAULT_STEPS), peers=(QUICK_PEERS, 8))
 
     with usage_errors(parser, args):  # both configs before the first run
         runs = configs(args)

@@ -50,6 +50,7 @@ from _common import (
     at_least,
     benchmark_parser,
     check_device,
+    fill_defaults,
     fresh_run_dir,
     mark,
     peer_counts,
@@ -254,10 +255,7 @@ def main() -> None:
     args = parser.parse_args()
     check_device(parser, args.device)
     args.peers = sorted(set(args.peers or (QUICK_PEERS if args.quick else PEERS)))
-    if args.cnn_steps is None:
-        args.cnn_steps = QUICK_STEPS if args.quick else 1500
-    if args.logistic_steps is None:
-        args.logistic_steps = QUICK_STEPS if args.quick else 500
+    fill_defaults(args, cnn_steps=(QUICK_STEPS, 1500), logistic_steps=(QUICK_STEPS, 500))
     runs = plan(args)
     with usage_errors(parser, args):  # every run's config before the first run
         configs = [config_for(run, args) for run in runs]

@@ -55,6 +55,7 @@ from _common import (
     add_only_option,
     add_swarm_options,
     benchmark_parser,
+    fill_defaults,
     fresh_run_dir,
     mark,
     report,
@@ -138,10 +139,7 @@ def main() -> None:
     args = parser.parse_args()
     if REFERENCE not in args.only:
         parser.error(f"--only must include {REFERENCE}: every row is compared with it")
-    if args.steps is None:
-        args.steps = 60 if args.quick else 1500
-    if args.peers is None:
-        args.peers = 3 if args.quick else 8
+    fill_defaults(args, steps=(60, 1500), peers=(3, 8))
     args.model = args.model or ("logistic" if args.quick else "cnn1d")
     args.dataset = args.dataset or ("synthetic" if args.quick else "mnist1d")
     dynamic = args.dynamic.split(",") if args.dynamic else DYNAMIC

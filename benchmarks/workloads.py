@@ -35,6 +35,7 @@ from _common import (
     add_swarm_options,
     at_least,
     benchmark_parser,
+    fill_defaults,
     fresh_run_dir,
     parameters,
     report,
@@ -118,10 +119,7 @@ def main() -> None:
     parser.add_argument("--data-dir", type=Path, default=None, help="where the data sets are")
     parser.add_argument("--log-every", type=at_least(1), default=3)
     args = parser.parse_args()
-    if args.peers is None:
-        args.peers = 8
-    if args.steps is None:
-        args.steps = QUICK_STEPS if args.quick else STEPS
+    fill_defaults(args, peers=(8, 8), steps=(QUICK_STEPS, STEPS))
     warm_up = min(2 * args.log_every, args.steps // 3)
     with usage_errors(parser, args):  # every swarm's config before the first run
         configs = {(w, s): config_for(args, w, s) for w in args.only for s in SETTINGS}
