@@ -180,13 +180,24 @@ def test_ctrl_c_stops_a_benchmarks_simulations_without_a_traceback(tmp_path: Pat
     wait_for(lambda: not set(workers) & live_processes().keys(), 5, "the workers to exit")
 
 
-def test_sigint_to_gossipdl_run_stops_its_peers_and_exits_130(tmp_path: Path) -> None:
+def training_pair(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
+    """``gossipdl run`` of two peers with a million steps to go, once both train; its run
+    directory. The caller stops it (``cleanup`` if the test fails)."""
     config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2, steps=1_000_000))
     out = tmp_path / "run"
     proc = start(gossipdl_cmd("run", str(config), "--out", str(out), "--no-progress"), tmp_path)
     try:
         wait_for(lambda: all(last_record(out / "peers" / f"{i}.jsonl") for i in (0, 1)),
                  60, "the peers to train")  # fmt: skip
+    except BaseException:
+        cleanup(proc)
+        raise
+    return proc, out
+
+
+def test_sigint_to_gossipdl_run_stops_its_peers_and_exits_130(tmp_path: Path) -> None:
+    proc, out = training_pair(tmp_path)
+    try:
         proc.send_signal(signal.SIGINT)  # to the launcher alone: it must stop its peers itself
         code, stderr = stopped(proc)
     finally:
@@ -200,12 +211,8 @@ def test_sigint_to_gossipdl_run_stops_its_peers_and_exits_130(tmp_path: Path) ->
 def test_peers_of_a_launcher_killed_with_sigkill_stop_in_order(tmp_path: Path) -> None:
     """A launcher killed with SIGKILL cannot stop its peers: they trained on to their last
     step (a million here). Each watches the launcher and stops as a SIGTERM stops it."""
-    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2, steps=1_000_000))
-    out = tmp_path / "run"
-    proc = start(gossipdl_cmd("run", str(config), "--out", str(out), "--no-progress"), tmp_path)
+    proc, out = training_pair(tmp_path)
     try:
-        wait_for(lambda: all(last_record(out / "peers" / f"{i}.jsonl") for i in (0, 1)),
-                 60, "the peers to train")  # fmt: skip
         assert len(peer_pids(out)) == 2
         proc.kill()
         proc.wait()  # not its pipes: the fork server it started holds them while peers run
