@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -181,6 +181,12 @@ class Settings:
     max_message_bytes: int = 1 << 30
     seed: int = 0
     evict_after: int = 0  # judged rounds in a row that make a suspect (0: nobody is evicted)
+
+
+def _earliest(alarms: Iterable[int]) -> list[int]:
+    """The earliest ``MAX_ALARMS`` sync alarms, sorted: as many as a member takes in one
+    message (its own and those it heard alike)."""
+    return sorted(alarms)[:MAX_ALARMS]
 
 
 def addressed(payload: Payload | Mapping[int, Payload], neighbour: int) -> Payload:
@@ -585,9 +591,11 @@ class GossipCore:
         horizon = t + (self.topologies.over(ids).spread_rounds(t) if len(ids) > 1 else 0)
         covered = any(t <= a <= horizon for a in self._alarms)
         violated = not covered and self.trigger.violated(x, self.reference)
-        pending = sorted({a for a in self._alarms if a >= t} | ({horizon} if violated else set()))
-        self._alarms = set(pending[:MAX_ALARMS])  # as many as a member takes: the earliest
-        return sorted(self._alarms)
+        pending = _earliest(
+            {a for a in self._alarms if a >= t} | ({horizon} if violated else set())
+        )
+        self._alarms = set(pending)
+        return pending
 
     def _request_resync(self) -> list[Send]:
         """Ask every neighbour for its dense public copy ``RESYNC_LEAD`` rounds from now."""
@@ -1160,8 +1168,7 @@ class GossipCore:
         ):
             raise WireError("bad_meta", f"sync alarms {alarms!r} are not a short list of rounds")
         if self.trigger.dynamic:
-            heard = self._alarms.union(a for a in alarms if a >= self.round)
-            self._alarms = set(sorted(heard)[:MAX_ALARMS])
+            self._alarms = set(_earliest(self._alarms.union(a for a in alarms if a >= self.round)))
 
     def decode_model(self, msg: Message) -> torch.Tensor:
         """A ``model`` answer as a tensor: the neighbour's published model, dense, whatever

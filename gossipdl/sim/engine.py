@@ -595,7 +595,8 @@ class Simulation:
         net, base = self.network.stats(peer.id).snapshot(), peer.life_base
         stats = {
             **{k: v - base.get(k, 0) for k, v in net.items() if k != "messages_dropped"},
-            "messages_dropped": Counter(net["messages_dropped"]) - Counter(base.get("drops", {})),
+            "messages_dropped": Counter(net["messages_dropped"])
+            - Counter(base.get("messages_dropped", {})),
             **peer.core.metrics(),
             "rejoins": peer.rejoins - base.get("rejoins", 0),
             "online": self.network.online(peer.id),
@@ -656,7 +657,7 @@ class Simulation:
         else:
             steps = 0
         net = self.network.stats(peer_id).snapshot()
-        peer.life_base = {**net, "drops": net["messages_dropped"], "rejoins": peer.rejoins}
+        peer.life_base = {**net, "rejoins": peer.rejoins}
         peer.carried = carried_from(self.run_dir.last_record(peer_id)) if resumed else {}
         old = peer.core
         flat = parameters_to_vector(model.parameters()).detach()
