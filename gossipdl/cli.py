@@ -835,6 +835,10 @@ def peer(
     try:
         _check_addresses(listen, {"--bootstrap": bootstrap, "--servers": servers})
         if resume is not None:
+            if out is not None and Path(out).resolve() != resume.resolve():
+                raise ConfigError(
+                    f"--resume {resume} carries the peer on in that run directory; drop --out {out}"
+                )
             config_file = config_file or RunDir(resume).config
             out = str(resume)
         config = load_config(config_file, **overrides)

@@ -7,6 +7,7 @@ Layout (keys are only ever added, never renamed)::
                        mode ps: the workers shard 0 has heard from)
     peers/<id>.jsonl   one metrics object per line
     peers/<id>.log     the peer's log
+    peers/<id>.lock    held (flock) by the process running peer <id>, so no second one can
     servers/<k>.json   parameter-server shard k's counters (mode ps), rewritten as it runs
     servers/<k>.log    that shard's log
     models/<id>.pt     the peer's final model (state_dict)
@@ -22,6 +23,7 @@ overlaid in accuracy.png, timeline-<variant>.png each, report.md).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -195,6 +197,23 @@ class RunDir:
 
     def log(self, peer_id: int | str) -> Path:
         return self.root / "peers" / f"{peer_id}.log"
+
+    def hold(self, peer_id: int) -> IO[bytes]:
+        """Lock ``peers/<id>.lock`` for this process's life (keep the file open; the kernel
+        lets go when it exits, however it dies): ConfigError if another process holds it, as
+        a second ``--resume`` of a rank whose first life still runs would, writing both lives'
+        lines into one metrics file and one checkpoint."""
+        path = self.root / "peers" / f"{peer_id}.lock"
+        handle = path.open("ab")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise ConfigError(
+                f"peer {peer_id} of {self.root} is still running (a process holds {path}); "
+                "stop it before resuming that rank, or choose another --out"
+            ) from None
+        return handle
 
     def server_stats(self, shard: int) -> Path:
         return self.root / "servers" / f"{shard}.json"

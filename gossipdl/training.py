@@ -20,6 +20,7 @@ from gossipdl.averaging.local_optimizer import SGD, LocalOptimizer
 from gossipdl.conditions import Drift, parse_drift, parse_profiles
 from gossipdl.config import Config
 from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
+from gossipdl.experiments.orphans import process_exists
 from gossipdl.models import build_model
 from gossipdl.protocol.ps_server import ShardServer, fedavg_local_steps, fedavg_rounds
 from gossipdl.protocol.ps_worker import WorkerSettings
@@ -335,6 +336,14 @@ def save_atomic(value: Any, path: Path) -> None:
     """``torch.save`` via a temporary file and a rename: a reader (another peer summarising
     the run) sees the old file or the new one, never half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    for left in path.parent.glob(f".{path.name}.*.tmp"):  # a killed writer's, as large
+        writer = left.name.removeprefix(f".{path.name}.").removesuffix(".tmp")
+        if writer.isdigit() and not process_exists(int(writer)):
+            left.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(value, tmp)
+    try:
+        torch.save(value, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)

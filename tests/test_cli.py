@@ -645,8 +645,11 @@ def test_a_peer_shares_an_out_with_its_swarm_but_refuses_another_runs(tmp_path: 
     said = fails("peer", "--config", str(path), "--startup-timeout", "3")
     assert "already holds a run with a peer 0" in said and "--rank 0 to carry" in said, said
     assert run.config.read_text() == recorded
-    # The same swarm's peer 1, with this machine's own settings, and peer 0 resumed: welcome.
+    # The same swarm's peer 1, with this machine's own settings, and peer 0 resumed: welcome;
+    # peer 0 resumed with other steps would train on alone: refused.
     ours = config.replace(threads=4, device="cpu", advertise="tcp://10.0.0.7:5555")
     prepare_run_dir(run, ours, 1, resume=False)
-    prepare_run_dir(run, config.replace(steps=80), 0, resume=True)
+    prepare_run_dir(run, ours, 0, resume=True)
+    with pytest.raises(ConfigError, match=r"--resume .* \(steps = 60 there, 80 here\)"):
+        prepare_run_dir(run, config.replace(steps=80), 0, resume=True)
     assert run.config.read_text() == recorded

@@ -3,6 +3,7 @@ member-table rules those rest on."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -15,7 +16,9 @@ from typer.testing import CliRunner
 
 import gossipdl.cli as cli
 from gossipdl.averaging import build_averager
+from gossipdl.averaging.local_optimizer import SGD
 from gossipdl.averaging.triggers import parse_trigger
+from gossipdl.config import ConfigError
 from gossipdl.experiments.forking import ForkedCommand
 from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gossipdl.peers.membership import Member, Membership, parse_members
@@ -32,6 +35,7 @@ from gossipdl.protocol.joining import (
     outranks,
 )
 from gossipdl.rundir import RunDir
+from gossipdl.training import save_atomic
 from gossipdl.transport import WireError
 from gossipdl.transport.wire import NONCE, Message, decode, encode
 
@@ -302,6 +306,65 @@ def test_a_checkpoint_round_trips_and_a_wrong_or_torn_one_is_refused(tmp_path: P
         load_checkpoint(path, other, other_opt)
     with pytest.raises(CheckpointError, match="checkpoint_every"):
         load_checkpoint(tmp_path / "none.pt", other, other_opt)
+    path.write_bytes(b"")  # killed as the file was made: a reason, and the way on
+    with pytest.raises(CheckpointError, match=r"EOFError.*delete it, and the peer rejoins"):
+        load_checkpoint(path, other, other_opt)
+
+
+def test_a_save_clears_what_a_killed_writer_left_and_keeps_a_live_ones(tmp_path: Path) -> None:
+    """A peer killed mid-save leaves its temporary file, as large as a checkpoint; the next
+    save of that file removes it (its writer is gone), not a running writer's."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # reaped: no process has its id now
+    left = tmp_path / f".1.pt.{ended.pid}.tmp"
+    running = tmp_path / f".1.pt.{os.getppid()}.tmp"  # the process that started this one
+    for path in (left, running):
+        path.write_bytes(b"half")
+    save_atomic({"x": 1}, tmp_path / "1.pt")
+    assert not left.exists() and running.exists()
+    assert torch.load(tmp_path / "1.pt", weights_only=True) == {"x": 1}
+
+
+def test_a_checkpoint_of_another_peer_or_swarm_or_of_odd_contents_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint names its peer and swarm (one copied from elsewhere resumes nothing), and
+    contents of the wrong kind are an error naming the file, not a traceback."""
+    model = torch.nn.Linear(4, 3)
+    opt = SGD(list(model.parameters()), lr=0.1, momentum=0.9)  # a peer's (make_optimizer)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    path = tmp_path / "1.pt"
+    save_checkpoint(path, model, opt, 30, peer=1, swarm="a1")
+    assert load_checkpoint(path, model, opt, peer=1, swarm="a1") == 30
+    assert load_checkpoint(path, model, opt) == 30  # nothing to compare with
+    with pytest.raises(CheckpointError, match="of peer 1, not of peer 2"):
+        load_checkpoint(path, model, opt, peer=2, swarm="a1")
+    with pytest.raises(CheckpointError, match="of swarm 'a1', not of swarm 'b2'"):
+        load_checkpoint(path, model, opt, peer=1, swarm="b2")
+    state = torch.load(path, weights_only=True)
+    odd = {
+        "a list for a model": {**state, "model": [1, 2]},
+        "an optimizer entry that is no dict": {
+            **state,
+            "optimizer": {**state["optimizer"], "state": {0: 5}},
+        },
+        "an optimizer entry of no parameter": {
+            **state,
+            "optimizer": {**state["optimizer"], "state": {7: {"momentum_buffer": None}}},
+        },
+        "a momentum of another shape": {
+            **state,
+            "optimizer": {
+                **state["optimizer"],
+                "state": {0: {"momentum_buffer": torch.zeros(2, 2)}},
+            },
+        },
+    }
+    for value in odd.values():  # the failing one's key shows in the traceback's locals
+        torch.save(value, path)
+        with pytest.raises(CheckpointError, match="different model or optimizer"):
+            load_checkpoint(path, model, opt)
 
 
 def _swarm(tmp_path: Path, n: int, **changes: Any) -> tuple[list[ForkedCommand], Path]:
@@ -343,10 +406,13 @@ def test_a_paused_peer_and_a_killed_one_are_dropped_and_rejoin_one_from_its_chec
     dead_after: the others declare it dead and train on; after SIGCONT it hears it was
     dropped, rejoins through a live member, and the swarm is whole again. Then peer 1 is
     killed; ``gossipdl peer --resume`` brings it back from its checkpoint, into the same
-    swarm, with its counters carried on. (Both are also simulated, seeded, in
-    test_sim_faults.py; this is the real processes, signals and files.)"""
+    swarm, with its counters carried on. Last, peer 2 is killed and its checkpoint lost:
+    ``--resume`` brings it back as a newcomer that keeps its id and file (it failed,
+    naming the checkpoint, and a new life in the same directory was refused). (All three
+    are also simulated, seeded, in test_sim_faults.py; this is the real processes, signals
+    and files.)"""
     procs, out = _swarm(tmp_path, 3, checkpoint_every=10, **FAST)
-    restarted = None
+    restarted = newcomer = None
     try:
         wait_for(lambda: all(_record(out, i).get("step", 0) >= 20 for i in range(3)), 60,
                  "the swarm to train")  # fmt: skip
@@ -379,12 +445,12 @@ def test_a_paused_peer_and_a_killed_one_are_dropped_and_rejoin_one_from_its_chec
         wait_for(lambda: all(_record(out, i).get("members") == 3 for i in range(3)), 60,
                  "everyone to count three members again")  # fmt: skip
 
-        def starts() -> list[dict[str, Any]]:  # each life's first line of peer 1
-            return [r for r in RunDir(out).records(1) if r.get("start")]
+        def starts(i: int) -> list[dict[str, Any]]:  # each life's first line of peer i
+            return [r for r in RunDir(out).records(i) if r.get("start")]
 
         # the others count it once they let it in, which can come before its first line
-        wait_for(lambda: len(starts()) == 2, 30, "peer 1's second life to write its first line")
-        first, second = starts()
+        wait_for(lambda: len(starts(1)) == 2, 30, "peer 1's second life to write its first line")
+        first, second = starts(1)
         assert second["step"] == saved  # from the checkpoint, not 0
         # The second life carries on: one clock, one swarm, counters that do not restart at 0,
         # and the time it was down shows as a gap.
@@ -396,18 +462,35 @@ def test_a_paused_peer_and_a_killed_one_are_dropped_and_rejoin_one_from_its_chec
         wait_for(lambda: _record(out, 1)["step"] >= saved + 20, 30, "peer 1 to train on")
         assert "back in at round" in (tmp_path / "p1b.log").read_text()
         assert _record(out, 2)["rejoins"] == 1  # the others were not disturbed by it
+        # -- killed, its checkpoint lost: back as a newcomer under its id, in its own file
+        procs[2].kill()
+        procs[2].wait(10)
+        before = _record(out, 2)
+        (out / "checkpoints" / "2.pt").unlink()
+        newcomer, _ = start_peer("--resume", str(out), "--rank", "2", log=tmp_path / "p2b.log")
+        wait_for(lambda: len(starts(2)) == 2, 60, "peer 2's second life to write its first line")
+        second = starts(2)[1]
+        assert second["resumed"] is False and second["down_s"] > 0
+        assert second["swarm"] == starts(2)[0]["swarm"]
+        assert second["bytes_sent"] < before["bytes_sent"]  # a new process's counters
+        wait_for(lambda: all(_record(out, i).get("members") == 3 for i in range(3)), 30,
+                 "everyone to count three members again")  # fmt: skip
+        assert "no checkpoint in" in (tmp_path / "p2b.log").read_text()
     finally:
         procs[2].send_signal(signal.SIGCONT)
-        codes = _stop([procs[0], procs[2], *([restarted] if restarted else [])])
+        codes = _stop(
+            [procs[0], *([restarted] if restarted else []), *([newcomer] if newcomer else [])]
+        )
     assert codes == [130, 130, 130]  # each stopped in order by SIGINT: 128 + it
 
 
-def test_resume_without_a_checkpoint_fails_clearly(
+def test_a_resume_that_cannot_carry_its_peer_on_fails_clearly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run started without checkpoint_every (its config and member list as a peer leaves
-    them): --resume names the missing checkpoint, before it dials anyone. The CLI runs in
-    this process (it sets up logging for it: the next tests get theirs back)."""
+    them, no line of peer 1): --resume names the missing checkpoint, before it dials
+    anyone; so does one with other settings, another --out, or a rank still running. The
+    CLI runs in this process (it sets up logging for it: the next tests get theirs back)."""
     restore_logging(monkeypatch)
     out = tmp_path / "run"
     run = RunDir(out).create()
@@ -418,6 +501,21 @@ def test_resume_without_a_checkpoint_fails_clearly(
     assert "no checkpoint at" in " ".join(done.stderr.split())
     done = CliRunner().invoke(cli.app, ["peer", "--resume", str(out)])
     assert done.exit_code == 2 and "--resume needs --rank" in " ".join(done.stderr.split())
+    # A flag beside --resume that changes the swarm's settings: the swarm would refuse the
+    # peer's messages, and its checkpoint's momentum would override --momentum anyway.
+    args = ["peer", "--resume", str(out), "--rank", "1"]
+    done = CliRunner().invoke(cli.app, [*args, "--codec", "topk:0.1", "--momentum", "0"])
+    said = " ".join(done.stderr.split())
+    assert done.exit_code == 2 and "carries its peer on with the settings" in said, said
+    assert "codec = 'none' there, 'topk:0.1' here" in said and "momentum" in said
+    done = CliRunner().invoke(cli.app, [*args, "--out", str(tmp_path / "elsewhere")])
+    assert done.exit_code == 2 and "drop --out" in " ".join(done.stderr.split())
+    # The rank's process still runs (it holds its lock): refused before it dials anyone.
+    with RunDir(out).hold(1):
+        done = CliRunner().invoke(cli.app, args)
+    assert done.exit_code == 2 and "is still running" in " ".join(done.stderr.split())
+    with RunDir(out).hold(1), pytest.raises(ConfigError, match=r"peer 1 of .* is still running"):
+        RunDir(out).hold(1)  # one process or two: each open of the lock is its own holder
 
 
 def test_a_newcomer_counts_the_rounds_of_a_replaced_life_as_the_members_do() -> None:

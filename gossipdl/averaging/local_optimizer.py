@@ -122,9 +122,17 @@ class SGD:
             self.param_groups[0][key] = float(groups[0][key])
         self.state = {}
         for i, state in state_dict.get("state", {}).items():
+            if not (isinstance(i, int) and 0 <= i < len(params) and isinstance(state, dict)):
+                raise ValueError(f"the saved state has an entry {i!r} of no parameter here")
             buffer = state.get("momentum_buffer")
             if buffer is not None:
-                p = params[int(i)]
+                p = params[i]
+                if not (isinstance(buffer, torch.Tensor) and buffer.shape == p.shape):
+                    shape = tuple(buffer.shape) if isinstance(buffer, torch.Tensor) else buffer
+                    raise ValueError(
+                        f"the saved momentum of parameter {i} is {shape!r}, "
+                        f"the parameter {tuple(p.shape)}"
+                    )
                 self.state[p] = {"momentum_buffer": buffer.to(p.device, p.dtype).clone()}
 
 

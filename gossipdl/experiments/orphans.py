@@ -43,7 +43,7 @@ def _wait_then_stop(pid: int) -> None:
     except ProcessLookupError:
         pass  # ended already
     except (AttributeError, OSError):  # no pidfds here: poll for the process instead
-        while _exists(pid):
+        while process_exists(pid):
             threading.Event().wait(ORPHAN_POLL_S)
     else:
         select.select([fd], [], [])
@@ -51,7 +51,8 @@ def _wait_then_stop(pid: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -153,7 +153,8 @@ class Peer:
     ``heartbeat``) is declared dead and the topology is rebuilt over the live
     members at a round every peer agrees on; a peer told it was dropped
     rejoins. ``resume_step`` restarts a peer from its own checkpointed model at
-    that step and rejoins through ``bootstrap``. ``curve`` (see
+    that step and rejoins through ``bootstrap``; ``restarted`` without it: a new life of
+    ``rank`` (its process died before any checkpoint) that takes a neighbour's model. ``curve`` (see
     :func:`gossipdl.transport.curve.load_curve`) encrypts every connection and
     admits only the allow-listed keys. ``link`` emulates a slow access link
     (bandwidth, latency, jitter, loss, offline windows counted from the moment
@@ -215,6 +216,7 @@ class Peer:
         heartbeat: float = 1.0,
         dead_after: float = 5.0,
         resume_step: int | None = None,
+        restarted: bool = False,
         curve: Curve | None = None,
         link: LinkProfile | None = None,
         swarm_config: dict[str, Any] | None = None,
@@ -364,7 +366,8 @@ class Peer:
         self._alone_until = -1  # a late start trains alone to this step (:meth:`_start_at`)
         self.rejoins = 0
         self._wanted_id = rank  # the id asked for (None: any); asked again if ours goes to another
-        self._resuming = resume_step is not None
+        self._resuming = resume_step is not None  # with its own model
+        self._restarted = restarted or self._resuming  # a new life of its rank: a rejoin
         # -- receive thread only --
         self._answer_budget = RateLimiter(MAX_ANSWER_RATE)
         # -- guarded by _lock (written by several threads) --
@@ -784,7 +787,7 @@ class Peer:
                 [Member(self.id, self.address, key=self._key, incarnation=self.incarnation)]
             )
         else:
-            via, rejoin = bootstrap, self._resuming
+            via, rejoin = bootstrap, self._restarted
             while True:  # again if our id goes to another newcomer meanwhile, or we are dropped
                 self.id, self.started = -1, False
                 me = self._take_welcome(self._join(via, rank, rejoin=rejoin))

@@ -90,12 +90,11 @@ def run_start() -> float | None:
 def prepare_run_dir(run: RunDir, config: Config, peer_id: int | None, *, resume: bool) -> None:
     """Create ``run`` for one peer, with the swarm's resolved config in ``config.toml`` unless
     another peer of the swarm wrote it first. Peers of one swarm may share a directory (each
-    writes ``peers/<id>.jsonl``), but not with another run: ConfigError (``resume``: the
-    peer carries on in its own run, unchecked)."""
-    if not resume:
-        _refuse_other_settings(run, config)
-        if peer_id is not None:
-            refuse_earlier_life(run, peer_id)
+    writes ``peers/<id>.jsonl``), but not with another run: ConfigError. ``resume``: the
+    peer carries on in its own run, with the settings that run was started with."""
+    _refuse_other_settings(run, config, resume=resume)
+    if not resume and peer_id is not None:
+        refuse_earlier_life(run, peer_id)
     run.create()
     if not run.config.exists():  # atomic: the peers of a torchrun job read it as they start
         write_text_atomic(run.config, to_toml(resolved(config.replace(out=str(run.root)))))
@@ -112,9 +111,11 @@ def refuse_earlier_life(run: RunDir, peer_id: int) -> None:
         )
 
 
-def _refuse_other_settings(run: RunDir, config: Config) -> None:
+def _refuse_other_settings(run: RunDir, config: Config, *, resume: bool = False) -> None:
     """ConfigError if ``run``'s ``config.toml`` records another swarm: settings other than
-    ``config``'s, each peer's own (:func:`_swarm_settings`) aside."""
+    ``config``'s, each peer's own (:func:`_swarm_settings`) aside. A resumed peer with other
+    settings (a flag given beside ``--resume``) would train alone: the swarm refuses its
+    messages, and its checkpoint's optimizer settings would override the flags anyway."""
     if not run.config.is_file():
         return
     try:
@@ -129,6 +130,12 @@ def _refuse_other_settings(run: RunDir, config: Config) -> None:
     if differ:
         shown = "; ".join(f"{k} = {recorded[k]!r} there, {ours[k]!r} here" for k in differ[:3])
         more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+        if resume:
+            raise ConfigError(
+                f"--resume {run.root} carries its peer on with the settings the run started "
+                f"with, and these differ ({shown}{more}); drop the flags, --set or --config "
+                "that change them"
+            )
         raise ConfigError(
             f"{run.root} already holds another run ({shown}{more}): its metrics would be mixed "
             "with this one's; choose another --out (the peers of one swarm may share one)"
@@ -180,10 +187,22 @@ def train_peer(
                 "resume works for a gossip peer with a rank and a member to rejoin through; got "
                 f"mode {config.mode!r}, rank {rank}, bootstrap {bootstrap}"
             )
-        try:
-            resume_step = load_checkpoint(run.checkpoint(rank), model, optimizer)
-        except CheckpointError as exc:
-            raise PeerError(str(exc)) from None
+        run.hold(rank).close()  # a rank still running: refused before it joins anything
+        if run.checkpoint(rank).is_file() or not run.metrics(rank).is_file():
+            try:
+                last = run.last_record(rank) or {}
+                resume_step = load_checkpoint(
+                    run.checkpoint(rank), model, optimizer, peer=rank, swarm=last.get("swarm")
+                )
+            except CheckpointError as exc:
+                raise PeerError(str(exc)) from None
+        else:  # as the simulator restarts such a peer
+            log.warning(
+                "peer %d: no checkpoint in %s (it was killed before its first); it rejoins as "
+                "a newcomer under its id and takes a neighbour's model",
+                rank,
+                run.root,
+            )
 
     def write_members(members: list[Member]) -> None:
         run.write_members((m.id, m.address) for m in members)
@@ -218,6 +237,7 @@ def train_peer(
             heartbeat=config.heartbeat,
             dead_after=config.dead_after,
             resume_step=resume_step,
+            restarted=resume,
             curve=curve,
             link=_device(config, rank).link,
             swarm_config=to_dict(config),
@@ -235,7 +255,8 @@ def train_peer(
     if on_training is not None:
         on_training()
     try:
-        result = _loop(config, run, peer, dataset, device, stop, resumed=resume)
+        resumed = resume_step is not None
+        result = _loop(config, run, peer, dataset, device, stop, restarted=resume, resumed=resumed)
     except BaseException as exc:
         peer.close(reason=f"stopped by {type(exc).__name__}: {exc}")
         raise
@@ -337,8 +358,12 @@ def _loop(
     device: torch.device,
     stop: threading.Event,
     *,
+    restarted: bool = False,
     resumed: bool = False,
 ) -> dict[str, Any]:
+    """Train ``peer`` to the end, writing its metrics. ``restarted``: a new life of a peer
+    of ``run`` (its lines go on in its file); ``resumed``: from its checkpoint, with the
+    counters of its last life carried on (a life without one starts them at 0)."""
     model = peer.model
     assert peer.optimizer is not None
     optimizer = peer.optimizer
@@ -349,13 +374,18 @@ def _loop(
     own = None if own_indices is None else torch.as_tensor(own_indices, device=device)
     emulated = _device(config, peer.id)
     drift = drift_of(config, peer.id)
-    if not resumed:  # an id the swarm gave us: unknown before it formed
+    if not restarted:  # an id the swarm gave us: unknown before it formed
         refuse_earlier_life(run, peer.id)
-    previous = run.last_record(peer.id) if resumed else None
-    sinks = MetricsSinks(config, run, peer.id)  # first: a sink that fails leaves no file open
-    metrics = run.append_metrics(peer.id)
+    held = run.hold(peer.id)  # before its metrics file is cut back or appended to
+    try:
+        previous = run.last_record(peer.id) if restarted else None
+        sinks = MetricsSinks(config, run, peer.id)  # first: a sink that fails leaves no file
+        metrics = run.append_metrics(peer.id)
+    except BaseException:
+        held.close()
+        raise
     swarm, start = _swarm(peer)
-    carried = carried_from(previous)
+    carried = carried_from(previous) if resumed else {}
     losses: list[torch.Tensor] = []  # read (one host sync) only when a line is written
     log.info(
         "peer %d: training on %d samples, %s, from step %d%s",
@@ -390,7 +420,7 @@ def _loop(
         first = {"start": True, "swarm": swarm, "swarm_start": round(start, 3), "pid": os.getpid()}
         if previous is not None:  # the gap while this peer was down shows in its time
             down = time.time() - start - previous.get("time", 0.0)
-            first.update(resumed=True, down_s=round(max(0.0, down), 3))
+            first.update(resumed=resumed, down_s=round(max(0.0, down), 3))
         follow_drift()
         record(**evaluation(model, x_test, y_test, own), **first)
         while not _finished(config, peer) and not stop.is_set():
@@ -411,7 +441,9 @@ def _loop(
             losses.append(loss.detach())
             if config.checkpoint_every and peer.steps % config.checkpoint_every == 0:
                 _settle(peer)
-                save_checkpoint(run.checkpoint(peer.id), model, optimizer, peer.steps)
+                save_checkpoint(
+                    run.checkpoint(peer.id), model, optimizer, peer.steps, peer=peer.id, swarm=swarm
+                )
             due = config.eval_every and peer.steps % config.eval_every == 0
             if due and peer.steps < config.steps:
                 _settle(peer)
@@ -431,6 +463,7 @@ def _loop(
     finally:
         metrics.close()
         sinks.close()
+        held.close()
     log.info("peer %d: done at step %d, test accuracy %.4f", peer.id, peer.steps, final["accuracy"])
     return final
 
