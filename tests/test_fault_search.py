@@ -135,6 +135,10 @@ FOUND = {
     "on both sides, each side gave the other's members lives they never took up and ignored "
     "the other's tables for good (after a failed rejoin the swarm it asked is not let in "
     "while the next is held back)",
+    139460: "three peers cut apart three ways each dropped the other two; after the heal each "
+    "rejoined through another that rejoined itself and refused joins, and all waited out a "
+    "timeout, agreeing only after the invariant's window (the lowest id of a cycle of "
+    "rejoins now yields: its rejoin ends and it lets its asker in)",
     82598: "BALANCE on Dirichlet(0.1) shards, no liar: two honest peers holding one class "
     "each rejected every neighbour (beyond γ‖x‖), trained alone, drifted further and were "
     "evicted (BALANCE now also accepts a neighbour within twice the median distance)",

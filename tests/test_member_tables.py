@@ -127,6 +127,46 @@ def test_after_a_failed_rejoin_the_swarm_it_asked_is_not_let_into_our_side() -> 
     assert next(s.kind for s in ours.receive(held, join(3))) == "welcome"  # the hold is over
 
 
+def test_a_cycle_of_rejoins_is_broken_by_its_lowest_id_alone() -> None:
+    """Fault-search seed 139460: three peers cut apart three ways each dropped the other two
+    and, after the heal, each rejoined through another that rejoined itself and refused it;
+    all waited out a timeout. The lowest id of a cycle yields (its rejoin ends, it lets its
+    asker in) and nobody else does; of two sides rejoining each other, only the side with
+    the lowest id lets the other in."""
+
+    def rejoining(me: int, ids: list[int], through: list[int]) -> GossipCore:
+        ours = core(me, [Member(i, address(i), 0, None if i == me else 20) for i in ids])
+        ours.rejoin_via, ours.rejoin_through = through[0], [Member(i, address(i)) for i in through]
+        return ours
+
+    def asks(ours: GossipCore, i: int) -> bool:
+        join = frames("join", -1, address=address(i), want_id=i, key="", nonce=f"{i:02x}" * 8,
+                      rejoin=True)  # fmt: skip
+        try:
+            return next(s.kind for s in ours.receive(1.0, join)) == "welcome"
+        except WireError as refused:
+            assert refused.reason == "not_member_yet"
+            return False
+
+    # the cycle of seed 139460 (0 through 2, 2 through 1, 1 through 0); in a longer one each
+    # peer below both its neighbours yields, the lowest always (the parts then heal as sides)
+    for cycle, yielders in (([0, 2, 1], [0]), ([3, 1, 4, 0, 2], [1, 0])):
+        edges = list(zip(cycle, cycle[1:] + cycle[:1], strict=True))  # (asker, asked)
+        cores = {p: rejoining(p, cycle, [q]) for p, q in edges}
+        assert [q for p, q in edges if asks(cores[q], p)] == yielders
+        assert {p for p in cycle if cores[p].rejoin_via is None} == set(yielders)  # stay
+    # two sides, each member rejoining through the other side: {0, 1} lets {2, 3} in
+    sides = {0: [2, 3], 1: [3, 2], 2: [0, 1], 3: [1, 0]}
+    for me, through in sides.items():
+        for asker in through:
+            ours = rejoining(me, [0, 1, 2, 3], through)
+            assert asks(ours, asker) is (me < 2), (me, asker)
+    # a newcomer, or a member ours has in, is no rejoin of a cycle: still refused
+    ours = rejoining(0, [0, 1, 2], [2])
+    ours.membership.merge([Member(1, address(1), 30)])
+    assert not asks(ours, 1) and not asks(ours, 7) and ours.rejoin_via == 2
+
+
 def test_a_joiner_asks_its_neighbours_then_any_member_and_never_the_dead() -> None:
     ours = core(3, swarm(5))
     assert ours.model_sources(0) == [2, 4, 0, 1]  # ring neighbours first, then in id order

@@ -871,10 +871,11 @@ class Peer:
         want_id: int | None,
         timeout: float | None = None,
         rejoin: bool = False,
+        give_up: Callable[[], bool] = lambda: False,
     ) -> Message:
         """Ask a member (the first of the comma-separated ``addresses`` that answers) to let
         us in, or back in (``rejoin``) after a restart or after we were dropped; returns its
-        welcome."""
+        welcome. ``give_up()`` true stops asking (PeerError)."""
         meta: dict[str, Any] = {
             "address": self.address,
             "want_id": want_id,
@@ -897,7 +898,14 @@ class Peer:
         for address in candidates:
             try:
                 welcome = self._request(
-                    address, "join", meta, "welcome", each, try_keys=True, retry=retry
+                    address,
+                    "join",
+                    meta,
+                    "welcome",
+                    each,
+                    try_keys=True,
+                    retry=retry,
+                    give_up=give_up,
                 )
             except PeerError as exc:
                 error = exc
@@ -917,14 +925,21 @@ class Peer:
             self.core.sent_round = -1  # our heartbeats no longer vouch for rounds counted anew
         try:
             timeout = self.core.settings.round_timeout
-            welcome = self._join(address, self.id, timeout=timeout, rejoin=True)
+            welcome = self._join(address, self.id, timeout, rejoin=True, give_up=self._yielded)
         except PeerError as exc:
+            if self._yielded():  # our side stays the swarm
+                return
             log.warning("peer %d: could not rejoin through %s: %s", self.id, address, exc)
             with self._core:
                 self.core.rejoin_failed(time.monotonic())
             self._carry_out([])  # log what the refusal told the core (evicted: for good)
             return
         self._start_again(welcome)
+
+    def _yielded(self) -> bool:
+        """Whether our rejoin ended as we let in a member that rejoined through us
+        (:meth:`GossipCore.yields_to`): a cycle of rejoins, broken on our side."""
+        return self.core.rejoin_via is None
 
     def _join_again(self) -> None:
         """Our id went to another newcomer let in at the same moment by another member: ask
@@ -1324,7 +1339,9 @@ class Peer:
             # an answer now would hand out a table without us in it. The asker retries.
             raise WireError("not_member_yet", f"{msg.kind} before this peer is in a swarm")
         joiner = msg.meta.get("address")
-        if msg.kind == "join" and self.core.refuses_join(time.monotonic(), joiner):
+        with self._core:  # it may end our rejoin (GossipCore.yields_to)
+            refuses = msg.kind == "join" and self.core.refuses_join(time.monotonic(), joiner)
+        if refuses:
             # Told we were dropped: our table is the cut-off side's, and a joiner let in by
             # it would be lost when we take the swarm's table back; after a failed rejoin,
             # the swarm's members are not let into it (GossipCore.refuses_join). The asker

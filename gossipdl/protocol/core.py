@@ -967,11 +967,27 @@ class GossipCore:
         them delayed past their timeout. Let in, each side gives lives to the other side's
         members, who take them up only through a rejoin of their own (``hear_table``; before
         it did so, they ignored each other's tables as written in an earlier life for good).
-        Others (a third side of a cut in three, seed 17708) are let in."""
+        Others (a third side of a cut in three, seed 17708) are let in, and while we rejoin,
+        a member we yield to, ending our rejoin (:meth:`yields_to`)."""
         if self.rejoin_via is not None:
-            return True
+            return not self.yields_to(address)
         held = now < self.rejoin_held_until
         return held and isinstance(address, str) and address in self._held_from
+
+    def yields_to(self, address: Any) -> bool:
+        """Whether we stop rejoining and let in a member we dropped, asking from ``address``:
+        rejoins can cycle, each asking one that rejoins itself (a cut in three healed,
+        fault-search seed 139460), and only a timeout ended the wait. The one whose id is
+        below its asker's and all it asks (a cycle's lowest always is) yields; the others
+        come in behind it."""
+        asker = self.membership.by_address(address) if isinstance(address, str) else None
+        if asker is None or asker.until is None or asker.id == self.id:
+            return False
+        if self.id > min(asker.id, *(m.id for m in self.rejoin_through)):
+            return False
+        self.notes.append(f"peer {asker.id} rejoins through us as we rejoin: we yield, ours ends")
+        self.end_rejoin()
+        return True
 
     def rejoin_failed(self, now: float) -> None:
         """A rejoin got no welcome within its timeout: it ends, and the next is held back for

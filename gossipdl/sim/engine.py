@@ -52,7 +52,15 @@ from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.rundir import RunDir
 from gossipdl.sim.clock import Scheduler
 from gossipdl.sim.faults import GOSSIP_ONLY, Restart, parse_faults, schedule
-from gossipdl.sim.joins import Join, aligning, answered, cancel_join, dropped, start_join
+from gossipdl.sim.joins import (
+    Join,
+    aligning,
+    answered,
+    cancel_join,
+    dropped,
+    start_join,
+    yielded,
+)
 from gossipdl.sim.network import SimNetwork
 from gossipdl.training import (
     AWAY_POLL_S,
@@ -299,6 +307,7 @@ class Simulation:
             if peer.dead:
                 return
             now = self.local(peer)
+            rejoining = peer.core.rejoin_via is not None
             try:
                 started = peer.started and not peer.done
                 sends = peer.core.receive(now, frames, started, aligning(peer))
@@ -306,6 +315,8 @@ class Simulation:
                 self.network.stats(peer.id).drop(exc.reason)
                 return
             self._send(peer, sends)
+            if rejoining and peer.core.rejoin_via is None:  # it yielded to a join
+                yielded(self, peer)
             if peer.core.answers:
                 answered(self, peer)
             if peer.core.rejoin_via is not None and aligning(peer):

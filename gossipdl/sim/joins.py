@@ -160,6 +160,14 @@ def dropped(simulation: Simulation, peer: VirtualPeer) -> None:
     )
 
 
+def yielded(simulation: Simulation, peer: VirtualPeer) -> None:
+    """The core let in a member that rejoined through it while it rejoined itself, and its
+    rejoin ended (``GossipCore.yields_to``): a join asking still stops, and the peer goes on
+    with its round."""
+    if peer.join is not None and peer.join.phase == "welcome":
+        _end(simulation, peer, failed=None)
+
+
 def _retry(simulation: Simulation, peer: VirtualPeer, join: Join) -> None:
     if peer.join is join and not peer.dead:
         _ask(simulation, peer)
