@@ -138,6 +138,20 @@ class DeviceProfile:
     step_time: float = 0.0
     byzantine: str = ""  # an attack (gossipdl.averaging.attacks.parse_attack): its peers lie
 
+    @property
+    def needs_host(self) -> bool:
+        """Whether a simulated step's time depends on the host's: a ``step_time`` alone
+        fixes it (so a run is the same on every host), a ``slowdown`` scales the host's."""
+        return not self.step_time or self.slowdown != 1
+
+    def step_s(self, host: float | None) -> float:
+        """A simulated step's seconds given the host's (``needs_host``): ``slowdown`` times
+        it, at least ``step_time``, as the real runner's ``_take_as_long`` waits."""
+        if not self.needs_host:
+            return self.step_time
+        assert host is not None, "this profile's step time needs the host's"
+        return max(self.step_time, host * self.slowdown)
+
 
 def parse_peer_ids(value: Any, peers: int, what: str, key: str = "peers") -> tuple[int, ...]:
     """Peer ids from ``"0-5"``, ``"6,7"``, ``"*"`` (all), an int or a list of ints; errors

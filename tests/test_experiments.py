@@ -56,7 +56,7 @@ step_time = "10ms"
 [profiles.flaky]
 peers = "2"
 step_time = "10ms"
-offline = ["1.5s-3.5s"]
+offline = ["2.5s-4.5s"]
 """
 
 
@@ -73,8 +73,9 @@ def test_a_peer_offline_in_its_window_sends_and_hears_nothing_then_rejoins(
     flaky = list(run.records(2))
     offline = [r for r in flaky if r["online"] is False]
     assert len(offline) >= 2, "peer 2 logged nothing while offline"
-    began = flaky[0]["time"]  # time counts from the launch; the windows from training's start
-    assert all(1.4 <= r["time"] - began <= 3.7 for r in offline)
+    # the windows count from the swarm's start (the launch), as ``time`` does: not from when
+    # the peer began training, a second or two later
+    assert all(2.4 <= r["time"] <= 4.7 for r in offline)
     # The device was away: no steps, nothing crossed its link; the counters stand still.
     assert len({(r["step"], r["bytes_sent"], r["bytes_received"]) for r in offline}) == 1
     assert flaky[-1]["dropped_reasons"].get("offline", 0) > 0
@@ -84,7 +85,7 @@ def test_a_peer_offline_in_its_window_sends_and_hears_nothing_then_rejoins(
     for peer_id in (0, 1):  # the others dropped it meanwhile
         assert any(r["members"] == 2 for r in run.records(peer_id))
     # Back online: it was told it had been dropped, rejoined, and traffic flows again.
-    back = [r for r in flaky if r["time"] - began > 3.5]
+    back = [r for r in flaky if r["time"] > 4.5]
     assert flaky[-1]["rejoins"] >= 1
     assert any(r["members"] == 3 for r in back)
     assert back[-1]["bytes_received"] > offline[-1]["bytes_received"]

@@ -685,7 +685,7 @@ def test_the_configs_limits_are_the_ones_the_code_defaults_to() -> None:
     from gossipdl.config import DEFAULTS
     from gossipdl.peers.membership import MAX_MEMBERS
     from gossipdl.peers.peer import FORGET_AFTER_S
-    from gossipdl.transport.sockets import MAX_QUEUED_BYTES
+    from gossipdl.transport.shaping import MAX_QUEUED_BYTES
 
     assert DEFAULTS.max_members == MAX_MEMBERS
     assert DEFAULTS.forget_after == FORGET_AFTER_S

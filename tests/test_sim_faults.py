@@ -376,6 +376,25 @@ def test_a_peer_offline_past_dead_after_is_dropped_then_rejoins_and_ends_with_th
     assert summary["simulated_time_s"] < 6.5  # it ends with the others
 
 
+def test_a_peer_waiting_in_a_round_when_it_goes_offline_stops_waiting_and_logs_away(
+    tmp_path: Path,
+) -> None:
+    """Peer 2 computes fast and waits on slow neighbours; its window starts mid-round. The
+    round was looked at only when a message came or it timed out, and none comes to an
+    offline peer: it waited the whole window (10 s timeout), writing no line, where a real
+    peer's round ends as it goes away and it logs ``online: false`` every 0.25 s."""
+    profiles = {
+        "slow": {"peers": "0-1", "step_time": "300ms"},
+        "away": {"peers": "2", "step_time": "10ms", "offline": ["1s-2s"]},
+    }
+    config = fast_swarm(tmp_path, [], peers=3, steps=8, round_timeout=10.0, profiles=profiles)
+    simulate(config)
+    away = [x for x in lines(tmp_path / "run", 2) if 1.0 <= x["time"] < 2.0]
+    assert away and away[0]["time"] <= 1.01 and away[0]["idle_s"] < 1.0  # ended at once
+    assert [x["online"] for x in away] == [False] * len(away) and len(away) >= 4
+    assert len({x["step"] for x in away}) == 1
+
+
 # -- the real engine refuses them -------------------------------------------------------
 
 

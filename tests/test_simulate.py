@@ -59,6 +59,22 @@ def test_links_and_step_time_set_the_simulated_time(tmp_path: Path) -> None:
     assert slow["peers"][0]["idle_s"] > 0.3
 
 
+def test_a_straggler_with_a_step_time_floor_takes_its_slowdown_when_that_is_longer(
+    tmp_path: Path,
+) -> None:
+    """A profile's ``step_time`` alone set the step, so an 8x straggler with a 5 ms floor
+    stepped in 5 ms; a real one takes 8x the host's step, at least 5 ms. The floor alone
+    still needs no host time (deterministic on every host)."""
+    profile = {"peers": "*", "slowdown": 8, "step_time": "5ms"}
+    config = small_config(tmp_path, steps=10, profiles={"straggler": profile})
+    summary = simulate(config, step_time=0.01)  # the host's step: 10 ms
+    assert summary["simulated_time_s"] == pytest.approx(0.8, abs=1e-6)
+    floor = config.replace(out=str(tmp_path / "floor"), profiles={"p": {**profile, "slowdown": 1}})
+    summary = simulate(floor)
+    assert summary["simulated_time_s"] == pytest.approx(0.05, abs=1e-6)
+    assert summary["step_time_s"] is None  # nothing measured
+
+
 def test_bytes_and_accuracy_match_a_real_run_of_the_same_config(tmp_path: Path) -> None:
     """The quick start's kind of swarm, real processes against virtual peers: the same
     model messages, the same payload bytes (the real run adds start-up and heartbeat

@@ -58,8 +58,7 @@ from gossipdl.transport.asked import NONCE, SharedAsked
 from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
 from gossipdl.transport.probe import CONNECT_WAIT_S, Unreachable, reachable
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
-from gossipdl.transport.shaping import LinkProfile
-from gossipdl.transport.sockets import MAX_QUEUED_BYTES
+from gossipdl.transport.shaping import MAX_QUEUED_BYTES, LinkProfile
 from gossipdl.transport.wire import echoed_nonce
 
 log = logging.getLogger(__name__)
@@ -408,7 +407,7 @@ class Peer:
             if on_listening is not None:
                 on_listening(self.address)
             self._form(rank, peers, bootstrap, min_peers)
-            self.transport.start_link_clock()
+            self.transport.start_link_clock(time.time() - self.swarm_start)  # the swarm's clock
         except BaseException:
             self._stop_helpers()
             self.transport.close(flush_timeout=0.5)

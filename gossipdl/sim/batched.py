@@ -495,7 +495,7 @@ class BatchedSimulation:
         )
         self.trigger = parse_trigger(config.trigger)
         devices = devices_of(config)
-        if step_time is None and not all(device.step_time for device in devices):
+        if step_time is None and any(device.needs_host for device in devices):
             threads = torch.get_num_threads()  # one peer's step on one thread, as per-peer
             torch.set_num_threads(1)
             try:
@@ -504,7 +504,7 @@ class BatchedSimulation:
                 torch.set_num_threads(threads)
         self.measured = step_time  # the host's step (None where every profile sets its own)
         self.step_times = np.array(  # the per-peer engine's ``_step_time``
-            [device.step_time or (step_time or 0.0) * device.slowdown for device in devices]
+            [device.step_s(step_time) for device in devices]
         )
         self.latency = np.array([device.link.latency_s for device in devices])
         self.up = _seconds_per_bit([device.link.uplink_bps for device in devices])

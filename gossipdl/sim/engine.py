@@ -4,8 +4,9 @@ Each virtual peer is the protocol core (:class:`~gossipdl.protocol.core.GossipCo
 with a real model, optimizer and data shard. Its messages are the real wire
 encoder's frames, carried by :class:`~gossipdl.sim.network.SimNetwork` over the
 peers' device links; a local step takes the profile's ``step_time`` of virtual
-time (without one, the time one step took when measured on this host, times the
-profile's ``slowdown``). The run directory is the real engine's contract
+time; with a ``slowdown`` (or without a ``step_time``) the time one step took when
+measured on this host times the slowdown, at least ``step_time``, as the real runner
+waits. The run directory is the real engine's contract
 (``config.toml``, ``peers.json``, ``peers/<id>.jsonl``, ``summary.json``) with
 virtual seconds in ``time`` and the total in ``simulated_time_s``: ``report`` and
 ``sweep`` read it unchanged. The same config and seed give byte-identical metrics
@@ -81,6 +82,7 @@ from gossipdl.training import (
     peer_sampler,
     save_atomic,
 )
+from gossipdl.transport.shaping import MAX_QUEUED_BYTES
 from gossipdl.transport.wire import WireError
 
 log = logging.getLogger(__name__)
@@ -212,7 +214,7 @@ class Simulation:
         self.config = config
         self.run_dir = run
         self.clock = Scheduler()
-        self.network = SimNetwork(self.clock, seed=config.seed)
+        self.network = SimNetwork(self.clock, config.seed, self._max_queued_bytes())
         self.decodes = SharedDecodes()  # a broadcast is decoded once for all its receivers
         self.dataset = dataset_of(config)
         self.x_test = evaluation_inputs(self.dataset)
@@ -288,18 +290,23 @@ class Simulation:
         averager.bind_layout([tuple(p.shape) for p in model.parameters()])
         return averager
 
+    def _max_queued_bytes(self) -> int:
+        """Bytes a peer queues per destination before it drops: ``max_queued_mb`` in mode
+        gossip; a real ring's chunks and a ps worker's go through transports that keep the
+        default."""
+        mb = self.config.max_queued_mb
+        return int(mb * 2**20) if self.mode == "gossip" else MAX_QUEUED_BYTES
+
     def _topology(self) -> str:
         """The topology the peers' protocol cores run."""
         return self.config.topology
 
     def _step_time(self, device: DeviceProfile) -> float:
-        """Virtual seconds of one local step on ``device``."""
-        if device.step_time:
-            return device.step_time
-        if self.measured is None:
+        """Virtual seconds of one local step on ``device`` (:meth:`DeviceProfile.step_s`)."""
+        if device.needs_host and self.measured is None:
             self.measured = measure_step_time(self.config, self.dataset)
             log.info("one local step takes %.2f ms on this host", self.measured * 1e3)
-        return self.measured * device.slowdown
+        return device.step_s(self.measured)
 
     # ----------------------------------------------------------------- events
     def _handler(self, peer: VirtualPeer) -> Callable[[int, list[bytes]], None]:
@@ -375,7 +382,11 @@ class Simulation:
             self._after_round(peer)
         elif peer.core.deadline is not None and peer.core.deadline != peer.timer_at:
             deadline = peer.timer_at = peer.core.deadline  # one timer per wait, not per message
-            self.clock.at(self._true(peer, deadline), lambda: self._timeout(peer, deadline))
+            due = self._true(peer, deadline)
+            self.clock.at(due, lambda: self._timeout(peer, deadline))
+            away = self.network.next_offline(peer.id)
+            if away < due:  # it waits for nobody once away (``Peer._away``): the round ends
+                self.clock.at(away, lambda: self._timeout(peer, deadline, due=False))
 
     def _after(self, peer: VirtualPeer, delay: float, event: Callable[[VirtualPeer], None]) -> None:
         """``event(peer)`` in ``delay`` virtual seconds, unless the peer died meanwhile: what
@@ -383,9 +394,12 @@ class Simulation:
         life = peer.life
         self.clock.after(delay, lambda: event(peer) if peer.life == life else None)
 
-    def _timeout(self, peer: VirtualPeer, deadline: float) -> None:
+    def _timeout(self, peer: VirtualPeer, deadline: float, due: bool = True) -> None:
+        """The wait up to ``deadline`` is over if it is still open: timed out (``due``), or
+        the peer went offline before."""
         if peer.core.waiting and peer.core.deadline == deadline and not (peer.dead or peer.done):
-            now = max(self.local(peer), deadline)  # a slow clock's reading may round below it
+            now = self.local(peer)  # a slow clock's reading may round below the deadline
+            now = max(now, deadline) if due else now
             self._progress(peer, peer.core.poll(now, self._online(peer)))
 
     def _tick(self, peer: VirtualPeer) -> None:

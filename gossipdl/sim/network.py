@@ -7,6 +7,11 @@ link's ``loss``, and then occupies the receiver's downlink. What travels is
 the list of frames the real wire encoder made, copied when sent (as bytes on
 a wire are fixed once sent), so every byte is counted as in a real run.
 
+A sender holds at most ``max_queued_bytes`` per destination that have not arrived there
+yet (the real transport's ``max_queued_mb``); a message past it is dropped
+(``send_queue_full``). A killed sender's messages that had not reached the receiver's
+downlink die with it (``dead``), as a real process's emulated link holds them.
+
 Faults a schedule injects: partitions between groups of nodes, a clogged
 direction between two nodes (messages wait until it is unclogged), a dead
 node, random drops, duplicates and extra delay that reorders. Every message
@@ -19,19 +24,19 @@ deliveries at the same instants.
 from __future__ import annotations
 
 import random
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from gossipdl.sim.clock import Scheduler
-from gossipdl.transport.shaping import Link, LinkProfile
+from gossipdl.transport.shaping import MAX_QUEUED_BYTES, Link, LinkProfile
 from gossipdl.transport.stats import TransportStats
 
 Handler = Callable[[int, list[bytes]], None]  # (sender, frames)
 # Why a message did not arrive; each is a key of the ledger.
-DROP_REASONS = ("link_loss", "offline", "partition", "dead", "injected_loss")
+DROP_REASONS = ("link_loss", "offline", "partition", "dead", "injected_loss", "send_queue_full")
 
 
 def _online(link: Link, now: float) -> bool:
@@ -49,20 +54,39 @@ class NetworkError(ValueError):
 
 
 @dataclass
+class _Held:
+    """What a sender's link holds for one destination until it arrives there: the real
+    transport's queue for it (arrivals at one destination keep their order)."""
+
+    arrivals: deque[tuple[float, int]] = field(default_factory=deque)  # (arrival, bytes)
+    nbytes: int = 0
+
+    def at(self, now: float) -> int:
+        """Bytes still held at ``now``."""
+        while self.arrivals and self.arrivals[0][0] <= now:
+            self.nbytes -= self.arrivals.popleft()[1]
+        return self.nbytes
+
+
+@dataclass
 class _Node:
     handler: Handler
     link: Link
     stats: TransportStats = field(default_factory=TransportStats)  # the real counters
     alive: bool = True
-    life: int = 0  # kills so far: what its downlink held dies with the process
+    life: int = 0  # kills so far: what its links held dies with the process
+    held: dict[int, _Held] = field(default_factory=dict)  # per destination
 
 
 class SimNetwork:
     """Nodes by integer id, their links, and the faults currently injected."""
 
-    def __init__(self, clock: Scheduler, seed: int = 0) -> None:
+    def __init__(
+        self, clock: Scheduler, seed: int = 0, max_queued_bytes: int = MAX_QUEUED_BYTES
+    ) -> None:
         self.clock = clock
         self.seed = seed
+        self.max_queued_bytes = max_queued_bytes
         self.ledger: Counter[str] = Counter()
         self._nodes: dict[int, _Node] = {}
         self._rng = random.Random(seed)
@@ -80,26 +104,30 @@ class SimNetwork:
 
     def kill(self, node: int) -> None:
         """The node is gone: what it would receive is dropped as ``dead``, even if in flight
-        or already on its downlink (held by the process that died)."""
+        or already on its downlink (held by the process that died), and so is what it sent
+        that has not reached its receiver's downlink (held by its emulated uplink)."""
         dead = self._node(node)
         dead.alive = False
         dead.life += 1
+        dead.held.clear()
 
     def revive(self, node: int) -> None:
         """The node, dead before, is back (a restart): messages reach it again, over a link
-        of its new process (nothing queued on it, its offline windows counted from now, as
-        a real restart's)."""
+        of its new process (nothing queued on it; its offline windows still on the swarm's
+        clock, as a real restart's)."""
         back = self._node(node)
         back.alive = True
+        origin = back.link.origin
         back.link = self._link(back.link.profile, node, back.life)
-        back.link.start(self.clock.now)
+        back.link.start(origin)
 
     def _link(self, profile: LinkProfile, node: int, life: int) -> Link:
         """The link of ``node``'s process in life ``life``: its loss draws seeded by both."""
         return Link(profile, self.seed * 7919 + node + 104_729 * life)
 
     def start_link(self, node: int) -> None:
-        """Start the node's offline-window clock now (when it starts training)."""
+        """Start the node's offline-window clock now (the swarm's start, when it starts
+        training)."""
         self._node(node).link.start(self.clock.now)
 
     def stats(self, node: int) -> TransportStats:
@@ -110,6 +138,10 @@ class SimNetwork:
     def online(self, node: int) -> bool:
         """Whether the node's link is up now (outside its offline windows)."""
         return _online(self._node(node).link, self.clock.now)
+
+    def next_offline(self, node: int) -> float:
+        """When the node's next offline window starts (inf: none is to come)."""
+        return self._node(node).link.next_offline(self.clock.now)
 
     @property
     def in_flight(self) -> int:
@@ -169,6 +201,8 @@ class SimNetwork:
         copied = [f if type(f) is bytes else bytes(memoryview(f)) for f in frames]
         stats = sender.stats
         self.ledger["sent"] += 1
+        if not self._has_room(sender, dst, _nbytes(copied)):
+            return
         if self._offline(src):  # as the real transport: counted, no bytes sent
             return
         stats.bytes_sent += _nbytes(copied)
@@ -192,6 +226,17 @@ class SimNetwork:
         self._nodes[node].stats.drop("offline")
         return True
 
+    def _has_room(self, sender: _Node, dst: int, size: int) -> bool:
+        """Whether ``size`` more bytes fit what ``sender`` holds for ``dst`` (one message
+        always does), as the real transport checks first; else dropped, ``send_queue_full``."""
+        held = sender.held.get(dst)
+        queued = held.at(self.clock.now) if held is not None else 0
+        if not queued or queued + size <= self.max_queued_bytes:
+            return True
+        self.ledger["send_queue_full"] += 1
+        sender.stats.drop("send_queue_full")
+        return False
+
     def _cut(self, src: int, dst: int) -> bool:
         """Whether a partition separates ``src`` from ``dst`` now."""
         return self._groups is not None and self._side(src) != self._side(dst)
@@ -206,29 +251,40 @@ class SimNetwork:
             self.ledger["injected_loss"] += 1
             return
         size = _nbytes(frames)
-        arrival = self._nodes[src].link.send(size, self.clock.now, str(dst))
+        sender = self._nodes[src]
+        arrival = sender.link.send(size, self.clock.now, str(dst))
         if arrival is None:
             self.ledger["link_loss"] += 1
-            self._nodes[src].stats.drop("link_loss")
+            sender.stats.drop("link_loss")
             return
+        held = sender.held.setdefault(dst, _Held())
+        held.arrivals.append((arrival, size))
+        held.nbytes += size
         copies = 2 if self._duplicate and self._rng.random() < self._duplicate else 1
         self.ledger["duplicated"] += copies - 1
-        # an unshaped downlink reads a message the moment it arrives: one event, not two
-        then = self._arrive if self._nodes[dst].link.profile.downlink_bps else self._deliver
         for _ in range(copies):
             extra = self._rng.uniform(0, self._reorder_s) if self._reorder_s else 0.0
             self._in_flight += 1
-            self.clock.at(arrival + extra, partial(then, src, dst, frames, size))
+            self.clock.at(
+                arrival + extra, partial(self._arrive, src, dst, frames, size, sender.life)
+            )
 
-    def _arrive(self, src: int, dst: int, frames: list[bytes], size: int) -> None:
-        """At the receiver's downlink: it is read once the downlink has carried it, by the
-        process that took it in (one that dies meanwhile loses it)."""
+    def _arrive(self, src: int, dst: int, frames: list[bytes], size: int, sent: int) -> None:
+        """At the receiver's downlink, from the sender's life ``sent`` (one killed since lost
+        it): dropped there if the receiver is offline, as the real one drops it unread; else
+        read once the downlink has carried it, by the process that took it in (one that dies
+        meanwhile loses it)."""
         node = self._nodes[dst]
-        if not node.alive:
-            self._deliver(src, dst, frames, size)  # dropped there as dead
-            return
-        ready = node.link.receive(size, self.clock.now)
-        self.clock.at(ready, partial(self._deliver, src, dst, frames, size, node.life))
+        if self._nodes[src].life != sent:
+            self._in_flight -= 1
+            self.ledger["dead"] += 1
+        elif not node.alive or not node.link.profile.downlink_bps:
+            self._deliver(src, dst, frames, size)  # an unshaped downlink reads it at once
+        elif self._offline(dst):
+            self._in_flight -= 1
+        else:
+            ready = node.link.receive(size, self.clock.now)
+            self.clock.at(ready, partial(self._deliver, src, dst, frames, size, node.life))
 
     def _deliver(
         self, src: int, dst: int, frames: list[bytes], size: int, life: int | None = None

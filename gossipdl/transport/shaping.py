@@ -27,6 +27,11 @@ past it (``1e999s`` read as infinity) broke both engines' clocks."""
 _SPEC = re.compile(r"^(up|down|latency|jitter|loss)=([0-9.eE+-]+)(mbit|kbit|ms|s|%)?$")
 _WINDOW = re.compile(r"^([0-9.]+)s?-([0-9.]+)s?$")
 Window = tuple[float, float]
+# Bytes a sender queues for one destination and not yet on the wire (handed to ZeroMQ, or held
+# by an emulated link; the simulator's links hold them too): a slow or stalled receiver cannot
+# grow the sender's memory beyond this. One message always fits, however large. Drop reason
+# ``send_queue_full``.
+MAX_QUEUED_BYTES = 256 * 2**20
 
 
 class LinkError(ValueError):
@@ -85,7 +90,7 @@ def parse_windows(spec: str | list[str]) -> tuple[Window, ...]:
             start, end = 0.0, -1.0
         if not 0 <= start < end < math.inf:
             raise LinkError(
-                f"offline window {part!r}: use START-END in seconds after training starts, "
+                f"offline window {part!r}: use START-END in seconds after the swarm's start, "
                 'START < END, e.g. "20s-40s"'
             )
         windows.append((start, end))
@@ -151,13 +156,19 @@ class Link:
         self.origin = math.inf  # offline windows count from here (see start): none before
 
     def start(self, now: float) -> None:
-        """Start the clock of the offline windows (when the peer starts training)."""
+        """Count the offline windows from ``now`` (the swarm's start: metrics' ``time`` 0)."""
         self.origin = now
 
     def online(self, now: float) -> bool:
         """Whether the link is up at ``now``: outside every offline window."""
         t = now - self.origin
         return not any(start <= t < end for start, end in self.profile.offline)
+
+    def next_offline(self, now: float) -> float:
+        """When the next offline window starts after ``now`` (inf: none): a peer waiting in a
+        round stops waiting then."""
+        starts = (self.origin + start for start, _ in self.profile.offline)
+        return min((t for t in starts if t > now), default=math.inf)
 
     def send(self, nbytes: int, now: float, to: str = "") -> float | None:
         """When a message of ``nbytes`` sent at ``now`` to ``to`` arrives (None: lost). All

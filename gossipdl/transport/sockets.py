@@ -31,7 +31,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from gossipdl.transport.addresses import address_problem, advertised_address, is_loopback
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
-from gossipdl.transport.shaping import Link, LinkProfile
+from gossipdl.transport.shaping import MAX_QUEUED_BYTES, Link, LinkProfile
 from gossipdl.transport.stats import TransportStats
 from gossipdl.transport.wire import MAX_HEADER_BYTES, Message, WireError, decode, frames_size
 
@@ -44,10 +44,6 @@ _POLL_MS = 50
 _PING_MS, _LINK_TIMEOUT_MS, _CONNECT_TIMEOUT_MS = 1000, 3000, 1000
 _SWEEP_S = 1.0  # how often the send thread looks for idle connections to close
 _warned_plain = False  # the "no CURVE on a network address" warning goes out once
-# Bytes queued for one destination and not yet on the wire (handed to ZeroMQ, or held by an
-# emulated link): a slow or stalled receiver cannot grow the sender's memory beyond this. One
-# message always fits, however large. Drop reason ``send_queue_full``.
-MAX_QUEUED_BYTES = 256 * 2**20
 # Outgoing connections open at once; beyond it the least recently used one is closed, and what
 # it still queued is dropped (reason ``too_many_sockets``). ZeroMQ allows 1023 sockets per context.
 MAX_SOCKETS = 768
@@ -285,10 +281,11 @@ class Transport:
             self._keys.pop(address, None)
         self._outbox.put((address, None))
 
-    def start_link_clock(self) -> None:
-        """Count the emulated link's offline windows from now (the peer starts training)."""
+    def start_link_clock(self, elapsed: float = 0.0) -> None:
+        """Count the emulated link's offline windows from ``elapsed`` seconds ago (the
+        swarm's start, which the metrics' ``time`` counts from; now by default)."""
         if self._link is not None:
-            self._link.start(time.monotonic())
+            self._link.start(time.monotonic() - elapsed)
 
     @property
     def online(self) -> bool:
