@@ -224,8 +224,19 @@ def test_a_restarted_peer_resumes_from_its_checkpoint_and_rejoins(
 ) -> None:
     """Killed at 1 s, restarted at 3 s (after the others declared it dead): it starts from
     its checkpoint of step 10, keeping that model and that step count (not a neighbour's
-    model and the swarm's count, as a newcomer), and rejoins; everyone finishes."""
+    model and the swarm's count, as a newcomer), and rejoins; everyone finishes. The
+    checkpoint holds its model after step 10's round, as a real peer saves it (it was taken
+    before the round, so a restart lost that round's averaging)."""
     starts = spy_late_starts(monkeypatch, 2)
+    stepped: dict[int, torch.Tensor] = {}  # peer 2's model as each step (and its round) ends
+    after_round = Simulation._after_round
+
+    def spy(self: Simulation, peer: Any) -> None:
+        if peer.id == 2:
+            stepped[peer.steps] = peer.flat().clone()
+        after_round(self, peer)
+
+    monkeypatch.setattr(Simulation, "_after_round", spy)
     faults = [{"at": "1s", "kill": "2"}, {"at": "3s", "restart": "2"}]
     summary = simulate(fast_swarm(tmp_path, faults, checkpoint_every=10), step_time=0.05)
     assert summary["peers_finished"] == 6 and "failed" not in summary
@@ -235,6 +246,7 @@ def test_a_restarted_peer_resumes_from_its_checkpoint_and_rejoins(
     (resumed,) = starts  # let back in once, with the checkpoint's model, nobody else's
     assert not resumed.took_model and resumed.checkpoint is not None
     assert torch.equal(resumed.after, resumed.checkpoint)
+    assert torch.equal(resumed.checkpoint, stepped[10])
     after = [x for x in lines(tmp_path / "run", 2) if x["time"] > 3.0 and not x.get("start")]
     assert after[0]["step"] <= 20  # on from the checkpoint's 10, not the swarm's count (> 40)
     assert after[0]["members"] == 6 and after[-1]["final"] and after[-1]["step"] == 100

@@ -459,8 +459,6 @@ class Simulation:
         peer.optimizer.step()
         peer.steps += 1
         peer.core.age += 1  # gossip learning's walking model is a step older (``Peer.step``)
-        if self.config.checkpoint_every and peer.steps % self.config.checkpoint_every == 0:
-            peer.saved = (peer.steps, *_states(peer))
         if not peer.core.trigger.ends_round(peer.steps):
             self._after_round(peer)
         elif peer.core.rejoin_via is not None:  # a member says we were dropped
@@ -579,8 +577,11 @@ class Simulation:
         peer.started = True
 
     def _after_round(self, peer: VirtualPeer) -> None:
-        """Metrics due at this step, then the next step (or the end)."""
+        """The checkpoint and metrics due at this step, then the next step (or the end). The
+        checkpoint holds the model after the step's round, as the real runner saves it."""
         config = self.config
+        if config.checkpoint_every and peer.steps % config.checkpoint_every == 0:
+            peer.saved = (peer.steps, *_states(peer))
         if peer.steps >= config.steps:
             self._finish(peer)
             return
