@@ -248,9 +248,17 @@ def _load(config_file: Path | None, overrides: dict[str, Any]) -> Config:
         _fail(str(exc))
 
 
+class Failed(typer.Exit):
+    """Exit code 2 that keeps its error's message: a sweep lists it for the failed variant."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+
 def _fail(message: str) -> NoReturn:
     console.print(f"[bold red]error:[/] {escape(message)}")  # it may quote a peer's words
-    raise typer.Exit(2)
+    raise Failed(message)
 
 
 def _setup_logging(rich: bool, level: int = logging.INFO) -> None:
@@ -530,7 +538,8 @@ def sweep(
     config_file: Path = typer.Argument(..., help="TOML experiment file every variant starts from."),
     grid: list[str] = typer.Option(
         ...,
-        help="KEY=V1,V2: one axis of the grid (repeat for more), e.g. codec=none,topk:0.01.",
+        help="KEY=V1,V2: one axis of the grid (repeat for more), e.g. codec=none,topk:0.01; "
+        "a value with commas is bracketed or quoted: 'hidden=[64,32],[128]'.",
         rich_help_panel=SWARM,
     ),
     engine: str = typer.Option(
@@ -580,8 +589,8 @@ def sweep(
             if engine == "real":
                 return _launch(config, progress)
             return _simulate(config, progress, seconds)
-        except typer.Exit:
-            raise RuntimeError(f"the run into {config.out} failed (see above)") from None
+        except Failed as exc:  # printed already; sweep.json lists it with the variant
+            raise RuntimeError(exc.message) from None
 
     entries = run_sweep(base, axes, root, one)
     Console().print(sweep_table(entries, title=f"gossipdl sweep · {root}"))

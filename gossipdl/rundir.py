@@ -82,6 +82,26 @@ def counter(record: Mapping[str, Any], key: str) -> float:
     return 0 if value is None else value
 
 
+CARRIED = (
+    "bytes_sent",
+    "header_bytes_sent",
+    "bytes_received",
+    "messages_sent",
+    "messages_received",
+    "handshakes_refused",
+    "model_messages_sent",
+    "syncs",
+    "neighbour_misses",
+    "resyncs",
+    "idle_s",
+    "declared_dead",
+    "rejoins",
+)
+"""Counters that sum over a peer's lives: one resumed from a checkpoint carries them on from
+its last life, one started afresh counts from 0 (the other keys of a metrics line are states,
+not sums)."""
+
+
 class RunDirError(ValueError):
     """A file of a run directory that cannot be read; the message names it and what to do."""
 

@@ -25,7 +25,7 @@ from gossipdl.models import build_model
 from gossipdl.protocol.ps_server import ShardServer, fedavg_local_steps, fedavg_rounds
 from gossipdl.protocol.ps_worker import WorkerSettings
 from gossipdl.protocol.ring import chunk_bounds
-from gossipdl.rundir import dumps
+from gossipdl.rundir import CARRIED, dumps
 
 AWAY_POLL_S = 0.25  # how often a device inside an offline window looks again (and logs)
 
@@ -259,25 +259,6 @@ def shard_for(config: Config, dataset: Dataset, peer_id: int) -> np.ndarray:
     if config.mode == "single":
         return np.arange(len(dataset.y_train))
     return parts_of(config, dataset)[peer_id % config.peers]
-
-
-CARRIED = (
-    "bytes_sent",
-    "header_bytes_sent",
-    "bytes_received",
-    "messages_sent",
-    "messages_received",
-    "handshakes_refused",
-    "model_messages_sent",
-    "syncs",
-    "neighbour_misses",
-    "resyncs",
-    "idle_s",
-    "declared_dead",
-    "rejoins",
-)
-"""Counters a peer resumed from a checkpoint carries on from its last life (the other keys
-of a metrics line are states, not sums)."""
 
 
 def carried_from(previous: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -4,6 +4,7 @@ config.toml, and Ctrl-C ending with exit code 130."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -236,6 +237,19 @@ def test_sweep_takes_run_flags_and_set_for_every_variant(
     assert axes == {"lr": [0.1, 0.05]}  # grid values read as --set reads them: numbers
     assert "did you mean 'steps'" in fails("sweep", str(path), "--grid", "lr=0.1",
                                             "--set", "stpes=3")  # fmt: skip
+
+
+def test_a_failed_sweep_variant_lists_its_error_in_sweep_json(
+    tmp_path: Path, launched: list[Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sweep.json said only "the run into ... failed (see above)"; it keeps the message."""
+    monkeypatch.setattr(cli, "_report", lambda directories, out: None)
+    path = write_config(tmp_path / "exp.toml", small_config(tmp_path))
+    code, _, stderr = invoke("sweep", str(path), "--grid", "lr=0.1,0.05",
+                             "--out", str(tmp_path / "sw"))  # fmt: skip
+    assert code == 1 and len(launched) == 2, stderr
+    variants = json.loads((tmp_path / "sw" / "sweep.json").read_text())["variants"]
+    assert [v["error"] for v in variants] == ["stopped by the test before any peer started"] * 2
 
 
 def test_peer_and_join_take_run_flags_set_and_advertise(

@@ -226,7 +226,11 @@ def test_start_up_and_training_time_are_apart_in_summary_tables_and_plots(
     report = run.root / "report" / "report.md"
     (header,) = table_rows(report, "run")[:1]
     assert header[5:7] == ["start-up s", "training s"]
-    (row,) = table_rows(report, "run")[1:]  # computed from the metrics: wall = last time
+    (row,) = table_rows(report, "run")[1:]  # summary.json's measured wall time: 70 s
+    assert row[5:7] == ["4.0", "66.0"]
+    run.summary.unlink()  # none (a live run): computed from the metrics, wall = last time
+    write_report([run.root])
+    (row,) = table_rows(report, "run")[1:]
     assert row[5:7] == ["4.0", "56.0"]
 
 
@@ -317,6 +321,43 @@ def test_sweep_refuses_a_directory_that_holds_a_run_or_a_sweep(tmp_path: Path) -
     assert len(plan(base, grid, tmp_path / "new")) == 2  # an empty or missing one is fine
 
 
+def test_a_sweeps_variants_write_their_csv_and_tensorboard_files_apart(tmp_path: Path) -> None:
+    """Every variant's peer 0 wrote (appended to) the same ``<csv>/0.csv``: each variant's
+    sinks now write below their folder, and one that holds files is refused."""
+    base = Config(
+        peers=2, dataset="synthetic", model="logistic", steps=STEPS,
+        csv=str(tmp_path / "csv"), tensorboard=str(tmp_path / "tb"),
+    )  # fmt: skip
+    variants = plan(base, parse_grid(["codec=none,topk:0.5"]), tmp_path / "sw")
+    assert [(c.csv, c.tensorboard) for _, _, c in variants] == [
+        (str(tmp_path / "csv" / name), str(tmp_path / "tb" / name))
+        for name in ("codec-none", "codec-topk_0.5")
+    ]
+    assert plan(base.replace(csv=""), {"lr": [0.1]}, tmp_path / "sw")[0][2].csv == ""
+    (tmp_path / "csv" / "codec-none").mkdir(parents=True)
+    (tmp_path / "csv" / "codec-none" / "0.csv").write_text("step\n0\n")
+    with pytest.raises(ConfigError, match=r"csv = .*codec-none' already holds files"):
+        plan(base, parse_grid(["codec=none"]), tmp_path / "sw")
+
+
+def test_grid_values_keep_their_commas_inside_brackets_and_quotes() -> None:
+    """``--grid`` split every value at each comma: ``hidden=[64,32]`` failed, and
+    ``link=up=10mbit,down=10mbit`` quietly became two variants."""
+    from gossipdl.config import parse_value
+
+    grid = parse_grid(
+        ["hidden=[64,32], [8]", 'link="up=10mbit,down=10mbit",none', "slowdown='3:4,2:2'",
+         "codec=none,topk:0.5"]
+    )  # fmt: skip
+    assert {k: [parse_value(k, v) for v in vs] for k, vs in grid.items()} == {
+        "hidden": [[64, 32], [8]],
+        "link": ["up=10mbit,down=10mbit", "none"],
+        "slowdown": ["3:4,2:2"],
+        "codec": ["none", "topk:0.5"],
+    }
+    assert parse_grid(["hidden=64,32"]) == {"hidden": ["64", "32"]}  # two, as before
+
+
 def test_an_interrupted_sweep_lists_the_variant_it_stopped_in(tmp_path: Path) -> None:
     """Ctrl-C in the second of three variants: sweep.json lists it, interrupted, with what
     its run measured (it was left out, and the report with it); a grid that names one
@@ -381,6 +422,18 @@ def test_a_torn_server_counter_or_model_file_is_named_with_what_to_do(tmp_path: 
     said = "".join(done.stderr.split())  # rich wraps it, even inside the path
     assert done.returncode == 2 and "models/1.ptisnotareadablemodel" in said
     assert "Traceback" not in said
+    # an empty file failed with an IndexError; a bare tensor or another model's with a
+    # RuntimeError
+    run.model(1).write_bytes(b"")
+    with pytest.raises(RunDirError, match=r"models/1.pt is not a readable model \(an empty file"):
+        summary_of(run)
+    for saved, says in [
+        (torch.ones(3), r"is not a readable model \(a Tensor, not a state_dict"),
+        ({"w": torch.ones(2)}, "holds 2 parameters, the other models 3"),
+    ]:
+        torch.save(saved, run.model(1))
+        with pytest.raises(RunDirError, match=f"models/1.pt {says}"):
+            summary_of(run)
 
 
 def test_the_report_names_the_neighbour_the_defences_found_wrong(tmp_path: Path) -> None:
@@ -520,6 +573,66 @@ def test_a_killed_or_restarted_simulated_peer_keeps_the_curve_going_forward_in_t
         assert [p["step"] for p in curve] == [0, 10, 20, 30, 40], name
         times = [p["time_s"] for p in curve]
         assert times == sorted(times), (name, times)
+
+
+def test_a_peer_restarted_without_its_checkpoint_counts_every_lifes_counters(
+    tmp_path: Path,
+) -> None:
+    """A life whose start line does not say ``resumed`` counted from 0 again, and the
+    summary and the curve read only the last life's: the first life's 100 bytes, its idle
+    second and its drops were lost. A life resumed from a checkpoint carries them itself."""
+    run = RunDir(tmp_path / "run").create()
+    write_lines(run, 0, [
+        evaluation(0, 0.0, 0.1, start=True),
+        evaluation(10, 1.0, 0.2, idle_s=1.0, messages_dropped=2, dropped_reasons={"late": 2}),
+        evaluation(0, 3.0, 0.1, start=True, resumed=False, down_s=1.0),
+        evaluation(20, 5.0, 0.3, idle_s=0.5, messages_dropped=1, dropped_reasons={"late": 1}),
+        evaluation(20, 7.0, 0.3, start=True, resumed=True, idle_s=0.5, messages_dropped=1),
+        evaluation(30, 8.0, 0.4, idle_s=0.75, messages_dropped=1, dropped_reasons={"late": 1},
+                   final=True),
+    ])  # fmt: skip
+    (peer,) = summary_of(run)["peers"]
+    assert (peer["bytes_sent"], peer["messages_sent"], peer["idle_s"]) == (400, 40, 1.75)
+    assert (peer["messages_dropped"], peer["dropped_reasons"]) == (3, {"late": 3})
+    assert [p["bytes_sent"] for p in accuracy_curve(run)] == [0, 100, 300, 400]
+
+
+def test_a_ps_runs_bytes_axis_holds_the_servers_bytes_as_its_total_does(
+    tmp_path: Path,
+) -> None:
+    """Mode ps: summary.json's total has the shards' bytes (servers/<k>.json); the curve,
+    accuracy.png's bytes axis, had only the workers', half of it."""
+    run = RunDir(tmp_path / "run").create()
+    for peer in (0, 1):
+        write_lines(run, peer, [evaluation(s, s / 10, 0.5, bytes_received=12 * s)
+                                for s in (0, 10, 20)])  # fmt: skip
+    run.server_stats(0).parent.mkdir()
+    write_json_atomic(run.server_stats(0), {"bytes_sent": 2 * 12 * 20})
+    assert [p["bytes_sent"] for p in accuracy_curve(run)] == [0, 2 * 220, 2 * 440]
+    assert summary_of(run)["total_bytes_sent"] == 2 * 440
+
+
+def test_an_accuracy_that_is_no_number_is_skipped(tmp_path: Path) -> None:
+    """A hand-edited or foreign line's ``"accuracy": "0.9"`` failed the summary with a
+    TypeError; it reads as absent, as everywhere else."""
+    run = RunDir(tmp_path / "run").create()
+    write_lines(run, 0, [evaluation(0, 0.0, 0.5), {**evaluation(10, 1.0, 0.5), "accuracy": "0.9"},
+                         {"step": 20, "time": 2.0, "own_accuracy": "x", "loss": "y"}])  # fmt: skip
+    summary = summary_of(run)
+    assert summary["mean_accuracy"] == 0.5
+    assert (summary["peers"][0]["own_accuracy"], summary["peers"][0]["loss"]) == (None, None)
+
+
+def test_two_runs_whose_names_make_one_file_name_get_a_timeline_each(tmp_path: Path) -> None:
+    """``exp/seed0`` and ``exp_seed0`` both drew ``timeline-exp_seed0.png``: one replaced
+    the other, and both rows linked the survivor."""
+    fake_run(tmp_path / "exp" / "seed0", seed=0)
+    fake_run(tmp_path / "exp_seed0", seed=1)
+    write_report([tmp_path / "exp" / "seed0", tmp_path / "exp_seed0"], tmp_path / "out")
+    report = tmp_path / "out" / "report.md"
+    links = [table_rows(report, name)[0][-1] for name in ("exp/seed0", "exp_seed0")]
+    assert links == ["![timeline](timeline-exp_seed0.png)", "![timeline](timeline-exp_seed0-2.png)"]
+    assert (tmp_path / "out" / "timeline-exp_seed0-2.png").is_file()
 
 
 def _away_bars(monkeypatch: pytest.MonkeyPatch, lines: dict[int, list[dict[str, Any]]]) -> list:

@@ -22,6 +22,7 @@ linked.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -54,7 +55,7 @@ from gossipdl.experiments.summary import (
     summary_of,
 )
 from gossipdl.experiments.sweep import REPORT_DIR, SWEEP_FILE
-from gossipdl.rundir import RunDir, read_json
+from gossipdl.rundir import RunDir, RunDirError, number, read_json
 
 # config keys that say where output goes or how peers reach each other, not what is computed
 NOT_RESULTS = frozenset({"out", "host", "advertise", "tensorboard", "csv", "metrics_hook"})
@@ -236,6 +237,34 @@ def stat_cells(summaries: Sequence[dict[str, Any]]) -> list[str]:
     ]
 
 
+def measured_wall_time(run: Run) -> float | None:
+    """The wall time the run's launch measured (the latest ``wall_time_s`` of its directories'
+    summary.json: the peers' last lines miss the time it took to stop them); None unless
+    every directory has a readable one (a live run, a machine still training)."""
+    times: list[float | None] = []
+    for directory in run.dirs:
+        summary = None
+        with contextlib.suppress(RunDirError):  # none yet, or torn: the lines' time then
+            summary = read_json(directory.summary)
+        times.append(number(summary, "wall_time_s") if isinstance(summary, dict) else None)
+    known = [t for t in times if t is not None]
+    return max(known) if known and len(known) == len(times) else None
+
+
+def file_names(names: Sequence[str]) -> list[str]:
+    """The runs' names as parts of file names, unique: ``-2``, ``-3``... added to one that
+    another already made (``exp/seed0`` and ``exp_seed0`` are both ``exp_seed0``)."""
+    taken: list[str] = []
+    for name in names:
+        safe = base = re.sub(r"[^A-Za-z0-9._+-]", "_", name)
+        copy = 1
+        while safe in taken:
+            copy += 1
+            safe = f"{base}-{copy}"
+        taken.append(safe)
+    return taken
+
+
 def _default_out(directories: Sequence[Path]) -> Path:
     """``DIR/report`` for one directory; for several, ``report-<their names>`` in the deepest
     folder holding them all."""
@@ -324,10 +353,11 @@ def write_report(directories: Sequence[Path], out: Path | None = None) -> list[P
             panels=(ACCURACY_VS_STEPS, ACCURACY_VS_TIME, ACCURACY_VS_BYTES),
         )
     ]
-    summaries = [summary_of(run) for run in runs]
+    summaries = [summary_of(run, measured_wall_time(run)) for run in runs]
     run_rows = []
-    for run, name, config, summary in zip(runs, names, configs, summaries, strict=True):
-        safe = re.sub(r"[^A-Za-z0-9._+-]", "_", name)
+    for run, name, safe, config, summary in zip(
+        runs, names, file_names(names), configs, summaries, strict=True
+    ):
         timeline = out / (f"timeline-{safe}.png" if several else "timeline.png")
         lines = peer_lines(run)
         files.append(

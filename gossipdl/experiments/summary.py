@@ -7,7 +7,9 @@ write their own), or a single :class:`~gossipdl.rundir.RunDir`.
 
 from __future__ import annotations
 
+import pickle
 import statistics
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,15 @@ import torch
 
 from gossipdl.config import load_config, to_dict
 from gossipdl.experiments.provenance import provenance
-from gossipdl.rundir import RunDir, RunDirError, counter, number, read_json, write_json_atomic
+from gossipdl.rundir import (
+    CARRIED,
+    RunDir,
+    RunDirError,
+    counter,
+    number,
+    read_json,
+    write_json_atomic,
+)
 
 
 class Run:
@@ -60,26 +70,83 @@ def consensus_distance(run: Run | RunDir, peer_ids: list[int]) -> float | None:
 
     None when fewer than two final models were saved.
     """
-    vectors = []
-    for path in filter(None, map(view(run).model, peer_ids)):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, ValueError, EOFError) as exc:
-            raise RunDirError(
-                f"{path} is not a readable model ({str(exc).splitlines()[0]}); restore it, or "
-                "delete it to leave that peer out of the consensus distance"
-            ) from None
-        vectors.append(torch.cat([t.reshape(-1).double() for t in state.values()]))
+    paths = list(filter(None, map(view(run).model, peer_ids)))
+    vectors = [_parameters(path) for path in paths]
     if len(vectors) < 2:
         return None
+    size = Counter(v.numel() for v in vectors).most_common(1)[0][0]
+    for path, vector in zip(paths, vectors, strict=True):
+        if vector.numel() != size:
+            raise RunDirError(
+                f"{path} holds {vector.numel()} parameters, the other models {size}: not the "
+                "same model; restore it, or delete it to leave that peer out of the consensus "
+                "distance"
+            )
     stacked = torch.stack(vectors)
     return float(((stacked - stacked.mean(0)) ** 2).sum(1).mean())
 
 
+def _parameters(path: Path) -> torch.Tensor:
+    """A final model's parameters as one vector; a file that is no state_dict of tensors
+    (torn, empty, written by something else) is a RunDirError naming it, not a traceback."""
+    try:
+        if path.stat().st_size == 0:
+            raise ValueError("an empty file")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not all(map(torch.is_tensor, state.values())):
+            raise ValueError(f"a {type(state).__name__}, not a state_dict of tensors")
+        return torch.cat([t.reshape(-1).double() for t in state.values()])
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+        why = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise RunDirError(
+            f"{path} is not a readable model ({why}); restore it, or delete it to leave that "
+            "peer out of the consensus distance"
+        ) from None
+
+
+LIFE_COUNTERS = (*CARRIED, "messages_dropped")
+"""The counters of a metrics line :func:`over_lives` adds up across a peer's lives."""
+
+
+def _reasons(record: dict[str, Any]) -> Counter[str]:
+    """A line's ``dropped_reasons`` (entries that are no numbers left out)."""
+    reasons = record.get("dropped_reasons")
+    if not isinstance(reasons, dict):
+        return Counter()
+    return Counter({k: v for k, v in reasons.items() if number(reasons, k) is not None})
+
+
+def over_lives(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One peer's lines with the counters of a life that counted them from 0 again (its
+    ``start`` line does not say ``"resumed": true``: restarted without a checkpoint) raised
+    by its earlier lives' last values, so a total or curve read from a line counts every
+    life; a life resumed from a checkpoint carried them on itself."""
+    earlier: Counter[str] = Counter()  # the finished lives' sums
+    reasons: Counter[str] = Counter()
+    latest: dict[str, float] = {}  # this life's latest value of each counter
+    latest_reasons: Counter[str] = Counter()
+    kept = []
+    for record in records:
+        if record.get("start") and record.get("resumed") is not True:
+            earlier.update(latest)
+            reasons.update(latest_reasons)
+            latest, latest_reasons = {}, Counter()
+        values = {k: v for k in LIFE_COUNTERS if (v := number(record, k)) is not None}
+        latest.update(values)
+        latest_reasons = _reasons(record) or latest_reasons
+        if earlier or reasons:
+            record = {**record, **{k: v + earlier[k] for k, v in values.items()}}
+            if reasons:
+                record["dropped_reasons"] = dict(reasons + _reasons(record))
+        kept.append(record)
+    return kept
+
+
 def peer_lines(run: Run | RunDir) -> dict[int, list[dict[str, Any]]]:
-    """Each peer's metrics lines; a peer with none yet (only a torn first line) is left out."""
+    """Each peer's metrics lines, its counters summed over its lives (:func:`over_lives`); a
+    peer with none yet (only a torn first line) is left out."""
     run = view(run)
-    lines = {peer_id: list(run.records(peer_id)) for peer_id in run.peer_ids()}
+    lines = {peer_id: over_lives(list(run.records(peer_id))) for peer_id in run.peer_ids()}
     return {peer_id: records for peer_id, records in lines.items() if records}
 
 
@@ -128,9 +195,14 @@ def accuracy_curve(run: Run | RunDir) -> list[dict[str, float]]:
     peer to evaluate at it or at an earlier step did: a peer late with an
     earlier step moves the time of the later ones too), ``training_s`` (the same, less the run's
     start-up time), ``bytes_sent`` and ``messages_sent`` (model
-    transmissions; both summed over the counted peers' evaluations) and
+    transmissions; both summed over the counted peers' evaluations, every
+    life of a peer counted: :func:`peer_lines`; in mode ps ``bytes_sent``
+    also holds the parameter servers' bytes, as the workers had received
+    them, ``bytes_received``: a shard's own counters have no steps) and
     ``accuracy`` (their mean). Feeds the accuracy-vs-bytes plots.
     """
+    run = view(run)
+    servers = any(d.server_shards() for d in run.dirs)  # their bytes reach only the workers
     lines = peer_lines(run)
     startup = startup_time(lines)
     at_step: dict[float, dict[int, dict[str, Any]]] = {}
@@ -150,7 +222,10 @@ def accuracy_curve(run: Run | RunDir) -> list[dict[str, float]]:
                 "step": step,
                 "time_s": time_s,
                 "training_s": time_s - startup,
-                "bytes_sent": sum(counter(r, "bytes_sent") for r in counted),
+                "bytes_sent": sum(
+                    counter(r, "bytes_sent") + (counter(r, "bytes_received") if servers else 0)
+                    for r in counted
+                ),
                 "messages_sent": sum(counter(r, "model_messages_sent") for r in counted),
                 "accuracy": sum(r["accuracy"] for r in counted) / len(counted),
             }
@@ -187,8 +262,10 @@ def mean_curve(curves: Sequence[Sequence[dict[str, float]]]) -> list[dict[str, f
     return mean
 
 
-def _last(records: list[dict[str, Any]], key: str) -> Any:
-    return next((r[key] for r in reversed(records) if r.get(key) is not None), None)
+def _last(records: list[dict[str, Any]], key: str) -> float | None:
+    """The latest number under ``key`` (:func:`~gossipdl.rundir.number`: a hand-edited or
+    foreign line's text is skipped like a null)."""
+    return next((v for r in reversed(records) if (v := number(r, key)) is not None), None)
 
 
 SUSPECT_SHARE, SUSPECT_DISTANCE = 0.25, 3.0

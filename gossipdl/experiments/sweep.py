@@ -1,11 +1,14 @@
 """``gossipdl sweep``: one experiment file run over a grid of settings, into one directory.
 
 ``--grid codec=none,topk:0.01 --grid topology=ring,exponential`` makes the
-four combinations. Every variant's config is built and validated before the
-first one starts, each runs into ``DIR/<variant>/`` (a normal run
-directory), and ``DIR/sweep.json`` lists them with their settings and
-results; a variant that fails is recorded as failed and the others still run.
-A ``DIR`` that already holds a run or a sweep is refused before anything starts.
+four combinations (a value with commas of its own is bracketed or quoted:
+``hidden=[64,32],[128]``, ``link="up=10mbit,down=10mbit",none``). Every
+variant's config is built and validated before the first one starts, each
+runs into ``DIR/<variant>/`` (a normal run directory; ``--csv`` and
+``--tensorboard`` into ``<their DIR>/<variant>/``), and ``DIR/sweep.json``
+lists them with their settings and results; a variant that fails is
+recorded as failed, with its error, and the others still run. A ``DIR``
+that already holds a run or a sweep is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -23,20 +26,24 @@ from gossipdl.rundir import RunDir, RunDirError, read_json, write_json_atomic
 Grid = dict[str, list[Any]]  # values as typed on the command line, or parsed
 SWEEP_FILE = "sweep.json"
 REPORT_DIR = "report"
+SINK_DIRS = ("csv", "tensorboard")  # config keys naming a directory every peer writes into
+# one --grid value: up to a comma outside brackets, braces and quotes (not nested ones)
+_VALUE = re.compile(r"""(?:\[[^\]]*\]|\{[^}]*\}|"[^"]*"|'[^']*'|[^,])+""")
 
 
 def parse_grid(items: Sequence[str]) -> Grid:
-    """``["codec=none,topk:0.01", "peers=4,8"]`` as ``{"codec": [...], "peers": [...]}``.
+    """``["codec=none,topk:0.01", "peers=4,8"]`` as ``{"codec": [...], "peers": [...]}``; a
+    comma inside brackets, braces or quotes belongs to its value (parse_value unquotes it).
 
     Example:
-        >>> parse_grid(["codec=none,topk:0.01"])
-        {'codec': ['none', 'topk:0.01']}
+        >>> parse_grid(["codec=none,topk:0.01", 'hidden=[64,32],"8,8"'])
+        {'codec': ['none', 'topk:0.01'], 'hidden': ['[64,32]', '"8,8"']}
     """
     grid: Grid = {}
     for item in items:
         key, _, values = item.partition("=")
         key = key.strip().replace("-", "_")
-        choices = [v.strip() for v in values.split(",") if v.strip()]
+        choices = [v.strip() for v in _VALUE.findall(values) if v.strip()]
         if not choices:
             raise ConfigError(f"--grid {item!r}: use KEY=VALUE1,VALUE2, e.g. codec=none,topk:0.01")
         if key not in FIELDS or key in ("out", *TABLE_KEYS):
@@ -72,14 +79,20 @@ def occupied(directory: Path) -> list[str]:
 
 
 def plan(base: Config, grid: Grid, out: Path) -> list[tuple[str, dict[str, Any], Config]]:
-    """Every combination as (name, settings, validated config writing to ``out/name``); an
-    ``out`` or variant directory that already holds a run or a sweep is a ConfigError."""
+    """Every combination as (name, settings, validated config writing to ``out/name``, and its
+    SINK_DIRS to ``<theirs>/name``: one peer id's files per variant); an ``out`` or variant
+    directory that already holds a run or a sweep, or a sink's that holds files, is a
+    ConfigError."""
     variants: list[tuple[str, dict[str, Any], Config]] = []
     for values in itertools.product(*grid.values()):
         settings = dict(zip(grid, values, strict=True))
         name = variant_name(settings)
+        changes = {**settings, "out": str(out / name)}
+        for key in SINK_DIRS:
+            if sink := changes.get(key, getattr(base, key)):
+                changes[key] = str(Path(sink) / name)
         try:
-            config = base.replace(**settings, out=str(out / name))
+            config = base.replace(**changes)
         except ConfigError as exc:
             raise ConfigError(f"variant {name}: {exc}") from None
         if any(name == other for other, _, _ in variants):
@@ -96,6 +109,13 @@ def plan(base: Config, grid: Grid, out: Path) -> list[tuple[str, dict[str, Any],
             raise ConfigError(
                 f"{directory} already holds a run or a sweep ({', '.join(found)}); its results "
                 "would be mixed with or replaced by the new ones: choose another --out or delete it"
+            )
+    sinks = [(k, Path(getattr(c, k))) for _, _, c in variants for k in SINK_DIRS if getattr(c, k)]
+    for key, directory in sinks:
+        if directory.is_dir() and any(directory.iterdir()):
+            raise ConfigError(
+                f"{key} = {str(directory)!r} already holds files: a variant's peers would add "
+                f"to them; choose another --{key} or delete it"
             )
     return variants
 
