@@ -1,3 +1,4 @@
+import os
 import sys
 
 import torch
@@ -7,6 +8,7 @@ from gossipdl.data import load_dataset, partition
 
 rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int((sys.argv[3:] or [5550])[0])
 addresses = [f"tcp://127.0.0.1:{port + i}" for i in range(world)]
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the peers share the cores
 data = load_dataset("digits")  # scikit-learn's bundled 8x8 digits, no download
 mine = partition(data.y_train, world, "iid", seed=0)[rank]
 x, y = torch.tensor(data.x_train[mine]).flatten(1), torch.tensor(data.y_train[mine])
