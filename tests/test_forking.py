@@ -36,6 +36,11 @@ def test_a_forked_commands_errors_go_to_its_log_and_its_code(tmp_path: Path) -> 
     bad = ForkedCommand(["no-such-command"], {**os.environ}, tmp_path / "bad.log")
     assert bad.wait(60) == 2
     assert "No such command 'no-such-command'" in (tmp_path / "bad.log").read_text()
+    # Reaped by the fork server before its exit code reached us: it looks alive, but its
+    # process id is gone. Stopping a swarm signalled it and died of ProcessLookupError.
+    bad.returncode = None
+    bad.poll = lambda: None  # type: ignore[method-assign]
+    bad.send_signal(0)  # signal 0 only asks: a reused process id is not disturbed
 
 
 def test_a_forked_peer_stops_on_sigint_and_dies_on_kill(tmp_path: Path) -> None:

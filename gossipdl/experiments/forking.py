@@ -13,6 +13,7 @@ return codes as negative signal numbers), so the launcher treats both alike.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -150,9 +151,11 @@ class ForkedCommand:
         return code
 
     def send_signal(self, signum: int) -> None:
-        """Send ``signum`` unless it has ended."""
+        """Send ``signum`` unless it has ended (the fork server may have reaped it before
+        its exit code reached us: then there is nothing to signal)."""
         if self.poll() is None:
-            os.kill(self.pid, signum)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
 
     def kill(self) -> None:
         """SIGKILL (Popen's ``kill``)."""
