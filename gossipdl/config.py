@@ -444,22 +444,28 @@ def to_dict(config: Config) -> dict[str, Any]:
     }
 
 
+SINK_DIRS = ("csv", "tensorboard")  # keys naming a folder every peer writes its metrics into
+
+
 def resolved(config: Config) -> Config:
     """``config`` as it runs, for the record (config.toml, the banner): in the gossip mode the
-    algorithm ``auto`` stands for is named; other settings are already explicit (CHOCO's γ 0
-    stays 0: it is chosen per codec and model, ``averaging.choco.auto_gamma``).
+    algorithm ``auto`` stands for is named; the metrics sinks' folders (``csv``,
+    ``tensorboard``) are absolute, so a peer resumed from another working directory writes
+    into its own files (``out`` needs not: ``--resume`` names the run directory); other
+    settings are already explicit (CHOCO's γ 0 stays 0: it is chosen per codec and model,
+    ``averaging.choco.auto_gamma``).
 
     Example:
-        >>> c = resolved(Config(codec="topk:0.01"))
-        >>> c.algorithm, c.gamma
-        ('choco', 0.0)
+        >>> c = resolved(Config(codec="topk:0.01", csv="/tmp/csv/../csv"))
+        >>> c.algorithm, c.gamma, c.csv
+        ('choco', 0.0, '/tmp/csv')
     """
     from gossipdl.averaging import resolve_algorithm
 
-    if config.mode != "gossip":
-        return config
-    algorithm = resolve_algorithm(config.algorithm, config.codec)
-    return config.replace(algorithm=algorithm)
+    changes = {k: os.path.abspath(v) for k in SINK_DIRS if (v := getattr(config, k))}
+    if config.mode == "gossip":
+        changes["algorithm"] = resolve_algorithm(config.algorithm, config.codec)
+    return config.replace(**changes)
 
 
 def to_toml(config: Config) -> str:

@@ -23,6 +23,7 @@ overlaid in accuracy.png, timeline-<variant>.png each, report.md).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import math
@@ -160,12 +161,20 @@ def write_json_atomic(path: Path, value: Any) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` so readers never see a half-written file (tmp + rename). Each call has
-    its own tmp file: a peer's threads and the peers of a run rewrite one file at once."""
+    """Write ``text`` so readers never see a half-written file (:func:`atomic_file`)."""
+    with atomic_file(path) as f:
+        f.write(text)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, newline: str | None = None) -> Iterator[IO[str]]:
+    """A text file that replaces ``path`` when the block ends (tmp + rename), so readers never
+    see it half written and a kill leaves the old one whole. Each call has its own tmp file:
+    a peer's threads and the peers of a run rewrite one file at once."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "w", newline=newline) as f:
+            yield f
         os.chmod(tmp, 0o644)  # as a plain write would make it; mkstemp makes it 0o600
         os.replace(tmp, path)
     except BaseException:

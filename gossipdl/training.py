@@ -177,6 +177,19 @@ def shard_server(config: Config, dataset: Dataset, shard: int) -> ShardServer:
     )
 
 
+def last_steps(config: Config) -> dict[int, int]:
+    """Each worker's last step where it is not ``steps``: a FedAvg worker's count goes by the
+    server's rounds, each its own local steps (picked for the round or not); {} elsewhere."""
+    if config.mode != "ps" or config.ps != "fedavg":
+        return {}
+    sizes = [len(part) for part in parts_of(config, dataset_of(config))]
+    rounds = fedavg_rounds(config.steps, sizes, config.batch_size, config.local_epochs)
+    return {
+        i: rounds * fedavg_local_steps(n, config.batch_size, config.local_epochs)
+        for i, n in enumerate(sizes)
+    }
+
+
 def ps_worker_settings(config: Config, dataset: Dataset, rank: int) -> WorkerSettings:
     """How parameter-server worker ``rank`` of ``config``'s run takes part: the rule, the
     codec, the trigger's period, and under FedAvg its local steps and sample count (its

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import gossipdl_cmd, run_forked, small_config, write_config
@@ -38,6 +40,7 @@ def test_a_ps_run_has_one_clock_and_feeds_every_sink(
     metrics line reaches the CSV file, the TensorBoard events and the user's hook."""
     (tmp_path / "myhook.py").write_text(HOOK)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the worker processes import the hook
+    monkeypatch.syspath_prepend(str(tmp_path))  # and the launcher, checking it first
     out = tmp_path / "run"
     config = small_config(
         tmp_path, mode="ps", peers=2, steps=10, tensorboard=str(tmp_path / "tb"),
@@ -165,3 +168,156 @@ def test_a_peer_that_prints_to_stdout_runs_to_its_end(
         assert (
             "a plug-in talking on stdout" in (tmp_path / "run" / "peers" / f"{i}.log").read_text()
         )
+
+
+HOOKS = """
+import copy
+
+seen = []
+
+def raising(peer_id, run_dir):
+    def write(line):
+        seen.append(line["step"])
+        if line["step"] >= 10:
+            raise RuntimeError("logging server down")
+    return write
+
+def editing(peer_id, run_dir):
+    def write(line):
+        seen.append(copy.deepcopy(line))
+        line.pop("accuracy", None)
+        line["dropped_reasons"]["HOOK"] = 999
+    return write
+"""
+
+
+@pytest.fixture
+def hooks(tmp_path: Path) -> Any:
+    """The module ``sinkhooks`` (HOOKS), importable by a metrics_hook spec."""
+    (tmp_path / "sinkhooks.py").write_text(HOOKS)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import sinkhooks
+
+        yield sinkhooks
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("sinkhooks", None)
+
+
+def test_a_hook_that_raises_is_logged_once_and_dropped_and_training_goes_on(
+    tmp_path: Path, hooks: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hook that raised (its logging server down) killed every peer with a traceback that
+    did not name it; now one error names it, it is not called again, and the peer's log
+    counts the lines it missed."""
+    sinks = MetricsSinks(Config(metrics_hook="sinkhooks:raising"), RunDir(tmp_path), 2)
+    with caplog.at_level(logging.WARNING, logger="gossipdl.peers.sinks"):
+        for step in (0, 10, 20, 30):
+            sinks.write({"peer": 2, "step": step})
+        sinks.close()
+    assert hooks.seen == [0, 10]
+    error, missed = caplog.records
+    assert error.levelno == logging.ERROR
+    said = error.getMessage()
+    assert "metrics_hook = 'sinkhooks:raising'" in said and "logging server down" in said
+    assert "missed 3 metrics line(s)" in missed.getMessage()
+
+
+def test_each_sink_gets_its_own_json_safe_copy_of_the_line(tmp_path: Path, hooks: Any) -> None:
+    """A hook that edited its line edited the runner's (which then read the final line's
+    accuracy: KeyError) and the other sinks'; and it got NaN where the jsonl has null."""
+    config = Config(metrics_hook="sinkhooks:editing", csv=str(tmp_path / "csv"))
+    sinks = MetricsSinks(config, RunDir(tmp_path), 0)
+    line = {"peer": 0, "step": 5, "loss": float("nan"), "accuracy": 0.5, "dropped_reasons": {}}
+    sinks.write(line)
+    sinks.write(line)
+    sinks.close()
+    assert line["accuracy"] == 0.5 and line["dropped_reasons"] == {}
+    assert hooks.seen[1] == {**line, "loss": None}
+    with (tmp_path / "csv" / "0.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["accuracy"] for r in rows] == ["0.5", "0.5"] and rows[0]["loss"] == ""
+
+
+def test_a_run_refuses_sink_folders_that_hold_an_earlier_runs_files(tmp_path: Path) -> None:
+    """A second run with the same --csv folder appended to the first run's files (a sweep
+    refused it, `run` did not); only --resume carries a peer's files on."""
+    from gossipdl.experiments.launcher import fresh_run
+
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "csv" / "0.csv").write_text("peer,step\n0,0\n")
+    (tmp_path / "tb" / "peer-0").mkdir(parents=True)
+    for key in ("csv", "tensorboard"):
+        config = small_config(tmp_path, **{key: str(tmp_path / key[:3].replace("ten", "tb"))})
+        with pytest.raises(ConfigError, match=rf"{key} = .* already holds files"):
+            fresh_run(config)
+        assert not (tmp_path / "run").exists()
+    fresh_run(small_config(tmp_path, csv=str(tmp_path / "new")))  # an empty one will do
+
+
+def test_sink_folders_are_recorded_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative --csv stayed relative in config.toml, so a rank resumed from another
+    working directory wrote its rows somewhere else."""
+    from gossipdl.config import resolved, to_toml
+
+    monkeypatch.chdir(tmp_path)
+    config = resolved(Config(csv="csv", tensorboard="runs/../tb"))
+    assert (config.csv, config.tensorboard) == (str(tmp_path / "csv"), str(tmp_path / "tb"))
+    assert f"csv = {json.dumps(str(tmp_path / 'csv'))}" in to_toml(config)
+    assert resolved(Config()).csv == ""
+
+
+class Killed(BaseException):
+    """Stands for a kill -9 in the middle of writing the CSV."""
+
+
+def test_a_csv_is_appended_to_and_widened_atomically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each life's first line, and each line with a new key, rewrote the whole file in place
+    (open "w"): a peer killed meanwhile (churn) left it empty of its earlier rows. A row
+    whose columns are known is appended; a wider header replaces the file whole."""
+    config = Config(csv=str(tmp_path / "csv"))
+    path = tmp_path / "csv" / "0.csv"
+    first = MetricsSinks(config, RunDir(tmp_path), 0)
+    for step in range(3):
+        first.write({"peer": 0, "step": step, "loss": 0.5})
+    first.close()
+
+    def killed(*args: Any) -> None:
+        raise Killed
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", killed)
+    second = MetricsSinks(config, RunDir(tmp_path), 0)  # a new life, known columns: appends
+    second.write({"peer": 0, "step": 3, "loss": 0.4})
+    with pytest.raises(Killed):
+        second.write({"peer": 0, "step": 4, "loss": 0.3, "final": True})  # a new column
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3"]
+    assert [p.name for p in path.parent.iterdir()] == ["0.csv"]  # no tmp file left
+    monkeypatch.undo()
+    second.write({"peer": 0, "step": 4, "loss": 0.3, "final": True})
+    second.close()
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["final"]) for r in rows][-2:] == [("3", ""), ("4", "True")]
+
+
+def test_sinks_that_cannot_work_are_refused_before_any_peer_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A --csv under a file killed every peer after the swarm formed (NotADirectoryError),
+    leaving a run directory; tensorboard missing read as "peer 0 did not start listening"."""
+    from gossipdl.experiments.launcher import preflight
+
+    (tmp_path / "afile").touch()
+    with pytest.raises(ConfigError, match=r"csv = .*afile/sub'.*afile is a file"):
+        preflight(small_config(tmp_path, csv=str(tmp_path / "afile" / "sub")))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    with pytest.raises(ConfigError, match=r"tensorboard = .* needs the tensorboard package"):
+        preflight(small_config(tmp_path, tensorboard=str(tmp_path / "tb")))
+    assert not (tmp_path / "run").exists() and not (tmp_path / "tb").exists()

@@ -3,10 +3,12 @@ whole while they are being written."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import last_record, small_config
@@ -156,6 +158,72 @@ def test_a_line_that_is_no_metrics_object_is_skipped_by_every_reader(tmp_path: P
     assert task.completed == 7 and task.fields["loss"] == "0.500"
     assert list(run.records(0)) == good
     assert summary_of(run)["peers"][0]["steps"] == 7
+
+
+def _live(run: RunDir, **kwargs: Any) -> tuple[Any, io.StringIO]:
+    """A LiveProgress over ``run`` that has read every line, and what it drew."""
+    from rich.console import Console
+
+    from gossipdl.experiments.display import LiveProgress
+
+    drawn = io.StringIO()
+    live = LiveProgress(run, 20, console=Console(file=drawn, width=150), **kwargs)
+    live.__enter__()
+    live.refresh()
+    return live, drawn
+
+
+def _write(run: RunDir, peer_id: int, *lines: dict[str, Any]) -> None:
+    run.metrics(peer_id).write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_the_live_display_counts_a_peers_lives_as_the_summary_does(tmp_path: Path) -> None:
+    """A peer restarted without a checkpoint counts from 0 again ("resumed": false): the
+    display showed its last life's bytes, the final table and summary.json every life's."""
+    from gossipdl.experiments.display import human_bytes
+    from gossipdl.experiments.summary import summary_of
+
+    run = RunDir(tmp_path / "run").create()
+    _write(
+        run, 0,
+        {"peer": 0, "step": 0, "bytes_sent": 0, "start": True},
+        {"peer": 0, "step": 10, "bytes_sent": 5_000_000},
+        {"peer": 0, "step": 10, "bytes_sent": 1000, "start": True, "resumed": False},
+        {"peer": 0, "step": 20, "bytes_sent": 500_000, "final": True},
+    )  # fmt: skip
+    live, _ = _live(run)
+    (task,) = live.progress.tasks
+    live.__exit__()
+    assert task.fields["sent"] == human_bytes(summary_of(run)["peers"][0]["bytes_sent"])
+    assert task.fields["sent"] == "5.5 MB"
+
+
+def test_the_live_display_says_which_peers_ended_died_or_are_away(tmp_path: Path) -> None:
+    """A dead peer's clock ran on with no sign of its death, rows came in the order peers
+    wrote their first lines, and a FedAvg worker showed "63/20" (its steps go by rounds)."""
+    run = RunDir(tmp_path / "run").create()
+    _write(run, 3, {"peer": 3, "step": 0, "start": True}, {"peer": 3, "step": 5})
+    live, drawn = _live(run, targets={0: 63})  # peer 3's row first
+    _write(run, 2, {"peer": 2, "step": 0, "start": True}, {"peer": 2, "step": 8, "online": False})
+    _write(run, 1, {"peer": 1, "step": 20, "final": True, "stopped_early": True})
+    _write(run, 0, {"peer": 0, "step": 63, "final": True})
+    live.refresh()
+    live.dead([1, 3])  # the launcher saw their processes fail
+    tasks = {task.fields["peer"]: task for task in live.progress.tasks}
+    status = {i: task.fields["status"] for i, task in tasks.items()}
+    assert status == {0: "[green]finished", 1: "[yellow]stopped", 2: "[yellow]offline",
+                      3: "[red]dead"}  # fmt: skip
+    assert all(tasks[i].stop_time is not None for i in (0, 1, 3)) and tasks[2].stop_time is None
+    live.progress.console.print(*live.progress.get_renderables())
+    frame = drawn.getvalue()
+    assert frame.index("peer   0") < frame.index("peer   1") < frame.index("peer   2")
+    assert frame.index("peer   2") < frame.index("peer   3")
+    assert "63/63" in frame and "finished" in frame and "dead" in frame
+    with run.metrics(3).open("a") as f:  # restarted: its new life's first line
+        f.write(json.dumps({"peer": 3, "step": 5, "start": True, "resumed": True}) + "\n")
+    live.refresh()
+    live.__exit__()
+    assert tasks[3].fields["status"] == "" and tasks[3].stop_time is None
 
 
 def test_only_a_files_canonical_id_name_is_a_peer_or_shard_of_the_run(tmp_path: Path) -> None:

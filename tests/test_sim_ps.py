@@ -22,6 +22,7 @@ from gossipdl.protocol.ring import chunk_bounds
 from gossipdl.rundir import RunDir
 from gossipdl.sim.engine import SimulationError, simulation_for
 from gossipdl.sim.ps import PsSimulation
+from gossipdl.training import last_steps
 from gossipdl.transport.wire import Message, WireError, decode
 
 
@@ -176,6 +177,8 @@ def test_async_and_fedavg_run_to_the_end(
         picked = sum(f["model_messages_sent"] for f in finals)
         assert picked == shard.server.rounds * 2  # half of three workers: two a round
         assert all(f["step"] >= config.steps for f in finals)
+        # the live display's step targets (its rounds' local steps, picked or not)
+        assert {i: f["step"] for i, f in enumerate(finals)} == last_steps(config)
 
 
 @pytest.mark.parametrize("rule", ["sync", "fedavg", "async"])

@@ -3,14 +3,24 @@ results tables of a run and of a sweep."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.console import Console, RenderableType
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    Task,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from gossipdl.conditions import parse_profile, parse_profiles
 from gossipdl.config import Config
+from gossipdl.experiments.summary import Lives
 from gossipdl.rundir import RunDir, counter, number, parse_records
 
 
@@ -23,18 +33,42 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"  # pragma: no cover
 
 
+class _ById(Progress):
+    """Rows in peer id order, whichever peer wrote its first line first."""
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        yield self.make_tasks_table(sorted(self.tasks, key=lambda task: task.fields["peer"]))
+
+
+def _status(record: dict[str, Any]) -> str:
+    """What a peer's latest line says of it: its last (finished, or stopped early), away
+    inside an offline window, or training ("")."""
+    if record.get("final"):
+        return "[yellow]stopped" if record.get("stopped_early") else "[green]finished"
+    return "[yellow]offline" if record.get("online") is False else ""
+
+
 class LiveProgress:
-    """Tails ``peers/<id>.jsonl`` and shows each peer's step, loss and bytes sent."""
+    """Tails ``peers/<id>.jsonl`` and shows each peer's step, loss, bytes sent (over its
+    lives, as ``summary.json`` counts them) and status; ``targets``: a peer's last step
+    where it is not ``steps`` (:func:`~gossipdl.training.last_steps`)."""
 
     def __init__(
-        self, run: RunDir, steps: int, console: Console | None = None, enabled: bool = True
+        self,
+        run: RunDir,
+        steps: int,
+        console: Console | None = None,
+        enabled: bool = True,
+        targets: Mapping[int, int] | None = None,
     ) -> None:
         self._run = run
         self._enabled = enabled
         self._steps = steps
+        self._targets = dict(targets or {})
         self._offsets: dict[int, int] = {}
-        self._tasks: dict[int, Any] = {}
-        self.progress = Progress(
+        self._tasks: dict[int, TaskID] = {}
+        self._lives: dict[int, Lives] = {}
+        self.progress = _ById(
             TextColumn("[bold]peer {task.fields[peer]:>3}"),
             BarColumn(bar_width=30),
             MofNCompleteColumn(),
@@ -42,6 +76,7 @@ class LiveProgress:
             TextColumn("acc {task.fields[acc]}"),
             TextColumn("sent {task.fields[sent]}"),
             TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
             console=console,
             transient=False,
         )
@@ -71,17 +106,46 @@ class LiveProgress:
             for record in parse_records(complete.splitlines()):
                 self._update(peer_id, record)
 
+    def dead(self, peer_ids: Iterable[int]) -> None:
+        """Mark peers whose process failed (the launcher sees it) dead, their clocks stopped,
+        unless their last line was their final one; a new life's first line clears it."""
+        if not self._enabled:
+            return
+        for peer_id in peer_ids:
+            task = self._task(peer_id)
+            if not self._ended(task):
+                self.progress.update(task, status="[red]dead")
+                self.progress.stop_task(task)
+
+    def _task(self, peer_id: int) -> TaskID:
+        """The peer's row, added on first sight."""
+        if peer_id not in self._tasks:
+            self._tasks[peer_id] = self.progress.add_task(
+                "", total=self._targets.get(peer_id, self._steps), peer=peer_id, loss="-",
+                acc="-", sent="-", status="",
+            )  # fmt: skip
+        return self._tasks[peer_id]
+
+    def _ended(self, task: TaskID) -> Task | None:
+        """The row, if its clock is stopped (its final line came, or it died)."""
+        row = next(row for row in self.progress.tasks if row.id == task)
+        return row if row.stop_time is not None else None
+
     def _update(self, peer_id: int, record: dict[str, Any]) -> None:
-        task = self._tasks.get(peer_id)
-        if task is None:
-            task = self._tasks[peer_id] = self.progress.add_task(
-                "", total=self._steps, peer=peer_id, loss="-", acc="-", sent="-"
-            )
-        fields: dict[str, Any] = {"sent": human_bytes(counter(record, "bytes_sent"))}
+        task = self._task(peer_id)
+        record = self._lives.setdefault(peer_id, Lives()).add(record)
+        if record.get("start") and (row := self._ended(task)):  # a new life: the clock runs on
+            row.stop_time = None
+        fields: dict[str, Any] = {
+            "sent": human_bytes(counter(record, "bytes_sent")),
+            "status": _status(record),
+        }
         for key, field in (("loss", "loss"), ("accuracy", "acc")):
             if (value := number(record, key)) is not None:
                 fields[field] = f"{value:.3f}"
         self.progress.update(task, completed=counter(record, "step"), **fields)
+        if record.get("final"):
+            self.progress.stop_task(task)
 
 
 def summary_table(summary: dict[str, Any], title: str = "gossipdl run") -> Table:

@@ -35,9 +35,10 @@ from gossipdl.experiments.orphans import LAUNCHER_PID_ENV
 from gossipdl.experiments.summary import summarize
 from gossipdl.models import ModelError, build_model
 from gossipdl.peers.device import pick_device
+from gossipdl.peers.sinks import check_sinks, refuse_used_sink_dirs
 from gossipdl.rundir import RUN_START_ENV, RunDir, default_run_dir
 from gossipdl.sim.faults import refuse_outside_simulation
-from gossipdl.training import dataset_of, parts_of
+from gossipdl.training import dataset_of, last_steps, parts_of
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ class Interrupted(KeyboardInterrupt):
 
 def fresh_run(config: Config, caution: bool = True) -> tuple[RunDir, Config]:
     """The run directory ``config`` names (default ``runs/<timestamp>``), created, with the
-    resolved config in its ``config.toml`` (what ran); ConfigError if it holds a run. With
+    resolved config in its ``config.toml`` (what ran); ConfigError if it, or a folder of the
+    metrics sinks (csv, tensorboard), holds an earlier run's files. With
     ``caution`` its :func:`~gossipdl.config.cautions` are logged as warnings (the fault
     search draws such settings on purpose)."""
     run = RunDir(config.out or default_run_dir())
@@ -74,6 +76,7 @@ def fresh_run(config: Config, caution: bool = True) -> tuple[RunDir, Config]:
             f"{run.root} already holds a run (its metrics would be mixed with the new ones); "
             "choose another --out or delete it"
         )
+    refuse_used_sink_dirs(config)
     run.create()
     config = resolved(config.replace(out=str(run.root)))
     run.config.write_text(to_toml(config))
@@ -86,9 +89,11 @@ def preflight(config: Config) -> int:
     """Load the data, partition it and build the model once here, before any process starts.
 
     A partition that cannot be drawn, a device this machine lacks or a model that does not
-    fit the data is reported now, and the dataset cache is warm for the peers. Returns the
-    parameter count.
+    fit the data is reported now, and the dataset cache is warm for the peers; so is a metrics
+    sink that cannot work (:func:`~gossipdl.peers.sinks.check_sinks`). Returns the parameter
+    count.
     """
+    check_sinks(config)
     try:
         dataset = dataset_of(config)
     except DataError as exc:
@@ -458,7 +463,9 @@ def launch(
     failed: dict[int, int] = {}
     shards_failed: dict[int, int] = {}
     stop = StopOnSignal()
-    with stop, LiveProgress(run, config.steps, console=console, enabled=progress) as display:
+    targets = last_steps(config) if progress else {}
+    display = LiveProgress(run, config.steps, console=console, enabled=progress, targets=targets)
+    with stop, display:
         try:
             swarm.start(lambda: stop.signum is not None)
             while swarm.running() and stop.signum is None:
@@ -474,6 +481,7 @@ def launch(
                     swarm.stop()
                     break
                 failed = swarm.failed()
+                display.dead(failed)
                 formed = bool(run.peer_ids())  # a metrics file: training began; before it,
                 # the others wait for the dead one until startup_timeout
                 if failed and not (carries_on(config) and formed):
@@ -486,6 +494,7 @@ def launch(
         finally:
             if stop.signum is not None:
                 swarm.stop()
+            display.dead(swarm.failed())  # before the display's last frame
             swarm.close()
     summary = summarize(run, time.monotonic() - started)
     summary_failed = failed or swarm.failed()

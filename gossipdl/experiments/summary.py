@@ -116,30 +116,40 @@ def _reasons(record: dict[str, Any]) -> Counter[str]:
     return Counter({k: v for k, v in reasons.items() if number(reasons, k) is not None})
 
 
+class Lives:
+    """One peer's counters summed over its lives a line at a time (:func:`over_lives`), so a
+    reader of a live run (the launcher's display) counts as ``summary.json`` does."""
+
+    def __init__(self) -> None:
+        self._earlier: Counter[str] = Counter()  # the finished lives' sums
+        self._reasons: Counter[str] = Counter()
+        self._latest: dict[str, float] = {}  # this life's latest value of each counter
+        self._latest_reasons: Counter[str] = Counter()
+
+    def add(self, record: dict[str, Any]) -> dict[str, Any]:
+        """``record`` with its counters raised by the peer's earlier lives' (the next line
+        of the peer's file; ``record`` itself is left as it is)."""
+        if record.get("start") and record.get("resumed") is not True:
+            self._earlier.update(self._latest)
+            self._reasons.update(self._latest_reasons)
+            self._latest, self._latest_reasons = {}, Counter()
+        values = {k: v for k in LIFE_COUNTERS if (v := number(record, k)) is not None}
+        self._latest.update(values)
+        self._latest_reasons = _reasons(record) or self._latest_reasons
+        if self._earlier or self._reasons:
+            record = {**record, **{k: v + self._earlier[k] for k, v in values.items()}}
+            if self._reasons:
+                record["dropped_reasons"] = dict(self._reasons + _reasons(record))
+        return record
+
+
 def over_lives(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One peer's lines with the counters of a life that counted them from 0 again (its
     ``start`` line does not say ``"resumed": true``: restarted without a checkpoint) raised
     by its earlier lives' last values, so a total or curve read from a line counts every
     life; a life resumed from a checkpoint carried them on itself."""
-    earlier: Counter[str] = Counter()  # the finished lives' sums
-    reasons: Counter[str] = Counter()
-    latest: dict[str, float] = {}  # this life's latest value of each counter
-    latest_reasons: Counter[str] = Counter()
-    kept = []
-    for record in records:
-        if record.get("start") and record.get("resumed") is not True:
-            earlier.update(latest)
-            reasons.update(latest_reasons)
-            latest, latest_reasons = {}, Counter()
-        values = {k: v for k in LIFE_COUNTERS if (v := number(record, k)) is not None}
-        latest.update(values)
-        latest_reasons = _reasons(record) or latest_reasons
-        if earlier or reasons:
-            record = {**record, **{k: v + earlier[k] for k, v in values.items()}}
-            if reasons:
-                record["dropped_reasons"] = dict(reasons + _reasons(record))
-        kept.append(record)
-    return kept
+    lives = Lives()
+    return [lives.add(record) for record in records]
 
 
 def peer_lines(run: Run | RunDir) -> dict[int, list[dict[str, Any]]]:

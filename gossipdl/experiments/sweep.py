@@ -20,13 +20,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gossipdl.config import FIELDS, TABLE_KEYS, Config, ConfigError
+from gossipdl.config import FIELDS, SINK_DIRS, TABLE_KEYS, Config, ConfigError
+from gossipdl.peers.sinks import refuse_used_sink_dirs
 from gossipdl.rundir import RunDir, RunDirError, read_json, write_json_atomic
 
 Grid = dict[str, list[Any]]  # values as typed on the command line, or parsed
 SWEEP_FILE = "sweep.json"
 REPORT_DIR = "report"
-SINK_DIRS = ("csv", "tensorboard")  # config keys naming a directory every peer writes into
 # one --grid value: up to a comma outside brackets, braces and quotes (not nested ones)
 _VALUE = re.compile(r"""(?:\[[^\]]*\]|\{[^}]*\}|"[^"]*"|'[^']*'|[^,])+""")
 
@@ -110,13 +110,8 @@ def plan(base: Config, grid: Grid, out: Path) -> list[tuple[str, dict[str, Any],
                 f"{directory} already holds a run or a sweep ({', '.join(found)}); its results "
                 "would be mixed with or replaced by the new ones: choose another --out or delete it"
             )
-    sinks = [(k, Path(getattr(c, k))) for _, _, c in variants for k in SINK_DIRS if getattr(c, k)]
-    for key, directory in sinks:
-        if directory.is_dir() and any(directory.iterdir()):
-            raise ConfigError(
-                f"{key} = {str(directory)!r} already holds files: a variant's peers would add "
-                f"to them; choose another --{key} or delete it"
-            )
+    for _, _, config in variants:
+        refuse_used_sink_dirs(config)
     return variants
 
 
