@@ -139,6 +139,10 @@ FOUND = {
     "rejoined through another that rejoined itself and refused joins, and all waited out a "
     "timeout, agreeing only after the invariant's window (the lowest id of a cycle of "
     "rejoins now yields: its rejoin ends and it lets its asker in)",
+    125057: "four peers partitioned three times; after the last heal peer 0, alone, rejoined "
+    "through the swarm of 2 and 3 while 1 rejoined through 0, and 0 yielded to 1 at once "
+    "(a chain of rejoins, not a cycle): it let 1 into its own cut-off table, and the tables "
+    "split (a rejoin now waits half a round timeout for its welcome before it yields)",
     82598: "BALANCE on Dirichlet(0.1) shards, no liar: two honest peers holding one class "
     "each rejected every neighbour (beyond γ‖x‖), trained alone, drifted further and were "
     "evicted (BALANCE now also accepts a neighbour within twice the median distance)",

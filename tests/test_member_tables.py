@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gossipdl.averaging import build_averager, parse_trigger
-from gossipdl.protocol.core import GossipCore, Settings
+from gossipdl.protocol.core import YIELD_AFTER, GossipCore, Settings
 from gossipdl.protocol.kinds import TABLE
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.transport.wire import WireError, decode, encode
@@ -131,22 +131,28 @@ def test_a_cycle_of_rejoins_is_broken_by_its_lowest_id_alone() -> None:
     """Fault-search seed 139460: three peers cut apart three ways each dropped the other two
     and, after the heal, each rejoined through another that rejoined itself and refused it;
     all waited out a timeout. The lowest id of a cycle yields (its rejoin ends, it lets its
-    asker in) and nobody else does; of two sides rejoining each other, only the side with
-    the lowest id lets the other in."""
+    asker in) once its own rejoin has waited half a round timeout, and nobody else does; of
+    two sides rejoining each other, only the side with the lowest id lets the other in. At
+    the head of a chain (seed 125057) a welcome is on its way: no yield before that wait."""
+    waited = YIELD_AFTER * Settings().round_timeout
 
     def rejoining(me: int, ids: list[int], through: list[int]) -> GossipCore:
         ours = core(me, [Member(i, address(i), 0, None if i == me else 20) for i in ids])
         ours.rejoin_via, ours.rejoin_through = through[0], [Member(i, address(i)) for i in through]
         return ours
 
-    def asks(ours: GossipCore, i: int) -> bool:
+    def asks(ours: GossipCore, i: int, now: float = waited) -> bool:
         join = frames("join", -1, address=address(i), want_id=i, key="", nonce=f"{i:02x}" * 8,
                       rejoin=True)  # fmt: skip
         try:
-            return next(s.kind for s in ours.receive(1.0, join)) == "welcome"
+            return next(s.kind for s in ours.receive(now, join)) == "welcome"
         except WireError as refused:
             assert refused.reason == "not_member_yet"
             return False
+
+    head = rejoining(0, [0, 1, 2], [2])  # its rejoin began at 0: too soon to yield
+    assert not asks(head, 1, now=waited - 0.01) and head.rejoin_via == 2
+    assert asks(head, 1) and head.rejoin_via is None
 
     # the cycle of seed 139460 (0 through 2, 2 through 1, 1 through 0); in a longer one each
     # peer below both its neighbours yields, the lowest always (the parts then heal as sides)

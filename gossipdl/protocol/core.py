@@ -90,6 +90,7 @@ from gossipdl.transport.wire import (
 
 ROUND_TIMES_KEPT = 32  # rounds whose end times set the join margin
 REJOIN_BACKOFF = 2.0  # round timeouts a failed rejoin holds the next back, at most (drawn)
+YIELD_AFTER = 0.5  # round timeouts a rejoin waits for a welcome before it may yield to a cycle
 MAX_ASKED = 64  # requests of ours awaiting an answer (join, model_request); the oldest go beyond
 _MODEL = build_codec("none")  # how a ``model`` answer travels, whatever the averager
 MODEL_ERROR = "error"  # meta key of a model answer without a model: why
@@ -252,6 +253,7 @@ class GossipCore:
         self._catch_up = False  # our model missed the swarm's averaging (start_at)
         self.rejoin_via: int | None = None  # a member whose table says we were dropped
         self.rejoin_through: list[Member] = []  # it, then the rest of its swarm: whom to ask
+        self.rejoin_since = 0.0  # when the rejoin began (:meth:`yields_to`)
         self.rejoin_held_until = 0.0  # after a rejoin nobody answered (rejoin_failed)
         self._held_from: frozenset[str] = frozenset()  # addresses of the swarm it asked
         self.evicted: str | None = None  # why the swarm refuses us back for good (refusal)
@@ -936,7 +938,7 @@ class GossipCore:
             via = said.get(sender) or self.membership.get(sender)  # REJOIN: a member of ours
             assert via is not None
             rest = [m for m in members if m.until is None and m.id not in (sender, self.id)]
-            self.rejoin_via = sender
+            self.rejoin_via, self.rejoin_since = sender, now
             self.rejoin_through = [via, *rest]  # the sender may not let us in: the others
         return verdict
 
@@ -970,18 +972,23 @@ class GossipCore:
         Others (a third side of a cut in three, seed 17708) are let in, and while we rejoin,
         a member we yield to, ending our rejoin (:meth:`yields_to`)."""
         if self.rejoin_via is not None:
-            return not self.yields_to(address)
+            return not self.yields_to(now, address)
         held = now < self.rejoin_held_until
         return held and isinstance(address, str) and address in self._held_from
 
-    def yields_to(self, address: Any) -> bool:
+    def yields_to(self, now: float, address: Any) -> bool:
         """Whether we stop rejoining and let in a member we dropped, asking from ``address``:
         rejoins can cycle, each asking one that rejoins itself (a cut in three healed,
         fault-search seed 139460), and only a timeout ended the wait. The one whose id is
         below its asker's and all it asks (a cycle's lowest always is) yields; the others
-        come in behind it."""
+        come in behind it. Only once its own rejoin has waited ``YIELD_AFTER`` round timeouts
+        with no welcome: at the head of a chain of rejoins, not a cycle, a welcome is on its
+        way (seed 125057: yielding at once, a peer let its asker into its own cut-off table,
+        and the tables split)."""
         asker = self.membership.by_address(address) if isinstance(address, str) else None
         if asker is None or asker.until is None or asker.id == self.id:
+            return False
+        if now < self.rejoin_since + YIELD_AFTER * self.settings.round_timeout:
             return False
         if self.id > min(asker.id, *(m.id for m in self.rejoin_through)):
             return False
