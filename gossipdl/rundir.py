@@ -228,8 +228,8 @@ class RunDir:
         return self.root / "peers" / f"{peer_id}.log"
 
     def hold(self, peer_id: int) -> IO[bytes]:
-        """Lock ``peers/<id>.lock`` for this process's life (keep the file open; the kernel
-        lets go when it exits, however it dies): ConfigError if another process holds it, as
+        """Lock ``peers/<id>.lock`` until the handle is closed (the kernel lets go when the
+        process exits, however it dies): ConfigError if another holder has it, as
         a second ``--resume`` of a rank whose first life still runs would, writing both lives'
         lines into one metrics file and one checkpoint."""
         path = self.root / "peers" / f"{peer_id}.lock"

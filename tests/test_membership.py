@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from gossipdl.config import ConfigError
 from gossipdl.experiments.forking import ForkedCommand
 from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gossipdl.peers.membership import Member, Membership, parse_members
+from gossipdl.peers.runner import train_peer
 from gossipdl.protocol.core import GossipCore, JoinRefused, Settings
 from gossipdl.protocol.joining import (
     Admission,
@@ -35,7 +37,7 @@ from gossipdl.protocol.joining import (
     outranks,
 )
 from gossipdl.rundir import RunDir
-from gossipdl.training import save_atomic
+from gossipdl.training import dataset_of, initial_model, make_optimizer, save_atomic
 from gossipdl.transport import WireError
 from gossipdl.transport.wire import NONCE, Message, decode, encode
 
@@ -482,6 +484,41 @@ def test_a_paused_peer_and_a_killed_one_are_dropped_and_rejoin_one_from_its_chec
             [procs[0], *([restarted] if restarted else []), *([newcomer] if newcomer else [])]
         )
     assert codes == [130, 130, 130]  # each stopped in order by SIGINT: 128 + it
+
+
+def test_a_resumed_rank_holds_its_lock_while_it_rejoins(tmp_path: Path) -> None:
+    """The lock was taken and let go before the rejoin, and taken again once in: a second
+    resume of the rank meanwhile passed, joined too, and split the swarm. It is held from
+    before the rejoin to the end, and let go when the peer stops (here: nobody to rejoin)."""
+    config = small_config(tmp_path, peers=2)
+    run = RunDir(tmp_path / "run").create()
+    model = initial_model(config, dataset_of(config))
+    save_checkpoint(run.checkpoint(1), model, make_optimizer(config, model), 10, peer=1)
+    failed: list[BaseException] = []
+
+    def resume() -> None:
+        try:
+            train_peer(config, run, rank=1, listen="tcp://127.0.0.1:0",
+                       bootstrap="tcp://127.0.0.1:9", resume=True, connect_wait=3.0)  # fmt: skip
+        except Exception as exc:
+            failed.append(exc)
+
+    def taken() -> bool:
+        try:
+            run.hold(1).close()
+        except ConfigError:
+            return True
+        return False
+
+    rejoining = threading.Thread(target=resume)
+    rejoining.start()
+    wait_for(taken, 30, "the resume to take its lock")
+    held_throughout = True
+    while rejoining.is_alive():  # it tries to rejoin for connect_wait
+        held_throughout &= taken() or not rejoining.is_alive()
+        rejoining.join(0.1)
+    assert held_throughout and not taken()
+    assert failed and "127.0.0.1:9" in str(failed[0])  # nothing listens there
 
 
 def test_a_resume_that_cannot_carry_its_peer_on_fails_clearly(

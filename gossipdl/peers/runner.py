@@ -6,6 +6,7 @@ for the datasets and models gossipdl ships, writing the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -171,97 +172,100 @@ def train_peer(
     once bound; ``on_training`` is called once the swarm has formed and training begins.
     ``connect_wait``: how long to keep trying a bootstrap address where nothing listens (a
     launcher that starts every rank at once passes its start-up timeout)."""
-    stop = stop or threading.Event()
-    check_sinks(config)
-    device = pick_device(config.device, local_index)
-    if device.type == "cuda":  # this process's default GPU: streams, caches, kernels go there
-        torch.cuda.set_device(device)
-    dataset = dataset_of(config)
-    model = initial_model(config, dataset).to(device)
-    optimizer = make_optimizer(config, model)
-    single = config.mode == "single"
-    resume_step = None
-    if resume:
-        if config.mode != "gossip" or rank is None or bootstrap is None:
-            raise PeerError(
-                "resume works for a gossip peer with a rank and a member to rejoin through; got "
-                f"mode {config.mode!r}, rank {rank}, bootstrap {bootstrap}"
-            )
-        run.hold(rank).close()  # a rank still running: refused before it joins anything
-        if run.checkpoint(rank).is_file() or not run.metrics(rank).is_file():
-            try:
-                last = run.last_record(rank) or {}
-                resume_step = load_checkpoint(
-                    run.checkpoint(rank), model, optimizer, peer=rank, swarm=last.get("swarm")
+    with contextlib.ExitStack() as held:  # the lock of our id (RunDir.hold), to the end
+        stop = stop or threading.Event()
+        check_sinks(config)
+        device = pick_device(config.device, local_index)
+        if device.type == "cuda":  # this process's default GPU: streams, caches, kernels go there
+            torch.cuda.set_device(device)
+        dataset = dataset_of(config)
+        model = initial_model(config, dataset).to(device)
+        optimizer = make_optimizer(config, model)
+        single = config.mode == "single"
+        resume_step = None
+        if resume:
+            if config.mode != "gossip" or rank is None or bootstrap is None:
+                raise PeerError(
+                    "resume works for a gossip peer with a rank and a member to rejoin through; "
+                    f"got mode {config.mode!r}, rank {rank}, bootstrap {bootstrap}"
                 )
-            except CheckpointError as exc:
-                raise PeerError(str(exc)) from None
-        else:  # as the simulator restarts such a peer
-            log.warning(
-                "peer %d: no checkpoint in %s (it was killed before its first); it rejoins as "
-                "a newcomer under its id and takes a neighbour's model",
-                rank,
-                run.root,
+            held.enter_context(run.hold(rank))  # a rank still running: refused before it joins
+            if run.checkpoint(rank).is_file() or not run.metrics(rank).is_file():
+                try:
+                    last = run.last_record(rank) or {}
+                    resume_step = load_checkpoint(
+                        run.checkpoint(rank), model, optimizer, peer=rank, swarm=last.get("swarm")
+                    )
+                except CheckpointError as exc:
+                    raise PeerError(str(exc)) from None
+            else:  # as the simulator restarts such a peer
+                log.warning(
+                    "peer %d: no checkpoint in %s (it was killed before its first); it rejoins as "
+                    "a newcomer under its id and takes a neighbour's model",
+                    rank,
+                    run.root,
+                )
+
+        def write_members(members: list[Member]) -> None:
+            run.write_members((m.id, m.address) for m in members)
+
+        peer: Peer | ServerWorker
+        if config.mode == "ps":
+            peer = _server_worker(config, dataset, model, optimizer, rank, listen, servers, curve)
+            if on_listening is not None:
+                on_listening(peer.address)
+        else:
+            peer = Peer(
+                model,
+                optimizer,
+                rank=rank,
+                listen=listen,
+                bootstrap=bootstrap,
+                topology=config.topology,
+                algorithm="allreduce" if config.mode == "ring" else config.algorithm,
+                codec=config.codec,
+                trigger=config.trigger,
+                gamma=(config.gamma or None) if config.mode == "gossip" else None,
+                defence=config.defence,
+                evict_after=config.evict_after,
+                attack=byzantine_of(config, rank),
+                loss=config.loss,
+                min_peers=1 if single else config.peers,
+                seed=config.seed,
+                round_timeout=config.round_timeout,
+                startup_timeout=config.startup_timeout,
+                max_message_bytes=int(config.max_message_mb * 2**20),
+                max_message_rate=config.max_message_rate,
+                heartbeat=config.heartbeat,
+                dead_after=config.dead_after,
+                resume_step=resume_step,
+                restarted=resume,
+                curve=curve,
+                link=_device(config, rank).link,
+                swarm_config=to_dict(config),
+                on_members=write_members,
+                on_listening=on_listening,
+                max_members=config.max_members,
+                forget_after=config.forget_after,
+                max_queued_bytes=int(config.max_queued_mb * 2**20),
+                advertise=config.advertise or None,
+                swarm_start=run_start(),
+                connect_wait=connect_wait,
+                overlap=config.overlap,
+                shared_memory=config.shared_memory,
             )
-
-    def write_members(members: list[Member]) -> None:
-        run.write_members((m.id, m.address) for m in members)
-
-    peer: Peer | ServerWorker
-    if config.mode == "ps":
-        peer = _server_worker(config, dataset, model, optimizer, rank, listen, servers, curve)
-        if on_listening is not None:
-            on_listening(peer.address)
-    else:
-        peer = Peer(
-            model,
-            optimizer,
-            rank=rank,
-            listen=listen,
-            bootstrap=bootstrap,
-            topology=config.topology,
-            algorithm="allreduce" if config.mode == "ring" else config.algorithm,
-            codec=config.codec,
-            trigger=config.trigger,
-            gamma=(config.gamma or None) if config.mode == "gossip" else None,
-            defence=config.defence,
-            evict_after=config.evict_after,
-            attack=byzantine_of(config, rank),
-            loss=config.loss,
-            min_peers=1 if single else config.peers,
-            seed=config.seed,
-            round_timeout=config.round_timeout,
-            startup_timeout=config.startup_timeout,
-            max_message_bytes=int(config.max_message_mb * 2**20),
-            max_message_rate=config.max_message_rate,
-            heartbeat=config.heartbeat,
-            dead_after=config.dead_after,
-            resume_step=resume_step,
-            restarted=resume,
-            curve=curve,
-            link=_device(config, rank).link,
-            swarm_config=to_dict(config),
-            on_members=write_members,
-            on_listening=on_listening,
-            max_members=config.max_members,
-            forget_after=config.forget_after,
-            max_queued_bytes=int(config.max_queued_mb * 2**20),
-            advertise=config.advertise or None,
-            swarm_start=run_start(),
-            connect_wait=connect_wait,
-            overlap=config.overlap,
-            shared_memory=config.shared_memory,
-        )
-    if on_training is not None:
-        on_training()
-    try:
-        resumed = resume_step is not None
-        result = _loop(config, run, peer, dataset, device, stop, restarted=resume, resumed=resumed)
-    except BaseException as exc:
-        peer.close(reason=f"stopped by {type(exc).__name__}: {exc}")
-        raise
-    peer.close()
-    return result
+        if on_training is not None:
+            on_training()
+        try:
+            resumed = resume_step is not None
+            result = _loop(
+                config, run, peer, dataset, device, stop, held, restarted=resume, resumed=resumed
+            )
+        except BaseException as exc:
+            peer.close(reason=f"stopped by {type(exc).__name__}: {exc}")
+            raise
+        peer.close()
+        return result
 
 
 def _server_worker(
@@ -357,13 +361,15 @@ def _loop(
     dataset: Dataset,
     device: torch.device,
     stop: threading.Event,
+    held: contextlib.ExitStack,
     *,
     restarted: bool = False,
     resumed: bool = False,
 ) -> dict[str, Any]:
     """Train ``peer`` to the end, writing its metrics. ``restarted``: a new life of a peer
-    of ``run`` (its lines go on in its file); ``resumed``: from its checkpoint, with the
-    counters of its last life carried on (a life without one starts them at 0)."""
+    of ``run`` (its lines go on in its file, its lock in ``held`` already); ``resumed``: from
+    its checkpoint, with the counters of its last life carried on (a life without one starts
+    them at 0). ``held`` keeps the lock of the peer's id to the caller's end."""
     model = peer.model
     assert peer.optimizer is not None
     optimizer = peer.optimizer
@@ -376,14 +382,10 @@ def _loop(
     drift = drift_of(config, peer.id)
     if not restarted:  # an id the swarm gave us: unknown before it formed
         refuse_earlier_life(run, peer.id)
-    held = run.hold(peer.id)  # before its metrics file is cut back or appended to
-    try:
-        previous = run.last_record(peer.id) if restarted else None
-        sinks = MetricsSinks(config, run, peer.id)  # first: a sink that fails leaves no file
-        metrics = run.append_metrics(peer.id)
-    except BaseException:
-        held.close()
-        raise
+        held.enter_context(run.hold(peer.id))  # before its metrics file is appended to
+    previous = run.last_record(peer.id) if restarted else None
+    sinks = MetricsSinks(config, run, peer.id)  # first: a sink that fails leaves no file open
+    metrics = run.append_metrics(peer.id)
     swarm, start = _swarm(peer)
     carried = carried_from(previous) if resumed else {}
     losses: list[torch.Tensor] = []  # read (one host sync) only when a line is written
@@ -463,7 +465,6 @@ def _loop(
     finally:
         metrics.close()
         sinks.close()
-        held.close()
     log.info("peer %d: done at step %d, test accuracy %.4f", peer.id, peer.steps, final["accuracy"])
     return final
 
