@@ -133,7 +133,8 @@ def test_a_cycle_of_rejoins_is_broken_by_its_lowest_id_alone() -> None:
     all waited out a timeout. The lowest id of a cycle yields (its rejoin ends, it lets its
     asker in) once its own rejoin has waited half a round timeout, and nobody else does; of
     two sides rejoining each other, only the side with the lowest id lets the other in. At
-    the head of a chain (seed 125057) a welcome is on its way: no yield before that wait."""
+    the head of a chain (seed 125057) a welcome is on its way: no yield before that wait;
+    nor to a plain join, or one that is refused anyway (an evicted member's)."""
     waited = YIELD_AFTER * Settings().round_timeout
 
     def rejoining(me: int, ids: list[int], through: list[int]) -> GossipCore:
@@ -141,9 +142,9 @@ def test_a_cycle_of_rejoins_is_broken_by_its_lowest_id_alone() -> None:
         ours.rejoin_via, ours.rejoin_through = through[0], [Member(i, address(i)) for i in through]
         return ours
 
-    def asks(ours: GossipCore, i: int, now: float = waited) -> bool:
+    def asks(ours: GossipCore, i: int, now: float = waited, rejoin: bool = True) -> bool:
         join = frames("join", -1, address=address(i), want_id=i, key="", nonce=f"{i:02x}" * 8,
-                      rejoin=True)  # fmt: skip
+                      rejoin=rejoin)  # fmt: skip
         try:
             return next(s.kind for s in ours.receive(now, join)) == "welcome"
         except WireError as refused:
@@ -152,6 +153,11 @@ def test_a_cycle_of_rejoins_is_broken_by_its_lowest_id_alone() -> None:
 
     head = rejoining(0, [0, 1, 2], [2])  # its rejoin began at 0: too soon to yield
     assert not asks(head, 1, now=waited - 0.01) and head.rejoin_via == 2
+    assert not asks(head, 1, rejoin=False) and head.rejoin_via == 2  # no rejoin: no cycle
+    head.evictions.ban("evicted by a quorum", address(1))
+    asks(head, 1)  # refused all the same: our rejoin is not given up for it
+    assert head.rejoin_via == 2
+    head = rejoining(0, [0, 1, 2], [2])
     assert asks(head, 1) and head.rejoin_via is None
 
     # the cycle of seed 139460 (0 through 2, 2 through 1, 1 through 0); in a longer one each

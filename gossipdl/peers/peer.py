@@ -156,8 +156,8 @@ class Peer:
     ``rank`` (its process died before any checkpoint) that takes a neighbour's model. ``curve`` (see
     :func:`gossipdl.transport.curve.load_curve`) encrypts every connection and
     admits only the allow-listed keys. ``link`` emulates a slow access link
-    (bandwidth, latency, jitter, loss, offline windows counted from the moment
-    the swarm formed) in user space.
+    (bandwidth, latency, jitter, loss, offline windows counted from the swarm's
+    start, the clock of its metrics' ``time``) in user space.
 
     ``address`` is what others dial: ``advertise`` if given, else ``listen``
     with a wildcard host replaced by the IP of the interface that routes to
@@ -1337,9 +1337,8 @@ class Peer:
             # Not a member yet (a founder that has not founded, a joiner not yet welcomed):
             # an answer now would hand out a table without us in it. The asker retries.
             raise WireError("not_member_yet", f"{msg.kind} before this peer is in a swarm")
-        joiner = msg.meta.get("address")
         with self._core:  # it may end our rejoin (GossipCore.yields_to)
-            refuses = msg.kind == "join" and self.core.refuses_join(time.monotonic(), joiner)
+            refuses = msg.kind == "join" and self.core.refuses_join(time.monotonic(), msg)
         if refuses:
             # Told we were dropped: our table is the cut-off side's, and a joiner let in by
             # it would be lost when we take the swarm's table back; after a failed rejoin,

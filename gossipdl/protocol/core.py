@@ -736,7 +736,7 @@ class GossipCore:
         if msg.kind == "join":
             if self.id < 0 or not started:
                 raise WireError("not_member_yet", "a join before this peer is in a swarm")
-            if self.refuses_join(now, msg.meta.get("address")):  # the asker retries
+            if self.refuses_join(now, msg):  # the asker retries
                 raise WireError("not_member_yet", "a join while this peer rejoins the swarm")
             return self.answer_join(now, msg, started).sends
         if msg.kind in ("welcome", "model"):
@@ -959,8 +959,8 @@ class GossipCore:
         once we were evicted (:meth:`refusal`)."""
         return self.rejoin_via is None and now >= self.rejoin_held_until and not self.evicted
 
-    def refuses_join(self, now: float, address: Any) -> bool:
-        """Whether a join from ``address`` must wait (the asker retries): while we rejoin,
+    def refuses_join(self, now: float, join: Message) -> bool:
+        """Whether ``join`` must wait (the asker retries): while we rejoin,
         since our table is the dropped side's and a joiner let in by it would be lost when we
         take the swarm's table; and while a failed rejoin holds the next back, from a member
         of the swarm we asked. We still take that swarm for the larger side, and its members'
@@ -972,21 +972,28 @@ class GossipCore:
         Others (a third side of a cut in three, seed 17708) are let in, and while we rejoin,
         a member we yield to, ending our rejoin (:meth:`yields_to`)."""
         if self.rejoin_via is not None:
-            return not self.yields_to(now, address)
+            return not self.yields_to(now, join)
+        address = join.meta.get("address")
         held = now < self.rejoin_held_until
         return held and isinstance(address, str) and address in self._held_from
 
-    def yields_to(self, now: float, address: Any) -> bool:
-        """Whether we stop rejoining and let in a member we dropped, asking from ``address``:
+    def yields_to(self, now: float, join: Message) -> bool:
+        """Whether we stop rejoining and let in a member we dropped that rejoins through us:
         rejoins can cycle, each asking one that rejoins itself (a cut in three healed,
         fault-search seed 139460), and only a timeout ended the wait. The one whose id is
         below its asker's and all it asks (a cycle's lowest always is) yields; the others
         come in behind it. Only once its own rejoin has waited ``YIELD_AFTER`` round timeouts
         with no welcome: at the head of a chain of rejoins, not a cycle, a welcome is on its
         way (seed 125057: yielding at once, a peer let its asker into its own cut-off table,
-        and the tables split)."""
-        asker = self.membership.by_address(address) if isinstance(address, str) else None
+        and the tables split). Not for a plain join, nor one from an evicted member: it is
+        refused all the same, and our rejoin would be lost for nothing."""
+        address = join.meta.get("address")
+        if not isinstance(address, str):
+            return False
+        asker = self.membership.by_address(address)
         if asker is None or asker.until is None or asker.id == self.id:
+            return False
+        if join.meta.get("rejoin") is not True or self.evictions.banned(address, join.key):
             return False
         if now < self.rejoin_since + YIELD_AFTER * self.settings.round_timeout:
             return False
