@@ -153,7 +153,7 @@ _PROGRESS = typer.Option(
 )
 _STEP_TIME = typer.Option(
     None,
-    help="Simulated: virtual time of one local step where no profile says (e.g. 250ms) "
+    help="Simulated: the host's step time (e.g. 250ms), which a profile's slowdown scales "
     "\\[default: measured once on this host].",
     rich_help_panel=OUTPUT,
 )
@@ -359,7 +359,8 @@ def simulate(
     but for --csv, --tensorboard and --metrics-hook: it writes the run directory only).
 
     The real protocol, encoder and codecs over an in-memory network with the profiles'
-    links: deterministic for a seed (give step_time in the profiles or --step-time), and
+    links: deterministic for a seed (give --step-time, or every profile a step_time and no
+    slowdown), and
     fast enough for hundreds of peers. Modes gossip, ring and ps (the shards are nodes
     with unshaped links, a server in a data centre). The run directory is the one `run`
     writes, with simulated seconds in `time`; `report` and `sweep` read it.

@@ -59,6 +59,19 @@ def test_links_and_step_time_set_the_simulated_time(tmp_path: Path) -> None:
     assert slow["peers"][0]["idle_s"] > 0.3
 
 
+@pytest.mark.parametrize("mode", ["gossip", "ring"])
+def test_a_slow_uplink_past_max_queued_mb_drops_in_gossip_and_ring_mode(
+    tmp_path: Path, mode: str
+) -> None:
+    """A real ring's chunks go through the peer's transport, which takes ``max_queued_mb``
+    as a gossip peer's does; the simulator applied it in mode gossip alone."""
+    profiles = {"slow": {"peers": "0", "up": "50kbit"}}
+    config = small_config(tmp_path, mode=mode, peers=3, steps=4, max_queued_mb=0.0001,
+                          profiles=profiles, round_timeout=2.0)  # fmt: skip
+    summary = simulate(config, step_time=0.01)
+    assert summary["network"]["send_queue_full"] > 0
+
+
 def test_a_straggler_with_a_step_time_floor_takes_its_slowdown_when_that_is_longer(
     tmp_path: Path,
 ) -> None:

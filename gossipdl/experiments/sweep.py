@@ -2,7 +2,7 @@
 
 ``--grid codec=none,topk:0.01 --grid topology=ring,exponential`` makes the
 four combinations (a value with commas of its own is bracketed or quoted:
-``hidden=[64,32],[128]``, ``link="up=10mbit,down=10mbit",none``). Every
+``hidden=[64,32],[128]``, ``link="up=10mbit,down=10mbit","up=1mbit"``). Every
 variant's config is built and validated before the first one starts, each
 runs into ``DIR/<variant>/`` (a normal run directory; ``--csv`` and
 ``--tensorboard`` into ``<their DIR>/<variant>/``), and ``DIR/sweep.json``

@@ -55,8 +55,9 @@ def load_checkpoint(
     written before it named them passes)."""
     if not path.is_file():
         raise CheckpointError(
-            f"no checkpoint at {path}; resume needs a run started with checkpoint_every > 0 "
-            "(--checkpoint-every N) that got that far"
+            f"no checkpoint at {path}, and no metrics of that peer: it never ran in this run "
+            "directory; check --resume and --rank (a peer that ran comes back from its "
+            "checkpoint, checkpoint_every > 0, or without one as a newcomer)"
         )
     device = next(model.parameters()).device
     try:

@@ -167,8 +167,9 @@ def train_peer(
     connect_wait: float = CONNECT_WAIT_S,
 ) -> dict[str, Any]:
     """Train one peer (a ps worker: with ``servers``) until ``config.steps`` steps or ``stop``;
-    returns its final record. ``resume``: start from this rank's checkpoint in ``run`` and
-    rejoin the swarm through ``bootstrap`` (gossip mode). ``on_listening`` gets the address
+    returns its final record. ``resume``: carry this rank of ``run`` on, from its checkpoint
+    (or, with metrics but no checkpoint, as a newcomer under its id), rejoining the swarm
+    through ``bootstrap`` (gossip mode). ``on_listening`` gets the address
     once bound; ``on_training`` is called once the swarm has formed and training begins.
     ``connect_wait``: how long to keep trying a bootstrap address where nothing listens (a
     launcher that starts every rank at once passes its start-up timeout)."""

@@ -502,7 +502,7 @@ class BatchedSimulation:
                 step_time = measure_step_time(config, self.dataset)
             finally:
                 torch.set_num_threads(threads)
-        self.measured = step_time  # the host's step (None where every profile sets its own)
+        self.measured = step_time  # the host's step (None where no peer's step needs it)
         self.step_times = np.array(  # the per-peer engine's ``_step_time``
             [device.step_s(step_time) for device in devices]
         )

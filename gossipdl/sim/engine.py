@@ -86,7 +86,7 @@ from gossipdl.transport.shaping import MAX_QUEUED_BYTES
 from gossipdl.transport.wire import WireError
 
 log = logging.getLogger(__name__)
-MEASURED_STEPS = 5  # steps timed on the host when no profile gives a step time
+MEASURED_STEPS = 5  # steps timed on the host when a peer's step depends on it
 SIM_MODES = ("gossip", "ring", "ps")
 
 
@@ -101,7 +101,7 @@ def sim_address(peer_id: int) -> str:
 
 def measure_step_time(config: Config, dataset: Dataset) -> float:
     """Seconds one local training step of ``config``'s model and batch takes on this host
-    (the fastest of a few, after a warm-up): the step time of a profile without one."""
+    (the fastest of a few, after a warm-up): what a profile's slowdown multiplies."""
     model = initial_model(config, dataset)
     optimizer = make_optimizer(config, model)
     sampler = BatchSampler(
@@ -291,11 +291,11 @@ class Simulation:
         return averager
 
     def _max_queued_bytes(self) -> int:
-        """Bytes a peer queues per destination before it drops: ``max_queued_mb`` in mode
-        gossip; a real ring's chunks and a ps worker's go through transports that keep the
-        default."""
+        """Bytes a peer queues per destination before it drops: ``max_queued_mb`` in modes
+        gossip and ring (a real ring's chunks go through the peer's transport); a real ps
+        worker's transport keeps the default."""
         mb = self.config.max_queued_mb
-        return int(mb * 2**20) if self.mode == "gossip" else MAX_QUEUED_BYTES
+        return MAX_QUEUED_BYTES if self.mode == "ps" else int(mb * 2**20)
 
     def _topology(self) -> str:
         """The topology the peers' protocol cores run."""
