@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import threading
@@ -253,7 +254,8 @@ def test_a_real_life_that_starts_past_the_drift_step_is_first_evaluated_on_drift
     stop = threading.Event()
     stop.set()  # the life's first line and its final one, no step between
     try:
-        _loop(config, run, peer, dataset, torch.device("cpu"), stop, resumed=True)
+        with contextlib.ExitStack() as held:
+            _loop(config, run, peer, dataset, torch.device("cpu"), stop, held, resumed=True)
     finally:
         peer.close()
     first = next(run.records(0))
