@@ -256,6 +256,23 @@ def test_a_run_refuses_sink_folders_that_hold_an_earlier_runs_files(tmp_path: Pa
     fresh_run(small_config(tmp_path, csv=str(tmp_path / "new")))  # an empty one will do
 
 
+def test_a_hand_started_peer_refuses_its_own_files_of_an_earlier_run(tmp_path: Path) -> None:
+    """Peers started by hand share their sink folders with their swarm, so the folder check
+    is not theirs to make; a peer whose own file is there from another run appended its rows
+    to that run's. It is refused before it listens; its swarm's files are no matter."""
+    from gossipdl.peers.runner import prepare_run_dir
+
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "csv" / "1.csv").write_text("peer,step\n1,0\n")  # another run's peer 1
+    (tmp_path / "tb" / "peer-2").mkdir(parents=True)
+    config = small_config(tmp_path, csv=str(tmp_path / "csv"), tensorboard=str(tmp_path / "tb"))
+    prepare_run_dir(RunDir(tmp_path / "run"), config, 0, resume=False)  # peer 0: welcome
+    for peer_id, name in ((1, "1.csv"), (2, "peer-2")):
+        with pytest.raises(ConfigError, match=rf"already holds {name} of an earlier run"):
+            prepare_run_dir(RunDir(tmp_path / "run"), config, peer_id, resume=False)
+    prepare_run_dir(RunDir(tmp_path / "run"), config, 1, resume=True)  # carries its own on
+
+
 def test_sink_folders_are_recorded_absolute(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

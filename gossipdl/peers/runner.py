@@ -41,7 +41,7 @@ from gossipdl.peers.checkpoint import CheckpointError, load_checkpoint, save_che
 from gossipdl.peers.device import pick_device
 from gossipdl.peers.membership import Member
 from gossipdl.peers.peer import Peer, PeerError
-from gossipdl.peers.sinks import MetricsSinks, check_sinks
+from gossipdl.peers.sinks import MetricsSinks, check_sinks, refuse_used_sink_files
 from gossipdl.rundir import RUN_START_ENV, RunDir, write_json_atomic, write_text_atomic
 from gossipdl.training import (
     AWAY_POLL_S,
@@ -96,6 +96,7 @@ def prepare_run_dir(run: RunDir, config: Config, peer_id: int | None, *, resume:
     _refuse_other_settings(run, config, resume=resume)
     if not resume and peer_id is not None:
         refuse_earlier_life(run, peer_id)
+        refuse_used_sink_files(config, peer_id)
     run.create()
     if not run.config.exists():  # atomic: the peers of a torchrun job read it as they start
         write_text_atomic(run.config, to_toml(resolved(config.replace(out=str(run.root)))))
@@ -383,6 +384,7 @@ def _loop(
     drift = drift_of(config, peer.id)
     if not restarted:  # an id the swarm gave us: unknown before it formed
         refuse_earlier_life(run, peer.id)
+        refuse_used_sink_files(config, peer.id)
         held.enter_context(run.hold(peer.id))  # before its metrics file is appended to
     previous = run.last_record(peer.id) if restarted else None
     sinks = MetricsSinks(config, run, peer.id)  # first: a sink that fails leaves no file open

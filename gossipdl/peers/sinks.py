@@ -153,6 +153,20 @@ def refuse_used_sink_dirs(config: Config) -> None:
             )
 
 
+def refuse_used_sink_files(config: Config, peer_id: int) -> None:
+    """ConfigError if a sink already holds peer ``peer_id``'s files of another run: a peer
+    started by hand shares its folders with its swarm (:func:`refuse_used_sink_dirs` cannot
+    be asked of it), and its rows would go on after that run's."""
+    files = {"csv": f"{peer_id}.csv", "tensorboard": f"peer-{peer_id}"}
+    for key in SINK_DIRS:
+        if getattr(config, key) and (found := Path(getattr(config, key)) / files[key]).exists():
+            raise ConfigError(
+                f"{key} = {getattr(config, key)!r} already holds {found.name} of an earlier "
+                f"run: this peer's rows would go on after it; choose another --{key}, or give "
+                "--resume to carry that run's peer on"
+            )
+
+
 def _hook(spec: str, run: RunDir, peer_id: int) -> Sink:
     """The user's ``module:function(peer_id, run_dir)``, called once; returns the sink."""
     factory = _hook_factory(spec)
