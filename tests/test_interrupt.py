@@ -40,11 +40,21 @@ def blocks_sigint(pid: int) -> bool:
     return bool(int(mask, 16) & (1 << (signal.SIGINT - 1)))
 
 
+# Execs its arguments with SIGINT at its default, as a terminal starts a command: a shell
+# that runs tests in the background (`cmd &`, nohup) starts them with SIGINT ignored, which
+# they pass on, and Python then never turns a Ctrl-C during its imports into an exception.
+_AS_FROM_A_TERMINAL = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
 def start(command: list[str], cwd: Path) -> subprocess.Popen[str]:
-    """``command`` in a session of its own: whatever it leaves behind can be killed."""
+    """``command`` in a session of its own, whatever it leaves behind can be killed, with
+    SIGINT at its default whoever started the tests."""
     return subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-        start_new_session=True,
+        [sys.executable, "-c", _AS_FROM_A_TERMINAL, *command], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=cwd, start_new_session=True,
     )  # fmt: skip
 
 
@@ -64,6 +74,21 @@ def cleanup(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
+
+
+def test_ctrl_c_while_gossipdl_imports_is_one_line_and_code_130(tmp_path: Path) -> None:
+    """A Ctrl-C in a launch's first second (its imports, and its fork server's) printed a
+    KeyboardInterrupt traceback from each and exited -2: the signal killed it."""
+    proc = start([sys.executable, "-m", "gossipdl", "run", "--peers", "2", "--steps", "1000000",
+                  "--out", str(tmp_path / "run"), "--no-progress"], tmp_path)  # fmt: skip
+    try:
+        time.sleep(0.4)  # inside the imports: they take a second or more here
+        os.killpg(proc.pid, signal.SIGINT)
+        code, stderr = stopped(proc)
+    finally:
+        cleanup(proc)
+    assert code == 130 and "Traceback" not in stderr, stderr
+    assert "interrupted" in stderr.splitlines()[-1]
 
 
 def test_sigterm_stops_a_benchmark_its_peers_and_its_next_setting(tmp_path: Path) -> None:

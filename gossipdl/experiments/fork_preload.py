@@ -13,14 +13,15 @@ server itself ignores SIGINT anyway.
 """
 
 import contextlib
+import importlib
 import signal
 
-import gossipdl.cli
-import gossipdl.experiments.summary
-import gossipdl.peers.launch_env
-import gossipdl.peers.runner  # noqa: F401  (the imports are the point)
+# First, so that a Ctrl-C during the imports (a second of them) leaves the server alone too:
+# it printed a KeyboardInterrupt traceback beside the command's one line.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+for name in ("gossipdl.cli", "gossipdl.experiments.summary", "gossipdl.peers.launch_env",
+             "gossipdl.peers.runner"):  # fmt: skip
+    importlib.import_module(name)  # the imports are the point
 
 with contextlib.suppress(ImportError):  # a private module: a typer without it still works
     import typer._adapters  # noqa: F401
-
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

@@ -51,9 +51,22 @@ def warm_up() -> None:
     """Start the fork server now, so its imports overlap the caller's own start-up."""
     if available():
         context()
-        from multiprocessing import forkserver
+        _ensure_server()
 
+
+def _ensure_server() -> None:
+    """Start the fork server if it is not running, born with SIGINT blocked: a Ctrl-C to the
+    process group before its preload blocks it printed the server's traceback (ours is
+    delivered once we unblock it). Its resource tracker first: starting, that unblocks
+    SIGINT in the caller (multiprocessing blocks it around its own start)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
         forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 LAUNCH_COMMANDS = ("run", "experiment", "sweep")
@@ -129,6 +142,7 @@ class ForkedCommand:
             name=f"gossipdl {' '.join(args[:1])}",
             daemon=True,  # a caller that exits stops it (SIGTERM) rather than waiting on it
         )
+        _ensure_server()
         self._process.start()
         writer.close()
         self.pid: int = self._process.pid  # type: ignore[assignment]
