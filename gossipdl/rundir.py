@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import math
 import os
-import tempfile
+import socket
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gossipdl.config import ConfigError
+from gossipdl.experiments.orphans import process_exists
 from gossipdl.numerals import is_decimal
 
 # The unix time a launcher started the run; every peer it starts counts ``time`` from it.
@@ -166,19 +168,41 @@ def write_text_atomic(path: Path, text: str) -> None:
         f.write(text)
 
 
+_rewrites = itertools.count()  # a process's temporary files apart: its threads rewrite at once
+_cleared: set[Path] = set()  # directories whose leftovers this process has cleared
+
+
+def temporary_beside(path: Path) -> Path:
+    """A fresh name for the temporary file of a rewrite of ``path`` (``.NAME~PID~N~HOST.tmp``).
+
+    A process's first one in a directory clears what writers killed mid-write left there:
+    files as large as the ones they rewrote, kept for good before. Only this machine's
+    writers that no longer run are cleared (another machine's, on a shared disk, may still
+    be writing), and once per process and directory: a 10,000-peer simulation saves 10,000
+    models into one."""
+    host, folder = socket.gethostname(), path.parent.absolute()
+    if folder not in _cleared:
+        _cleared.add(folder)
+        for left in folder.glob(".*~*~*~*.tmp"):
+            _, pid, _, writer_host = left.name.removesuffix(".tmp").rsplit("~", 3)
+            if writer_host == host and pid.isdigit() and not process_exists(int(pid)):
+                left.unlink(missing_ok=True)
+    return path.with_name(f".{path.name}~{os.getpid()}~{next(_rewrites)}~{host}.tmp")
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path, newline: str | None = None) -> Iterator[IO[str]]:
     """A text file that replaces ``path`` when the block ends (tmp + rename), so readers never
-    see it half written and a kill leaves the old one whole. Each call has its own tmp file:
-    a peer's threads and the peers of a run rewrite one file at once."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    see it half written and a kill leaves the old one whole. Each call has its own tmp file
+    (:func:`temporary_beside`): a peer's threads and the peers of a run rewrite one file at
+    once."""
+    tmp = temporary_beside(path)
     try:
-        with os.fdopen(fd, "w", newline=newline) as f:
+        with open(tmp, "x", newline=newline) as f:
             yield f
-        os.chmod(tmp, 0o644)  # as a plain write would make it; mkstemp makes it 0o600
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

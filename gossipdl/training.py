@@ -20,12 +20,11 @@ from gossipdl.averaging.local_optimizer import SGD, LocalOptimizer
 from gossipdl.conditions import Drift, parse_drift, parse_profiles
 from gossipdl.config import Config
 from gossipdl.data import BatchSampler, Dataset, load_dataset, partition
-from gossipdl.experiments.orphans import process_exists
 from gossipdl.models import build_model
 from gossipdl.protocol.ps_server import ShardServer, fedavg_local_steps, fedavg_rounds
 from gossipdl.protocol.ps_worker import WorkerSettings
 from gossipdl.protocol.ring import chunk_bounds
-from gossipdl.rundir import CARRIED, dumps
+from gossipdl.rundir import CARRIED, dumps, temporary_beside
 
 AWAY_POLL_S = 0.25  # how often a device inside an offline window looks again (and logs)
 
@@ -330,11 +329,7 @@ def save_atomic(value: Any, path: Path) -> None:
     """``torch.save`` via a temporary file and a rename: a reader (another peer summarising
     the run) sees the old file or the new one, never half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    for left in path.parent.glob(f".{path.name}.*.tmp"):  # a killed writer's, as large
-        writer = left.name.removeprefix(f".{path.name}.").removesuffix(".tmp")
-        if writer.isdigit() and not process_exists(int(writer)):
-            left.unlink(missing_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temporary_beside(path)
     try:
         torch.save(value, tmp)
     except BaseException:

@@ -3,9 +3,9 @@ member-table rules those rest on."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -36,8 +36,8 @@ from gossipdl.protocol.joining import (
     late_steps,
     outranks,
 )
-from gossipdl.rundir import RunDir
-from gossipdl.training import dataset_of, initial_model, make_optimizer, save_atomic
+from gossipdl.rundir import RunDir, temporary_beside
+from gossipdl.training import dataset_of, initial_model, make_optimizer
 from gossipdl.transport import WireError
 from gossipdl.transport.wire import NONCE, Message, decode, encode
 
@@ -313,17 +313,26 @@ def test_a_checkpoint_round_trips_and_a_wrong_or_torn_one_is_refused(tmp_path: P
         load_checkpoint(path, other, other_opt)
 
 
-def test_a_save_clears_what_a_killed_writer_left_and_keeps_a_live_ones(tmp_path: Path) -> None:
-    """A peer killed mid-save leaves its temporary file, as large as a checkpoint; the next
-    save of that file removes it (its writer is gone), not a running writer's."""
-    ended = subprocess.Popen(["true"])
-    ended.wait()  # reaped: no process has its id now
-    left = tmp_path / f".1.pt.{ended.pid}.tmp"
-    running = tmp_path / f".1.pt.{os.getppid()}.tmp"  # the process that started this one
-    for path in (left, running):
-        path.write_bytes(b"half")
-    save_atomic({"x": 1}, tmp_path / "1.pt")
-    assert not left.exists() and running.exists()
+def test_a_save_clears_what_killed_writers_left_and_keeps_a_live_ones(tmp_path: Path) -> None:
+    """A process killed mid-save leaves its temporary file, as large as a checkpoint (or a
+    metrics CSV being widened); the next process to save into that folder removes those
+    (their writers are gone), not a running writer's."""
+
+    def in_a_process(code: str) -> int:
+        prelude = "import os, pathlib, gossipdl.training as t; "
+        prelude += f"folder = pathlib.Path({str(tmp_path)!r}); "
+        return subprocess.run([sys.executable, "-c", prelude + code], timeout=120).returncode
+
+    running = temporary_beside(tmp_path / "1.pt")  # this process's, still writing
+    running.write_bytes(b"half")
+    killed = in_a_process(  # after writing its temporary files, before their renames
+        "t.temporary_beside(folder / '1.pt').write_bytes(b'half'); "
+        "t.temporary_beside(folder / '2.csv').write_text('step,'); os._exit(9)"
+    )
+    assert killed == 9
+    assert len(list(tmp_path.glob(".*.tmp"))) == 3
+    assert in_a_process("t.save_atomic({'x': 1}, folder / '1.pt')") == 0
+    assert list(tmp_path.glob(".*.tmp")) == [running]
     assert torch.load(tmp_path / "1.pt", weights_only=True) == {"x": 1}
 
 
