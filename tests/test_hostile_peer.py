@@ -795,7 +795,9 @@ def test_a_table_from_a_sender_not_known_yet_is_held_without_a_payload(
     hostile: Hostile,
 ) -> None:
     """Such tables wait a while for news of their sender (``MAX_EARLY`` of them): one
-    carrying arrays pinned them too, 32 x ``max_message_mb`` for a stranger's tables."""
+    carrying arrays pinned them too, 32 x ``max_message_mb`` for a stranger's tables, and one
+    with more maps and lists than a table needs pinned up to 25 MiB of them each (the
+    header's limit) for 2 s; a message that is no table waited out those 2 s too."""
     import numpy as np
 
     address, thread, made = founder(model=torch.nn.Linear(3, 2), round_timeout=600)
@@ -806,9 +808,16 @@ def test_a_table_from_a_sender_not_known_yet_is_held_without_a_payload(
         table = [[0, peer.address, 0, None, ""]]
         blob = np.ones(1024, np.float32)
         hostile.send(address, encode("members", 1000, 0, 0, [blob], meta={"members": table}))
-        hostile.send(address, encode("members", 1001, 0, 0, meta={"members": table}))
+        # beside a valid table, 200,000 empty lists: 1.6 MB parsed, and 32 such held 50 MB
+        padding = {"members": table, "pad": [[] for _ in range(200_000)], "answer": True}
+        hostile.send(address, encode("members", 1001, 0, 0, meta=padding))
         wait_for(lambda: dropped(peer, "bad_payload") == 1, 10, "the table with arrays refused")
         wait_for(lambda: len(peer._early) == 1, 10, "the one without held")
+        assert peer._early[0][1].meta == {"members": table, "answer": True}  # what it needs
+        not_a_table = [[0, peer.address, 0, None, ""]] * (peer.membership.limit + 1)
+        hostile.send(address, encode("ready", 1002, 0, 0, meta={"members": not_a_table}))
+        wait_for(lambda: dropped(peer, "too_many_members") == 1, 10, "refused, not held")
+        assert len(peer._early) == 1
     finally:
         peer.close()
 

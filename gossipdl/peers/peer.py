@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -1310,9 +1311,15 @@ class Peer:
 
     def _hold_early(self, msg: Message) -> None:
         """Keep a member table from a sender we do not know yet, for ``EARLY_S`` seconds and
-        at most ``MAX_EARLY`` of them: news of the sender may be on its way."""
+        at most ``MAX_EARLY`` of them: news of the sender may be on its way. Only a valid
+        table is held (WireError now for one that is not), and of the rest of the header only
+        its scalars: its other maps and lists could be 25 MiB parsed each."""
+        parse_members(msg.meta.get("members"), self.membership.limit)
+        meta = {
+            k: v for k, v in msg.meta.items() if k == "members" or not isinstance(v, list | dict)
+        }
         with self._lock:
-            self._early.append((time.monotonic(), msg))
+            self._early.append((time.monotonic(), replace(msg, meta=meta)))
         self._expire_early(time.monotonic())
 
     def _expire_early(self, now: float) -> None:
