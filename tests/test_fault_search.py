@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 import gossipdl.cli as cli
 from gossipdl.averaging import Arrival
 from gossipdl.averaging.choco import Choco
+from gossipdl.conditions import device_of
 from gossipdl.experiments import fault_search
 from gossipdl.experiments.fault_search import SearchError, parse_seeds, search
 from gossipdl.experiments.launcher import fresh_run
@@ -173,6 +174,31 @@ def test_a_seed_draws_a_small_swarm_and_a_valid_schedule_the_same_way_every_time
     actions = {key for c in cases for f in c.config.faults for key in f if key != "at"}
     assert actions == {"kill", "restart", "leave", "partition", "heal", "clog", "unclog",
                        "clock", "inject"}  # fmt: skip
+    # every peer's link is the drawn one (drawn into ``link``, which a profile replaces, it
+    # reached no peer: the searches before seed 143500's ran without latency)
+    links = [device_of(i, c.config.peers, c.config.profiles, c.config.link, "").link
+             for c in cases for i in range(c.config.peers)]  # fmt: skip
+    assert {link.latency_s for link in links} == {0.002, 0.005, 0.02}
+    assert {link.jitter_s for link in links} == {0.0, 0.001}
+
+
+def test_a_step_that_ends_with_the_round_behind_it_is_progress(tmp_path: Path) -> None:
+    """With ``overlap`` and rounds longer than a step (latency 100 ms, steps of 20 ms), a
+    step ends when the round behind it does: the stall check missed those steps and
+    reported a healthy swarm without faults as having made no step for 34 s."""
+    config = small_config(
+        tmp_path, peers=3, topology="ring", algorithm="dense", dataset="synthetic",
+        model="logistic", steps=500, round_timeout=1.0, startup_timeout=2.0, heartbeat=0.25,
+        dead_after=1.0,
+        overlap=True, eval_every=0, log_every=50,
+        profiles={"all": {"peers": "0-2", "step_time": "20ms", "latency": "100ms"}},
+    )  # fmt: skip
+    run, config = fresh_run(config, caution=False)
+    simulation = WatchedSimulation(Case(0, config, quiet_at=1.0, settle_s=2.5), config, run)
+    assert simulation.watch() is None
+    assert simulation.clock.now > simulation.stall_s and all(
+        p.steps == 500 for p in simulation.peers
+    )
 
 
 @pytest.mark.parametrize("part", range(CI_PARTS))
@@ -189,7 +215,8 @@ def test_ci_seeds_break_no_invariant(part: int, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("seed", sorted(FOUND))
 def test_seeds_that_found_bugs_stay_fixed(seed: int, tmp_path: Path) -> None:
-    outcome = fault_search.check_seed(seed, str(tmp_path))
+    """Each as it was found: without link latency (:func:`random_case`)."""
+    outcome = fault_search.check_seed(seed, str(tmp_path), latency=False)
     assert outcome.violation is None, f"{FOUND[seed]}\n{fault_search.report(outcome)}"
 
 
@@ -349,6 +376,6 @@ def test_a_peer_back_with_its_model_told_it_was_dropped_while_it_aligns_starts_t
         dropped(simulation, peer)
 
     monkeypatch.setattr(engine, "dropped", spy)
-    outcome = fault_search.check_seed(302, str(tmp_path))
+    outcome = fault_search.check_seed(302, str(tmp_path), latency=False)  # as it was found
     assert outcome.violation is None, fault_search.report(outcome)
     assert told == [(7, False)], "seed 302 no longer takes this path: pick another"

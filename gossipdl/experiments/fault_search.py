@@ -42,6 +42,7 @@ class Outcome:
     faults: int
     host_s: float
     run_dir: str
+    latency: bool = True  # :func:`random_case`'s
 
 
 def parse_seeds(text: str) -> range:
@@ -64,16 +65,17 @@ def parse_seeds(text: str) -> range:
     return seeds
 
 
-def check_seed(seed: int, root: str) -> Outcome:
+def check_seed(seed: int, root: str, latency: bool = True) -> Outcome:
     """Run seed ``seed``'s case in a run directory under ``root`` and judge it; the
-    directory is removed when every invariant held."""
+    directory is removed when every invariant held (``latency``: :func:`random_case`'s)."""
     started = time.perf_counter()
-    case = random_case(seed, out=str(Path(root) / f"seed-{seed}"))
+    case = random_case(seed, out=str(Path(root) / f"seed-{seed}"), latency=latency)
     run, config = fresh_run(case.config, caution=False)
     violation = WatchedSimulation(case, config, run).watch()
     if violation is None:
         shutil.rmtree(run.root, ignore_errors=True)
-    return Outcome(seed, violation, len(config.faults), time.perf_counter() - started, config.out)
+    took = time.perf_counter() - started
+    return Outcome(seed, violation, len(config.faults), took, config.out, latency)
 
 
 def _worker_setup() -> None:
@@ -146,8 +148,10 @@ def report(outcome: Outcome) -> str:
     last events, the replay command and the kept run directory."""
     violation = outcome.violation
     assert violation is not None
-    case = random_case(outcome.seed)
-    c = case.config
+    c = random_case(outcome.seed, latency=outcome.latency).config
+    replay = replay_command(outcome.seed)
+    if not outcome.latency:
+        replay = f"gossipdl.experiments.fault_search.check_seed({outcome.seed}, DIR, latency=False)"
     faults = "\n".join(f"    {fault}" for fault in c.faults) or "    (none)"
     events = "\n".join(f"    {line}" for line in violation.events) or "    (none logged)"
     return (
@@ -156,10 +160,11 @@ def report(outcome: Outcome) -> str:
         f"  at {violation.at:.3f} s of virtual time: {violation.detail}\n"
         f"  swarm: {c.peers} peers, {c.topology}, {c.algorithm} {c.codec}, trigger {c.trigger}, "
         f"{c.steps} steps, heartbeat {c.heartbeat} s, dead_after {c.dead_after} s, "
-        f"round_timeout {c.round_timeout} s, checkpoint_every {c.checkpoint_every}, link {c.link}\n"
+        f"round_timeout {c.round_timeout} s, checkpoint_every {c.checkpoint_every}\n"
+        f"  devices: {c.profiles}\n"
         f"  faults:\n{faults}\n"
         f"  last events:\n{events}\n"
-        f"  replay: {replay_command(outcome.seed)}\n"
+        f"  replay: {replay}\n"
         f"  run directory: {outcome.run_dir}"
     )
 

@@ -160,11 +160,9 @@ class WatchedSimulation(Simulation):
             self._check_choco(peer, averager, ended)
         super()._progress(peer, progress)
 
-    def _step(self, peer: VirtualPeer) -> None:
-        steps = peer.steps
-        super()._step(peer)
-        if peer.steps > steps:
-            self._progressed[peer.id] = self.clock.now
+    def _stepped(self, peer: VirtualPeer) -> None:
+        super()._stepped(peer)  # (with overlap, a step ends with the round behind it)
+        self._progressed[peer.id] = self.clock.now
 
     def restart(self, peer_id: int) -> None:
         self._progressed[peer_id] = self.clock.now  # (its last life's copies stay: in flight)
