@@ -37,6 +37,7 @@ from gossipdl.protocol.joining import MODEL_WAIT_S
 from gossipdl.protocol.ps_server import ShardServer
 from gossipdl.transport import Transport, encode
 from gossipdl.transport.asked import NONCE
+from gossipdl.transport.wire import frames_size
 from gossipdl.trust import RemoteCodeError, config_from_peer
 
 PROBE = """
@@ -564,6 +565,39 @@ def test_a_receiver_that_never_reads_cannot_grow_the_senders_memory() -> None:
         tracemalloc.stop()
         sender.close(flush_timeout=0)
         sink.close(linger=0)
+
+
+def test_a_peer_busy_merging_holds_at_most_max_received_bytes_of_a_flood(hostile: Hostile) -> None:
+    """While the training thread holds the core lock (a long merge, a defence's pass), the
+    receive thread waits for it; ZeroMQ read on behind it, up to 10,000 messages of any size
+    per connection, before anyone checked the sender. Now at most ``max_received_bytes`` wait,
+    the rest is dropped and counted, and the peer takes up what waited once it is free."""
+    limit = 16 * 2**20
+    address, thread, made = founder(
+        model=torch.nn.Linear(3, 2), round_timeout=600, max_received_bytes=limit
+    )
+    join_as_member(hostile, address)
+    thread.join(30)
+    peer = made[0]
+    alive = encode("alive", 1, 0, 0, meta={"sent": -1, "life": 0})
+    flood = encode("params", 999, 0, 0, [np.ones(2**20, np.float32)])  # 4 MiB from a stranger
+    floods = 48
+    fit = (limit - frames_size(alive)) // frames_size(flood)
+    try:
+        base = rss_mib(os.getpid())
+        with peer._core:
+            hostile.send(address, alive)  # the member's: the receive thread waits for the lock
+            for _ in range(floods):
+                hostile.send(address, flood)
+            wait_for(lambda: dropped(peer, "receive_queue_full") == floods - fit, 10,
+                     f"all but {fit} of the flood dropped")  # fmt: skip
+            grown = rss_mib(os.getpid()) - base
+        assert grown < limit / 2**20 + 48, f"{grown:.0f} MiB held for a {limit >> 20} MiB limit"
+        hostile.send(address, encode("push", 1, 2, 0))  # a member's, after the flood
+        wait_for(lambda: dropped(peer, "unexpected") == 1, 10, "the member's next message")
+        assert dropped(peer, "unknown_sender") == fit  # what waited was handled, in order
+    finally:
+        peer.close()
 
 
 def test_messages_to_many_addresses_are_sent_under_the_socket_cap_without_drops() -> None:

@@ -194,6 +194,24 @@ def test_an_offline_link_sends_and_receives_nothing_then_carries_traffic_again()
         b.close()
 
 
+def test_a_message_its_downlink_still_carries_as_the_receiver_goes_offline_is_dropped() -> None:
+    """As the simulator drops it: read while online, 10 KB on an 80 kbit/s downlink take
+    1 s, and the receiver's offline window starts 0.5 s in; it was handed over late."""
+    arrived: list[int] = []
+    slow = LinkProfile(downlink_bps=80e3, offline=((0.5, 3.0),))
+    a = Transport("tcp://127.0.0.1:0", lambda msg: arrived.append(msg.round), link=slow)
+    b = Transport("tcp://127.0.0.1:0", lambda msg: None)
+    try:
+        a.start_link_clock()
+        b.send(a.address, encode("params", 2, 0, 7, [np.zeros(2500, np.float32)]))
+        wait_for(lambda: a.stats.snapshot()["messages_dropped"] == {"offline": 1}, 10,
+                 "the message dropped when its downlink time ended, offline")  # fmt: skip
+        assert arrived == [] and a.stats.bytes_received == 0
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_step_time_makes_every_step_last_that_long(tmp_path: Path) -> None:
     """A device's ``step_time`` sets how long a step lasts, on the simulator's virtual clock
     (a real peer waits out the rest of each step on the wall clock; that it applies the

@@ -231,3 +231,24 @@ def test_a_sender_queues_at_most_max_queued_bytes_per_destination() -> None:
     assert net.stats(0).dropped == {"send_queue_full": 3}
     assert net.stats(0).messages_sent == 3 == len(seen)
     assert [node for _, node in seen] == [1, 2, 1] and net.balanced()
+
+
+def test_a_receiver_holds_at_most_max_received_bytes_on_its_downlink() -> None:
+    """The real transport drops what does not fit its inbox of ``max_received_bytes`` read and
+    not handled yet (one message always fits); the simulator's downlink held any amount."""
+    clock = Scheduler()
+    net = SimNetwork(clock, max_received_bytes=10_000)
+    seen: list[tuple[float, int]] = []
+    net.attach(0, lambda s, f: seen.append((clock.now, s)), parse_link("down=80kbit"))
+    for node in (1, 2, 3):
+        net.attach(node, lambda s, f: None)
+    frames = _model(0, size=2_000)  # 0.81 s on the receiver's downlink
+    for src in (1, 2, 3):  # the first fits; the others do not fit behind it
+        net.send(src, 0, frames)
+    clock.at(1.0, lambda: net.send(3, 0, frames))  # the first was read: room again
+    clock.run()
+    size = frames_size(frames)
+    assert net.stats(0).dropped == {"receive_queue_full": 2}
+    assert net.stats(0).messages_received == 4 and net.stats(0).bytes_received == 4 * size
+    assert [src for _, src in seen] == [1, 3] and net.balanced()
+    assert seen[1][0] == pytest.approx(4 * 8 * size / 80e3)  # the dropped ones took their time

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -18,6 +18,11 @@ def set_params(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
         n = p.numel()
         p.copy_(flat[offset : offset + n].view_as(p))
         offset += n
+
+
+def parameter_bytes(params: Iterable[torch.Tensor]) -> int:
+    """The bytes ``params`` hold: one model's worth on the wire, dense."""
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def averaged_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

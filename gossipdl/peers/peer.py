@@ -41,7 +41,7 @@ from gossipdl.coordinator.ring import (
 )
 from gossipdl.coordinator.ring_powersgd import LowRankAllReduce
 from gossipdl.coordinator.shared_reduce import on_this_host
-from gossipdl.models.parameters import FlatParameters, averaged_parameters
+from gossipdl.models.parameters import FlatParameters, averaged_parameters, parameter_bytes
 from gossipdl.peers.membership import MAX_MEMBERS, Member, Membership, parse_members
 from gossipdl.protocol.core import CORE_KINDS, GossipCore, Send, Settings
 from gossipdl.protocol.joining import (
@@ -57,6 +57,7 @@ from gossipdl.transport import Message, Transport, WireError, encode
 from gossipdl.transport.addresses import check_address
 from gossipdl.transport.asked import NONCE, SharedAsked
 from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
+from gossipdl.transport.inbox import received_limit
 from gossipdl.transport.probe import CONNECT_WAIT_S, Unreachable, reachable
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import MAX_QUEUED_BYTES, LinkProfile
@@ -172,8 +173,11 @@ class Peer:
     Nothing a remote sender says can grow the peer without bound: the member
     table holds at most ``max_members`` entries, an ended member silent for
     ``forget_after`` seconds is forgotten, at most ``max_queued_bytes`` wait
-    to go to any one destination, and the module's ``MAX_*`` limits bound the
-    rest; each refused message is counted by its reason in ``stats()``.
+    to go to any one destination, at most ``max_received_bytes`` that arrived
+    wait for this peer to take them (while a long merge holds it; by default
+    :func:`received_limit`'s), and the
+    module's ``MAX_*`` limits bound the rest; each refused message is counted
+    by its reason in ``stats()``.
 
     Example (run once per rank, e.g. ``python train.py 0`` .. ``python train.py 3``)::
 
@@ -225,6 +229,7 @@ class Peer:
         max_members: int = MAX_MEMBERS,
         forget_after: float = FORGET_AFTER_S,
         max_queued_bytes: int = MAX_QUEUED_BYTES,
+        max_received_bytes: int | None = None,
         advertise: str | None = None,
         swarm_start: float | None = None,
         connect_wait: float = CONNECT_WAIT_S,
@@ -395,6 +400,7 @@ class Peer:
             link=link,
             seed=seed * 7919 + (rank or 0),
             max_queued_bytes=max_queued_bytes,
+            max_received_bytes=received_limit(max_received_bytes, parameter_bytes(self.params)),
             max_sockets=max_members + MAX_STRANGER_SOCKETS,
             on_failure=self._stop_on_failure,
             advertise=advertise,

@@ -46,7 +46,7 @@ from gossipdl.averaging.local_optimizer import LocalOptimizer, current_lr, mask_
 from gossipdl.conditions import DeviceProfile, Drift, device_of
 from gossipdl.config import Config, to_dict
 from gossipdl.data import BatchSampler, Dataset, evaluation_inputs
-from gossipdl.models.parameters import FlatParameters
+from gossipdl.models.parameters import FlatParameters, parameter_bytes
 from gossipdl.protocol.core import GossipCore, Progress, Send, Settings
 from gossipdl.protocol.joining import REJOIN_TRIES, late_steps, rejoin_retry
 from gossipdl.protocol.membership import Member, MemberTable
@@ -82,6 +82,7 @@ from gossipdl.training import (
     peer_sampler,
     save_atomic,
 )
+from gossipdl.transport.inbox import received_limit
 from gossipdl.transport.shaping import MAX_QUEUED_BYTES
 from gossipdl.transport.wire import WireError
 
@@ -239,6 +240,9 @@ class Simulation:
         )
         members = [Member(i, sim_address(i), 0) for i in range(config.peers)]
         template = initial_model(config, self.dataset)  # every peer starts from it
+        if self.mode != "ps":  # what a real peer holds read and not handled (a ps worker: less)
+            model_bytes = parameter_bytes(template.parameters())
+            self.network.max_received_bytes = received_limit(None, model_bytes)
         self.peers: list[VirtualPeer] = []
         for i in range(config.peers):
             model = copy.deepcopy(template)

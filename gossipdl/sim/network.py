@@ -9,8 +9,12 @@ a wire are fixed once sent), so every byte is counted as in a real run.
 
 A sender holds at most ``max_queued_bytes`` per destination that have not arrived there
 yet (the real transport's ``max_queued_mb``); a message past it is dropped
-(``send_queue_full``). A killed sender's messages that had not reached the receiver's
-downlink die with it (``dead``), as a real process's emulated link holds them.
+(``send_queue_full``). A receiver holds at most ``max_received_bytes`` that reached its
+downlink and are not read yet (the real transport's inbox; a simulated peer handles a message
+the moment it is read, so only the downlink holds them); a message past it is dropped
+(``receive_queue_full``), having taken its downlink time as a real one does. A killed sender's
+messages that had not reached the receiver's downlink die with it (``dead``), as a real
+process's emulated link holds them.
 
 Faults a schedule injects: partitions between groups of nodes, a clogged
 direction between two nodes (messages wait until it is unclogged), a dead
@@ -31,12 +35,21 @@ from functools import partial
 from typing import Any
 
 from gossipdl.sim.clock import Scheduler
+from gossipdl.transport.inbox import MAX_RECEIVED_BYTES
 from gossipdl.transport.shaping import MAX_QUEUED_BYTES, Link, LinkProfile
 from gossipdl.transport.stats import TransportStats
 
 Handler = Callable[[int, list[bytes]], None]  # (sender, frames)
 # Why a message did not arrive; each is a key of the ledger.
-DROP_REASONS = ("link_loss", "offline", "partition", "dead", "injected_loss", "send_queue_full")
+DROP_REASONS = (
+    "link_loss",
+    "offline",
+    "partition",
+    "dead",
+    "injected_loss",
+    "send_queue_full",
+    "receive_queue_full",
+)
 
 
 def _online(link: Link, now: float) -> bool:
@@ -56,7 +69,8 @@ class NetworkError(ValueError):
 @dataclass
 class _Held:
     """What a sender's link holds for one destination until it arrives there: the real
-    transport's queue for it (arrivals at one destination keep their order)."""
+    transport's queue for it (arrivals at one destination keep their order); or what a
+    receiver's downlink holds until it is read: the real transport's inbox."""
 
     arrivals: deque[tuple[float, int]] = field(default_factory=deque)  # (arrival, bytes)
     nbytes: int = 0
@@ -76,17 +90,23 @@ class _Node:
     alive: bool = True
     life: int = 0  # kills so far: what its links held dies with the process
     held: dict[int, _Held] = field(default_factory=dict)  # per destination
+    downlink: _Held = field(default_factory=_Held)  # arrived, not read yet
 
 
 class SimNetwork:
     """Nodes by integer id, their links, and the faults currently injected."""
 
     def __init__(
-        self, clock: Scheduler, seed: int = 0, max_queued_bytes: int = MAX_QUEUED_BYTES
+        self,
+        clock: Scheduler,
+        seed: int = 0,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
+        max_received_bytes: int = MAX_RECEIVED_BYTES,
     ) -> None:
         self.clock = clock
         self.seed = seed
         self.max_queued_bytes = max_queued_bytes
+        self.max_received_bytes = max_received_bytes
         self.ledger: Counter[str] = Counter()
         self._nodes: dict[int, _Node] = {}
         self._rng = random.Random(seed)
@@ -110,6 +130,7 @@ class SimNetwork:
         dead.alive = False
         dead.life += 1
         dead.held.clear()
+        dead.downlink = _Held()
 
     def revive(self, node: int) -> None:
         """The node, dead before, is back (a restart): messages reach it again, over a link
@@ -271,9 +292,10 @@ class SimNetwork:
 
     def _arrive(self, src: int, dst: int, frames: list[bytes], size: int, sent: int) -> None:
         """At the receiver's downlink, from the sender's life ``sent`` (one killed since lost
-        it): dropped there if the receiver is offline, as the real one drops it unread; else
-        read once the downlink has carried it, by the process that took it in (one that dies
-        meanwhile loses it)."""
+        it): dropped there if the receiver is offline, as the real one drops it unread, or
+        after taking its downlink time if the downlink holds ``max_received_bytes`` already
+        (counted as read, as the real one counts it); else read once the downlink has
+        carried it, by the process that took it in (one that dies meanwhile loses it)."""
         node = self._nodes[dst]
         if self._nodes[src].life != sent:
             self._in_flight -= 1
@@ -284,6 +306,16 @@ class SimNetwork:
             self._in_flight -= 1
         else:
             ready = node.link.receive(size, self.clock.now)
+            held = node.downlink.at(self.clock.now)
+            if held and held + size > self.max_received_bytes:  # one message always fits
+                self._in_flight -= 1
+                self.ledger["receive_queue_full"] += 1
+                node.stats.bytes_received += size
+                node.stats.messages_received += 1
+                node.stats.drop("receive_queue_full")
+                return
+            node.downlink.arrivals.append((ready, size))
+            node.downlink.nbytes += size
             self.clock.at(ready, partial(self._deliver, src, dst, frames, size, node.life))
 
     def _deliver(

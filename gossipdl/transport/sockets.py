@@ -1,13 +1,17 @@
 """ZeroMQ endpoint of one peer: a ROUTER for everything inbound, a DEALER per destination.
 
-Sending and receiving each run on their own background thread, so the training
-thread only enqueues outgoing messages and reads validated ones. ZeroMQ
-sockets are not thread-safe: the ROUTER belongs to the receive thread and the
+Sending runs on a background thread, so the training thread only enqueues
+outgoing messages. Receiving runs on two: the read thread drains the ROUTER into
+an :class:`~gossipdl.transport.inbox.Inbox` bounded in bytes and never waits, so
+ZeroMQ never piles up what a busy peer has not taken yet; the receive thread
+hands the messages, in order, to the owner, which may wait for its own locks.
+ZeroMQ sockets are not thread-safe: the ROUTER belongs to the read thread and the
 DEALERs to the send thread. Every byte counted here is a byte of a frame handed
 to or taken from a socket. With an emulated link (``link``, see ``shaping``) the
 send thread holds each message until the link would have delivered it, and the
-receive thread waits out the downlink before reading the next one; inside an
-offline window both drop what they see (reason ``offline``) without counting it.
+receive thread waits out a message's downlink time before handing it over (it is
+in the inbox meanwhile); inside an offline window the send and read threads drop
+what they see (reason ``offline``) without counting it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from gossipdl.transport.addresses import address_problem, advertised_address, is_loopback
 from gossipdl.transport.curve import Curve
+from gossipdl.transport.inbox import MAX_RECEIVED_BYTES, Inbox
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import MAX_QUEUED_BYTES, Link, LinkProfile
 from gossipdl.transport.stats import TransportStats
@@ -54,6 +59,10 @@ SOCKET_FREE_S = 0.5  # a full context is waited on this long for closed sockets'
 # logged at most once per REFUSED_LOG_S. Every refusal counts in ``handshakes_refused``.
 MAX_REFUSED_KEYS = 1024
 REFUSED_LOG_S = 1.0
+# Messages ZeroMQ reads ahead of the read thread per connection (its default is 1000); beyond
+# them it stops reading that connection and TCP holds the rest back at the sender. The read
+# thread keeps up (it only checks and queues), so this bounds what a starved one leaves there.
+RECEIVE_HWM = 64
 
 
 class TransportError(RuntimeError):
@@ -121,8 +130,12 @@ class _AllowList:
 class Transport:
     """Bind ``listen``, deliver every validated inbound message to ``on_message``.
 
-    ``on_message`` runs on the receive thread; it may raise WireError to have
-    the message counted as dropped. Any other exception is not a bad message
+    ``on_message`` runs on the receive thread, one message at a time in the
+    order they were read; it may wait (for a lock held by a long merge): what
+    arrives meanwhile waits in an inbox of at most ``max_received_bytes``
+    (one message always fits), and what does not fit is dropped and counted
+    (``receive_queue_full``). It may raise WireError to have the message
+    counted as dropped. Any other exception is not a bad message
     but a bug or an exhausted resource (out of memory): it is logged with its
     traceback, kept as ``failure``, reported to ``on_failure``, and the
     endpoint stops receiving, so its owner stops with a clear error instead
@@ -154,6 +167,7 @@ class Transport:
         link: LinkProfile | None = None,
         seed: int = 0,
         max_queued_bytes: int = MAX_QUEUED_BYTES,
+        max_received_bytes: int = MAX_RECEIVED_BYTES,
         max_sockets: int = MAX_SOCKETS,
         on_failure: Callable[[BaseException], None] | None = None,
         advertise: str | None = None,
@@ -164,10 +178,10 @@ class Transport:
                 f"cannot advertise {advertise!r}: {problem}; give the tcp://HOST:PORT other "
                 "machines dial to reach this one"
             )
-        if max_queued_bytes < 1 or max_sockets < 1:
+        if min(max_queued_bytes, max_received_bytes, max_sockets) < 1:
             raise ValueError(
-                f"max_queued_bytes = {max_queued_bytes}, max_sockets = {max_sockets}; "
-                "both must be at least 1"
+                f"max_queued_bytes = {max_queued_bytes}, max_received_bytes = "
+                f"{max_received_bytes}, max_sockets = {max_sockets}; each must be at least 1"
             )
         self.stats = TransportStats()
         self.failure: BaseException | None = None  # set by the receive thread, then it stops
@@ -201,7 +215,7 @@ class Transport:
             self._router.curve_publickey = curve.public.encode()
             self._router.curve_server = True
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.RCVHWM, 10000)
+        self._router.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         # A frame larger than any legitimate one (a header, or an array of a message
         # within the limit) cuts the connection before it is buffered; a message
         # over the limit but with smaller frames is counted as oversize in ``decode``.
@@ -235,15 +249,17 @@ class Transport:
             queue.SimpleQueue()
         )
         self._open_sockets = 0  # outgoing connections open now (the send thread's count)
+        # Read and not handled yet: (frames, their bytes, when the downlink has carried them).
+        self._inbox: Inbox[tuple[list[zmq.Frame], int, float]] = Inbox(max_received_bytes)
+        self._inbox_warned = False  # said the inbox is full; again only after a message fit
         self._stop = threading.Event()
-        self._recv_thread = threading.Thread(
-            target=self._recv_loop, name=f"{name}-recv", daemon=True
-        )
-        self._send_thread = threading.Thread(
-            target=self._send_loop, name=f"{name}-send", daemon=True
-        )
-        self._recv_thread.start()
-        self._send_thread.start()
+        loops = {"read": self._read_loop, "recv": self._recv_loop, "send": self._send_loop}
+        self._threads = [
+            threading.Thread(target=loop, name=f"{name}-{role}", daemon=True)
+            for role, loop in loops.items()
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def set_key(self, address: str, key: str) -> None:
         """The public key of the peer listening at ``address`` (CURVE needs it to connect)."""
@@ -315,11 +331,16 @@ class Transport:
         return sent.wait(timeout)
 
     def close(self, flush_timeout: float = 5.0) -> None:
-        """Send what is queued (up to ``flush_timeout``), then stop both threads."""
+        """Send what is queued (up to ``flush_timeout``), then stop the threads; what was
+        read and not handled yet is let go."""
+        read, recv, send = self._threads
         self._outbox.put(None)
-        self._send_thread.join(flush_timeout)
+        send.join(flush_timeout)
         self._stop.set()
-        self._recv_thread.join(2.0)
+        self._inbox.close()
+        deadline = time.monotonic() + 2.0
+        for thread in (read, recv):
+            thread.join(max(0.0, deadline - time.monotonic()))
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
@@ -528,8 +549,9 @@ class Transport:
         dealer.connect(address)
         return dealer
 
-    # ----------------------------------------------------------------- receive thread
-    def _recv_loop(self) -> None:
+    # ----------------------------------------------------------------- read thread
+    def _read_loop(self) -> None:
+        """Drain the ROUTER into the inbox as fast as messages come; never wait on the owner."""
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         try:
@@ -541,24 +563,61 @@ class Transport:
                         frames = self._router.recv_multipart(copy=False, flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if self._link is not None and not self._link.online(time.monotonic()):
-                        self.stats.drop("offline")
-                        continue
-                    if self._link is not None and self._link.profile.downlink_bps:
-                        size = sum(len(f) for f in frames[1:])
-                        arrival = self._link.receive(size, time.monotonic())
-                        if self._stop.wait(max(0.0, arrival - time.monotonic())):
-                            break  # closing: a slow link's message is not waited out
-                    # frames[0] is the ROUTER's routing id: one per connection
-                    if self._limiter.allow(frames[0].bytes, time.monotonic()):
-                        self._handle(frames[1:])
-                    else:
-                        self._count_received(frames[1:])
-                        self.stats.drop("rate_limited")
-        except zmq.ContextTerminated:  # closed under a message that took past the join
+                    self._take_in(frames)
+        except zmq.ContextTerminated:  # closed while the read thread was still reading
             pass
         finally:
             self._router.close()
+
+    def _take_in(self, frames: list[zmq.Frame]) -> None:
+        """Queue one message read off the ROUTER for the receive thread, unless its link is
+        offline, its connection over its rate, or the inbox full (each dropped and counted)."""
+        now = time.monotonic()
+        if self._link is not None and not self._link.online(now):
+            self.stats.drop("offline")
+            return
+        message = frames[1:]  # frames[0] is the ROUTER's routing id: one per connection
+        size = sum(len(f) for f in message)
+        ready = now  # when the emulated downlink has carried it (it is in the inbox meanwhile)
+        if self._link is not None and self._link.profile.downlink_bps:
+            ready = self._link.receive(size, now)
+        if not self._limiter.allow(frames[0].bytes, now):
+            self._count_received(message)
+            self.stats.drop("rate_limited")
+        elif self._inbox.put((message, size, ready), size):
+            self._inbox_warned = False
+        else:
+            self._count_received(message)
+            self.stats.drop("receive_queue_full")
+            if not self._inbox_warned:
+                self._inbox_warned = True
+                log.warning(
+                    "%s: %d bytes read wait for the peer to take them (max_received_bytes "
+                    "%d); dropping what arrives meanwhile (a larger limit holds more)",
+                    self._name,
+                    self._inbox.held,
+                    self._inbox.max_bytes,
+                )
+
+    # ----------------------------------------------------------------- receive thread
+    def _recv_loop(self) -> None:
+        """Hand each message in the inbox to the owner, in order, once its downlink time is
+        over; stop at close or at the first failure (what is left in the inbox is let go)."""
+        try:
+            while self.failure is None and (item := self._inbox.get()) is not None:
+                message, size, ready = item
+                try:
+                    wait = ready - time.monotonic()
+                    if wait > 0 and self._stop.wait(wait):
+                        return  # closing: a slow link's message is not waited out
+                    if self._link is not None and not self._link.online(time.monotonic()):
+                        self.stats.drop("offline")  # went offline as its downlink carried it
+                        continue
+                    self._handle(message)
+                finally:
+                    self._inbox.done(size)
+        finally:
+            self._inbox.close()
 
     def refused(self, exc: WireError) -> None:
         """Count a refused message by its reason and log one line naming its sender (the
