@@ -496,6 +496,22 @@ def test_neighbour_statistics_are_weighted_by_rounds_and_malformed_ones_skipped(
     assert row["distance"] == pytest.approx(1.75) and row["filtered"] == pytest.approx(0.3)
 
 
+def test_neighbour_statistics_add_up_every_life_of_a_restarted_peer() -> None:
+    """Peer 1 judged neighbour 2 for 20 rounds, was killed and resumed from a checkpoint: its
+    judge counted from 0 again (121 rounds, as in a simulated run with a fault). Both lives
+    count, the peer once among the judges; only the last life's 121 rounds counted before."""
+    from gossipdl.experiments.summary import judged_neighbours
+
+    def seen(rounds: int, distance: float) -> dict[str, Any]:
+        return {"neighbours": {"2": {"rounds": rounds, "distance": distance, "filtered": 1.0}}}
+
+    lines = {1: [{"start": True}, seen(10, 100.0), seen(20, 250.0),
+                 {"start": True, "resumed": True}, seen(10, 700.0), seen(121, 950.0)]}  # fmt: skip
+    (row,) = judged_neighbours(lines)
+    assert (row["id"], row["judged"], row["rounds"]) == (2, 1, 141)
+    assert row["distance"] == pytest.approx((20 * 250.0 + 121 * 950.0) / 141)
+
+
 def write_lines(run: RunDir, peer: int, lines: list[dict[str, Any]]) -> None:
     """Peer ``peer``'s metrics file, these lines, one JSON object each."""
     run.metrics(peer).write_text("".join(json.dumps({"peer": peer, **x}) + "\n" for x in lines))

@@ -4,6 +4,7 @@ known bad vector, and each attack is what its paper describes."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -421,7 +422,7 @@ def test_a_defended_peer_sets_aside_a_neighbour_whose_model_stopped_moving() -> 
 def test_a_defence_is_named_and_checked_in_the_config() -> None:
     from gossipdl.config import ConfigError, load_config
 
-    assert load_config(None, defence="clip:2").defence == "clip:2"
+    assert load_config(None, defence="clip:2", topology="complete").defence == "clip:2"
     assert robust.parse_defence("balance:0.3") == robust.Defence("balance", 0.3)
     assert robust.parse_defence("balance::2") == robust.Defence("balance", 0.5, 2.0)
     assert robust.parse_defence("clip+descent:0.2") == robust.Defence("clip", 1.0, 0.0, 0.2)
@@ -445,6 +446,109 @@ def test_a_defence_is_named_and_checked_in_the_config() -> None:
         load_config(None, defence="clip", algorithm=algorithm, codec="topk:0.1")
     with pytest.raises(ConfigError, match="mode 'ring'"):
         load_config(None, defence="median", mode="ring")
+
+
+@pytest.mark.parametrize(
+    ("topology", "defence", "says"),
+    [
+        ("star", "clip", "a peer there has 1 neighbour, and clipping for 1 bad neighbour"),
+        ("star", "trimmed", "has 1 neighbour, and a trimmed mean of TRIM 1"),
+        ("star", "median+descent", "has 1 neighbour, and the median"),
+        ("one-peer-exponential", "clip", "has 1 neighbour a round"),
+        ("one-peer-exponential", "median", "has 1 neighbour a round"),
+        ("ring", "clip:2", "has 2 neighbours, .* only with 3 or more, .* use clip:1, defence bal"),
+        ("ring", "trimmed:2", "only with 4 or more, .* use trimmed:1, defence balance"),
+        ("torus", "trimmed:2", "has 3 neighbours"),  # 2x4: three neighbours a peer
+    ],
+)
+def test_a_defence_that_could_never_mix_on_the_graph_is_refused(
+    topology: str, defence: str, says: str
+) -> None:
+    """A peer with too few neighbours for its rule keeps its own model every round (clipping's
+    radius is 0, the coordinate-wise rules too few values): 8 peers on a star or the one-peer
+    exponential graph ended 4.69 apart, plain gossip 0.002. Refused before any peer starts;
+    BALANCE, and the same rules on denser graphs, are not."""
+    from gossipdl.config import ConfigError, load_config
+
+    with pytest.raises(
+        ConfigError, match=re.escape(f"defence = {defence!r} on topology = {topology!r}")
+    ):
+        load_config(None, peers=8, topology=topology, defence=defence)
+    with pytest.raises(ConfigError, match=says):
+        load_config(None, peers=8, topology=topology, defence=defence)
+    load_config(None, peers=8, topology=topology, defence="balance")
+    load_config(None, peers=8, topology="exponential", defence=defence)  # 4 neighbours or more
+
+
+def test_a_median_of_three_on_a_ring_is_cautioned_before_the_run() -> None:
+    """With two neighbours the median and a trimmed mean of TRIM 1 take the median of three
+    models, which has fixed points apart: a warning names it before the run; not on graphs
+    of three neighbours or more, nor for clipping."""
+    from gossipdl.config import cautions, load_config
+
+    for defence in ("median", "trimmed", "trimmed:1+descent"):
+        (text,) = cautions(load_config(None, peers=8, topology="ring", defence=defence))
+        assert "median of three models" in text and "defence clip or balance" in text
+    for topology, defence in (("exponential", "median"), ("ring", "clip"), ("torus", "trimmed")):
+        assert cautions(load_config(None, peers=8, topology=topology, defence=defence)) == []
+
+
+def test_every_attack_of_the_swarm_is_checked_in_the_config() -> None:
+    """Two liars with different attacks: the second one's is checked too (dissensus on CHOCO
+    crashed at run time behind a scaled liar). ALIE's z, from how many are honest, cannot be
+    worked out when every peer lies (it crashed at run time): refused, not with a z given."""
+    from gossipdl.config import ConfigError, load_config
+
+    two = {
+        "a": {"peers": "0", "byzantine": "scaled"},
+        "b": {"peers": "3", "byzantine": "dissensus"},
+    }
+    with pytest.raises(ConfigError, match="byzantine 'dissensus' sends each neighbour"):
+        load_config(None, peers=6, algorithm="choco", codec="topk:0.1", profiles=two)
+    load_config(None, peers=6, profiles=two)  # dense gossip takes both
+
+    def everyone(spec: str) -> dict[str, Any]:
+        return {"a": {"peers": "*", "byzantine": spec}}
+
+    with pytest.raises(ConfigError, match=r"byzantine 'alie' on all 4 peers; .* give z"):
+        load_config(None, peers=4, profiles=everyone("alie"))
+    load_config(None, peers=4, profiles=everyone("alie:1"))
+    load_config(None, peers=4, profiles={"a": {"peers": "0-2", "byzantine": "alie"}})
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("ipm:-1", "ipm's ε is -1; give one above 0"),
+        ("ipm:0", "ipm's ε is 0; give one above 0, e.g. the default ipm:0.1"),
+        ("dissensus:-2", "dissensus's ε is -2"),
+        ("dissensus:0", "dissensus's ε is 0"),
+        ("gaussian:-1", "gaussian's σ is -1"),
+        ("gaussian:0", "gaussian's σ is 0"),
+    ],
+)
+def test_an_attack_number_of_the_wrong_sign_is_refused(spec: str, says: str) -> None:
+    """ε <= 0 makes IPM and dissensus no attack (or a help), σ <= 0 is no noise: refused with
+    the number's name and the default; the config says so before any peer starts."""
+    from gossipdl.config import ConfigError, load_config
+
+    with pytest.raises(ValueError, match=says):
+        attacks.parse_attack(spec)
+    with pytest.raises(ConfigError, match=says):
+        load_config(None, profiles={"a": {"peers": "0", "byzantine": spec}})
+    for fine in ("ipm:0.5", "dissensus:1", "gaussian:2", "scaled:-3", "alie:-1"):
+        attacks.parse_attack(fine)
+
+
+def test_alie_without_a_z_is_refused_where_nothing_works_it_out() -> None:
+    """A peer built with ``Attack('alie', None)`` (``gossipdl.Peer``, ``build_averager``)
+    sent the crowd's plain mean, z being 0: it must be given a z."""
+    from gossipdl.averaging import build_averager
+
+    with pytest.raises(ValueError, match="byzantine 'alie' has no z here"):
+        build_averager("dense", attack=attacks.parse_attack("alie"))
+    liar = build_averager("dense", attack=attacks.Attack("alie", attacks.alie_z(16, 2)))
+    assert liar.attack.param == pytest.approx(0.157, abs=1e-3)  # type: ignore[attr-defined]
 
 
 def test_a_simulated_swarm_trains_under_every_defence(tmp_path: Path) -> None:

@@ -151,4 +151,15 @@ def parse_attack(spec: str) -> Attack:
         raise ValueError(usage) from None
     if param is not None and not math.isfinite(param):
         raise ValueError(f"{usage} (its number must be finite)")
+    no_attack = {
+        "ipm": "ε <= 0 sends a positive multiple of the honest mean (0: a zero model)",
+        "dissensus": "ε 0 sends the victim its own model, ε < 0 pulls it towards consensus",
+        "gaussian": "σ 0 sends the model unchanged, and σ is a standard deviation",
+    }
+    if name in no_attack and param is not None and param <= 0:
+        symbol = "σ" if name == "gaussian" else "ε"
+        raise ValueError(
+            f"{usage} ({name}'s {symbol} is {param:g}; give one above 0, e.g. the default "
+            f"{name}:{_DEFAULTS[name]:g}: {no_attack[name]})"
+        )
     return Attack(name, param)

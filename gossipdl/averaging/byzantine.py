@@ -6,8 +6,10 @@ these classes).
 The attacker knows what a member knows: its own model and the models its neighbours
 sent it in the last round. ALIE and inner-product manipulation use those as the honest
 crowd; dissensus sends each neighbour its own message, built from that neighbour's last
-model and the others' as the honest pull, with the attacker's row of the (symmetric)
-mixing matrix as the victim's weights. The attacker itself averages honestly, so the
+model and the attacker's other neighbours' as the honest pull, with the attacker's row of
+the (symmetric) mixing matrix as the victim's weights: the paper's formula with what the
+attacker sees, not the victim's own neighbourhood (:func:`dissensus_for` says where they
+differ). The attacker itself averages honestly, so the
 models it perturbs stay plausible. A stale peer sends the model of its first round
 forever; a label-flipping one sends honestly and poisons its data instead
 (:func:`gossipdl.training.peer_sampler`).
@@ -34,6 +36,12 @@ class Attacker:
     copies). Dissensus, which aims a model at each neighbour, is :func:`dissensus_for`."""
 
     def __init__(self, attack: attacks.Attack, seed: int) -> None:
+        if attack.name == "alie" and attack.param is None:
+            raise ValueError(
+                "byzantine 'alie' has no z here (it would send the crowd's plain mean): give "
+                "one, Attack('alie', Z) or parse_attack('alie:Z'), or the swarm's own, "
+                "Attack('alie', alie_z(peers, byzantine)); simulate and launch work it out"
+            )
         self.attack = attack
         self._frozen: torch.Tensor | None = None
         self._noise = torch.Generator().manual_seed(seed + 104729)
@@ -84,8 +92,17 @@ def dissensus_for(
     rnd: Round,
 ) -> torch.Tensor:
     """What neighbour ``victim`` gets under dissensus: its last model (``seen``, by id) pushed
-    against the others' pull, with the attacker's row of the (symmetric) mixing matrix as
-    the victim's weights."""
+    against the pull of the attacker's *other* neighbours, with the attacker's row of the
+    (symmetric) mixing matrix as their weights, divided by the attacker's own weight in the
+    victim's row.
+
+    Not the paper's formula (He, Karimireddy & Jaggi 2022: the pull of the victim's honest
+    neighbours with the victim's weights, over all Byzantine neighbours' weight), which
+    needs the models of the victim's neighbours; an attacker here knows only its own.
+    Where the two neighbourhoods overlap it cancels (ε = 1) or reverses the victim's pull
+    as the paper's does; where they do not it may strengthen it (a ring: the attacker's
+    other neighbour sits on the far side), and each liar next to the victim pushes as if
+    it were the only one."""
     own = seen.get(victim, x)
     others = [j for j in seen if j != victim]
     honest = torch.stack([seen[j] for j in others]) if others else x.unsqueeze(0)

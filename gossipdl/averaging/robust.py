@@ -405,6 +405,28 @@ class Defence:
         aside = ((neighbours < low) | (neighbours > high)).double().mean(1)
         return Judgement(_kept_mean(ordered, trim), gaps, aside, aside)
 
+    @property
+    def least_neighbours(self) -> int:
+        """The fewest neighbours with which this rule ever takes a neighbour's model in
+        (:meth:`judge`): clipping more than BAD (with BAD or fewer its radius is 0), a
+        trimmed mean 2·TRIM (the peer and they must be 2·TRIM + 1 values), the median 2
+        (3 values); BALANCE and a trimmed mean of TRIM 0 one. A peer with fewer keeps its
+        own model every round and never mixes, attack or not (8 peers on a star or the
+        one-peer exponential graph: consensus distance 4.69 against plain gossip's 0.002),
+        so a config whose graph gives a peer fewer is refused.
+
+        Example:
+            >>> [parse_defence(s).least_neighbours for s in ("clip:2", "trimmed", "median")]
+            [3, 2, 2]
+        """
+        if self.rule == "clip":
+            return int(self.param) + 1
+        if self.rule == "trimmed":
+            return max(1, 2 * int(self.param))
+        if self.rule == "median":
+            return 2
+        return 1
+
     def _relative_limit(self, gaps: torch.Tensor) -> float:
         """BALANCE's second bound: RHO times the :func:`median_gap` (three or more
         neighbours; none without RHO)."""

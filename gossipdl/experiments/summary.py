@@ -284,31 +284,45 @@ its rounds and twice as often as the median neighbour, or when its mean distance
 models of the peers that judged it is ``SUSPECT_DISTANCE`` times the median one."""
 
 
+def _judged_per_life(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each life's latest ``neighbours`` record of one peer's lines, a life beginning at a
+    ``start`` line: a peer's judge counts from 0 in every life, resumed from a checkpoint or
+    not (the checkpoint holds no verdicts)."""
+    lives: list[dict[str, Any]] = []
+    latest: dict[str, Any] = {}
+    for record in records:
+        if record.get("start") and latest:
+            lives.append(latest)
+            latest = {}
+        if isinstance(record.get("neighbours"), dict):
+            latest = record["neighbours"]
+    return [*lives, latest] if latest else lives
+
+
 def judged_neighbours(lines: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """What the peers' defences saw of each neighbour over the run (each peer's latest
-    ``neighbours`` record): per neighbour ``id``, the peers that ``judged`` it, its
-    ``rounds``, its mean ``distance`` to their models and the share ``filtered`` (set
-    aside), both weighted by rounds, and ``suspect`` (see :data:`SUSPECT_SHARE`). Most
-    suspect first; empty when no peer ran a defence. Entries that are not numbers are
-    skipped: a reader of a live run directory takes what it can."""
+    ``neighbours`` record of each of its lives, added up): per neighbour ``id``, the peers
+    that ``judged`` it, its ``rounds``, its mean ``distance`` to their models and the share
+    ``filtered`` (set aside), both weighted by rounds, and ``suspect`` (see
+    :data:`SUSPECT_SHARE`). Most suspect first; empty when no peer ran a defence. Entries
+    that are not numbers are skipped: a reader of a live run directory takes what it can."""
     sums: dict[int, list[float]] = {}  # id -> [judges, rounds, Σ rounds·distance, Σ rounds·share]
     for records in lines.values():
-        latest: dict[str, Any] = next(
-            (r["neighbours"] for r in reversed(records) if isinstance(r.get("neighbours"), dict)),
-            {},
-        )
-        for key, seen in latest.items():
-            try:
-                j, n = int(key), float(seen["rounds"])
-                distance, share = float(seen["distance"]), float(seen["filtered"])
-            except (KeyError, TypeError, ValueError):
-                continue
-            if n > 0:
-                total = sums.setdefault(j, [0, 0.0, 0.0, 0.0])
-                total[0] += 1
-                total[1] += n
-                total[2] += n * distance
-                total[3] += n * share
+        judges: set[int] = set()  # the neighbours this peer judged, in any of its lives
+        for latest in _judged_per_life(records):
+            for key, seen in latest.items():
+                try:
+                    j, n = int(key), float(seen["rounds"])
+                    distance, share = float(seen["distance"]), float(seen["filtered"])
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if n > 0:
+                    total = sums.setdefault(j, [0, 0.0, 0.0, 0.0])
+                    total[0] += j not in judges
+                    judges.add(j)
+                    total[1] += n
+                    total[2] += n * distance
+                    total[3] += n * share
     rows = [
         {"id": j, "judged": int(k), "rounds": int(n), "distance": d / n, "filtered": f / n}
         for j, (k, n, d, f) in sums.items()

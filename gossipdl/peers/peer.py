@@ -129,7 +129,11 @@ class Peer:
     accused, and one that most of its neighbours accuse is evicted
     (:mod:`~gossipdl.protocol.eviction`); ``attack``
     (:func:`~gossipdl.averaging.attacks.parse_attack`) makes this peer a Byzantine one
-    that sends attacked models (for testing defences).
+    that sends attacked models (for testing defences). ALIE needs its z here
+    (``Attack("alie", Z)``, e.g. ``alie_z(peers, byzantine)``; without one it is refused),
+    and ``label-flip`` changes nothing here: it poisons the data, which your training
+    loop feeds, so flip the labels yourself
+    (:func:`~gossipdl.averaging.attacks.flip_labels`).
 
     ``trigger`` says when to talk: ``"always"`` (every step), ``"periodic:H"``
     (local SGD, every H steps) or ``"dynamic:DELTA[%][:B]"`` (every B steps,
