@@ -6,6 +6,7 @@ any machine, so each bug the search found is pinned here by its seed."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 from conftest import restore_logging, small_config
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 
 import gossipdl.cli as cli
 from gossipdl.averaging import Arrival
+from gossipdl.averaging.beer import Beer, Pair
 from gossipdl.averaging.choco import Choco
 from gossipdl.conditions import device_of
 from gossipdl.experiments import fault_search
@@ -271,6 +273,25 @@ def test_a_defended_choco_whose_copies_take_updates_a_resync_holds_breaks_the_in
     monkeypatch.setattr(Choco, "_add", add_everything)
     violation = fault_search.check_seed(99, str(tmp_path)).violation
     assert violation is not None and violation.invariant == "choco", violation
+
+
+def test_a_beer_that_adds_an_update_its_resync_holds_breaks_the_invariant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same check for BEER's two sums, s_h and s_g, which it did not look at: seed 24
+    draws BEER, whose peer 4 resyncs at round 63 while late updates are on their way."""
+    assert random_case(24).config.algorithm == "beer"
+
+    def add_everything(self: Beer, sender: int, arrival: Arrival) -> None:
+        assert self.s_h is not None and self.s_g is not None
+        pair = cast(Pair, arrival.value)
+        self.s_h.add_(pair.model, alpha=arrival.weight * self.scale)
+        self.s_g.add_(pair.tracker, alpha=arrival.weight * self.scale)
+
+    monkeypatch.setattr(Beer, "_add", add_everything)
+    violation = fault_search.check_seed(24, str(tmp_path)).violation
+    assert violation is not None and violation.invariant == "choco", violation
+    assert "its sum of h is" in violation.detail
 
 
 def test_a_range_that_holds_prints_one_line_and_exits_0(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from gossipdl.averaging.choco import Choco
+from gossipdl.averaging.beer import Beer
+from gossipdl.averaging.choco import Choco, PublicCopies
 from gossipdl.config import Config, tomllib
 from gossipdl.protocol.joining import MODEL_WAIT_S
 from gossipdl.rundir import RunDir
@@ -32,7 +33,8 @@ INVARIANTS = {
     "agreement": "once the faults heal, the live peers agree on one member table (every live "
     "peer in, every dead one out) and one symmetric topology",
     "choco": "after every CHOCO resync, s_i = W_ii x̂_i + Σ_j W_ij x̂_j, with W the weights the "
-    "round used and each x̂_j the neighbour's public copy of that round; a peer that learnt "
+    "round used and each x̂_j the neighbour's public copy of that round (BEER: the same for "
+    "its model's and its tracker's copies, h and g); a peer that learnt "
     "during the round that its weights were stale asks for another resync",
     "ledger": "every message sent is delivered, dropped with a counted reason, or lost to a "
     "fault the schedule injected",
@@ -73,6 +75,24 @@ class _Recent(logging.Handler):
         return tuple(f"{at:10.3f}s  {r.levelname:<7} {r.getMessage()}" for at, r in self.lines)
 
 
+PublicSum = tuple[str, torch.Tensor | None, torch.Tensor | None, dict[int, torch.Tensor] | None]
+
+
+def public_sums(averager: object) -> list[PublicSum]:
+    """An averager's public copies, each as (name, its own copy, the sum of its neighbours'
+    mixed with it, or the neighbours' copies kept apart): CHOCO's x̂ and s, BEER's model and
+    tracker copies h, g and their sums s_h, s_g; none for the other averagers."""
+    if isinstance(averager, Choco):
+        return [("x̂", averager.x_hat, averager.s, averager.copies)]
+    if isinstance(averager, Beer):
+        models, trackers = averager.models, averager.trackers
+        return [
+            ("h", averager.h, averager.s_h, None if models is None else models.copies),
+            ("g", averager.g, averager.s_g, None if trackers is None else trackers.copies),
+        ]
+    return []
+
+
 class WatchedSimulation(Simulation):
     """A gossip simulation of ``case`` that checks :data:`INVARIANTS` as it runs; after
     :meth:`watch` returns, :attr:`violation` holds the first one broken (or None)."""
@@ -82,7 +102,8 @@ class WatchedSimulation(Simulation):
         self.case = case
         self.violation: Violation | None = None
         self._recent = _Recent(self)
-        self._public: dict[int, dict[int, torch.Tensor]] = {}  # peer -> round -> its x̂
+        # peer -> round -> its public copies (CHOCO: x̂; BEER: h, g)
+        self._public: dict[int, dict[int, list[torch.Tensor]]] = {}
         # peer -> the weights of the round it has open, and its resyncs asked before it
         self._used: dict[int, tuple[Mixing, int]] = {}
         self._stale: dict[int, int] = {}  # peer -> its resyncs before a round with stale weights
@@ -138,10 +159,10 @@ class WatchedSimulation(Simulation):
         # (recorded first: a round with no one to wait for ends inside ``_open_round``)
         self._used[peer.id] = (core.mixing(index), core.counters.resyncs)
         super()._open_round(peer)
-        averager = core.averager
-        if isinstance(averager, Choco) and averager.x_hat is not None:
+        publics = public_sums(core.averager)
+        if publics and all(own is not None for _, own, _, _ in publics):
             kept = self._public.setdefault(peer.id, {})
-            kept[index] = averager.x_hat.clone()
+            kept[index] = [own.clone() for _, own, _, _ in publics if own is not None]
             kept.pop(index - PUBLIC_ROUNDS_KEPT, None)
             resyncs = self._stale.pop(peer.id, None)
             if resyncs is not None and core.counters.resyncs == resyncs:
@@ -154,10 +175,9 @@ class WatchedSimulation(Simulation):
     def _progress(self, peer: VirtualPeer, progress: Any) -> None:
         averager = peer.core.averager
         ended = peer.core.round - 1  # the poll that made ``progress`` closed it, if it did
-        resynced = isinstance(averager, Choco) and averager.resynced == ended
+        resynced = isinstance(averager, PublicCopies) and averager.resynced == ended
         if progress.model is not None and resynced:
-            assert isinstance(averager, Choco)
-            self._check_choco(peer, averager, ended)
+            self._check_public_sums(peer, ended)
         super()._progress(peer, progress)
 
     def _stepped(self, peer: VirtualPeer) -> None:
@@ -259,45 +279,45 @@ class WatchedSimulation(Simulation):
                         f"neighbours are {other.neighbours(future)}",
                     )
 
-    def _check_choco(self, peer: VirtualPeer, averager: Choco, index: int) -> None:
-        """s_i rebuilt at round ``index`` equals the mix of the public copies of that round
-        with the weights the round used (if the peer learnt better while it waited, it must
-        resync again); a peer that keeps the copies apart (a defence) must hold each one."""
-        assert averager.x_hat is not None
+    def _check_public_sums(self, peer: VirtualPeer, index: int) -> None:
+        """Each sum rebuilt at round ``index`` (CHOCO's s; BEER's s_h, s_g) equals the mix of
+        the public copies of that round with the weights the round used (if the peer learnt
+        better while it waited, it must resync again); a peer that keeps the copies apart (a
+        defence) must hold each one."""
         (weights, self_weight), resyncs = self._used[peer.id]
-        s = averager.s
-        if averager.copies is not None:
-            if set(averager.copies) != set(weights):
-                self._record_violation(
-                    "choco",
-                    f"peer {peer.id} resynced at round {index} with neighbours "
-                    f"{sorted(weights)}, but holds copies of {sorted(averager.copies)}",
-                )
-                return
-            s = averager.x_hat * self_weight
-            for j, weight in weights.items():
-                s = s + weight * averager.copies[j]
-        assert s is not None
         if peer.core.mixing(index) != (weights, self_weight):
             self._stale[peer.id] = resyncs  # a resync asked since the round opened fixes it
-        expected = averager.x_hat * self_weight
-        for j, weight in weights.items():
-            copy = self._public.get(j, {}).get(index)
-            if copy is None:
+        for n, (name, own, total, copies) in enumerate(public_sums(peer.core.averager)):
+            assert own is not None
+            if copies is not None:
+                if set(copies) != set(weights):
+                    self._record_violation(
+                        "choco",
+                        f"peer {peer.id} resynced at round {index} with neighbours "
+                        f"{sorted(weights)}, but holds copies of {name} of {sorted(copies)}",
+                    )
+                total = own * self_weight
+                for j, weight in weights.items():
+                    total = total + weight * copies[j]
+            assert total is not None
+            expected = own * self_weight
+            for j, weight in weights.items():
+                copy = self._public.get(j, {}).get(index)
+                if copy is None:
+                    self._record_violation(
+                        "choco",
+                        f"peer {peer.id} resynced at round {index} with neighbour {j}, which "
+                        "never sent that round's update",
+                    )
+                    return
+                expected = expected + weight * copy[n]
+            error = float((total - expected).abs().max())
+            if not error <= CHOCO_TOLERANCE:
                 self._record_violation(
                     "choco",
-                    f"peer {peer.id} resynced at round {index} with neighbour {j}, which "
-                    "never sent that round's update",
+                    f"peer {peer.id} resynced at round {index} (neighbours {sorted(weights)}): "
+                    f"its sum of {name} is {error:.3g} from W_ii {name}_i + Σ W_ij {name}_j",
                 )
-                return
-            expected = expected + weight * copy
-        error = float((s - expected).abs().max())
-        if not error <= CHOCO_TOLERANCE:
-            self._record_violation(
-                "choco",
-                f"peer {peer.id} resynced at round {index} (neighbours {sorted(weights)}): "
-                f"its s is {error:.3g} from W_ii x̂_i + Σ W_ij x̂_j",
-            )
 
     def _check_run_dir(self) -> None:
         """Every file of the run directory parses, every metrics line whole."""
