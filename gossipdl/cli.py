@@ -794,6 +794,54 @@ def _check_addresses(listen: str | None, dialled: dict[str, str | None]) -> None
                 raise ConfigError(f"{flag} {address!r}: {problem}")
 
 
+def _check_answerable(listen: str, advertise: str | None, dialled: dict[str, str | None]) -> None:
+    """ConfigError, before any wait, when the address we tell others to answer (``advertise``,
+    else ``listen``) only reaches this machine and a ``dialled`` address (flag -> comma-separated
+    addresses) is on another one: its replies would go to that machine's own loopback, and
+    we would wait out the whole timeout blaming it."""
+    from gossipdl.transport.addresses import is_loopback
+
+    ours = advertise or listen
+    if not is_loopback(ours):
+        return
+    for flag, value in dialled.items():
+        for address in (a.strip() for a in str(value or "").split(",") if a.strip()):
+            if not _on_this_machine(address):
+                raise ConfigError(
+                    f"{flag} {address} is another machine, but we would tell it to answer at "
+                    f"{ours}, which only this machine reaches: listen on every interface with "
+                    "--listen tcp://0.0.0.0:0, or give --advertise tcp://HOST:PORT with an "
+                    "address it reaches"
+                )
+
+
+def _on_this_machine(address: str) -> bool:
+    """Whether ``address``'s host is this machine: a loopback address, or one of its own
+    (a host name is resolved; one that does not resolve is left to the connection to report)."""
+    import ipaddress
+    import socket
+
+    from gossipdl.transport.address_syntax import host_port
+
+    host = host_port(address)[0]
+    try:
+        found = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        ips = {str(info[4][0]) for info in found}
+    except (OSError, UnicodeError):
+        return True
+    for ip in ips:
+        if ipaddress.ip_address(ip.split("%")[0]).is_loopback:
+            return True
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # binds only to our own IPs
+            try:
+                probe.bind((ip, 0))
+            except OSError:
+                continue
+            return True
+    return False
+
+
 @app.command()
 @_config_options(own=("out", "threads"), envvars={"advertise": ADVERTISE_ENV})
 def peer(
@@ -868,13 +916,17 @@ def peer(
             )
         if resume is not None:
             bootstrap = bootstrap or _rejoin_addresses(RunDir(resume), rank)
+        listen = listen or "tcp://127.0.0.1:0"
+        _check_answerable(
+            listen, config.advertise or None, {"--bootstrap": bootstrap, "--servers": servers}
+        )
         curve = _curve(secure, keys, allow)
     except (ConfigError, LaunchEnvError, CurveError) as exc:
         _fail(str(exc))
     _train(
         config,
         rank=rank,
-        listen=listen or "tcp://127.0.0.1:0",
+        listen=listen,
         bootstrap=bootstrap,
         out=out,
         local_index=local_index,
@@ -1026,6 +1078,7 @@ def join(
     """
     from gossipdl.peers.bootstrap import fetch_swarm_info
     from gossipdl.peers.peer import PeerError
+    from gossipdl.transport import TransportError
     from gossipdl.trust import config_from_peer
 
     _setup_logging(rich=False)
@@ -1033,10 +1086,16 @@ def join(
         _check_addresses(listen, {"ADDRESS": address})
         curve = _curve(secure, keys, allow)
         local = {**(read_config_file(config_file) if config_file is not None else {}), **overrides}
-        info = fetch_swarm_info(address, listen=listen, timeout=timeout, curve=curve)
+        advertise = str(local.get("advertise") or "") or None
+        _check_answerable(listen, advertise, {"ADDRESS": address})
+        info = fetch_swarm_info(
+            address, listen=listen, timeout=timeout, curve=curve, advertise=advertise
+        )
         config = config_from_peer(info["config"], address, local)
-    except (PeerError, ConfigError, CurveError) as exc:
+    except (PeerError, ConfigError, CurveError, TransportError) as exc:
         _fail(str(exc))
+    if curve is not None:  # the join that follows asks the member whose key we found
+        curve = curve.knowing(address, info["key"])
     _train(
         config,
         rank=rank,

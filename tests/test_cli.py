@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import tomllib
 import torch
 import typer
+import zmq
 from conftest import (
     fork_gossipdl,
     last_record,
@@ -48,6 +50,7 @@ from gossipdl.experiments import launcher
 from gossipdl.peers import bootstrap
 from gossipdl.peers.runner import prepare_run_dir
 from gossipdl.rundir import RunDir
+from gossipdl.transport.addresses import interface_ips
 
 PANELS = ("Swarm", "Data and model", "Optimisation", "Communication", "Faults and links", "Output")
 
@@ -622,10 +625,11 @@ def test_join_checks_the_swarms_config_and_its_own_values_before_it_trains(
     swarm = to_dict(small_config(tmp_path, peers=2, partition="shards:100000"))
     monkeypatch.setattr(bootstrap, "fetch_swarm_info", lambda *a, **k: {"config": swarm})
     out = str(tmp_path / "j")
-    said = fails("join", "tcp://10.0.0.5:5555", "--out", out)
+    anywhere = ["--listen", "tcp://0.0.0.0:0"]  # the member is another machine
+    said = fails("join", "tcp://10.0.0.5:5555", "--out", out, *anywhere)
     assert "partition = 'shards:100000': partition spec" in said, said
     for args, says in [
-        (["--threads", "-1"], "--threads -1: use 0"),
+        (["--threads", "-1", *anywhere], "--threads -1: use 0"),
         (["--listen", "tcp://0.0.0.0:65536"], "--listen 'tcp://0.0.0.0:65536': port '65536'"),
     ]:
         assert says in fails("join", "tcp://10.0.0.5:5555", "--out", out, *args)
@@ -667,3 +671,43 @@ def test_a_peer_shares_an_out_with_its_swarm_but_refuses_another_runs(tmp_path: 
     with pytest.raises(ConfigError, match=r"--resume .* \(steps = 60 there, 80 here\)"):
         prepare_run_dir(run, config.replace(steps=80), 0, resume=True)
     assert run.config.read_text() == recorded
+
+
+def test_a_loopback_listen_dialling_another_machine_fails_at_once_naming_the_fix(
+    tmp_path: Path,
+) -> None:
+    """A review's probe: with the default --listen tcp://127.0.0.1:0 the member's answers
+    went to its own loopback; `join` waited 30 s and `peer --bootstrap` its startup_timeout,
+    then blamed the member."""
+    far = "tcp://192.0.2.1:5555"  # TEST-NET-1: no machine of ours, and never dialled here
+    out = str(tmp_path / "j")
+    began = time.monotonic()
+    for said in (
+        fails("join", far, "--out", out),
+        fails("peer", *BY_HAND, "--bootstrap", far, "--out", out),
+        fails("join", far, "--out", out, "--listen", "tcp://0.0.0.0:0", "--advertise",
+              "tcp://127.0.0.1:5556"),
+    ):  # fmt: skip
+        assert "is another machine" in said and "--listen tcp://0.0.0.0:0" in said, said
+        assert "--advertise" in said, said
+    assert time.monotonic() - began < 5  # no wait for an answer, no connection tried
+    assert not Path(out).exists()
+    cli._check_answerable("tcp://127.0.0.1:0", None, {"ADDRESS": "tcp://localhost:5"})
+    cli._check_answerable("tcp://127.0.0.1:0", "tcp://10.0.0.7:1", {"ADDRESS": far})
+    for ip in interface_ips():  # this machine's own address: its loopback answers reach us
+        cli._check_answerable("tcp://127.0.0.1:0", None, {"ADDRESS": f"tcp://{ip}:5"})
+
+
+def test_join_on_a_listen_port_in_use_is_one_error_line(tmp_path: Path) -> None:
+    """A review's probe: the port taken printed a TransportError traceback."""
+    ctx = zmq.Context()
+    member = ctx.socket(zmq.ROUTER)  # a ZeroMQ listener, so the join gets as far as binding
+    try:
+        port = member.bind_to_random_port("tcp://127.0.0.1")
+        address = f"tcp://127.0.0.1:{port}"
+        said = fails("join", address, "--listen", address, "--timeout", "2",
+                     "--out", str(tmp_path / "j"))  # fmt: skip
+    finally:
+        member.close(linger=0)
+        ctx.term()
+    assert f"cannot listen on {address}" in said and "Traceback" not in said, said

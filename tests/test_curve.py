@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import stat
 import threading
@@ -80,7 +81,7 @@ def test_only_listed_keys_get_in_and_a_stranger_gets_nothing_accepted(tmp_path: 
         for t in rounds:
             t.join(30)
         assert float(founder.model.weight[0, 0].detach()) == pytest.approx(5.0)  # trained together
-        with pytest.raises(PeerError, match="no 'welcome'"):
+        with pytest.raises(PeerError, match=f"refused our public key {re.escape(key_s)}"):
             Peer(_linear(99.0), bootstrap=founder.address, startup_timeout=3,
                  curve=load_curve(dir_s, stranger_allow))  # fmt: skip
         stats = founder.stats()
@@ -113,7 +114,8 @@ def test_join_from_the_cli_with_secure_gets_in_and_a_stranger_does_not(
             log=tmp_path / "stranger.log", timeout=60,
         )  # fmt: skip
         assert stranger.returncode == 2
-        assert "is our public key on its allow-list?" in " ".join(stranger.stderr.split())
+        said = " ".join(stranger.stderr.split())
+        assert f"refused our public key {key_s}" in said and "not on that peer's" in said, said
         joined = run_forked(
             "join", address, "--out", str(tmp_path / "b"), "--threads", "1",
             "--secure", "--keys", str(dir_b), "--allow", str(allow),
@@ -327,6 +329,107 @@ def test_a_damaged_secret_key_file_is_refused_naming_it(case: str, tmp_path: Pat
     )
     with pytest.raises(CurveError, match=re.escape(str(secret))):
         load_curve(directory, _allow(tmp_path / "allow.txt", key))
+
+
+@pytest.mark.parametrize("case", ["dangling link", "the file itself", "fifo", "secret listed"])
+def test_key_files_that_cannot_be_a_key_pair_are_refused_naming_the_fix(
+    case: str, tmp_path: Path
+) -> None:
+    """A review's probes: a dangling link was a FileNotFoundError traceback, --keys naming
+    the file said 'found none', a FIFO blocked the read forever, and an allow-list holding
+    our own secret key (shared with everyone who got the list) loaded silently."""
+    directory, key = _keys(tmp_path, "a")
+    allow = _allow(tmp_path / "allow.txt", key)
+    secret = directory / "peer.key_secret"
+    keys, says = directory, ""
+    if case == "dangling link":
+        secret.unlink()
+        secret.symlink_to(tmp_path / "gone.key_secret")
+        says = f"cannot read the secret key {secret}"
+    elif case == "the file itself":
+        keys, says = secret, f"give the directory that holds it: --keys {directory}"
+    elif case == "fifo":
+        secret.unlink()
+        os.mkfifo(secret, 0o600)
+        says = f"{secret} is not a regular file"
+    else:
+        allow.write_text(allow.read_text() + f"{load_curve(directory, allow).secret}  # oops\n")
+        says = "holds this peer's SECRET key"
+    outcome: list[BaseException | Curve] = []
+
+    def load() -> None:
+        try:
+            outcome.append(load_curve(keys, allow))
+        except BaseException as exc:  # the test reports what it was
+            outcome.append(exc)
+
+    loader = threading.Thread(target=load, daemon=True)  # a FIFO's read would never return
+    loader.start()
+    loader.join(10)
+    assert outcome, "load_curve still reading after 10 s"
+    assert isinstance(outcome[0], CurveError) and says in str(outcome[0]), repr(outcome[0])
+
+
+def _curves(n: int) -> tuple[Curve, Curve, Curve]:
+    """A founder, a listed joiner and an unlisted stranger, each knowing ``n`` other keys too;
+    the founder's key sorts last, so a search one key after another meets it last."""
+    pairs = sorted(
+        ((p.decode(), s.decode()) for p, s in (zmq.curve_keypair() for _ in range(n + 3))),
+        reverse=True,
+    )
+    (founder_pub, founder_sec), (joiner_pub, joiner_sec), (stranger_pub, stranger_sec) = pairs[:3]
+    others = {p for p, _ in pairs[3:]}
+    allowed = frozenset({founder_pub, joiner_pub, *others})
+    return (
+        Curve(founder_pub, founder_sec, allowed),
+        Curve(joiner_pub, joiner_sec, allowed),
+        Curve(stranger_pub, stranger_sec, allowed | {stranger_pub}),
+    )
+
+
+def test_a_joiner_finds_the_members_key_among_many_at_once_and_is_told_when_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review's probe: with 122 keys and the member's last, trying one key per third of a
+    second took 41 s, past the 30 s of `gossipdl join`; then the join searched again from
+    the start. An unlisted joiner waited out its timeout without being told why."""
+    from gossipdl.peers import peer as peer_module
+    from gossipdl.peers.bootstrap import fetch_swarm_info
+
+    founder_curve, joiner_curve, stranger_curve = _curves(120)
+    founded: list[Peer] = []
+    listening: list[str] = []
+    start = threading.Thread(target=lambda: founded.append(Peer(
+        _linear(0.0), curve=founder_curve, min_peers=2, on_listening=listening.append,
+    )))  # fmt: skip
+    start.start()
+    wait_for(lambda: listening, 30, "the founder to listen")
+    address = listening[0]
+    member = None
+    try:
+        began = time.monotonic()
+        info = fetch_swarm_info(address, curve=joiner_curve, timeout=15)
+        assert info["key"] == founder_curve.public
+        assert time.monotonic() - began < 8  # 122 keys one by one: 41 s
+        began = time.monotonic()
+        with pytest.raises(PeerError) as refused:
+            fetch_swarm_info(address, curve=stranger_curve, timeout=15)
+        assert f"refused our public key {stranger_curve.public}" in str(refused.value)
+        assert time.monotonic() - began < 8  # told at once, not after the timeout
+
+        def searched_again(*_: object) -> str:
+            raise AssertionError("the join searched the allow-list again")
+
+        monkeypatch.setattr(peer_module, "find_key", searched_again)
+        member = Peer(_linear(10.0), bootstrap=address, startup_timeout=15,
+                      curve=joiner_curve.knowing(address, info["key"]))  # fmt: skip
+        start.join(30)
+        assert [m.id for m in founded[0].membership.members()] == [0, 1]
+    finally:
+        start.join(30)
+        for peer in (member, *founded):
+            if peer is not None:
+                peer.close()
 
 
 def test_key_files_written_before_labels_still_load(tmp_path: Path) -> None:

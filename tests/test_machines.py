@@ -95,6 +95,67 @@ def test_two_machines_find_each_other_through_a_wildcard_listen_and_advertise(
         assert summary["peers"][0]["steps"] == 30
 
 
+@pytest.mark.skipif(why_not() is not None, reason=str(why_not()))
+def test_join_asks_from_the_interface_that_routes_to_the_member(tmp_path: Path) -> None:
+    """A review's probe: on a machine whose default route leaves by another interface, `join`
+    told the member to answer there (unreachable from it) and timed out blaming the member,
+    where `peer --bootstrap` got in."""
+    config = write_config(tmp_path / "exp.toml", small_config(tmp_path, peers=2, steps=10))
+    with Hosts(2) as hosts:
+        inside = hosts.prefix(1)
+        for command in (
+            ["ip", "link", "add", "gdlx", "type", "veth", "peer", "name", "gdly"],
+            ["ip", "addr", "add", "10.254.254.2/24", "dev", "gdlx"],
+            ["ip", "link", "set", "gdlx", "up"],
+            ["ip", "link", "set", "gdly", "up"],
+            ["ip", "route", "add", "default", "via", "10.254.254.1"],
+        ):
+            subprocess.run([*inside, *command], check=True)  # a default route the member misses
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        founder = subprocess.Popen(
+            [*hosts.prefix(0), *gossipdl_cmd("peer", "--config", str(config), "--listen",
+             "tcp://0.0.0.0:0", "--out", str(tmp_path / "m0"))],
+            stdout=subprocess.PIPE, stderr=(tmp_path / "m0.log").open("w"), text=True, env=env,
+        )  # fmt: skip
+        try:
+            assert founder.stdout is not None
+            address = founder.stdout.readline().split()[-1]
+            joined = subprocess.run(
+                [*inside, *gossipdl_cmd("join", address, "--listen", "tcp://0.0.0.0:0",
+                 "--timeout", "10", "--out", str(tmp_path / "m1"))],
+                capture_output=True, text=True, timeout=120, env=env,
+            )  # fmt: skip
+            assert joined.returncode == 0, joined.stderr
+            assert founder.wait(60) == 0
+        finally:
+            if founder.poll() is None:
+                founder.kill()
+    listed = {e["address"] for e in json.loads((tmp_path / "m1" / "peers.json").read_text())}
+    assert any(a.startswith(f"tcp://{hosts.ip(1)}:") for a in listed), listed
+
+
+def test_join_tells_the_member_to_answer_at_its_advertised_address() -> None:
+    """``--advertise`` reaches the config's request too (a NAT'd joiner is reached only
+    there); the member's answer goes where the request says."""
+    from gossipdl.peers.bootstrap import fetch_swarm_info
+    from gossipdl.peers.peer import PeerError
+    from gossipdl.transport import Message, Transport
+
+    asked_at: list[str] = []
+
+    def note(msg: Message) -> None:
+        asked_at.append(msg.meta["address"])
+
+    member = Transport("tcp://127.0.0.1:0", note, name="member")  # notes, never answers
+    advertised = f"tcp://127.0.0.1:{_free_port()}"
+    try:
+        with pytest.raises(PeerError, match=f"can it reach us at {advertised}"):
+            fetch_swarm_info(member.address, timeout=1.5, advertise=advertised)
+    finally:
+        member.close(flush_timeout=0)
+    assert asked_at and set(asked_at) == {advertised}
+
+
 def test_a_dead_bootstrap_is_one_error_within_seconds(tmp_path: Path) -> None:
     config = small_config(tmp_path, peers=2, startup_timeout=LONG)
     config = write_config(tmp_path / "exp.toml", config)

@@ -53,11 +53,12 @@ from gossipdl.protocol.joining import (
     rejoin_retry,
 )
 from gossipdl.topologies import TopologyError, build_topology
-from gossipdl.transport import Message, Transport, WireError, encode
+from gossipdl.transport import Message, Transport, TransportError, WireError, encode
 from gossipdl.transport.addresses import check_address
 from gossipdl.transport.asked import NONCE, SharedAsked
-from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
+from gossipdl.transport.curve import Curve
 from gossipdl.transport.inbox import received_limit
+from gossipdl.transport.key_search import find_key
 from gossipdl.transport.probe import CONNECT_WAIT_S, Unreachable, reachable
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import MAX_QUEUED_BYTES, LinkProfile
@@ -907,15 +908,11 @@ class Peer:
         retry = min(RETRY_S, rejoin_retry(each, 1)) if rejoin else RETRY_S
         for address in candidates:
             try:
+                began = time.monotonic()
+                key = self._key_of(address, each)
+                left = each - (time.monotonic() - began)  # the search came out of its share
                 welcome = self._request(
-                    address,
-                    "join",
-                    meta,
-                    "welcome",
-                    each,
-                    try_keys=True,
-                    retry=retry,
-                    give_up=give_up,
+                    address, "join", meta, "welcome", left, key=key, retry=retry, give_up=give_up
                 )
             except PeerError as exc:
                 error = exc
@@ -1090,6 +1087,20 @@ class Peer:
         # The swarm may reach our first round only after a while (a join sets it ahead).
         self._first_wait = self.startup_timeout
 
+    def _key_of(self, address: str, timeout: float) -> str:
+        """The CURVE key of the member at ``address`` we join through ("" without CURVE):
+        found already (the config's request found it), else among the allow-list's keys."""
+        if self.curve is None:
+            return ""
+        key = self.curve.key_of(address)
+        if key is None:
+            try:
+                key = find_key(address, self.curve, timeout)
+            except TransportError as exc:
+                raise PeerError(str(exc)) from None
+        self.transport.set_key(address, key)
+        return key
+
     def _request(
         self,
         address: str,
@@ -1097,19 +1108,15 @@ class Peer:
         meta: dict[str, Any],
         reply: str,
         timeout: float | None = None,
-        try_keys: bool = False,
         key: str = "",
         retry: float = RETRY_S,
         give_up: Callable[[], bool] = lambda: False,
     ) -> Message:
         """Send ``kind`` to ``address`` every ``retry`` seconds until a ``reply`` arrives over
-        ``key`` (the member's CURVE key, "" without CURVE). With CURVE and ``try_keys`` (a bootstrap
-        address, whose key we do not know yet), each try uses the next key of the allow-list:
-        only the right one gets through the handshake. Each try carries a fresh nonce; only
-        a reply that echoes one of ours counts (:class:`Asked`). ``give_up()`` true ends the
-        wait early (PeerError), as the timeout does."""
+        ``key`` (the member's CURVE key, "" without CURVE). Each try carries a fresh nonce;
+        only a reply that echoes one of ours counts (:class:`Asked`). ``give_up()`` true ends
+        the wait early (PeerError), as the timeout does."""
         deadline = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
-        rotate = self.curve if try_keys else None
         nonces: list[str] = []
 
         def done() -> bool:
@@ -1118,15 +1125,11 @@ class Peer:
 
         try:
             while time.monotonic() < deadline and not give_up():
-                if rotate is not None:
-                    key = listed_key(rotate, len(nonces))
-                    self.transport.set_key(address, key)
                 nonces.append(self._asked.ask(reply, key))
                 frames = encode(kind, self.id, 0, self.round, meta={**meta, NONCE: nonces[-1]})
                 self.transport.send(address, frames)
-                wait = KEY_TRY_S if rotate is not None else retry
                 with self._changed:
-                    self._changed.wait_for(done, min(wait, deadline - time.monotonic()))
+                    self._changed.wait_for(done, min(retry, deadline - time.monotonic()))
                 answer = self._asked.answer(nonces)
                 if answer is not None:
                     return answer

@@ -18,7 +18,7 @@ import os
 import re
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import zmq
@@ -37,11 +37,22 @@ class CurveError(ValueError):
 
 @dataclass(frozen=True)
 class Curve:
-    """This peer's key pair (Z85 text) and the public keys it accepts connections from."""
+    """This peer's key pair (Z85 text), the public keys it accepts connections from, and
+    ``known``: the keys already found of addresses dialled before (a bootstrap member's,
+    found while asking it for the swarm's config), so a join does not search again."""
 
     public: str
     secret: str
     allowed: frozenset[str]
+    known: tuple[tuple[str, str], ...] = ()  # (address, its key)
+
+    def knowing(self, address: str, key: str) -> Curve:
+        """These settings, knowing that the peer at ``address`` holds ``key``."""
+        return replace(self, known=(*self.known, (address, key)))
+
+    def key_of(self, address: str) -> str | None:
+        """The key found for ``address`` (None: not known yet)."""
+        return dict(self.known).get(address)
 
 
 def generate_keys(directory: Path, name: str = "peer") -> tuple[Path, Path]:
@@ -146,7 +157,12 @@ def _load_certificate(path: Path) -> tuple[str, str | None]:
 
 
 def load_curve(keys: Path, allow: Path) -> Curve:
-    """This peer's key pair from the directory ``keys`` and the allow-list file ``allow``."""
+    """This peer's key pair from the directory ``keys`` and the allow-list file ``allow``;
+    an allow-list that holds our own secret key is refused: that secret was shared."""
+    if keys.is_file() and keys.name.endswith(".key_secret"):
+        raise CurveError(
+            f"--keys {keys} is a key file; give the directory that holds it: --keys {keys.parent}"
+        )
     secrets = sorted(keys.glob("*.key_secret")) if keys.is_dir() else []
     if len(secrets) != 1:
         found = "none" if not secrets else ", ".join(p.name for p in secrets)
@@ -158,12 +174,29 @@ def load_curve(keys: Path, allow: Path) -> Curve:
     public, secret = _load_certificate(secrets[0])
     if secret is None:
         raise CurveError(f"{secrets[0]} holds no secret key")
-    return Curve(public, secret, read_allow_list(allow))
+    allowed = read_allow_list(allow)
+    if secret in allowed:
+        raise CurveError(
+            f"the allow-list {allow} holds this peer's SECRET key (from {secrets[0]}): whoever "
+            "saw that file can pose as this peer. Make a new pair with gossipdl keys generate "
+            "DIR and list only public keys (the .key file's public-key line)"
+        )
+    return Curve(public, secret, allowed)
 
 
 def _check_private(path: Path) -> None:
-    """Refuse a secret key file that group or others may read or write, as ssh does."""
-    mode = stat.S_IMODE(path.stat().st_mode)
+    """Refuse a secret key file that is no regular file (a dangling link, a FIFO, which
+    would block the read forever) or that group or others may read or write, as ssh does."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise CurveError(f"cannot read the secret key {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CurveError(
+            f"{path} is not a regular file; a secret key is one: write a new pair with "
+            "gossipdl keys generate DIR"
+        )
+    mode = stat.S_IMODE(info.st_mode)
     if mode & 0o077:
         raise CurveError(
             f"{path} has mode {mode:04o}: a secret key must be readable by its owner only "
