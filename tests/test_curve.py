@@ -425,6 +425,9 @@ def test_a_joiner_finds_the_members_key_among_many_at_once_and_is_told_when_refu
                       curve=joiner_curve.knowing(address, info["key"]))  # fmt: skip
         start.join(30)
         assert [m.id for m in founded[0].membership.members()] == [0, 1]
+        # a rejoin through a member in our table dials it with the table's key: its round
+        # timeout would leave no time for a search
+        assert founded[0]._key_of(member.address, 0.1) == joiner_curve.public
     finally:
         start.join(30)
         for peer in (member, *founded):

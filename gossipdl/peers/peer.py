@@ -1089,10 +1089,13 @@ class Peer:
 
     def _key_of(self, address: str, timeout: float) -> str:
         """The CURVE key of the member at ``address`` we join through ("" without CURVE):
-        found already (the config's request found it), else among the allow-list's keys."""
+        found already (the config's request found it), our table's for a member we know (a
+        rejoin, whose round timeout leaves no time for a search), else among the allow-list's
+        keys."""
         if self.curve is None:
             return ""
-        key = self.curve.key_of(address)
+        member = self.membership.by_address(address)
+        key = self.curve.key_of(address) or (member.key if member is not None else None) or None
         if key is None:
             try:
                 key = find_key(address, self.curve, timeout)
