@@ -1079,11 +1079,13 @@ def join(
     from gossipdl.peers.bootstrap import fetch_swarm_info
     from gossipdl.peers.peer import PeerError
     from gossipdl.transport import TransportError
+    from gossipdl.transport.addresses import ResolveError, resolve
     from gossipdl.trust import config_from_peer
 
     _setup_logging(rich=False)
     try:
         _check_addresses(listen, {"ADDRESS": address})
+        address = resolve(address, "ADDRESS")  # once: the join that follows dials the same IP
         curve = _curve(secure, keys, allow)
         local = {**(read_config_file(config_file) if config_file is not None else {}), **overrides}
         advertise = str(local.get("advertise") or "") or None
@@ -1092,7 +1094,7 @@ def join(
             address, listen=listen, timeout=timeout, curve=curve, advertise=advertise
         )
         config = config_from_peer(info["config"], address, local)
-    except (PeerError, ConfigError, CurveError, TransportError) as exc:
+    except (PeerError, ConfigError, CurveError, TransportError, ResolveError) as exc:
         _fail(str(exc))
     if curve is not None:  # the join that follows asks the member whose key we found
         curve = curve.knowing(address, info["key"])

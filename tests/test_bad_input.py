@@ -162,8 +162,10 @@ def test_join_from_the_cli_takes_a_neighbours_model_and_trains(tmp_path: Path) -
         wait_for(lambda: (last_record(out / "peers" / "0.jsonl") or {}).get("step", 0) >= 100,
                  180, "the swarm to train")  # fmt: skip
         address = json.loads((out / "peers.json").read_text())[1]["address"]
+        # by host name, as a user types it: resolved once, as peers dial IPs only
+        by_name = address.replace("127.0.0.1", "localhost")
         done = run_forked(
-            "join", address, "--out", str(joined), "--threads", "1",
+            "join", by_name, "--out", str(joined), "--threads", "1",
             log=tmp_path / "join.log", timeout=180,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
@@ -253,3 +255,30 @@ def test_a_flooding_connection_is_rate_limited_while_others_get_through() -> Non
         polite.close()
         ctx.term()
         receiver.close()
+
+
+def test_a_listen_address_not_on_this_machine_says_so_not_pick_a_free_port() -> None:
+    from gossipdl.transport import Transport, TransportError
+
+    with pytest.raises(TransportError) as refused:
+        Transport("tcp://192.0.2.1:0", lambda m: None)  # TEST-NET-1: no machine has it
+    assert "That IP is not one of this machine's" in str(refused.value)
+    assert "Pick a free port" not in str(refused.value)
+
+
+def test_an_advertised_host_name_is_resolved_once_and_its_ip_advertised() -> None:
+    """Peers take only IPs from the wire: ``--advertise tcp://myhost:5555`` tells the swarm
+    the IP the name resolves to here; a name that does not resolve fails the start naming
+    it and the fix."""
+    from gossipdl.transport import Transport, TransportError
+    from gossipdl.transport.addresses import ResolveError, resolve
+
+    transport = Transport("tcp://127.0.0.1:0", lambda m: None, advertise="tcp://localhost:5555")
+    try:
+        assert transport.address in ("tcp://127.0.0.1:5555", "tcp://[::1]:5555")
+    finally:
+        transport.close(0.5)
+    with pytest.raises(ResolveError, match=r"--bootstrap .*cannot resolve host 'nohost\.invalid'"):
+        resolve("tcp://nohost.invalid:5555", "--bootstrap", timeout=2.0)
+    with pytest.raises(TransportError, match="give its IP address instead"):
+        Transport("tcp://127.0.0.1:0", lambda m: None, advertise="tcp://nohost.invalid:1")

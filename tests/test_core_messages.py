@@ -14,7 +14,7 @@ from gossipdl.protocol.core import GossipCore, Send, Settings
 from gossipdl.protocol.membership import Member, MemberTable
 from gossipdl.transport.wire import NONCE, Message, WireError, decode, encode
 
-A, B = Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0)
+A, B = Member(0, "tcp://10.0.0.8:10", 0), Member(1, "tcp://10.0.0.8:11", 0)
 
 
 def core(
@@ -87,7 +87,7 @@ def test_a_message_a_restarted_member_loses_is_a_gap_whatever_its_last_life_sent
         for _ in range(earlier):  # B's first life speaks
             for s in old.announce():
                 a.receive(0.0, s.frames)
-        back = Member(1, "tcp://h:11", 5, incarnation=2)
+        back = Member(1, "tcp://10.0.0.8:11", 5, incarnation=2)
         a.merge([back], 1.0)
         b = core(1, [A, back])
         sends = [s for _ in range(3) for s in b.announce()]
@@ -99,7 +99,7 @@ def test_a_message_a_restarted_member_loses_is_a_gap_whatever_its_last_life_sent
 def test_a_departure_announced_far_ahead_ends_once_the_leaver_is_silent_past_dead_after() -> None:
     """A ``leave`` whose round is 2**62 kept the member in every topology for good (and its
     table entry, never forgotten): on a ring, two such members cut the swarm in two."""
-    members = [Member(i, f"tcp://h:{10 + i}", 0) for i in range(4)]
+    members = [Member(i, f"tcp://10.0.0.8:{10 + i}", 0) for i in range(4)]
     victim = core(0, members)
     victim.receive(0.0, encode("leave", 2, 1, 0, meta={"until": 2**62, "reason": "bye"}))
     assert 2 in victim.membership.active(5)

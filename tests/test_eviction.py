@@ -32,16 +32,16 @@ def test_accusations_make_a_quorum_of_more_than_half_of_the_suspects_neighbours(
     assert evictions.hear(9, 3, four) is None  # not a neighbour: never part of a quorum
     assert evictions.hear(2, 3, four) is None  # half is not enough
     assert evictions.hear(6, 3, four) == [1, 2, 6]
-    evictions.ban("evicted", "tcp://h:3", "")
-    assert evictions.banned("tcp://h:9", "tcp://h:3") == "evicted"
-    assert evictions.banned("tcp://h:9", "") is None  # no key: nothing matches it
+    evictions.ban("evicted", "tcp://10.0.0.8:3", "")
+    assert evictions.banned("tcp://10.0.0.8:9", "tcp://10.0.0.8:3") == "evicted"
+    assert evictions.banned("tcp://10.0.0.8:9", "") is None  # no key: nothing matches it
     for i in range(MAX_BANNED + 1):
-        evictions.ban("evicted", f"tcp://x:{i}")
-    assert evictions.banned("tcp://h:3") is None  # the oldest let go: the list is bounded
+        evictions.ban("evicted", f"tcp://10.0.0.9:{i}")
+    assert evictions.banned("tcp://10.0.0.8:3") is None  # the oldest let go: the list is bounded
 
 
 def _ring_core(me: int, evict_after: int = 5) -> GossipCore:
-    members = Membership([Member(i, f"tcp://h:{10 + i}", 0) for i in range(8)])
+    members = Membership([Member(i, f"tcp://10.0.0.8:{10 + i}", 0) for i in range(8)])
     return GossipCore(
         me, members, averager=build_averager("dense", defence="balance"),
         trigger=parse_trigger("always"), settings=Settings(evict_after=evict_after),
@@ -72,9 +72,11 @@ def test_a_ring_member_is_evicted_once_both_neighbours_accuse_it_and_refused_bac
     assert core.metrics()["evicted"] == 1
     assert _accuse(core, 2, 3, seq=2) == []  # evicted already: nothing more to count
     assert _accuse(core, 4, 3, seq=2) == [] and core.metrics()["evicted"] == 1
-    join = encode("join", -1, 0, 0, meta={"address": "tcp://h:13", "rejoin": True, NONCE: "n"})
+    join = encode(
+        "join", -1, 0, 0, meta={"address": "tcp://10.0.0.8:13", "rejoin": True, NONCE: "n"}
+    )
     (welcome,) = core.receive(1.0, join)
-    assert welcome.kind == "welcome" and welcome.address == "tcp://h:13"
+    assert welcome.kind == "welcome" and welcome.address == "tcp://10.0.0.8:13"
     dropped, _ = core.reports()
     assert [d.reason for d in dropped] == ["evicted"]
     # peer 3, told so, is refused for good: it trains on alone and never asks again
@@ -99,11 +101,13 @@ def test_an_evicted_peer_let_back_in_by_a_member_that_never_counted_is_out_again
         -1, Membership([]), averager=build_averager("dense", defence="balance"),
         trigger=parse_trigger("always"), settings=Settings(evict_after=5), model=torch.zeros(4),
     )  # fmt: skip
-    ask = newcomer.ask("join", "tcp://h:10", {"address": "tcp://h:30", "want_id": None}, "n1")
+    ask = newcomer.ask(
+        "join", "tcp://10.0.0.8:10", {"address": "tcp://10.0.0.8:30", "want_id": None}, "n1"
+    )
     welcome = next(s for s in core0.receive(1.0, ask.frames) if s.kind == "welcome")
     newcomer.receive(1.1, welcome.frames)
     assert newcomer.welcomed(1.1, newcomer.answers.pop()).id == 8
-    join = {"address": "tcp://h:13", "rejoin": True, "want_id": 3, NONCE: "x"}
+    join = {"address": "tcp://10.0.0.8:13", "rejoin": True, "want_id": 3, NONCE: "x"}
     answer = newcomer.receive(2.0, encode("join", -1, 0, 0, meta=join))
     assert newcomer.membership.get(3).until is None  # the newcomer never heard of the eviction
     for send in answer:

@@ -864,3 +864,124 @@ def test_a_swarms_widths_that_no_message_could_carry_are_refused_before_building
     assert config_from_peer({"hidden": [1024, 512]}, "tcp://10.0.0.5:5555").hidden == (1024, 512)
     mine = config_from_peer({"hidden": [10**7, 10**7]}, "tcp://10.0.0.5:5555", {"hidden": [8]})
     assert mine.hidden == (8,)  # the user's own widths decide
+
+
+# ------------------------------------------------ addresses and connections from strangers
+@pytest.mark.parametrize(
+    "address", ["tcp://joiner-b.lan:5556", "tcp://localhost:5555", "tcp://node-3.cluster.local:1"]
+)
+def test_an_address_from_the_wire_must_name_an_ip(address: str) -> None:
+    """ZeroMQ resolves a host name on its one I/O thread (a slow DNS froze a peer's every
+    connection for 6 s): a join's, a reply's or a member table's address naming a host is
+    refused as ``bad_address``, and the transport never dials one."""
+    from gossipdl.transport.address_syntax import check_address
+    from gossipdl.transport.wire import WireError
+
+    with pytest.raises(WireError, match="is a name, not an IP address") as refused:
+        check_address(address, "reply address")
+    assert refused.value.reason == "bad_address"
+    with pytest.raises(WireError) as table:
+        parse_members([[0, "tcp://10.0.0.5:5555", 0], [1, address, 0]])
+    assert table.value.reason == "bad_address"
+
+
+def test_a_transport_drops_a_message_to_a_host_name_and_keeps_its_connections() -> None:
+    got: list[int] = []
+    victim = Transport("tcp://127.0.0.1:0", lambda m: None, name="victim")
+    member = Transport("tcp://127.0.0.1:0", lambda m: got.append(m.round), name="member")
+    try:
+        victim.send("tcp://joiner-b.invalid:5556", encode("welcome", 0, 0, 0))
+        victim.send(member.address, encode("alive", 0, 0, 1))
+        wait_for(lambda: got == [1], 10, "the member's heartbeat")
+        assert victim.stats.snapshot()["messages_dropped"] == {"bad_address": 1}
+        assert victim.open_sockets == 1  # the member's; no DEALER was made for the name
+    finally:
+        victim.close(0.5)
+        member.close(0.5)
+
+
+def test_a_connection_that_never_greets_is_closed_after_the_handshake_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """libzmq caps no listener's connections: a stranger's idle connects held a file
+    descriptor each until the peer ran out. One that does not finish ZeroMQ's handshake
+    within ``HANDSHAKE_S`` is dropped."""
+    import socket
+
+    from gossipdl.transport import sockets
+
+    monkeypatch.setattr(sockets, "HANDSHAKE_S", 0.3)
+    victim = Transport("tcp://127.0.0.1:0", lambda m: None, name="victim")
+    host, port = victim.address.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as idle:
+            started = time.monotonic()
+            while idle.recv(4096):  # its greeting, then nothing: we never answer it
+                pass
+            assert time.monotonic() - started < 5  # libzmq's default held it for 30 s
+    finally:
+        victim.close(0.5)
+
+
+_FDS_SCRIPT = """
+import os, resource
+from gossipdl.transport import Transport, encode
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+victim = Transport("tcp://127.0.0.1:0", lambda m: None, name="victim")
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard, flush=True)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+victim.send("tcp://127.0.0.1:9", encode("alive", 0, 0, 0))
+victim.flush(5)
+print(victim.stats.snapshot()["messages_dropped"], flush=True)
+for fd in held:
+    os.close(fd)
+victim.close(0.5)
+"""
+
+
+def test_a_peer_raises_its_fd_limit_and_names_running_out_of_them() -> None:
+    """The soft file descriptor limit goes up to the hard one when a transport starts; a
+    connection refused because the process has none left is ``out_of_file_descriptors``,
+    not ``too_many_sockets`` (whose fix is another)."""
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _FDS_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    raised, dropped = done.stdout.splitlines()
+    assert raised == "True"
+    assert dropped == "{'out_of_file_descriptors': 1}"
+    assert "out of file descriptors (limit 256)" in done.stderr
+
+
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_two_transports_exchange_over_ipv6() -> None:
+    got: list[int] = []
+    one = Transport("tcp://[::1]:0", lambda m: None, name="one")
+    two = Transport("tcp://[::1]:0", lambda m: got.append(m.sender), name="two")
+    try:
+        assert two.address.startswith("tcp://[::1]:")
+        one.send(two.address, encode("alive", 1, 0, 0))
+        wait_for(lambda: got == [1], 10, "a message over [::1]")
+    finally:
+        one.close(0.5)
+        two.close(0.5)

@@ -54,58 +54,66 @@ FAST: dict[str, Any] = {
 
 def test_merging_keeps_the_newest_life_and_the_earliest_end_in_any_order() -> None:
     entries = [
-        Member(1, "tcp://a:1", 0),
-        Member(1, "tcp://a:1", 0, until=30),
-        Member(1, "tcp://a:1", 0, until=25),
-        Member(1, "tcp://b:2", 40),  # back after a restart, on another port
+        Member(1, "tcp://10.0.0.1:1", 0),
+        Member(1, "tcp://10.0.0.1:1", 0, until=30),
+        Member(1, "tcp://10.0.0.1:1", 0, until=25),
+        Member(1, "tcp://10.0.0.2:2", 40),  # back after a restart, on another port
     ]
     for order in (entries, entries[::-1], [entries[2], entries[3], entries[0], entries[1]]):
         table = Membership()
         for entry in order:
             table.merge([entry])
         # the new life keeps the rounds of the one it replaced, to its earliest end
-        assert table.get(1) == Member(1, "tcp://b:2", 40, before=(0, 25))
-    table = Membership([Member(0, "tcp://a:1", 0), Member(1, "tcp://a:2", 0)])
-    table.merge([Member(1, "tcp://a:2", 0, until=30)])
-    table.merge([Member(1, "tcp://a:2", 0, until=25)])
+        assert table.get(1) == Member(1, "tcp://10.0.0.2:2", 40, before=(0, 25))
+    table = Membership([Member(0, "tcp://10.0.0.1:1", 0), Member(1, "tcp://10.0.0.1:2", 0)])
+    table.merge([Member(1, "tcp://10.0.0.1:2", 0, until=30)])
+    table.merge([Member(1, "tcp://10.0.0.1:2", 0, until=25)])
     assert table.get(1).until == 25 and table.gone(1)  # type: ignore[union-attr]
     assert table.active(24) == [0, 1] and table.active(25) == [0] and table.in_swarm() == [0]
     assert table.end(1, 40) is None  # already out by then
     table.mark_left(1, "bye")
-    table.merge([Member(1, "tcp://a:9", 50)])  # a new life clears the leave
+    table.merge([Member(1, "tcp://10.0.0.1:9", 50)])  # a new life clears the leave
     assert not table.gone(1) and table.active(50) == [0, 1]
 
 
 def test_two_newcomers_given_one_id_leave_the_one_with_the_smaller_address_in_any_order() -> None:
     entries = [
-        Member(2, "tcp://b:1", 5),
-        Member(2, "tcp://a:1", 5),  # let in by another member at the same moment
-        Member(2, "tcp://b:1", 5, until=9),
+        Member(2, "tcp://10.0.0.2:1", 5),
+        Member(2, "tcp://10.0.0.1:1", 5),  # let in by another member at the same moment
+        Member(2, "tcp://10.0.0.2:1", 5, until=9),
     ]
     for order in (entries, entries[::-1], [entries[2], entries[1], entries[0]]):
         table = Membership()
         for entry in order:
             table.merge([entry])
-        assert table.get(2) == Member(2, "tcp://a:1", 5)
+        assert table.get(2) == Member(2, "tcp://10.0.0.1:1", 5)
 
 
 def test_member_lists_from_the_wire_are_checked() -> None:
-    assert parse_members([[0, "tcp://h:1", 0], [1, "tcp://h:2", 3, None], [2, "tcp://h:3", 0, 9]])
+    assert parse_members(
+        [
+            [0, "tcp://10.0.0.8:1", 0],
+            [1, "tcp://10.0.0.8:2", 3, None],
+            [2, "tcp://10.0.0.8:3", 0, 9],
+        ]
+    )
     key = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
-    assert parse_members([[0, "tcp://h:1", 0, None, key]])[0].key == key
+    assert parse_members([[0, "tcp://10.0.0.8:1", 0, None, key]])[0].key == key
     for bad in (
         "x",
-        [[0, "tcp://h:1"]],
-        [[-1, "tcp://h:1", 0]],
+        [[0, "tcp://10.0.0.8:1"]],
+        [[-1, "tcp://10.0.0.8:1", 0]],
         [[0, "udp://h:1", 0]],
-        [[0, "tcp://h:1", 5, 5]],  # ends before it starts
-        [[0, "tcp://h:1", 0, "soon"]],
-        [[True, "tcp://h:1", 0]],
-        [[0, "tcp://h:1", 9, None, "", 0, [5, 4]]],  # a replaced life that ends before it starts
-        [[0, "tcp://h:1", 9, None, "", 0, [5]]],
-        [[0, "tcp://h:1", 9, None, "", 0, "0-5"]],
-        [[0, "tcp://h:1", 0, None, "~" * 40]],  # 40 characters, no key: every send failed
-        [[0, "tcp://h:1", 0, None, "#" * 40]],
+        [[0, "tcp://10.0.0.8:1", 5, 5]],  # ends before it starts
+        [[0, "tcp://10.0.0.8:1", 0, "soon"]],
+        [[True, "tcp://10.0.0.8:1", 0]],
+        [
+            [0, "tcp://10.0.0.8:1", 9, None, "", 0, [5, 4]]
+        ],  # a replaced life that ends before it starts
+        [[0, "tcp://10.0.0.8:1", 9, None, "", 0, [5]]],
+        [[0, "tcp://10.0.0.8:1", 9, None, "", 0, "0-5"]],
+        [[0, "tcp://10.0.0.8:1", 0, None, "~" * 40]],  # 40 characters, no key: every send failed
+        [[0, "tcp://10.0.0.8:1", 0, None, "#" * 40]],
     ):
         with pytest.raises(WireError, match="member"):
             parse_members(bad)
@@ -123,26 +131,42 @@ def test_after_a_partition_the_larger_side_stays_and_ties_go_to_the_smallest_id(
 
 
 def test_a_join_is_let_in_ahead_answered_again_the_same_or_refused_saying_why() -> None:
-    table = Membership([Member(0, "tcp://h:1", 0), Member(1, "tcp://h:2", 0)], limit=3)
+    table = Membership(
+        [Member(0, "tcp://10.0.0.8:1", 0), Member(1, "tcp://10.0.0.8:2", 0)], limit=3
+    )
     running = SwarmState(round=40, margin=20, started=True, final_round=None, ring=False)
-    first = admit(table, running, "tcp://h:3", "", None, rejoin=False)
+    first = admit(table, running, "tcp://10.0.0.8:3", "", None, rejoin=False)
     assert isinstance(first, Admission) and not first.again
     assert (first.member.id, first.member.since) == (2, 60)  # the next id, a margin ahead
     table.merge([first.member])
-    again = admit(table, running, "tcp://h:3", "", None, rejoin=False)  # no welcome yet
+    again = admit(table, running, "tcp://10.0.0.8:3", "", None, rejoin=False)  # no welcome yet
     assert isinstance(again, Admission) and again.again and again.member == first.member
-    back = admit(table, SwarmState(70, 20, True, None, False), "tcp://h:3", "", 2, rejoin=True)
+    back = admit(
+        table, SwarmState(70, 20, True, None, False), "tcp://10.0.0.8:3", "", 2, rejoin=True
+    )
     assert isinstance(back, Admission) and back.rejoined and back.member.since == 90
     for swarm, address, want, needle, limit in [
-        (running, "tcp://h:4", 1, "id 1 is taken", None),
-        (running, "tcp://h:4", -3, "not an integer", None),
-        (running, "tcp://h:4", None, "member table is full", "too_many_members"),
-        (SwarmState(40, 20, True, 50, False), "tcp://h:4", None, "finished training", None),
-        (SwarmState(40, 20, True, None, True), "tcp://h:4", None, "ring all-reduce", None),
+        (running, "tcp://10.0.0.8:4", 1, "id 1 is taken", None),
+        (running, "tcp://10.0.0.8:4", -3, "not an integer", None),
+        (running, "tcp://10.0.0.8:4", None, "member table is full", "too_many_members"),
+        (SwarmState(40, 20, True, 50, False), "tcp://10.0.0.8:4", None, "finished training", None),
+        (SwarmState(40, 20, True, None, True), "tcp://10.0.0.8:4", None, "ring all-reduce", None),
     ]:
         refused = admit(table, swarm, address, "", want, rejoin=False)
         assert isinstance(refused, Refusal) and needle in refused.error, (needle, refused)
         assert refused.limit == limit
+
+
+def test_a_refused_want_id_is_named_by_its_type_never_echoed() -> None:
+    """A refusal goes to the join's reply address, which may be a third party's: a want_id
+    of 4,000 characters came back whole (3x reflection). Only an integer is shown."""
+    table = Membership([Member(0, "tcp://10.0.0.8:1", 0)])
+    running = SwarmState(round=40, margin=20, started=True, final_round=None, ring=False)
+    for want, shown in [("x" * 4000, "id of type str"), ([0] * 500, "id of type list"),
+                        (2**62, f"id {2**62}")]:  # fmt: skip
+        refused = admit(table, running, "tcp://10.0.0.8:4", "", want, rejoin=False)
+        assert isinstance(refused, Refusal) and refused.error.startswith(shown)
+        assert len(refused.error) < 120
 
 
 def test_a_restarted_process_gets_a_new_life_even_before_its_first_one_began() -> None:
@@ -151,14 +175,14 @@ def test_a_restarted_process_gets_a_new_life_even_before_its_first_one_began() -
     the members mixed its dead process's copy for round 20 with its new model. A join from
     another process (another incarnation) on that address is a new life; the same process
     asking again gets the same answer."""
-    table = Membership([Member(0, "tcp://h:1", 0), Member(1, "tcp://h:2", 0)])
+    table = Membership([Member(0, "tcp://10.0.0.8:1", 0), Member(1, "tcp://10.0.0.8:2", 0)])
     early = SwarmState(round=1, margin=19, started=True, final_round=None, ring=False)
-    first = admit(table, early, "tcp://h:3", "", 2, rejoin=True, incarnation=7)
+    first = admit(table, early, "tcp://10.0.0.8:3", "", 2, rejoin=True, incarnation=7)
     assert isinstance(first, Admission) and first.member.incarnation == 7
     table.merge([first.member])
-    again = admit(table, early, "tcp://h:3", "", 2, rejoin=True, incarnation=7)
+    again = admit(table, early, "tcp://10.0.0.8:3", "", 2, rejoin=True, incarnation=7)
     assert isinstance(again, Admission) and again.again and again.member == first.member
-    restarted = admit(table, early, "tcp://h:3", "", 2, rejoin=True, incarnation=8)
+    restarted = admit(table, early, "tcp://10.0.0.8:3", "", 2, rejoin=True, incarnation=8)
     assert isinstance(restarted, Admission) and not restarted.again
     assert restarted.member.since == first.member.since + 1  # its old life ends as it begins
     assert parse_members(table.wire()) == table.members()  # the incarnation travels
@@ -167,19 +191,23 @@ def test_a_restarted_process_gets_a_new_life_even_before_its_first_one_began() -
         with pytest.raises(WireError, match="incarnation"):
             join_incarnation({"incarnation": bad})
     with pytest.raises(WireError, match="member entry"):
-        parse_members([[0, "tcp://h:1", 0, None, "", -1]])
+        parse_members([[0, "tcp://10.0.0.8:1", 0, None, "", -1]])
 
 
 def test_a_table_that_says_we_were_dropped_makes_the_outranked_side_rejoin() -> None:
     """After a partition of 0-2 from 3-4 each side ended the other at round 9."""
 
     def side(alive: range) -> list[Member]:
-        return [Member(i, f"tcp://h:1{i}", 0, None if i in alive else 9) for i in range(5)]
+        return [Member(i, f"tcp://10.0.0.8:1{i}", 0, None if i in alive else 9) for i in range(5)]
 
     big, small = side(range(3)), side(range(3, 5))
     assert hear_table(Membership(small), 3, 0, big) is Verdict.REJOIN  # {0,1,2} outrank us
     assert hear_table(Membership(big), 0, 3, small) is Verdict.IGNORE  # they rejoin us
-    grown = [*big[:3], Member(3, "tcp://h:13", 20), Member(4, "tcp://h:14", 20)]  # back in
+    grown = [
+        *big[:3],
+        Member(3, "tcp://10.0.0.8:13", 20),
+        Member(4, "tcp://10.0.0.8:14", 20),
+    ]  # back in
     assert hear_table(Membership(big), 1, 0, grown) is Verdict.MERGE
     assert hear_table(Membership(grown), 1, 3, small) is Verdict.IGNORE  # an earlier life's
     assert hear_table(Membership(big), 1, 3, big) is Verdict.IGNORE  # from one we dropped
@@ -200,12 +228,16 @@ def test_the_core_lets_a_joiner_in_and_takes_only_the_answers_it_asked_for() -> 
     table to its members; the joiner's side takes that welcome (it asked, with a nonce),
     ignores a second answer to it (a retry's), and refuses a welcome or model nobody asked
     for, whatever its nonce looks like (``unsolicited``, as the real peer's ``Asked``)."""
-    member = _core(0, Membership([Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0)]))
+    member = _core(
+        0, Membership([Member(0, "tcp://10.0.0.8:10", 0), Member(1, "tcp://10.0.0.8:11", 0)])
+    )
     joiner = _core(-1, Membership())
-    request = joiner.ask("join", "tcp://h:10", {"address": "tcp://h:5", "want_id": None}, "n1")
+    request = joiner.ask(
+        "join", "tcp://10.0.0.8:10", {"address": "tcp://10.0.0.8:5", "want_id": None}, "n1"
+    )
     sends = member.receive(0.0, request.frames)
     welcome = next(s for s in sends if s.kind == "welcome")
-    assert welcome.address == "tcp://h:5"
+    assert welcome.address == "tcp://10.0.0.8:5"
     assert {s.to for s in sends if s.kind == "members"} == {1, 2}  # the newcomer too
     joiner.receive(0.1, welcome.frames)
     me = joiner.welcomed(0.1, joiner.answers.pop())
@@ -217,7 +249,7 @@ def test_the_core_lets_a_joiner_in_and_takes_only_the_answers_it_asked_for() -> 
         with pytest.raises(WireError, match="answers no request") as refused:
             joiner.receive(0.2, forged)
         assert refused.value.reason == "unsolicited"
-    ask = member.ask("join", "tcp://h:9", {"address": "tcp://h:10"}, "n2")
+    ask = member.ask("join", "tcp://10.0.0.8:9", {"address": "tcp://10.0.0.8:10"}, "n2")
     refusal = encode("welcome", 9, 0, 0, meta={"error": "full", "members": [], NONCE: "n2"})
     member.receive(0.3, refusal)
     with pytest.raises(JoinRefused, match="full"):
@@ -229,9 +261,9 @@ def test_a_joiner_asks_the_members_in_before_its_first_round_for_a_model_first()
     """Neighbours of its first round first, then the others; either way the members let in
     with it (or after) last: until their own joins are done they hold only the model their
     process started with."""
-    table = Membership([Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0),
-                        Member(2, "tcp://h:12", 20), Member(3, "tcp://h:13", 20),
-                        Member(4, "tcp://h:14", 0)])  # fmt: skip
+    table = Membership([Member(0, "tcp://10.0.0.8:10", 0), Member(1, "tcp://10.0.0.8:11", 0),
+                        Member(2, "tcp://10.0.0.8:12", 20), Member(3, "tcp://10.0.0.8:13", 20),
+                        Member(4, "tcp://10.0.0.8:14", 0)])  # fmt: skip
     core = _core(3, table)
     neighbours = [j for j in core.neighbours(20) if j != 3]
     assert neighbours == [2, 4]  # the ring 0-1-2-3-4; 2 came in with us
@@ -242,12 +274,12 @@ def test_a_peer_not_in_yet_refuses_a_model_request_instead_of_giving_its_first_m
     """Let in with the asker but not aligned yet, a peer holds only the model its process
     began with (seed 1508: a restarted peer took it, untrained, and was evicted): it answers
     with why, no model and no sequence number; once started, with its model."""
-    table = [Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0)]
+    table = [Member(0, "tcp://10.0.0.8:10", 0), Member(1, "tcp://10.0.0.8:11", 0)]
     member, asker = _core(0, Membership(table)), _core(1, Membership(table))
     member.published = (7, torch.full((4,), 7.0))
 
     def answer(started: bool) -> Message:
-        request = asker.ask("model_request", "tcp://h:10", {}, "n")
+        request = asker.ask("model_request", "tcp://10.0.0.8:10", {}, "n")
         (send,) = member.receive(0.0, request.frames, started)
         return decode(send.frames, 1 << 20)
 
@@ -264,11 +296,11 @@ def test_a_peer_let_in_late_hands_on_the_round_it_aligned_with_not_its_first() -
     A model request meanwhile gets round 3: round 23 would make the asker take up 60 steps
     nobody trained (fault seed 19931: two peers rejoined through such a peer at step 72 of
     73). Nobody to align with: its first round, as before."""
-    table = [Member(0, "tcp://h:10", 0), Member(1, "tcp://h:11", 0)]
+    table = [Member(0, "tcp://10.0.0.8:10", 0), Member(1, "tcp://10.0.0.8:11", 0)]
     member, asker = _core(0, Membership(table)), _core(1, Membership(table))
     for aligned, expected in ((3, 3), (None, 23)):
         member.start_at(23, torch.full((4,), 3.0), took_model=True, aligned=aligned)
-        request = asker.ask("model_request", "tcp://h:10", {}, "n")
+        request = asker.ask("model_request", "tcp://10.0.0.8:10", {}, "n")
         (send,) = member.receive(0.0, request.frames)
         reply = decode(send.frames, 1 << 20)
         assert reply.round == expected and member.round == 23
@@ -569,10 +601,10 @@ def test_a_newcomer_counts_the_rounds_of_a_replaced_life_as_the_members_do() -> 
     its old life kept to then; peer 3, restarted, got a table that named only the new life,
     and in round 33 had a ring without peer 2 while the others had one with it. The
     replaced life travels with the entry, and every table merged in any order counts it."""
-    old = [Member(i, f"tcp://h:{10 + i}", 0) for i in range(4)]
+    old = [Member(i, f"tcp://10.0.0.8:{10 + i}", 0) for i in range(4)]
     member = Membership(old)
     member.end(2, 41)
-    member.merge([Member(2, "tcp://h:12", 41)])  # back in, from the round its old life ends
+    member.merge([Member(2, "tcp://10.0.0.8:12", 41)])  # back in, from the round its old life ends
     newcomer = Membership(parse_members(member.wire()))
     for round in (33, 40, 41):
         assert newcomer.active(round) == member.active(round) == [0, 1, 2, 3], round
@@ -594,11 +626,11 @@ def test_a_peer_that_dies_before_its_new_life_begins_is_declared_dead() -> None:
     restarted process is not blamed for its old one's silence)."""
     from gossipdl.protocol.failure import FailureDetector
 
-    table = Membership([Member(0, "tcp://h:10", 0), Member(2, "tcp://h:12", 0)])
+    table = Membership([Member(0, "tcp://10.0.0.8:10", 0), Member(2, "tcp://10.0.0.8:12", 0)])
     detector = FailureDetector(heartbeat=0.25, dead_after=1.5, forget_after=60.0)
     detector.check(0.0, 0, table.members(), 0, sentence=True, left=lambda j: False)
     detector.heard(2, 5.0)
-    table.merge([Member(2, "tcp://h:12", 41)])  # its new life is news at 6 s
+    table.merge([Member(2, "tcp://10.0.0.8:12", 41)])  # its new life is news at 6 s
     said = detector.check(6.0, 0, table.members(), 12, sentence=True, left=lambda j: False)
     assert said.dead == []  # silent since 5 s, but its new life is news of now
     said = detector.check(7.0, 0, table.members(), 12, sentence=True, left=lambda j: False)
@@ -615,8 +647,8 @@ def test_a_round_does_not_wait_for_a_life_that_a_later_one_replaced() -> None:
     is missing it still waits."""
 
     def table() -> Membership:
-        members = Membership([Member(i, f"tcp://h:{10 + i}", 0) for i in range(3)])
-        members.merge([Member(1, "tcp://h:11", 20)])  # a later life of peer 1
+        members = Membership([Member(i, f"tcp://10.0.0.8:{10 + i}", 0) for i in range(3)])
+        members.merge([Member(1, "tcp://10.0.0.8:11", 20)])  # a later life of peer 1
         return members
 
     me, two = _core(0, table()), _core(2, table())

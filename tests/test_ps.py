@@ -188,7 +188,7 @@ def test_a_shard_owes_each_worker_one_reply_and_a_refused_message_changes_nothin
     assert len(server.pending) == 1
     server.handle(_from(1, "alive"), 0.0)
     server.tick(5.0)  # both silent past the timeout: dead
-    stranger = Message("params", 1, 0, 0, "none", [], {"address": "tcp://elsewhere.test:9"})
+    stranger = Message("params", 1, 0, 0, "none", [], {"address": "tcp://192.0.2.9:9"})
     with pytest.raises(WireError, match="unexpected"):
         server.handle(stranger, 5.1)
     assert not server.known[1].alive and server.known[1].address == "tcp://127.0.0.1:6001"
@@ -209,7 +209,7 @@ def test_a_shard_answers_a_named_address_once_until_a_request_echoes_its_ticket(
     """Without CURVE anyone can claim a worker id: 200 pulls (20 KB) naming a third party's
     address made a shard send that address 200 copies of its slice (763 MiB of a 4 MB
     slice), and a message naming another address took a live worker's answers."""
-    victim = {"address": "tcp://victim.test:9", "clock": 0}
+    victim = {"address": "tcp://192.0.2.66:9", "clock": 0}
     server = ShardServer(torch.zeros(2), rule="sync", workers=2)
     reasons = [_refused(server, Message("pull", 0, 0, 0, "none", [], victim)) for _ in range(200)]
     assert [a for a, _ in server.outbox] == [victim["address"]]  # one answer, not 200

@@ -39,7 +39,7 @@ def test_two_workers_and_two_shards_average_their_updates_with_no_io() -> None:
     shards = [ShardServer(start[a:b], rule="sync", workers=2, shard=k)
               for k, (a, b) in enumerate(chunk_bounds(5, 2))]  # fmt: skip
     workers = [
-        WorkerCore(i, 2, start, WorkerSettings(), address=f"tcp://w{i}.test:1") for i in (0, 1)
+        WorkerCore(i, 2, start, WorkerSettings(), address=f"tcp://10.0.0.{i}:1") for i in (0, 1)
     ]
     for worker, value in zip(workers, (1.0, 3.0), strict=True):
         assert worker.step(0.0)  # period 1: every step pushes
@@ -49,7 +49,7 @@ def test_two_workers_and_two_shards_average_their_updates_with_no_io() -> None:
     for shard in shards:
         shard.tick(0.1)
         for address, frames in shard.outbox:
-            workers[int(address[7])].receive(_wire(frames))  # tcp://wI...
+            workers[int(address[13])].receive(_wire(frames))  # tcp://10.0.0.I:1
     for worker in workers:
         assert worker.complete
         adopted = worker.adopt(0.5)

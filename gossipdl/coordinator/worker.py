@@ -25,6 +25,7 @@ from gossipdl.protocol.core import Send
 from gossipdl.protocol.ps_server import HEARTBEAT_S
 from gossipdl.protocol.ps_worker import WorkerCore, WorkerSettings
 from gossipdl.transport import Message, Transport
+from gossipdl.transport.addresses import ResolveError, resolve
 from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
 from gossipdl.transport.shaping import LinkProfile
 
@@ -72,7 +73,10 @@ class ServerWorker:
         self.optimizer = optimizer
         self.params = list(model.parameters())
         self.id = rank
-        self.servers = list(servers)
+        try:  # the user's host names, once, here: ZeroMQ would resolve them on every redial
+            self.servers = [resolve(a, "--servers") for a in servers]
+        except ResolveError as exc:
+            raise ServerError(str(exc)) from None
         settings = WorkerSettings(
             rule=rule,
             codec=codec,

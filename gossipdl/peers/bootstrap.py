@@ -8,6 +8,7 @@ from typing import Any
 
 from gossipdl.peers.peer import PeerError
 from gossipdl.transport import Message, Transport, TransportError, WireError, encode
+from gossipdl.transport.addresses import ResolveError, resolve
 from gossipdl.transport.asked import NONCE, SharedAsked
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.key_search import find_key
@@ -37,9 +38,10 @@ def fetch_swarm_info(
     """
     deadline = time.monotonic() + timeout
     try:
+        address = resolve(address, "the member's address")  # the transport dials only IPs
         reachable([address], secure=curve is not None, wait=min(timeout, CONNECT_WAIT_S))
         key = find_key(address, curve, deadline - time.monotonic()) if curve is not None else ""
-    except TransportError as exc:
+    except (TransportError, ResolveError) as exc:
         raise PeerError(str(exc)) from None
     asked = SharedAsked()
     nonces: list[str] = []

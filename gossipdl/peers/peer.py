@@ -54,7 +54,7 @@ from gossipdl.protocol.joining import (
 )
 from gossipdl.topologies import TopologyError, build_topology
 from gossipdl.transport import Message, Transport, TransportError, WireError, encode
-from gossipdl.transport.addresses import check_address
+from gossipdl.transport.addresses import ResolveError, check_address, resolve
 from gossipdl.transport.asked import NONCE, SharedAsked
 from gossipdl.transport.curve import Curve
 from gossipdl.transport.inbox import received_limit
@@ -260,6 +260,15 @@ class Peer:
                 f"max_members = {max_members}, forget_after = {forget_after}s; "
                 "both must be positive"
             )
+        try:  # the user's host names, once, here: peers take only IPs from the wire
+            if bootstrap is not None:
+                bootstrap = ",".join(
+                    resolve(a.strip(), "--bootstrap") for a in bootstrap.split(",") if a.strip()
+                )
+            if peers is not None:
+                peers = [resolve(a, "peers") for a in peers]
+        except ResolveError as exc:
+            raise PeerError(str(exc)) from None
         self.model = model
         self.optimizer = optimizer
         self.params = averaged_parameters(model)

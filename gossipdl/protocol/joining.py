@@ -197,7 +197,10 @@ def refusal(
     if want is not None and not (
         isinstance(want, int) and not isinstance(want, bool) and 0 <= want <= MAX_ID
     ):
-        return Refusal(f"id {want!r} is not an integer in 0..{MAX_ID}; choose another rank")
+        # an integer is echoed (at most 20 characters: MAX_WIRE_INT), anything else named by
+        # its type: a refusal goes to a reply address, and must not carry a sender's bytes there
+        shown = str(want) if isinstance(want, int) else f"of type {type(want).__name__}"
+        return Refusal(f"id {shown} is not an integer in 0..{MAX_ID}; choose another rank")
     known = table.get(want) if want is not None else None
     if known is not None and (wrong := other_key(known, key)) is not None:
         return wrong

@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gossipdl.transport.address_syntax import address_problem
+from gossipdl.transport.address_syntax import check_address
 from gossipdl.transport.key_syntax import is_curve_key
 from gossipdl.transport.wire import WireError
 
@@ -125,7 +125,8 @@ def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
     """Validate a member list received on the wire (``[[id, address, since, until, key,
     incarnation, before], ...]``; ``until`` may be left out or ``None``, ``key`` left out or
     ``""``, ``incarnation`` left out or 0, ``before`` left out or ``None``): at most
-    ``limit`` entries, ids up to ``MAX_ID``, addresses a peer may dial."""
+    ``limit`` entries, ids up to ``MAX_ID``, addresses a peer may dial (IPs: ``bad_address``
+    otherwise)."""
     if not isinstance(value, list):
         raise WireError("bad_meta", f"member list is {type(value).__name__}, expected a list")
     if len(value) > limit:
@@ -139,7 +140,6 @@ def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
             and 3 <= len(entry) <= 7
             and _round(entry[0])
             and entry[0] <= MAX_ID
-            and address_problem(entry[1]) is None
             and _round(entry[2])
             and (len(entry) == 3 or entry[3] is None or (_round(entry[3]) and entry[3] > entry[2]))
             and (len(entry) < 5 or entry[4] == "" or is_curve_key(entry[4]))
@@ -149,6 +149,7 @@ def parse_members(value: Any, limit: int = MAX_MEMBERS) -> list[Member]:
             raise WireError(
                 "bad_meta", f"member entry {entry!r} is not [id, tcp://address, since, until]"
             )
+        check_address(entry[1], f"member {entry[0]}'s address")
         member = Member(*entry[:6])
         if len(entry) == 7 and entry[6] is not None:
             member = replace(member, before=(entry[6][0], entry[6][1]))

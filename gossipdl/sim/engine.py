@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import ipaddress
 import logging
 import random
 import time
@@ -89,6 +90,7 @@ from gossipdl.transport.wire import WireError
 log = logging.getLogger(__name__)
 MEASURED_STEPS = 5  # steps timed on the host when a peer's step depends on it
 SIM_MODES = ("gossip", "ring", "ps")
+_SIM_HOSTS = 2**17  # addresses in 198.18.0.0/15
 
 
 class SimulationError(ValueError):
@@ -96,8 +98,18 @@ class SimulationError(ValueError):
 
 
 def sim_address(peer_id: int) -> str:
-    """The address a virtual peer has in ``peers.json`` (a name no machine has)."""
-    return f"tcp://peer-{peer_id}.sim:5555"
+    """The address a virtual peer has in ``peers.json``: an IP of 198.18.0.0/15, the
+    benchmarking range (RFC 2544) no machine on a real network has, counted from the id
+    (peer 7: ``tcp://198.18.0.7:5555``; past its 131,072 addresses the port counts on).
+    An IP, not a name: the protocol takes only IPs from the wire
+    (:mod:`gossipdl.transport.address_syntax`).
+
+    Example:
+        >>> sim_address(7), sim_address(300), sim_address(2**17 + 1)
+        ('tcp://198.18.0.7:5555', 'tcp://198.18.1.44:5555', 'tcp://198.18.0.1:5556')
+    """
+    ip = ipaddress.IPv4Address("198.18.0.0") + peer_id % _SIM_HOSTS
+    return f"tcp://{ip}:{5555 + peer_id // _SIM_HOSTS}"
 
 
 def measure_step_time(config: Config, dataset: Dataset) -> float:

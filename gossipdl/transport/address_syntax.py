@@ -1,6 +1,14 @@
 """What a peer may dial: the syntax of ``tcp://HOST:PORT`` addresses, with no sockets (the
 protocol core checks member tables with it; :mod:`gossipdl.transport.addresses` finds
-the addresses of this machine)."""
+the addresses of this machine).
+
+An address from the network must name its host by IP: ZeroMQ resolves a host name inside
+the context's one I/O thread, on connect and on every redial, so a slow DNS server would
+freeze all of a peer's connections for seconds at a time (a stranger's request naming
+``tcp://joiner-b.lan:5556`` split a two-peer swarm). The user's own ``--bootstrap`` and
+``--advertise`` may name a host: :func:`gossipdl.transport.addresses.resolve` turns it into
+an IP once, locally and with a time limit, before any socket sees it.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +31,8 @@ def host_port(address: str) -> tuple[str, str]:
 
 
 def address_problem(value: Any) -> str | None:
-    """Why ``value`` is not an address a peer may dial, or None if it is one.
+    """Why ``value`` is not an address a user may give (``--bootstrap``, ``--advertise``: a
+    host name is resolved locally before use), or None if it is one.
 
     Example:
         >>> address_problem("tcp://10.0.0.5:5555") is None, address_problem("tcp://0.0.0.0:5")
@@ -47,6 +56,35 @@ def address_problem(value: Any) -> str | None:
     return None
 
 
+def wire_address_problem(value: Any) -> str | None:
+    """Why ``value``, taken from a message, is not an address a peer may dial, or None if it
+    is one: :func:`address_problem`'s rule, and the host an IP address (module docstring).
+
+    Example:
+        >>> wire_address_problem("tcp://10.0.0.5:5555") is None
+        True
+        >>> wire_address_problem("tcp://joiner-b.lan:5556").split(":")[0]
+        "host 'joiner-b.lan' is a name, not an IP address"
+    """
+    problem = address_problem(value)
+    if problem is None and not is_ip_literal(host_port(value)[0]):
+        return (
+            f"host {host_port(value)[0]!r} is a name, not an IP address: a peer never resolves "
+            "names it is sent (a slow DNS server would stall all its connections); advertise "
+            "an IP, e.g. tcp://10.0.0.5:5555"
+        )
+    return problem
+
+
+def is_ip_literal(host: str) -> bool:
+    """Whether ``host`` is an IPv4 or IPv6 address (dialling it asks no DNS server)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def listen_problem(value: str) -> str | None:
     """Why ``value`` is not an address a peer may bind, or None if it is one: any host (a
     wildcard, an interface's name) and port 0 (any free one) will do, but a port above
@@ -65,8 +103,9 @@ def listen_problem(value: str) -> str | None:
 
 
 def check_address(value: Any, what: str) -> str:
-    """``value`` if a peer may dial it, else a ``bad_address`` WireError naming ``what``."""
-    problem = address_problem(value)
+    """``value`` (taken from a message) if a peer may dial it, else a ``bad_address``
+    WireError naming ``what``."""
+    problem = wire_address_problem(value)
     if problem is not None:
         raise WireError("bad_address", f"{what} {str(value)[:80]!r}: {problem}")
     return value

@@ -3,7 +3,9 @@
 Every address a peer dials comes from a member table, a join or a request's
 reply address, and so from the wire: one rule checks them all, so a message
 cannot make a peer dial a wildcard, a broadcast or a multicast address, a
-port out of range, or anything that is not TCP.
+port out of range, a host name, or anything that is not TCP. The user's own
+``--bootstrap`` and ``--advertise`` may name a host: :func:`resolve` turns it
+into an IP once, before any socket sees it.
 """
 
 from __future__ import annotations
@@ -11,18 +13,25 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import queue
 import socket
 import sys
+import threading
 
 from gossipdl.transport.address_syntax import (  # noqa: F401 (also imported from here)
     MAX_ADDRESS_CHARS,
     address_problem,
     check_address,
     host_port,
+    is_ip_literal,
 )
 
 log = logging.getLogger(__name__)
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", ""})
+# How long a user's host name may take to resolve (once, at start): a DNS server that does
+# not answer fails the start naming the host, instead of stalling it for the resolver's
+# own retries.
+RESOLVE_TIMEOUT_S = 5.0
 _ROUTE_PROBE = "203.0.113.1"  # TEST-NET-3: asks the routing table for the default interface
 
 
@@ -39,6 +48,48 @@ def is_loopback(address: str) -> bool:
 
 def _format_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+class ResolveError(ValueError):
+    """A user's host name did not resolve; the message names the host and the fix."""
+
+
+def resolve(address: str, what: str, timeout: float = RESOLVE_TIMEOUT_S) -> str:
+    """``address`` with its host name replaced by the IP it resolves to here (the first IPv4
+    address the system's resolver gives, else its first), or unchanged if it names an IP.
+    Resolved on a thread of its own, waited for ``timeout`` seconds at most: ResolveError
+    naming ``what`` (the flag the user gave it with) otherwise. Only for the user's own
+    addresses: one from the wire is refused unless it names an IP (:func:`check_address`).
+
+    Example:
+        >>> resolve("tcp://10.0.0.5:5555", "--bootstrap")  # an IP: asks nobody
+        'tcp://10.0.0.5:5555'
+    """
+    host, port = host_port(address)
+    if is_ip_literal(host):
+        return address
+    answer: queue.SimpleQueue[list[str] | OSError] = queue.SimpleQueue()
+
+    def look_up() -> None:
+        try:
+            found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            answer.put([str(entry[4][0]) for entry in found])
+        except OSError as exc:
+            answer.put(exc)
+
+    threading.Thread(target=look_up, name=f"resolve-{host}", daemon=True).start()
+    try:
+        result = answer.get(timeout=timeout)
+    except queue.Empty:
+        result = OSError(f"no answer from the DNS server within {timeout:g}s")
+    if isinstance(result, OSError) or not result:
+        reason = result.strerror or str(result) if isinstance(result, OSError) else "no address"
+        raise ResolveError(
+            f"{what} {address!r}: cannot resolve host {host!r}: {reason}; give its IP "
+            "address instead (e.g. tcp://10.0.0.5:5555)"
+        )
+    ipv4_first = sorted(result, key=lambda ip: ":" in ip)  # as ZeroMQ's own lookup did
+    return f"tcp://{_format_host(ipv4_first[0])}:{port}"
 
 
 def route_source(host: str) -> str | None:
@@ -90,10 +141,10 @@ def reachable_host(toward: str | None = None) -> str | None:
 
 def advertised_address(bound: str, advertise: str | None = None, toward: str | None = None) -> str:
     """The address other peers dial to reach a socket bound at ``bound`` (its real port):
-    ``advertise`` if given, else ``bound`` with a wildcard host replaced by an IP of the
-    interface that routes to ``toward`` (a member's address) or by the first one that is not
-    loopback. Warns once when only a loopback address is left for a socket other machines
-    could reach."""
+    ``advertise`` if given (an IP: :func:`resolve` a user's host name first), else
+    ``bound`` with a wildcard host replaced by an IP of the interface that routes to
+    ``toward`` (a member's address) or by the first one that is not loopback. Warns once
+    when only a loopback address is left for a socket other machines could reach."""
     if advertise:
         address = check_address(advertise, "--advertise")
     else:

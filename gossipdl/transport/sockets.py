@@ -32,8 +32,16 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from gossipdl.transport.addresses import address_problem, advertised_address, is_loopback
+from gossipdl.transport.address_syntax import host_port, is_ip_literal
+from gossipdl.transport.addresses import (
+    ResolveError,
+    address_problem,
+    advertised_address,
+    is_loopback,
+    resolve,
+)
 from gossipdl.transport.curve import Curve
+from gossipdl.transport.fdlimit import OUT_OF_FDS, fd_limit, out_of_fds, raise_fd_limit
 from gossipdl.transport.inbox import MAX_RECEIVED_BYTES, Inbox
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE, RateLimiter
 from gossipdl.transport.shaping import MAX_QUEUED_BYTES, Link, LinkProfile
@@ -63,6 +71,22 @@ REFUSED_LOG_S = 1.0
 # them it stops reading that connection and TCP holds the rest back at the sender. The read
 # thread keeps up (it only checks and queues), so this bounds what a starved one leaves there.
 RECEIVE_HWM = 64
+# A connection to the ROUTER that has not finished ZeroMQ's handshake (greeting, CURVE) this
+# long after it was accepted is dropped (libzmq's default: 30 s). libzmq has no cap on the
+# connections a listening socket accepts, so this, with the file descriptor limit raised
+# to the hard one (:mod:`~gossipdl.transport.fdlimit`), is what bounds a stranger's idle
+# connects: each holds a descriptor for HANDSHAKE_S at most.
+HANDSHAKE_S = 3.0
+# What a failed bind means, by errno, and what to do about it.
+_BIND_ADVICE = {
+    errno.EADDRINUSE: "Pick a free port (e.g. --listen tcp://127.0.0.1:0 for any free one) or "
+    "stop the program using it.",
+    errno.EADDRNOTAVAIL: "That IP is not one of this machine's: listen on one of its own "
+    "(`ip addr` lists them) or on tcp://0.0.0.0:PORT, and give --advertise for what others dial.",
+    errno.ENODEV: "No interface has that name or address: listen on one of this machine's IPs "
+    "or on tcp://0.0.0.0:PORT.",
+    errno.EACCES: "Ports below 1024 need privileges: pick a port above 1023.",
+}
 
 
 class TransportError(RuntimeError):
@@ -88,6 +112,11 @@ class _Destination:
         while self.in_zmq and self.in_zmq[0][0].done:
             self.in_zmq_bytes -= self.in_zmq.popleft()[1]
         return self.held + self.in_zmq_bytes
+
+
+def _is_ipv6(address: str) -> bool:
+    """Whether ``tcp://HOST:PORT`` names an IPv6 host (``tcp://[::1]:5555``)."""
+    return ":" in host_port(address)[0]
 
 
 def _bind_spec(address: str) -> str:
@@ -178,6 +207,11 @@ class Transport:
                 f"cannot advertise {advertise!r}: {problem}; give the tcp://HOST:PORT other "
                 "machines dial to reach this one"
             )
+        if advertise:
+            try:  # peers take only IPs from the wire: a host name is advertised as its IP
+                advertise = resolve(advertise, "--advertise")
+            except ResolveError as exc:
+                raise TransportError(str(exc)) from None
         if min(max_queued_bytes, max_received_bytes, max_sockets) < 1:
             raise ValueError(
                 f"max_queued_bytes = {max_queued_bytes}, max_received_bytes = "
@@ -200,6 +234,7 @@ class Transport:
         self._send_hwm = send_hwm
         self._finite_checked_by = finite_checked_by
         self._limiter = RateLimiter(max_message_rate)
+        raise_fd_limit()
         self._ctx: zmq.Context = zmq.Context()
         # ours, the ROUTER and CURVE's own, and as many again (slots of closed sockets are
         # freed later: :meth:`_connect_when_free`)
@@ -216,6 +251,9 @@ class Transport:
             self._router.curve_server = True
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+        if _is_ipv6(listen):  # ZeroMQ binds IPv6 only when told (IPv4 stays IPv4: with the
+            self._router.setsockopt(zmq.IPV6, 1)  # option, its endpoint reads [::ffff:IP])
         # A frame larger than any legitimate one (a header, or an array of a message
         # within the limit) cuts the connection before it is buffered; a message
         # over the limit but with smaller frames is counted as oversize in ``decode``.
@@ -227,10 +265,8 @@ class Transport:
             if self._auth is not None:
                 self._auth.stop()
             self._ctx.term()
-            raise TransportError(
-                f"cannot listen on {listen}: {exc.strerror}. Pick a free port "
-                "(e.g. --listen tcp://127.0.0.1:0 for any free one) or stop the program using it."
-            ) from None
+            advice = _BIND_ADVICE.get(exc.errno or 0, "Check the address: tcp://IP:PORT.")
+            raise TransportError(f"cannot listen on {listen}: {exc.strerror}. {advice}") from None
         self.address = advertised_address(
             self._router.getsockopt_string(zmq.LAST_ENDPOINT), advertise, toward
         )
@@ -448,15 +484,23 @@ class Transport:
             self.stats.drop("no_key")
             log.warning("%s: no public key known for %s; message dropped", self._name, address)
             return
+        if not is_ip_literal(host_port(address)[0]):  # ZeroMQ would resolve it on its I/O thread
+            self.stats.drop("bad_address")
+            log.warning(
+                "%s: not dialling %s: a host name (resolving it would stall every connection "
+                "while DNS answers); give its IP address",
+                self._name,
+                address,
+            )
+            return
         destination = destinations.setdefault(address, _Destination())
         if destination.socket is None or destination.key != key:  # new, or the key changed
             self._close_socket(destination)
             self._make_room(destinations, address)
             try:
                 destination.socket, destination.key = self._connect_when_free(address, key), key
-            except zmq.ZMQError as exc:  # out of file descriptors: the system's limit
-                self.stats.drop("too_many_sockets")
-                log.warning("%s: cannot connect to %s: %s", self._name, address, exc.strerror)
+            except zmq.ZMQError as exc:
+                self._connect_failed(address, exc)
                 return
             self._open_sockets += 1
         destination.used = time.monotonic()
@@ -479,6 +523,22 @@ class Transport:
         if not tracker.done:
             destination.in_zmq.append((tracker, size))
             destination.in_zmq_bytes += size
+
+    def _connect_failed(self, address: str, exc: zmq.ZMQError) -> None:
+        """Count and log a connection ZeroMQ refused: this process out of file descriptors
+        (``out_of_file_descriptors``), else the context out of sockets (``too_many_sockets``)."""
+        if exc.errno == errno.EMFILE and out_of_fds():
+            self.stats.drop(OUT_OF_FDS)
+            log.warning(
+                "%s: cannot connect to %s: this process is out of file descriptors (limit %s); "
+                "raise it (ulimit -n) or run fewer peers in this process",
+                self._name,
+                address,
+                fd_limit(),
+            )
+            return
+        self.stats.drop("too_many_sockets")
+        log.warning("%s: cannot connect to %s: %s", self._name, address, exc.strerror)
 
     def _make_room(self, destinations: OrderedDict[str, _Destination], keep: str) -> None:
         """Close the least recently used connections until one more fits ``max_sockets``."""
@@ -542,6 +602,8 @@ class Transport:
         dealer.setsockopt(zmq.HEARTBEAT_IVL, _PING_MS)
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, _LINK_TIMEOUT_MS)
         dealer.setsockopt(zmq.CONNECT_TIMEOUT, _CONNECT_TIMEOUT_MS)
+        if _is_ipv6(address):  # ZeroMQ dials IPv6 only when told
+            dealer.setsockopt(zmq.IPV6, 1)
         if self._curve is not None:
             dealer.curve_secretkey = self._curve.secret.encode()
             dealer.curve_publickey = self._curve.public.encode()
