@@ -167,7 +167,8 @@ def test_a_secure_parameter_server_serves_listed_workers_and_refuses_a_stranger(
         workers += [worker(rank, dir_w, allow, f"w{rank}", out) for rank in (0, 1)]  # beside it
         assert stranger.wait(60) == 2
         stderr = (tmp_path / "x.log").read_text()
-        assert "did not answer within 4s with any key of the allow-list" in " ".join(stderr.split())
+        # told at once that the shard refused its key (it waited out the timeout before)
+        assert f"refused our public key {key_x}" in " ".join(stderr.split())
         for rank, proc in enumerate(workers):
             assert proc.wait(120) == 0, (tmp_path / f"w{rank}.log").read_text()
         assert server.wait(30) == 0
@@ -180,9 +181,7 @@ def test_a_secure_parameter_server_serves_listed_workers_and_refuses_a_stranger(
         assert final["final"] and final["step"] == 20 and final["accuracy"] > 0.5
     shard = _counters(out)
     assert shard["handshakes_refused"] >= 1  # the stranger, refused before any message was read
-    # a key probe sent again while the shard's answer was on its way (a loaded host) comes
-    # without that answer's ticket: refused, harmlessly; nothing else is
-    assert set(shard["messages_dropped"]) <= {"bad_ticket"}
+    assert not shard["messages_dropped"]  # keys are found by handshakes, no message sent
 
 
 def test_a_secure_shard_holds_one_key_per_worker_however_many_addresses_it_names(

@@ -24,9 +24,10 @@ from gossipdl.averaging.local_optimizer import LocalOptimizer
 from gossipdl.protocol.core import Send
 from gossipdl.protocol.ps_server import HEARTBEAT_S
 from gossipdl.protocol.ps_worker import WorkerCore, WorkerSettings
-from gossipdl.transport import Message, Transport
+from gossipdl.transport import Message, Transport, TransportError
 from gossipdl.transport.addresses import ResolveError, resolve
-from gossipdl.transport.curve import KEY_TRY_S, Curve, listed_key
+from gossipdl.transport.curve import Curve
+from gossipdl.transport.key_search import find_key
 from gossipdl.transport.shaping import LinkProfile
 
 log = logging.getLogger(__name__)
@@ -194,30 +195,16 @@ class ServerWorker:
             self.transport.send(self.servers[send.to], send.frames)
 
     def _find_server_keys(self, curve: Curve) -> None:
-        """CURVE: which listed key each shard has. We pull with each key in turn (only the
-        right one gets through the handshake) and keep the key the answer came over; the
-        answers, the model we start from anyway, are dropped."""
+        """CURVE: which listed key each shard has, found by handshakes (:func:`find_key`,
+        many keys at once; a shard that refuses our key says so at once)."""
         deadline = time.monotonic() + self.core.settings.timeout
-        replies = self.core.replies  # the probes' wait: no adopt replaces it
         for k, address in enumerate(self.servers):
-            tries = 0
-            with self._arrived:
-                while k not in replies:
-                    if time.monotonic() > deadline:
-                        raise ServerError(
-                            f"worker {self.id}: shard {k} at {address} did not answer within "
-                            f"{self.core.settings.timeout:.0f}s with any key of the allow-list; "
-                            "is it running, and is each side's public key on the other's "
-                            "allow-list?"
-                        )
-                    self.transport.set_key(address, listed_key(curve, tries))
-                    tries += 1
-                    self.transport.send(address, self.core.probe(time.monotonic(), k).frames)
-                    self._arrived.wait(KEY_TRY_S)
-                self.core.shard_keys[k] = replies[k].key
-                self.transport.set_key(address, replies[k].key)
-        with self._arrived:
-            self.core.probed()
+            try:
+                key = find_key(address, curve, max(0.0, deadline - time.monotonic()))
+            except TransportError as exc:
+                raise ServerError(f"worker {self.id}: shard {k} at {address}: {exc}") from None
+            self.core.shard_keys[k] = key
+            self.transport.set_key(address, key)
 
     def _flat(self) -> torch.Tensor:
         with torch.no_grad():

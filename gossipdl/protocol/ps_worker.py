@@ -216,19 +216,6 @@ class WorkerCore:
         self.waiting = None
         return Adopted(new, [], fresh_round=pulled)
 
-    def probe(self, now: float, shard: int) -> Send:
-        """CURVE: a pull of round 0 from ``shard``, whose answer shows which listed key the
-        shard has (the engine tries each in turn); :meth:`probed` ends the probes' wait."""
-        if self.waiting is None:
-            self._wait(now, "pull", 0)
-        return self.send("pull", shard)
-
-    def probed(self) -> None:
-        """The probes are over: their answers (the model the worker starts from anyway) are
-        dropped, and the wait ends."""
-        self.replies.clear()
-        self.waiting = None
-
     def heartbeat(self) -> list[Send]:
         """``alive`` to every shard (a shard declares a worker silent for ``timeout`` dead)."""
         return [self.send("alive", k) for k in range(len(self.bounds))]

@@ -26,7 +26,6 @@ import zmq.auth
 
 from gossipdl.transport.key_syntax import KEY_CHARS, is_curve_key
 
-KEY_TRY_S = 1 / 3  # how long one allow-list key gets to reach a peer whose key is not known
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # a key name is a file stem
 _SECRET_MODE, _PUBLIC_MODE = 0o600, 0o644
 
@@ -202,10 +201,3 @@ def _check_private(path: Path) -> None:
             f"{path} has mode {mode:04o}: a secret key must be readable by its owner only "
             f"(anyone who reads it can pose as this peer); fix it with: chmod 600 {path}"
         )
-
-
-def listed_key(curve: Curve, attempt: int) -> str:
-    """The allow-list key to dial a peer whose key is not known yet with, on try ``attempt``
-    (round robin, every ``KEY_TRY_S``): only the right one gets through the handshake."""
-    keys = sorted(curve.allowed)
-    return keys[attempt % len(keys)]
