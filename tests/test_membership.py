@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from conftest import last_record, restore_logging, small_config, start_peer, wai
 from typer.testing import CliRunner
 
 import gossipdl.cli as cli
+from gossipdl import rundir
 from gossipdl.averaging import build_averager
 from gossipdl.averaging.local_optimizer import SGD
 from gossipdl.averaging.triggers import parse_trigger
@@ -37,7 +37,7 @@ from gossipdl.protocol.joining import (
     outranks,
 )
 from gossipdl.rundir import RunDir, temporary_beside
-from gossipdl.training import dataset_of, initial_model, make_optimizer
+from gossipdl.training import dataset_of, initial_model, make_optimizer, save_atomic
 from gossipdl.transport import WireError
 from gossipdl.transport.wire import NONCE, Message, decode, encode
 
@@ -345,25 +345,23 @@ def test_a_checkpoint_round_trips_and_a_wrong_or_torn_one_is_refused(tmp_path: P
         load_checkpoint(path, other, other_opt)
 
 
-def test_a_save_clears_what_killed_writers_left_and_keeps_a_live_ones(tmp_path: Path) -> None:
+def test_a_save_clears_what_killed_writers_left_and_keeps_a_live_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A process killed mid-save leaves its temporary file, as large as a checkpoint (or a
     metrics CSV being widened); the next process to save into that folder removes those
     (their writers are gone), not a running writer's."""
-
-    def in_a_process(code: str) -> int:
-        prelude = "import os, pathlib, gossipdl.training as t; "
-        prelude += f"folder = pathlib.Path({str(tmp_path)!r}); "
-        return subprocess.run([sys.executable, "-c", prelude + code], timeout=120).returncode
-
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # reaped: no process has its id now
+    with monkeypatch.context() as as_the_killed_writer:
+        as_the_killed_writer.setattr(rundir.os, "getpid", lambda: ended.pid)
+        temporary_beside(tmp_path / "1.pt").write_bytes(b"half")
+        temporary_beside(tmp_path / "2.csv").write_text("step,")
     running = temporary_beside(tmp_path / "1.pt")  # this process's, still writing
     running.write_bytes(b"half")
-    killed = in_a_process(  # after writing its temporary files, before their renames
-        "t.temporary_beside(folder / '1.pt').write_bytes(b'half'); "
-        "t.temporary_beside(folder / '2.csv').write_text('step,'); os._exit(9)"
-    )
-    assert killed == 9
     assert len(list(tmp_path.glob(".*.tmp"))) == 3
-    assert in_a_process("t.save_atomic({'x': 1}, folder / '1.pt')") == 0
+    monkeypatch.setattr(rundir, "_cleared", set())  # as the next process to write there
+    save_atomic({"x": 1}, tmp_path / "1.pt")
     assert list(tmp_path.glob(".*.tmp")) == [running]
     assert torch.load(tmp_path / "1.pt", weights_only=True) == {"x": 1}
 
