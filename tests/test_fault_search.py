@@ -185,21 +185,21 @@ def test_a_seed_draws_a_small_swarm_and_a_valid_schedule_the_same_way_every_time
 
 
 def test_a_step_that_ends_with_the_round_behind_it_is_progress(tmp_path: Path) -> None:
-    """With ``overlap`` and rounds longer than a step (latency 100 ms, steps of 20 ms), a
+    """With ``overlap`` and rounds longer than a step (latency 200 ms, steps of 20 ms), a
     step ends when the round behind it does: the stall check missed those steps and
     reported a healthy swarm without faults as having made no step for 34 s."""
     config = small_config(
         tmp_path, peers=3, topology="ring", algorithm="dense", dataset="synthetic",
-        model="logistic", steps=500, round_timeout=1.0, startup_timeout=2.0, heartbeat=0.25,
+        model="logistic", steps=220, round_timeout=1.0, startup_timeout=2.0, heartbeat=0.25,
         dead_after=1.0,
         overlap=True, eval_every=0, log_every=50,
-        profiles={"all": {"peers": "0-2", "step_time": "20ms", "latency": "100ms"}},
+        profiles={"all": {"peers": "0-2", "step_time": "20ms", "latency": "200ms"}},
     )  # fmt: skip
     run, config = fresh_run(config, caution=False)
     simulation = WatchedSimulation(Case(0, config, quiet_at=1.0, settle_s=2.5), config, run)
     assert simulation.watch() is None
     assert simulation.clock.now > simulation.stall_s and all(
-        p.steps == 500 for p in simulation.peers
+        p.steps == 220 for p in simulation.peers
     )
 
 
