@@ -38,6 +38,18 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 LONG = 3600.0  # a start-up timeout no test outlives
 
 
+def _founder(
+    hosts: Hosts, config: Path, tmp_path: Path, env: dict[str, str]
+) -> subprocess.Popen[str]:
+    """``gossipdl peer`` founding a swarm in host 0, listening on every interface; it prints
+    its address on stdout, logs to ``m0.log`` and writes its run to ``m0``."""
+    return subprocess.Popen(
+        [*hosts.prefix(0), *gossipdl_cmd("peer", "--config", str(config), "--listen",
+         "tcp://0.0.0.0:0", "--out", str(tmp_path / "m0"))],
+        stdout=subprocess.PIPE, stderr=(tmp_path / "m0.log").open("w"), text=True, env=env,
+    )  # fmt: skip
+
+
 def test_a_wildcard_listen_advertises_an_address_other_machines_reach(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -65,11 +77,7 @@ def test_two_machines_find_each_other_through_a_wildcard_listen_and_advertise(
     with Hosts(2) as hosts:
         second = hosts.add_address(1)  # not the one the route to the founder would pick
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        founder = subprocess.Popen(
-            [*hosts.prefix(0), *gossipdl_cmd("peer", "--config", str(config), "--listen",
-             "tcp://0.0.0.0:0", "--out", str(tmp_path / "m0"))],
-            stdout=subprocess.PIPE, stderr=(tmp_path / "m0.log").open("w"), text=True, env=env,
-        )  # fmt: skip
+        founder = _founder(hosts, config, tmp_path, env)
         assert founder.stdout is not None
         address = founder.stdout.readline().split()[-1]
         assert address.startswith(f"tcp://{hosts.ip(0)}:"), address
@@ -112,11 +120,7 @@ def test_join_asks_from_the_interface_that_routes_to_the_member(tmp_path: Path) 
         ):
             subprocess.run([*inside, *command], check=True)  # a default route the member misses
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        founder = subprocess.Popen(
-            [*hosts.prefix(0), *gossipdl_cmd("peer", "--config", str(config), "--listen",
-             "tcp://0.0.0.0:0", "--out", str(tmp_path / "m0"))],
-            stdout=subprocess.PIPE, stderr=(tmp_path / "m0.log").open("w"), text=True, env=env,
-        )  # fmt: skip
+        founder = _founder(hosts, config, tmp_path, env)
         try:
             assert founder.stdout is not None
             address = founder.stdout.readline().split()[-1]
