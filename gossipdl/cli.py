@@ -817,29 +817,27 @@ def _check_answerable(listen: str, advertise: str | None, dialled: dict[str, str
 
 def _on_this_machine(address: str) -> bool:
     """Whether ``address``'s host is this machine: a loopback address, or one of its own
-    (a host name is resolved; one that does not resolve is left to the connection to report)."""
+    (a host name is resolved, within ``RESOLVE_TIMEOUT_S``; one that does not resolve is
+    left to the start, which names it)."""
     import ipaddress
     import socket
 
     from gossipdl.transport.address_syntax import host_port
+    from gossipdl.transport.addresses import ResolveError, resolve
 
-    host = host_port(address)[0]
     try:
-        found = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-        ips = {str(info[4][0]) for info in found}
-    except (OSError, UnicodeError):
+        ip = host_port(resolve(address, "address"))[0].strip("[]")
+    except (ResolveError, ValueError):
         return True
-    for ip in ips:
-        if ipaddress.ip_address(ip.split("%")[0]).is_loopback:
-            return True
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # binds only to our own IPs
-            try:
-                probe.bind((ip, 0))
-            except OSError:
-                continue
-            return True
-    return False
+    if ipaddress.ip_address(ip.split("%")[0]).is_loopback:
+        return True
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:  # binds only to our own IPs
+        try:
+            probe.bind((ip, 0))
+        except OSError:
+            return False
+        return True
 
 
 @app.command()

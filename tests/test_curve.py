@@ -16,6 +16,7 @@ import torch
 import zmq.auth
 from conftest import (
     fork_gossipdl,
+    free_addresses,
     last_record,
     run_forked,
     small_config,
@@ -384,6 +385,19 @@ def _curves(n: int) -> tuple[Curve, Curve, Curve]:
         Curve(joiner_pub, joiner_sec, allowed),
         Curve(stranger_pub, stranger_sec, allowed | {stranger_pub}),
     )
+
+
+def test_a_secure_worker_whose_shard_is_not_running_is_told_so() -> None:
+    """The key search blamed the allow-list ("no key … completed a CURVE handshake") after
+    the whole timeout for a shard that was simply not running."""
+    from gossipdl.coordinator.worker import ServerError, ServerWorker
+
+    _, worker_curve, _ = _curves(2)
+    began = time.monotonic()
+    with pytest.raises(ServerError, match="no gossipdl peer answers at"):
+        ServerWorker(_linear(0.0), None, rank=0, servers=free_addresses(1),
+                     timeout=30.0, curve=worker_curve)  # fmt: skip
+    assert time.monotonic() - began < 15  # told within the probe's wait, not the timeout
 
 
 def test_a_joiner_finds_the_members_key_among_many_at_once_and_is_told_when_refused(

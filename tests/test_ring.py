@@ -170,6 +170,25 @@ def test_a_strided_or_double_tensor_is_averaged_in_place_through_a_copy() -> Non
     torch.testing.assert_close(b, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["tcp://localhost", "ipc://"])
+def test_a_tcp_ring_over_a_host_name_or_ipc_addresses_averages(kind: str, tmp_path: Path) -> None:
+    """Both are local forms the ring documents; once peers stopped dialling host names, every
+    piece to ``tcp://localhost:`` or ``ipc://`` was dropped and the ring timed out."""
+    if kind == "ipc://":
+        addresses = [f"ipc://{tmp_path}/r{r}" for r in range(2)]
+    else:
+        addresses = [a.replace("127.0.0.1", "localhost") for a in free_addresses(2)]
+    groups = [RingGroup(r, addresses, 8, shared=False, timeout=10.0) for r in range(2)]
+    xs = [torch.full((8,), float(r)) for r in range(2)]
+    try:
+        errors = in_threads(lambda r: groups[r].allreduce_mean_(xs[r]), range(2))
+    finally:
+        for group in groups:
+            group.close()
+    assert not errors, errors
+    assert all(torch.equal(x, torch.full((8,), 0.5)) for x in xs)
+
+
 def test_chunks_cover_the_vector_with_sizes_within_one() -> None:
     for numel in (0, 1, 7, 10, 1_000_003):
         for parts in (1, 2, 3, 5, 8):

@@ -33,6 +33,7 @@ from gossipdl.protocol.ring import (
     check_ring_codec,
     chunk_bounds,
 )
+from gossipdl.transport.addresses import resolve
 from gossipdl.transport.sockets import Transport
 from gossipdl.transport.wire import Message, WireError
 
@@ -242,6 +243,8 @@ class RingGroup:
         piece: int = DEFAULT_PIECE,
         shared: bool | None = None,
     ) -> None:
+        # the user's names, once, here: the transport dials IPs only (ipc:// stays as it is)
+        addresses = [resolve(a, "address") if a.startswith("tcp://") else a for a in addresses]
         can_share = shared_reduce.available() and codec == "none"
         if shared and not can_share:
             raise ValueError(

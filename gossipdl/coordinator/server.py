@@ -14,9 +14,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gossipdl.models.parameters import parameter_bytes
 from gossipdl.protocol.ps_server import TICK_S, ShardServer
 from gossipdl.transport import Message, Transport, WireError
 from gossipdl.transport.curve import Curve
+from gossipdl.transport.inbox import received_limit
 from gossipdl.transport.ratelimit import DEFAULT_MESSAGE_RATE
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,8 @@ def serve(
         name="server",
         max_message_rate=max_message_rate,
         curve=curve,
+        # every worker's push of the shard at once (a sync round), with room to spare
+        max_received_bytes=received_limit(None, server.workers * parameter_bytes([server.x])),
     )
     if on_listening is not None:
         on_listening(transport.address)

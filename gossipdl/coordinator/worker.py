@@ -21,13 +21,16 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from gossipdl.averaging.local_optimizer import LocalOptimizer
+from gossipdl.models.parameters import parameter_bytes
 from gossipdl.protocol.core import Send
 from gossipdl.protocol.ps_server import HEARTBEAT_S
 from gossipdl.protocol.ps_worker import WorkerCore, WorkerSettings
 from gossipdl.transport import Message, Transport, TransportError
 from gossipdl.transport.addresses import ResolveError, resolve
 from gossipdl.transport.curve import Curve
+from gossipdl.transport.inbox import received_limit
 from gossipdl.transport.key_search import find_key
+from gossipdl.transport.probe import CONNECT_WAIT_S, reachable
 from gossipdl.transport.shaping import LinkProfile
 
 log = logging.getLogger(__name__)
@@ -98,6 +101,7 @@ class ServerWorker:
             link=link,
             seed=seed * 7919 + rank,
             curve=curve,
+            max_received_bytes=received_limit(None, parameter_bytes(self.params)),  # the answers
             on_failure=self._wake,
             advertise=advertise,
             toward=self.servers[0] if self.servers else None,
@@ -199,9 +203,12 @@ class ServerWorker:
         many keys at once; a shard that refuses our key says so at once)."""
         deadline = time.monotonic() + self.core.settings.timeout
         for k, address in enumerate(self.servers):
-            try:
+            try:  # a shard not running is said so, not blamed on the allow-list
+                reachable(
+                    [address], secure=True, wait=min(self.core.settings.timeout, CONNECT_WAIT_S)
+                )
                 key = find_key(address, curve, max(0.0, deadline - time.monotonic()))
-            except TransportError as exc:
+            except TransportError as exc:  # Unreachable among them
                 raise ServerError(f"worker {self.id}: shard {k} at {address}: {exc}") from None
             self.core.shard_keys[k] = key
             self.transport.set_key(address, key)

@@ -252,9 +252,11 @@ class Simulation:
         )
         members = [Member(i, sim_address(i), 0) for i in range(config.peers)]
         template = initial_model(config, self.dataset)  # every peer starts from it
-        if self.mode != "ps":  # what a real peer holds read and not handled (a ps worker: less)
-            model_bytes = parameter_bytes(template.parameters())
-            self.network.max_received_bytes = received_limit(None, model_bytes)
+        # what a real peer holds read and not handled (a ps shard: every worker's push at
+        # once, more than a ps worker's answers need)
+        pushes = config.peers if self.mode == "ps" else 1
+        model_bytes = parameter_bytes(template.parameters())
+        self.network.max_received_bytes = received_limit(None, pushes * model_bytes)
         self.peers: list[VirtualPeer] = []
         for i in range(config.peers):
             model = copy.deepcopy(template)

@@ -484,7 +484,8 @@ class Transport:
             self.stats.drop("no_key")
             log.warning("%s: no public key known for %s; message dropped", self._name, address)
             return
-        if not is_ip_literal(host_port(address)[0]):  # ZeroMQ would resolve it on its I/O thread
+        # ZeroMQ would resolve a host name on its I/O thread (ipc:// names a file: no lookup)
+        if address.startswith("tcp://") and not is_ip_literal(host_port(address)[0]):
             self.stats.drop("bad_address")
             log.warning(
                 "%s: not dialling %s: a host name (resolving it would stall every connection "
