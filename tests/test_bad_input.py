@@ -282,3 +282,28 @@ def test_an_advertised_host_name_is_resolved_once_and_its_ip_advertised() -> Non
         resolve("tcp://nohost.invalid:5555", "--bootstrap", timeout=2.0)
     with pytest.raises(TransportError, match="give its IP address instead"):
         Transport("tcp://127.0.0.1:0", lambda m: None, advertise="tcp://nohost.invalid:1")
+
+
+def test_a_dns_server_that_never_answers_costs_a_start_the_lookup_limit_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lookup that hangs (a resolver whose server never answers: 12 s in a review's probe,
+    where the loopback check asked it without a limit) ends after the limit, naming the
+    host; the loopback check then leaves the name to the start, which names it."""
+    import socket
+    import time
+
+    from gossipdl.cli import _on_this_machine
+    from gossipdl.transport.addresses import RESOLVE_TIMEOUT_S, ResolveError, resolve
+
+    def hangs(*_: object, **__: object) -> None:
+        time.sleep(30)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hangs)  # the system's resolver, stalled
+    began = time.monotonic()
+    with pytest.raises(ResolveError, match=r"--bootstrap .*'node7\.lan'.*within 0\.5s"):
+        resolve("tcp://node7.lan:5555", "--bootstrap", timeout=0.5)
+    assert time.monotonic() - began < 3
+    began = time.monotonic()
+    assert _on_this_machine("tcp://node7.lan:5555")  # unknown: the start will say so
+    assert time.monotonic() - began < RESOLVE_TIMEOUT_S + 3
