@@ -54,12 +54,13 @@ class ResolveError(ValueError):
     """A user's host name did not resolve; the message names the host and the fix."""
 
 
-def resolve(address: str, what: str, timeout: float = RESOLVE_TIMEOUT_S) -> str:
+def resolve(address: str, what: str, timeout: float | None = None) -> str:
     """``address`` with its host name replaced by the IP it resolves to here (the first IPv4
     address the system's resolver gives, else its first), or unchanged if it names an IP.
-    Resolved on a thread of its own, waited for ``timeout`` seconds at most: ResolveError
-    naming ``what`` (the flag the user gave it with) otherwise. Only for the user's own
-    addresses: one from the wire is refused unless it names an IP (:func:`check_address`).
+    Resolved on a thread of its own, waited for ``timeout`` seconds at most (None:
+    ``RESOLVE_TIMEOUT_S``, read at the call): ResolveError naming ``what`` (the flag the
+    user gave it with) otherwise. Only for the user's own addresses: one from the wire is
+    refused unless it names an IP (:func:`check_address`).
 
     Example:
         >>> resolve("tcp://10.0.0.5:5555", "--bootstrap")  # an IP: asks nobody
@@ -77,11 +78,12 @@ def resolve(address: str, what: str, timeout: float = RESOLVE_TIMEOUT_S) -> str:
         except OSError as exc:
             answer.put(exc)
 
+    wait = RESOLVE_TIMEOUT_S if timeout is None else timeout
     threading.Thread(target=look_up, name=f"resolve-{host}", daemon=True).start()
     try:
-        result = answer.get(timeout=timeout)
+        result = answer.get(timeout=wait)
     except queue.Empty:
-        result = OSError(f"no answer from the DNS server within {timeout:g}s")
+        result = OSError(f"no answer from the DNS server within {wait:g}s")
     if isinstance(result, OSError) or not result:
         reason = result.strerror or str(result) if isinstance(result, OSError) else "no address"
         raise ResolveError(
