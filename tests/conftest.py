@@ -26,6 +26,11 @@ from gossipdl.experiments import forking
 from gossipdl.experiments.forking import ForkedCommand
 from gossipdl.rundir import complete_lines
 
+# The processes the tests start (peers, commands: hundreds) compile gossipdl's modules once
+# and share the bytecode, where PYTHONDONTWRITEBYTECODE (set on these machines) had each
+# compile them again: 0.26 s a process.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: two workers per core. The tests that start real peers wait on sockets,
