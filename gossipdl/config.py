@@ -614,7 +614,7 @@ def _validate(c: Config) -> None:
         check_trigger,
         parse_trigger,
     )
-    from gossipdl.averaging.attacks import Attack, alie_z, parse_attack
+    from gossipdl.averaging.attacks import in_swarm, parse_attack
     from gossipdl.averaging.base import check_graph
     from gossipdl.averaging.robust import EVICTING_RULES, parse_defence
     from gossipdl.compression import CodecError, build_codec
@@ -779,9 +779,8 @@ def _validate(c: Config) -> None:
                     "out from how many peers are honest, and none is: leave a peer honest, "
                     "or give z (alie:Z)",
                 )
-                attack = Attack("alie", alie_z(c.peers, len(liars)))
             try:
-                build_averager(c.algorithm, c.codec, attack=attack)
+                build_averager(c.algorithm, c.codec, attack=in_swarm(attack, c.peers, len(liars)))
             except ValueError as exc:
                 raise ConfigError(f"profiles: {exc}") from None
     _check(

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from gossipdl.averaging import Averager, build_averager, parse_trigger
-from gossipdl.averaging.attacks import Attack, alie_z, flip_labels, parse_attack
+from gossipdl.averaging.attacks import Attack, flip_labels, in_swarm, parse_attack
 from gossipdl.averaging.local_optimizer import SGD, LocalOptimizer
 from gossipdl.conditions import Drift, parse_drift, parse_profiles
 from gossipdl.config import Config
@@ -211,13 +211,7 @@ def attacks_of(config: Config) -> dict[int, Attack]:
     are Byzantine (:func:`~gossipdl.averaging.attacks.alie_z`)."""
     profiles = parse_profiles(config.profiles, config.peers)
     liars = {i: profile.byzantine for i, profile in profiles.items() if profile.byzantine}
-    attacks = {i: parse_attack(spec) for i, spec in liars.items()}
-    return {
-        i: Attack("alie", alie_z(config.peers, len(liars)))
-        if attack.name == "alie" and attack.param is None
-        else attack
-        for i, attack in attacks.items()
-    }
+    return {i: in_swarm(parse_attack(spec), config.peers, len(liars)) for i, spec in liars.items()}
 
 
 def byzantine_of(config: Config, peer_id: int | None) -> Attack | None:

@@ -64,6 +64,14 @@ def alie_z(peers: int, byzantine: int) -> float:
     return NormalDist().inv_cdf(min(max(share, 1e-12), 1 - 1e-12))
 
 
+def in_swarm(attack: Attack, peers: int, byzantine: int) -> Attack:
+    """``attack`` as a swarm of ``peers`` with ``byzantine`` liars runs it: ALIE's z, unless
+    given, from n and f (:func:`alie_z`); any other attack as it is."""
+    if attack.name == "alie" and attack.param is None:
+        return Attack("alie", alie_z(peers, byzantine))
+    return attack
+
+
 def alie(victim: torch.Tensor, honest: torch.Tensor, z: float) -> torch.Tensor:
     """ "A little is enough": ``μ − z·σ``, coordinate by coordinate, over the victim's model
     and its honest neighbours' (``honest``, ``[k, n]``): a model just inside the honest

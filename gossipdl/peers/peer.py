@@ -1104,8 +1104,8 @@ class Peer:
         if self.curve is None:
             return ""
         member = self.membership.by_address(address)
-        key = self.curve.key_of(address) or (member.key if member is not None else None) or None
-        if key is None:
+        key = self.curve.key_of(address) or (member.key if member is not None else "")
+        if not key:
             try:
                 key = find_key(address, self.curve, timeout)
             except TransportError as exc:

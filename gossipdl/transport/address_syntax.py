@@ -67,13 +67,19 @@ def wire_address_problem(value: Any) -> str | None:
         "host 'joiner-b.lan' is a name, not an IP address"
     """
     problem = address_problem(value)
-    if problem is None and not is_ip_literal(host_port(value)[0]):
+    if problem is None and names_a_host(value):
         return (
             f"host {host_port(value)[0]!r} is a name, not an IP address: a peer never resolves "
             "names it is sent (a slow DNS server would stall all its connections); advertise "
             "an IP, e.g. tcp://10.0.0.5:5555"
         )
     return problem
+
+
+def names_a_host(address: str) -> bool:
+    """Whether ``address`` dials a host by name: ZeroMQ would resolve it on its one I/O
+    thread (an ``ipc://`` address names a file: no lookup)."""
+    return address.startswith("tcp://") and not is_ip_literal(host_port(address)[0])
 
 
 def is_ip_literal(host: str) -> bool:

@@ -16,6 +16,11 @@ import logging
 import os
 import threading
 
+try:
+    import resource
+except ImportError:  # Windows: no RLIMIT_NOFILE
+    resource = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 _raised = threading.Lock()  # held for good once the limit was raised: once per process
@@ -25,9 +30,7 @@ OUT_OF_FDS = "out_of_file_descriptors"  # the drop reason of a connection EMFILE
 def raise_fd_limit() -> int | None:
     """Raise this process's soft RLIMIT_NOFILE to its hard limit, once per process; returns
     the soft limit now (None where the platform has no such limit)."""
-    try:
-        import resource
-    except ImportError:  # Windows: no RLIMIT_NOFILE
+    if resource is None:
         return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if not _raised.acquire(blocking=False) or soft == hard:
@@ -52,8 +55,4 @@ def out_of_fds() -> bool:
 
 def fd_limit() -> int | None:
     """This process's soft RLIMIT_NOFILE (None where the platform has none)."""
-    try:
-        import resource
-    except ImportError:
-        return None
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if resource is None else resource.getrlimit(resource.RLIMIT_NOFILE)[0]

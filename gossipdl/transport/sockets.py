@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from gossipdl.transport.address_syntax import host_port, is_ip_literal
+from gossipdl.transport.address_syntax import host_port, names_a_host
 from gossipdl.transport.addresses import (
     ResolveError,
     address_problem,
@@ -484,8 +484,7 @@ class Transport:
             self.stats.drop("no_key")
             log.warning("%s: no public key known for %s; message dropped", self._name, address)
             return
-        # ZeroMQ would resolve a host name on its I/O thread (ipc:// names a file: no lookup)
-        if address.startswith("tcp://") and not is_ip_literal(host_port(address)[0]):
+        if names_a_host(address):
             self.stats.drop("bad_address")
             log.warning(
                 "%s: not dialling %s: a host name (resolving it would stall every connection "
@@ -640,17 +639,17 @@ class Transport:
             self.stats.drop("offline")
             return
         message = frames[1:]  # frames[0] is the ROUTER's routing id: one per connection
-        size = sum(len(f) for f in message)
+        size = frames_size(message)
         ready = now  # when the emulated downlink has carried it (it is in the inbox meanwhile)
         if self._link is not None and self._link.profile.downlink_bps:
             ready = self._link.receive(size, now)
         if not self._limiter.allow(frames[0].bytes, now):
-            self._count_received(message)
+            self._count_received(size)
             self.stats.drop("rate_limited")
         elif self._inbox.put((message, size, ready), size):
             self._inbox_warned = False
         else:
-            self._count_received(message)
+            self._count_received(size)
             self.stats.drop("receive_queue_full")
             if not self._inbox_warned:
                 self._inbox_warned = True
@@ -676,7 +675,7 @@ class Transport:
                     if self._link is not None and not self._link.online(time.monotonic()):
                         self.stats.drop("offline")  # went offline as its downlink carried it
                         continue
-                    self._handle(message)
+                    self._handle(message, size)
                 finally:
                     self._inbox.done(size)
         finally:
@@ -689,13 +688,14 @@ class Transport:
         who = f"peer {exc.sender}" if exc.sender is not None else "an unidentified sender"
         log.warning("%s: dropped a message from %s: %s", self._name, who, exc)
 
-    def _count_received(self, frames: list[zmq.Frame]) -> None:
+    def _count_received(self, size: int) -> None:
+        """Count one message of ``size`` bytes (its frames') as received."""
         with self.stats.lock:
-            self.stats.bytes_received += sum(len(f) for f in frames)
+            self.stats.bytes_received += size
             self.stats.messages_received += 1
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        self._count_received(frames)
+    def _handle(self, frames: list[zmq.Frame], size: int) -> None:
+        self._count_received(size)
         message = None
         try:
             message = decode(frames, self._max_message_bytes, self._finite_checked_by)
